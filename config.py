@@ -1,0 +1,491 @@
+"""config.py: the whole run's configuration as one typed dataclass tree.
+
+Loaded from `configs/<name>.yaml` and overridden on the command line with dotted `a.b=c` arguments:
+
+    torchrun train.py --config configs/tiny.yaml fully_async.enable=true trainer.total_steps=50
+
+Unknown keys, wrong types and invalid combinations fail at start-up with one sentence naming the key.
+Key names follow ../shared/spec/fully_async_mode.md exactly (B = data_source.num_prompts_per_step,
+N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). Only the standard library and
+PyYAML are imported, so every process (trainer, buffer, rollout, benchmarks) can load a config cheaply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    path: str = "runs/tiny-model"  # HF checkpoint directory (config.json, safetensors, tokenizer)
+    make_tiny: bool = False  # create the tiny random-init model at `path` when it does not exist yet
+    tiny_hidden_size: int = 64  # width of the tiny model made by `make_tiny`
+    tiny_num_layers: int = 2  # decoder layers of the tiny model
+    dtype: str = "float32"  # training parameter dtype on GPU mixed precision: float32 | bfloat16
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
+
+
+@dataclass
+class DataSourceConfig:
+    task: str = "reverse_digits"  # toy task name (tasks.py) or "jsonl" / "parquet" for a file
+    path: Optional[str] = None  # dataset file for jsonl / parquet tasks
+    reward: Optional[str] = None  # reward function name (tasks.py); None = the task's own
+    num_prompts_per_step: int = 64  # B: prompt groups consumed per training step
+    num_trajectories_per_prompt: int = 8  # N: trajectories sampled per prompt
+    num_prompts: int = 4096  # size of a generated toy dataset (one epoch)
+    num_eval_prompts: int = 64  # held-out prompts for trainer.eval_freq evaluation
+    weight: float = 1.0  # mixing weight when several data_sources are used (synchronous mode only)
+    seed: int = 0  # seed of the dataset generation and of the epoch shuffles
+    shuffle: bool = True  # reshuffle the prompt order every epoch (deterministic from seed + epoch)
+
+
+@dataclass
+class AdvantageConfig:
+    std_normalize: bool = True  # GRPO divides by the group std; False = Dr. GRPO
+    eps: float = 1e-6  # added to the std before dividing
+
+
+@dataclass
+class ISCorrectionConfig:
+    enable: bool = False  # truncated importance sampling between old_log_probs and rollout_log_probs
+    level: str = "token"  # token | sequence
+    clip: float = 2.0  # C: weights are min(rho, C)
+    mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
+    mask_high: Optional[float] = None  # MIS: drop tokens/sequences with rho > mask_high (None = off)
+
+
+@dataclass
+class M2POConfig:
+    enable: bool = False  # second-moment masking of the largest old-vs-rollout log-ratio outliers
+    tau: float = 0.04  # target bound on the mean squared log-ratio of the kept tokens
+
+
+@dataclass
+class OPSMConfig:
+    enable: bool = False  # off-policy sequence masking for negative-advantage sequences
+    delta: float = 1e-4  # mask a sequence when its mean per-token KL(rollout || current) exceeds delta
+
+
+@dataclass
+class AlgorithmConfig:
+    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
+    clip_low: float = 0.2  # PPO lower clip: ratio >= 1 - clip_low
+    clip_high: float = 0.28  # PPO upper clip (DAPO clip-higher): ratio <= 1 + clip_high
+    dual_clip_c: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
+    m2po: M2POConfig = field(default_factory=M2POConfig)
+    opsm: OPSMConfig = field(default_factory=OPSMConfig)
+
+
+@dataclass
+class TrainerConfig:
+    mini_batch_size: int = 64  # M: trajectories per optimizer update; M // N groups per training call
+    total_steps: int = 100  # outer training steps (each consumes B groups)
+    save_freq: int = 0  # checkpoint every this many steps (0 = only at the end)
+    eval_freq: int = 0  # greedy evaluation on held-out prompts every this many steps (0 = off)
+    resume: str = "none"  # none | auto (latest checkpoint in run_dir) | a checkpoint directory
+    num_nodes: int = 1  # training nodes
+    num_gpus_per_node: int = 8  # training GPUs per node (on CPU: trainer processes)
+    use_rollout_log_probs: bool = False  # use the engine's log-probs as old_log_probs (skips a forward)
+    lr: float = 1e-6  # AdamW learning rate
+    warmup_steps: int = 0  # linear warmup of the learning rate, in optimizer updates
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple = (0.9, 0.999)  # AdamW betas
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank
+    logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
+    export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
+
+
+@dataclass
+class FullyAsyncConfig:
+    enable: bool = False  # background producer + collector + PipelineBuffer (requires colocate: false)
+    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a registered custom one
+    stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) prompt groups in flight + buffered
+
+
+@dataclass
+class SamplerConfig:
+    num_oversample: int = 0  # extra groups dispatched per synchronous step for dynamic sampling (0 in fully-async)
+
+
+@dataclass
+class SGLangArgs:
+    max_running_requests: Optional[int] = None  # per-server concurrency limit passed to each server we launch
+    mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static for servers we launch
+    tp_size: int = 1  # SGLang --tp-size for servers we launch
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0  # sampling temperature; the trainer scales logits by the same value
+    top_p: float = 1.0  # nucleus sampling (1.0 keeps log-probs exact for training)
+    top_k: int = -1  # top-k sampling (-1 = off)
+    max_new_tokens: int = 16  # response length limit per trajectory (summed over turns in multi-turn)
+
+
+@dataclass
+class RolloutConfig:
+    servers: list = field(default_factory=list)  # URLs of running inference servers (connect mode)
+    router_url: Optional[str] = None  # URL of an sglang-router; its workers are listed via GET /workers
+    launch: str = "engine"  # engine | sglang | none: which servers rank 0 starts when `servers` is empty
+    num_servers: int = 1  # servers to launch
+    server_gpus: list = field(default_factory=list)  # GPU ids per launched server, e.g. [[0,1,2,3],[4,5,6,7]]
+    base_port: int = 31000  # first port of launched servers (server i listens on base_port + i)
+    sglang_args: SGLangArgs = field(default_factory=SGLangArgs)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    function: str = "single_turn"  # single_turn | multi_turn_tool | module:function
+    partial: bool = False  # abort in-flight requests at the step boundary and restore complete groups
+    mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
+    filter: list = field(default_factory=lambda: ["failed"])  # collector filters: failed | all_equal_reward
+    async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
+    max_weight_staleness: Optional[int] = None  # drop trajectories whose current - start version exceeds this
+    trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
+    request_timeout_s: float = 3600.0  # HTTP timeout of one /generate call
+    max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
+    startup_timeout_s: float = 300.0  # wait this long for launched servers to report healthy
+    pause_timeout_s: float = 600.0  # a pause (abort or wait) that takes longer fails the run
+
+
+@dataclass
+class BufferConfig:
+    get_timeout_s: float = 1800.0  # trainer waits this long for groups from PipelineBuffer before failing
+    rpc_timeout_s: float = 600.0  # timeout of each RPC between trainer, buffer and rollout
+
+
+@dataclass
+class WeightSyncConfig:
+    method: str = "distributed"  # distributed (broadcast group, SGLang's NCCL path) | disk (safetensors + reload)
+    bucket_mb: int = 512  # tensors per /update_weights_from_distributed call, in MiB
+    timeout_s: float = 600.0  # every weight-sync call and the broadcast group time out after this
+    master_port: int = 29700  # port of the trainer-to-servers broadcast group
+
+
+@dataclass
+class WandbConfig:
+    enable: bool = False  # log to wandb (off unless set)
+    project: str = "asyncrl"  # wandb project
+    mode: str = "online"  # online | offline
+    name: Optional[str] = None  # run name (default: run_dir's name)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    name: str = "run"  # run name (default: the config file's stem)
+    run_dir: Optional[str] = None  # metrics.jsonl, resolved config, checkpoints, child logs (default runs/<name>)
+    seed: int = 0  # global seed (model init, sampling seeds, shuffles derive from it)
+    colocate: bool = True  # rollout and training share the same GPUs (must be false for fully-async)
+    run_mode: str = "default"  # default | rollout-only | train-only (the last two in synchronous mode only)
+    device: str = "auto"  # auto | cpu | cuda: where the trainer runs
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data_source: DataSourceConfig = field(default_factory=DataSourceConfig)
+    data_sources: Optional[list] = None  # list of DataSourceConfig; None = [data_source]
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # ---- derived values (computed, never configured) ----
+    @property
+    def B(self) -> int:
+        return self.data_sources[0].num_prompts_per_step
+
+    @property
+    def N(self) -> int:
+        return self.data_sources[0].num_trajectories_per_prompt
+
+    @property
+    def M(self) -> int:
+        return self.trainer.mini_batch_size
+
+    @property
+    def capacity(self) -> int:
+        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1)."""
+        return int(self.B * (1 + self.fully_async.stale_steps))
+
+    @property
+    def calls_per_step(self) -> int:
+        """(B * N) // M training calls per outer step."""
+        return self.B * self.N // self.M
+
+    @property
+    def groups_per_call(self) -> int:
+        """M // N groups fetched from PipelineBuffer per training call."""
+        return max(1, self.M // self.N)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building a Config from dicts, with errors that name the key
+# ---------------------------------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and gently coerce) `value` against annotation `tp`; raise ValueError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"config key '{key}' must be a mapping of {tp.__name__} fields, got {value!r}")
+        return _from_dict(tp, value, key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"config key '{key}' must be a string, got {value!r}")
+    if tp in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            return tp(value)
+        raise ValueError(f"config key '{key}' must be a list, got {value!r}")
+    return value
+
+
+def _from_dict(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise ValueError(f"unknown config key '{prefix}{k}'; {cls.__name__} accepts: {', '.join(sorted(names))}")
+        tp = hints[k]
+        if cls is Config and k == "data_sources" and v is not None:
+            if not isinstance(v, list) or not v:
+                raise ValueError("config key 'data_sources' must be a non-empty list of data_source mappings")
+            kwargs[k] = [_coerce(item, DataSourceConfig, f"data_sources[{i}]") for i, item in enumerate(v)]
+            continue
+        kwargs[k] = _coerce(v, tp, prefix + k)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    """The resolved config as plain YAML-able data (saved beside metrics.jsonl; sent to child processes)."""
+    d = dataclasses.asdict(cfg)
+    d["trainer"]["betas"] = list(d["trainer"]["betas"])
+    return d
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        if not isinstance(d.get(p), dict):
+            d[p] = {}
+        d = d[p]
+    d[parts[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`a.b=c` strings -> nested dict; values are parsed as YAML (so 1, 1.5, true, null, [1,2] work)."""
+    out: dict = {}
+    for a in args:
+        if "=" not in a:
+            raise ValueError(f"override '{a}' must look like key=value, e.g. fully_async.enable=true")
+        k, v = a.split("=", 1)
+        _set_dotted(out, k.strip(), yaml.safe_load(v) if v != "" else None)
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate_cfg: bool = True) -> Config:
+    """Load YAML at `path` (may be None), apply `a.b=c` overrides, build the dataclass tree, validate."""
+    data: dict = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ValueError(f"config file '{path}' does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file '{path}' must contain a mapping at the top level")
+        data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = from_dict(data)
+    if validate_cfg:
+        validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict) -> Config:
+    """Build a Config from a plain dict (e.g. `to_dict` output shipped to a child process)."""
+    cfg = _from_dict(Config, data)
+    if cfg.data_sources is None:
+        cfg.data_sources = [cfg.data_source]
+    if isinstance(cfg.trainer.betas, list):
+        cfg.trainer.betas = tuple(cfg.trainer.betas)
+    if cfg.run_dir is None:
+        cfg.run_dir = os.path.join("runs", cfg.name)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Start-up validation: every rule of the spec's parameter table, one sentence each
+# ---------------------------------------------------------------------------------------------------------
+
+def _positive(value, key: str) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"{key} must be > 0, got {value!r}")
+
+
+def validate(cfg: Config) -> Config:
+    B, N, M = cfg.B, cfg.N, cfg.M
+    for i, ds in enumerate(cfg.data_sources):
+        _positive(ds.num_prompts_per_step, f"data_sources[{i}].num_prompts_per_step")
+        _positive(ds.num_trajectories_per_prompt, f"data_sources[{i}].num_trajectories_per_prompt")
+        _positive(ds.weight, f"data_sources[{i}].weight")
+    _positive(M, "trainer.mini_batch_size")
+    if (B * N) % M != 0:
+        raise ValueError(
+            f"data_source.num_prompts_per_step x data_source.num_trajectories_per_prompt ({B} x {N} = {B * N}) "
+            f"must be divisible by trainer.mini_batch_size ({M})")
+    if M % N != 0:
+        warnings.warn(f"trainer.mini_batch_size ({M}) is not a multiple of data_source.num_trajectories_per_prompt "
+                      f"({N}); each training call fetches M // N = {M // N} groups", stacklevel=2)
+    if M < N:
+        raise ValueError(f"trainer.mini_batch_size ({M}) must be >= data_source.num_trajectories_per_prompt ({N}) "
+                         "so that every training call gets at least one complete group")
+    if cfg.run_mode not in ("default", "rollout-only", "train-only"):
+        raise ValueError(f"run_mode must be one of default, rollout-only, train-only, got '{cfg.run_mode}'")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be one of auto, cpu, cuda, got '{cfg.device}'")
+    fa = cfg.fully_async
+    if fa.stale_steps < 0:
+        raise ValueError(f"fully_async.stale_steps must be >= 0, got {fa.stale_steps}")
+    import strategies  # local import: strategies.py imports only torch/stdlib, config stays light
+    if fa.sliding_window not in strategies.REGISTRY:
+        raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' is not registered; "
+                         f"choose one of: {', '.join(sorted(strategies.REGISTRY))}")
+    if fa.enable:
+        if cfg.colocate:
+            raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own GPUs")
+        if cfg.run_mode != "default":
+            raise ValueError(f"fully_async.enable=true supports only run_mode=default, got run_mode={cfg.run_mode}")
+        if len(cfg.data_sources) != 1:
+            raise ValueError(f"fully_async.enable=true supports a single data source, got {len(cfg.data_sources)} "
+                             "in data_sources")
+        if cfg.rollout.sampler.num_oversample != 0:
+            raise ValueError("rollout.sampler.num_oversample must be 0 when fully_async.enable=true; extra in-flight "
+                             "capacity comes from fully_async.stale_steps")
+    if cfg.rollout.sampler.num_oversample < 0:
+        raise ValueError(f"rollout.sampler.num_oversample must be >= 0, got {cfg.rollout.sampler.num_oversample}")
+    r = cfg.rollout
+    if r.mask_offpolicy_in_partial_rollout and not r.partial:
+        raise ValueError("rollout.mask_offpolicy_in_partial_rollout=true requires rollout.partial=true")
+    validate_concurrency(r.async_max_concurrent_samples, N)
+    if r.max_weight_staleness is not None and r.max_weight_staleness < 0:
+        raise ValueError(f"rollout.max_weight_staleness must be >= 0 or null, got {r.max_weight_staleness}")
+    for f in r.filter:
+        if f not in ("failed", "all_equal_reward"):
+            raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
+    if r.launch not in ("engine", "sglang", "none"):
+        raise ValueError(f"rollout.launch must be one of engine, sglang, none, got '{r.launch}'")
+    if r.sglang_args.max_running_requests is not None:
+        _positive(r.sglang_args.max_running_requests, "rollout.sglang_args.max_running_requests")
+    _positive(r.sampling.max_new_tokens, "rollout.sampling.max_new_tokens")
+    _positive(r.sampling.temperature, "rollout.sampling.temperature")
+    if not 0 < r.sampling.top_p <= 1:
+        raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {r.sampling.top_p}")
+    for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s"):
+        _positive(getattr(r, key), f"rollout.{key}")
+    a = cfg.algorithm
+    if a.m2po.enable and cfg.trainer.use_rollout_log_probs:
+        raise ValueError("algorithm.m2po.enable=true cannot be combined with trainer.use_rollout_log_probs=true: "
+                         "M2PO measures old_log_probs - rollout_log_probs, which would be zero")
+    if a.m2po.enable:
+        _positive(a.m2po.tau, "algorithm.m2po.tau")
+    if a.opsm.enable and a.opsm.delta < 0:
+        raise ValueError(f"algorithm.opsm.delta must be >= 0, got {a.opsm.delta}")
+    if not 0 <= a.clip_low < 1:
+        raise ValueError(f"algorithm.clip_low must be in [0, 1), got {a.clip_low}")
+    if a.clip_high < 0:
+        raise ValueError(f"algorithm.clip_high must be >= 0, got {a.clip_high}")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        raise ValueError(f"algorithm.dual_clip_c must be > 1 (typically 3) or null, got {a.dual_clip_c}")
+    if a.loss_agg_mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        raise ValueError(f"algorithm.loss_agg_mode must be token-mean, seq-mean-token-mean or "
+                         f"seq-mean-token-sum-norm, got '{a.loss_agg_mode}'")
+    isc = a.is_correction
+    if isc.level not in ("token", "sequence"):
+        raise ValueError(f"algorithm.is_correction.level must be token or sequence, got '{isc.level}'")
+    _positive(isc.clip, "algorithm.is_correction.clip")
+    if isc.mask_low is not None and isc.mask_high is not None and isc.mask_low >= isc.mask_high:
+        raise ValueError(f"algorithm.is_correction.mask_low ({isc.mask_low}) must be below "
+                         f"algorithm.is_correction.mask_high ({isc.mask_high})")
+    if a.adv.eps < 0:
+        raise ValueError(f"algorithm.adv.eps must be >= 0, got {a.adv.eps}")
+    t = cfg.trainer
+    _positive(t.total_steps, "trainer.total_steps")
+    _positive(t.num_nodes, "trainer.num_nodes")
+    _positive(t.num_gpus_per_node, "trainer.num_gpus_per_node")
+    _positive(t.lr, "trainer.lr")
+    _positive(t.micro_batch_tokens, "trainer.micro_batch_tokens")
+    _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
+    for key in ("save_freq", "eval_freq", "warmup_steps"):
+        if getattr(t, key) < 0:
+            raise ValueError(f"trainer.{key} must be >= 0, got {getattr(t, key)}")
+    if t.resume not in ("none", "auto") and not os.path.isdir(t.resume):
+        raise ValueError(f"trainer.resume must be none, auto or an existing checkpoint directory, got '{t.resume}'")
+    ws = cfg.weight_sync
+    if ws.method not in ("distributed", "disk"):
+        raise ValueError(f"weight_sync.method must be distributed or disk, got '{ws.method}'")
+    _positive(ws.bucket_mb, "weight_sync.bucket_mb")
+    _positive(ws.timeout_s, "weight_sync.timeout_s")
+    _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")
+    _positive(cfg.buffer.rpc_timeout_s, "buffer.rpc_timeout_s")
+    if cfg.logging.wandb.mode not in ("online", "offline"):
+        raise ValueError(f"logging.wandb.mode must be online or offline, got '{cfg.logging.wandb.mode}'")
+    return cfg
+
+
+def validate_concurrency(value: Optional[int], n: int) -> None:
+    """rollout.async_max_concurrent_samples: unset is fine; otherwise > 0 and >= N (else zero groups in flight).
+
+    The clamp to the fleet's concurrency happens in rollout.py, where the fleet is known (a warning, not an error).
+    """
+    if value is None:
+        return
+    if value <= 0:
+        raise ValueError(f"rollout.async_max_concurrent_samples must be > 0 (or null for no cap), got {value}")
+    if value < n:
+        raise ValueError(f"rollout.async_max_concurrent_samples ({value}) must be >= "
+                         f"data_source.num_trajectories_per_prompt ({n}), otherwise no group can be in flight")
