@@ -489,3 +489,47 @@ def validate_concurrency(value: Optional[int], n: int) -> None:
     if value < n:
         raise ValueError(f"rollout.async_max_concurrent_samples ({value}) must be >= "
                          f"data_source.num_trajectories_per_prompt ({n}), otherwise no group can be in flight")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `python config.py docs`: the README's parameter table, generated from the field comments above
+# ---------------------------------------------------------------------------------------------------------
+
+def parameter_table() -> str:
+    """Markdown table of every config key with its default and its one-line comment (kept in the README)."""
+    import inspect
+    import re
+
+    rows = []
+
+    def walk(cls, prefix: str) -> None:
+        comments = {}
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): [^=]+?(?: = .*?)?\s+# (.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2)
+        hints = typing.get_type_hints(cls)
+        default_obj = cls()
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            default = getattr(default_obj, f.name)
+            shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
+            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {comments.get(f.name, '').replace('|', '/')} |")
+
+    walk(Config, "")
+    return "| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["docs"]:
+        print(parameter_table())
+    elif sys.argv[1:2] == ["check"]:
+        cfg = load_config(sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3:])
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    else:
+        print("usage: python config.py docs | python config.py check CONFIG.yaml [a.b=c ...]")
