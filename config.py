@@ -526,10 +526,18 @@ def parameter_table() -> str:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["docs"]:
+    if sys.argv[1:2] == ["docs"] and sys.argv[2:3] == ["--write"]:  # refresh the table inside README.md
+        import re
+        path = sys.argv[3] if len(sys.argv) > 3 else "README.md"
+        text = open(path).read()
+        table = parameter_table()
+        text = re.sub(r"<!-- params:begin -->\n.*?<!-- params:end -->",
+                      lambda _: f"<!-- params:begin -->\n{table}\n<!-- params:end -->", text, flags=re.S)
+        open(path, "w").write(text)
+    elif sys.argv[1:2] == ["docs"]:
         print(parameter_table())
     elif sys.argv[1:2] == ["check"]:
         cfg = load_config(sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3:])
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     else:
-        print("usage: python config.py docs | python config.py check CONFIG.yaml [a.b=c ...]")
+        print("usage: python config.py docs [--write README.md] | python config.py check CONFIG.yaml [a.b=c ...]")
