@@ -1,21 +1,45 @@
-"""tasks.py: the tiny model, the prompts, the rewards and the tool environments.
+r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
 
 - `make_tiny_model(out_dir)`: a random-init Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2
   layers) with a character-level tokenizer built with the `tokenizers` library, saved with `save_pretrained`
   (safetensors) so that AutoModelForCausalLM / AutoTokenizer and any engine load the directory.
+- `load_prompts(ds_cfg, tokenizer, split)`: the prompts of one config.DataSourceConfig, deterministic from its seed,
+  with a held-out "eval" split disjoint from "train". Tasks (data_source.task):
+    reverse_digits  prompt "12345=" (1-5 digits), target "54321" then eos. Raw text, no chat template.
+    calc_tool       prompt "37*59=" (operands 0-99, + or *), multi-turn with a calculator tool:
+                    model "calc 37*59" eos | tool "=2183\n" (loss mask 0) | model "2183" eos.
+                    Needs rollout.sampling.max_new_tokens >= 24 (all turns and tool tokens together).
+    jsonl, parquet  math-RL rows as dapo-math-17k: the prompt from the first field present of `prompt` (a list of
+                    {"role", "content"} messages, or a string), `problem`, `question` (strings, sent as one user
+                    message); the ground truth from `reward_model.ground_truth`, `answer`, `ground_truth`,
+                    `solution` (a string or number; a \boxed{X} in it is reduced to X, a GSM8K "#### X" to X).
+                    The tokenizer's chat template is applied with add_generation_prompt=True.
+- `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math", or any
+  "module:function"; `default_reward(task)` names each task's own.
+- `make_env(task, label, metadata)`: the tool environment of a multi-turn task (calc_tool).
 
 Simplifications: the tokenizer is one token per printable ASCII character (other characters fall back to their
-UTF-8 bytes), so it is lossless but long-winded on real text.
+UTF-8 bytes), so it is lossless but long-winded on real text. A toy prompt belongs to the eval split when a hash
+of its text says so (1 in 8 of all possible prompts), so the splits are disjoint whatever their sizes; a dataset
+file's eval split is num_eval_prompts rows drawn by the seed. Math answers are compared as normalised strings
+first and with math-verify only when those differ.
 
 Run:
     python tasks.py make-tiny-model --out runs/tiny-model [--hidden-size 64 --num-layers 2 --seed 0]
+    python tasks.py show --task reverse_digits [--path FILE] [--split eval] [-n 5]   # print some prompts
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import random
+import re
 import string
+import threading
+import zlib
+from typing import Any, Callable, Optional
 
 # Special tokens. The end of an assistant turn is the eos token, as in Qwen chat models; the toy tasks end their
 # targets with it too, so "stopped on eos" is the same event for raw and chat prompts.
@@ -94,6 +118,302 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
     return out_dir
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Toy tasks
+
+HOLDOUT = 8  # 1 in HOLDOUT of all possible toy prompts belongs to the eval split
+
+
+def _is_eval(text: str, seed: int) -> bool:
+    # A fixed partition of the prompt space (not of the drawn prompts): train never sees an eval prompt, and the
+    # train set does not change when num_eval_prompts does.
+    return zlib.crc32(f"{seed}:{text}".encode()) % HOLDOUT == 0
+
+
+def _reverse_digits_example(rng: random.Random) -> tuple[str, str]:
+    digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(1, 5)))
+    return f"{digits}=", digits[::-1]
+
+
+def _calc(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a * b
+
+
+def _calc_tool_example(rng: random.Random) -> tuple[str, str]:
+    a, op, b = rng.randint(0, 99), rng.choice("+*"), rng.randint(0, 99)
+    return f"{a}{op}{b}=", str(_calc(a, op, b))
+
+
+TOY_TASKS = {"reverse_digits": _reverse_digits_example, "calc_tool": _calc_tool_example}
+FILE_TASKS = ("jsonl", "parquet")
+
+
+def toy_examples(task: str, n: int, seed: int, split: str) -> list[tuple[str, str]]:
+    """`n` (prompt_text, label) pairs of a toy task, deterministic from (task, seed, split); repeats are allowed."""
+    rng = random.Random(f"{task}:{seed}:{split}")
+    out = []
+    while len(out) < n:  # rejection sampling: about 1 in HOLDOUT draws is an eval prompt, so this ends quickly
+        text, label = TOY_TASKS[task](rng)
+        if _is_eval(text, seed) == (split == "eval"):
+            out.append((text, label))
+    return out
+
+
+class CalcToolEnv:
+    """The calculator of the calc_tool task.
+
+    A model turn "calc A+B" or "calc A*B" (the whole turn, then eos) is a tool call, answered with the observation
+    "=R\n"; any other turn is the final answer and ends the episode, as does the max_turns-th turn.
+    """
+    max_turns = 3  # model turns per episode: one or two tool calls, then the answer
+    CALL = re.compile(r"calc (\d{1,6})([+*])(\d{1,6})")
+
+    def __init__(self):
+        self.turns = 0
+
+    def step(self, turn_text: str) -> Optional[str]:
+        self.turns += 1
+        call = self.CALL.fullmatch(turn_text.strip())
+        if call is None or self.turns >= self.max_turns:
+            return None
+        return f"={_calc(int(call[1]), call[2], int(call[3]))}\n"
+
+
+ENVS = {"calc_tool": CalcToolEnv}
+
+
+def make_env(task: str, label: Any, metadata: dict):
+    """A fresh tool environment for one trajectory of a multi-turn task (`env.max_turns`, `env.step(text)`)."""
+    if task not in ENVS:
+        raise ValueError(f"data_source.task '{task}' has no tool environment; multi-turn tasks: {', '.join(ENVS)}")
+    return ENVS[task]()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataset files (jsonl / parquet)
+
+PROMPT_FIELDS = ("prompt", "problem", "question")
+LABEL_FIELDS = ("reward_model.ground_truth", "answer", "ground_truth", "solution")
+_MISSING = object()
+
+
+def _field(row: dict, dotted: str):
+    for key in dotted.split("."):
+        if not isinstance(row, dict) or key not in row:
+            return _MISSING
+        row = row[key]
+    return row
+
+
+def _braced(text: str, i: int) -> Optional[str]:
+    """The content of the brace group that starts at text[i] (after spaces); None if there is none or it is open."""
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def _label(value: Any) -> str:
+    r"""The ground-truth answer: a \boxed{X} reduces to X and a GSM8K "... #### X" to X."""
+    text = str(value)
+    boxed_at = text.rfind("\\boxed")
+    boxed = _braced(text, boxed_at + len("\\boxed")) if boxed_at >= 0 else None
+    return boxed.strip() if boxed is not None else text.rsplit("####", 1)[-1].strip()
+
+
+def _parse_row(row: Any, where: str) -> tuple[list[dict], str]:
+    """(messages, label) of one dataset row; `where` ("FILE line N") starts every error message."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be an object with a prompt and an answer, got {type(row).__name__}")
+    name = next((f for f in PROMPT_FIELDS if f in row), None)
+    if name is None:
+        raise ValueError(f"{where}: no prompt field; accepted: {', '.join(PROMPT_FIELDS)}")
+    value = row[name]
+    if isinstance(value, str) and value:
+        messages = [{"role": "user", "content": value}]
+    elif (isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in value)):
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    else:
+        raise ValueError(f"{where}: field '{name}' must be a non-empty string or a non-empty list of "
+                         f"{{\"role\": str, \"content\": str}} messages, got {json.dumps(value, default=str)[:80]}")
+    name = next((f for f in LABEL_FIELDS if _field(row, f) is not _MISSING), None)
+    if name is None:
+        raise ValueError(f"{where}: no ground-truth field; accepted: {', '.join(LABEL_FIELDS)}")
+    value = _field(row, name)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or _label(value) == "":
+        raise ValueError(f"{where}: field '{name}' must be a non-empty string or a number, "
+                         f"got {json.dumps(value, default=str)[:80]}")
+    return messages, _label(value)
+
+
+def read_rows(task: str, path: str) -> list[tuple[list[dict], str, dict]]:
+    """Every row of a jsonl / parquet file as (messages, label, metadata), validated; metadata = {"row": N}."""
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(f"data_source.path '{path}' is not a file (data_source.task '{task}' reads one)")
+    rows = []
+    if task == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path} line {lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                rows.append((*_parse_row(row, where), {"row": lineno}))
+    else:
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            rows.append((*_parse_row(row, f"{path} row {i} (0-based)"), {"row": i}))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+
+def load_prompts(ds_cfg, tokenizer, split: str = "train") -> list[dict]:
+    """The prompts of one data source: [{"prompt_ids": list[int], "label": str, "metadata": dict}].
+
+    Toy tasks: num_prompts (train) or num_eval_prompts (eval) generated prompts. Files: num_eval_prompts rows drawn
+    by the seed are the eval split, all other rows (in file order) the train split.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    task = ds_cfg.task
+    if task in TOY_TASKS:
+        n = ds_cfg.num_prompts if split == "train" else ds_cfg.num_eval_prompts
+        examples = toy_examples(task, n, ds_cfg.seed, split)
+        ids = tokenizer([text for text, _ in examples], add_special_tokens=False)["input_ids"] if examples else []
+        return [{"prompt_ids": p, "label": label, "metadata": {}} for p, (_, label) in zip(ids, examples)]
+    if task not in FILE_TASKS:
+        raise ValueError(f"data_source.task '{task}' is unknown; accepted: {', '.join([*TOY_TASKS, *FILE_TASKS])}")
+    rows = read_rows(task, ds_cfg.path)
+    if ds_cfg.num_eval_prompts >= len(rows):
+        raise ValueError(f"data_source.num_eval_prompts={ds_cfg.num_eval_prompts} leaves no training rows in "
+                         f"{ds_cfg.path} ({len(rows)} rows); use fewer eval prompts")
+    order = list(range(len(rows)))
+    random.Random(f"holdout:{ds_cfg.seed}").shuffle(order)
+    held_out = set(order[:ds_cfg.num_eval_prompts])
+    rows = [r for i, r in enumerate(rows) if (i in held_out) == (split == "eval")]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer has no chat template, which data_source.task '{task}' needs to format "
+                         "chat prompts; use a chat model's tokenizer (the tiny model has one)")
+    # Templated to text, then tokenized without special tokens: templates that write a bos themselves get one.
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _, _ in rows]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [{"prompt_ids": p, "label": label, "metadata": meta} for p, (_, label, meta) in zip(ids, rows)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rewards: fn(response_text, label, stopped) -> float. Module-level functions, so they pickle.
+
+def _prefix_reward(answer: str, target: str, stopped: bool) -> float:
+    matched = 0
+    for a, b in zip(answer, target):
+        if a != b:
+            break
+        matched += 1
+    # The end token counts as one more character to match: exact and stopped on eos.
+    return (matched + (answer == target and stopped)) / (len(target) + 1)
+
+
+def reverse_digits_reward(response_text: str, label: str, stopped: bool) -> float:
+    """(matched prefix characters + 1 if the response is exactly the target and stopped on eos) / (len + 1)."""
+    return _prefix_reward(response_text, label, stopped)
+
+
+def calc_tool_reward(response_text: str, label: str, stopped: bool) -> float:
+    r"""The same prefix reward on the final answer: the transcript's last line (after the tool's "=R\n")."""
+    return _prefix_reward(response_text.rsplit("\n", 1)[-1], label, stopped)
+
+
+ANSWER_LINE = re.compile(r"Answer\s*:([^\n]*)")
+
+
+def extract_answer(text: str) -> Optional[str]:
+    r"""The final answer of a math response: the last "Answer: X" line or the last \boxed{X}, whichever is later."""
+    lines = list(ANSWER_LINE.finditer(text))
+    boxed_at = text.rfind("\\boxed")
+    if lines and lines[-1].start() > boxed_at:
+        return lines[-1][1].strip()
+    return _braced(text, boxed_at + len("\\boxed")) if boxed_at >= 0 else None
+
+
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def normalize_answer(s: str) -> str:
+    r"""A cheap canonical form: no $, spaces, \text{}, \left/\right, degree or percent signs, trailing period;
+    \dfrac and \tfrac as \frac; thousands separators removed from plain numbers."""
+    s = _TEXT_CMD.sub(r"\1", s)
+    for old, new in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("^\\circ", ""),
+                     ("^{\\circ}", ""), ("\\%", ""), ("%", ""), ("\\$", ""), ("$", ""), ("\\!", ""), ("\\,", ""),
+                     ("\\;", ""), ("\\ ", "")):
+        s = s.replace(old, new)
+    s = "".join(s.split()).rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+def math_equal(answer: str, truth: str) -> bool:
+    """Equal as normalised strings, or equivalent for math-verify (fractions, radicals, intervals, ...)."""
+    a, t = normalize_answer(answer), normalize_answer(truth)
+    if a == t:
+        return True
+    if not a or len(a) > 200 or len(t) > 200:  # keep sympy away from long or empty strings
+        return False
+    from math_verify import parse, verify
+
+    # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere they are off.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold, pred = parse(f"${t}$", parsing_timeout=timeout), parse(f"${a}$", parsing_timeout=timeout)
+        return bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
+    except Exception:  # a verifier failure on an odd answer is a wrong answer, not a crashed rollout
+        return False
+
+
+def math_reward(response_text: str, label: str, stopped: bool) -> float:
+    r"""1.0 if the final answer ("Answer: X" or \boxed{X}) equals the ground truth, else 0.0. `stopped` is ignored:
+    a truncated response is scored on what it wrote (an overlong penalty is a filter's business)."""
+    answer = extract_answer(response_text)
+    return float(answer is not None and math_equal(answer, str(label)))
+
+
+REWARDS = {"reverse_digits": reverse_digits_reward, "calc_tool": calc_tool_reward, "math": math_reward}
+DEFAULT_REWARDS = {"reverse_digits": "reverse_digits", "calc_tool": "calc_tool", "jsonl": "math", "parquet": "math"}
+
+
+def default_reward(task: str) -> str:
+    """The reward function name of a task (used when data_source.reward is None)."""
+    if task not in DEFAULT_REWARDS:
+        raise ValueError(f"data_source.task '{task}' is unknown; accepted: {', '.join(DEFAULT_REWARDS)}")
+    return DEFAULT_REWARDS[task]
+
+
+def get_reward_fn(name: str) -> Callable[[str, Any, bool], float]:
+    """A reward function by name: one of REWARDS, or "module:function" for your own (it must be picklable)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, fn = name.split(":", 1)
+        return getattr(importlib.import_module(module), fn)
+    raise ValueError(f"data_source.reward '{name}' is unknown; accepted: {', '.join(REWARDS)} or module:function")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,10 +422,22 @@ def main(argv=None):
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("show", help="print some prompts and labels of a task")
+    p.add_argument("--task", default="reverse_digits", help=f"one of {', '.join(DEFAULT_REWARDS)}")
+    p.add_argument("--path", default=None, help="dataset file for jsonl / parquet")
+    p.add_argument("--split", default="train", choices=["train", "eval"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-n", type=int, default=5)
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
         out = make_tiny_model(args.out, args.hidden_size, args.num_layers, args.seed)
         print(f"wrote tiny model to {out}")
+    elif args.task in TOY_TASKS:
+        for text, label in toy_examples(args.task, args.n, args.seed, args.split):
+            print(f"{text!r} -> {label!r}")
+    else:
+        for messages, label, meta in read_rows(args.task, args.path)[:args.n]:
+            print(f"{meta} {messages[-1]['content'][:100]!r} -> {label!r}")
 
 
 if __name__ == "__main__":
