@@ -1,14 +1,36 @@
-"""buffer.py: the data between rollout and training.
+"""buffer.py: the data between rollout and training, in one process or served over torch.distributed.rpc.
 
-Data types (Trajectory, Group, PromptGroup), the data source, TrajQueue, the collector and PipelineBuffer,
-with the semantics of ../shared/spec/fully_async_mode.md sections 1-3. Imports only the standard library and torch.
+Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order, monotonic sequence numbers, the
+restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter,
+rollout.max_weight_staleness), the bounded PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade
+that the rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in
+prompt groups (R in flight, Q buffered, C capacity; strategies.py holds the dispatch/collection rules).
+
+Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
+PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
+
+Run the buffer process (train.py does this):  python buffer.py --config RESOLVED.yaml --rpc-init tcp://host:port
+--rank R --world-size W. Tests: python -m pytest -q tests/test_buffer.py. Imports only the standard library and
+torch at module level (config/tasks/transformers are imported inside serve()).
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import heapq
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed.rpc as rpc
+
+import strategies
 
 # Trajectory status values. A trajectory is terminal in every one of them; "aborted" ones may be restored.
 COMPLETED, TRUNCATED, ABORTED, FAILED = "completed", "truncated", "aborted", "failed"
@@ -81,3 +103,700 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+
+Key = tuple  # (epoch, seq): the prompt id of a group
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-data conversion for checkpoints: state_dict() holds only dicts, lists, numbers, strings and tensors,
+# so torch.save / torch.load(weights_only=True) can store it.
+# ---------------------------------------------------------------------------------------------------------
+
+def _traj_to_dict(t: Trajectory) -> dict:
+    return {f.name: getattr(t, f.name) for f in dataclasses.fields(Trajectory)}
+
+
+def _traj_from_dict(d: dict) -> Trajectory:
+    return Trajectory(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DataSource: what gets dispatched next
+# ---------------------------------------------------------------------------------------------------------
+
+class DataSource:
+    """Prompts in a deterministic, seeded order per epoch; a monotonic seq per dispatched group; the restored lane.
+
+    Several sources are mixed by smooth weighted round-robin (exact proportions, deterministic, tiny state), each
+    with its own epoch counter; `data_index` is the prompt's row in its source. The lane (groups restored at a step
+    boundary, or replayed after a resume) is dispatched before any fresh prompt, oldest (epoch, seq) first, and
+    its groups keep their prompt id, so PipelineBuffer still consumes them by their original age.
+    """
+
+    def __init__(self, prompts_per_source: list, weights: list, seeds: list, shuffle: list):
+        for i, prompts in enumerate(prompts_per_source):
+            if len(prompts) == 0:
+                raise ValueError(f"data_sources[{i}] has no prompts; each data source needs at least one")
+        self.prompts = prompts_per_source
+        self.weights = [float(w) for w in weights]
+        self.seeds = list(seeds)
+        self.shuffle = list(shuffle)
+        S = len(prompts_per_source)
+        self.epoch = [0] * S  # current epoch of each source
+        self.pos = [0] * S  # next position in that epoch's order
+        self.credit = [0.0] * S  # smooth weighted round-robin state
+        self.next_seq = 0  # sequence number of the next fresh group
+        self.lane: list[PromptGroup] = []  # restored / replayed groups, dispatched first
+        self._orders: dict = {}  # (source, epoch) -> permutation, cached for the current epochs
+
+    def order(self, source: int, epoch: int) -> list[int]:
+        """Row indices of `source` in the order of `epoch` (a seeded shuffle, or the file order)."""
+        key = (source, epoch)
+        if key not in self._orders:
+            order = list(range(len(self.prompts[source])))
+            if self.shuffle[source]:
+                random.Random(self.seeds[source] * 1_000_003 + epoch).shuffle(order)
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != source}  # keep one epoch per source
+            self._orders[key] = order
+        return self._orders[key]
+
+    def peek_seq(self) -> int:
+        """Sequence number of the group `pop()` would return."""
+        return self.lane[0].seq if self.lane else self.next_seq
+
+    def pop(self) -> PromptGroup:
+        if self.lane:
+            return self.lane.pop(0)
+        s = self._pick_source()
+        row = self.order(s, self.epoch[s])[self.pos[s]]
+        group = self.make_group(s, self.epoch[s], self.next_seq, row)
+        self.next_seq += 1
+        self.pos[s] += 1
+        if self.pos[s] == len(self.prompts[s]):
+            self.epoch[s], self.pos[s] = self.epoch[s] + 1, 0
+        return group
+
+    def _pick_source(self) -> int:
+        if len(self.prompts) == 1:
+            return 0
+        for i, w in enumerate(self.weights):
+            self.credit[i] += w
+        s = max(range(len(self.credit)), key=lambda i: self.credit[i])
+        self.credit[s] -= sum(self.weights)
+        return s
+
+    def make_group(self, source: int, epoch: int, seq: int, row: int, partial: Optional[list] = None) -> PromptGroup:
+        p = self.prompts[source][row]
+        return PromptGroup(epoch=epoch, seq=seq, data_index=row, prompt_ids=torch.as_tensor(p["prompt_ids"],
+                           dtype=torch.long), label=p.get("label"), source=source,
+                           metadata=dict(p.get("metadata") or {}), partial=list(partial or []))
+
+    def restore(self, groups: list) -> None:
+        self.lane = sorted(self.lane + list(groups), key=lambda g: g.prompt_id)
+
+    def state_dict(self, replay: list) -> dict:
+        """Cursor, mixing state and the lane; `replay` (groups in flight or buffered) joins the lane on resume."""
+        lane = sorted(self.lane + list(replay), key=lambda g: g.prompt_id)
+        return {"epoch": list(self.epoch), "pos": list(self.pos), "credit": list(self.credit),
+                "sizes": [len(p) for p in self.prompts], "next_seq": self.next_seq,
+                "lane": [{"source": g.source, "epoch": g.epoch, "seq": g.seq, "data_index": g.data_index,
+                          "partial": [_traj_to_dict(t) for t in g.partial]} for g in lane]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        sizes = [len(p) for p in self.prompts]
+        if list(sd["sizes"]) != sizes:
+            raise ValueError(f"checkpointed data source sizes {list(sd['sizes'])} differ from the loaded prompts "
+                             f"{sizes}; resume needs the same data_sources (task, path, num_prompts, seed)")
+        self.epoch, self.pos, self.credit = list(sd["epoch"]), list(sd["pos"]), list(sd["credit"])
+        self.next_seq = int(sd["next_seq"])
+        self.lane = [self.make_group(g["source"], g["epoch"], g["seq"], g["data_index"],
+                                     [_traj_from_dict(t) for t in g["partial"]]) for g in sd["lane"]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TrajQueue and PipelineBuffer: the two queues of spec section 2
+# ---------------------------------------------------------------------------------------------------------
+
+class TrajQueue:
+    """Rollout -> collector: trajectories by prompt id until all N of a group are there.
+
+    Bounded by `max_groups` open groups (C: only groups in flight may have trajectories here). The caller holds
+    PipelineServer's lock.
+    """
+
+    def __init__(self, n: int, max_groups: int):
+        self.n, self.max_groups = n, max_groups
+        self._slots: dict = {}  # key -> [Trajectory | None] * N
+        self._count: dict = {}  # key -> trajectories present
+        self.num_trajectories = 0
+
+    def add(self, t: Trajectory) -> bool:
+        """Add one trajectory; False if its slot is already taken (a duplicate, ignored)."""
+        key = t.prompt_id
+        slots = self._slots.get(key)
+        if slots is None:
+            if len(self._slots) >= self.max_groups:
+                raise RuntimeError(f"TrajQueue is full ({self.max_groups} open groups = capacity C); a trajectory "
+                                   f"for group {key} cannot be queued")
+            slots = self._slots[key] = [None] * self.n
+            self._count[key] = 0
+        if slots[t.index] is not None:
+            return False
+        slots[t.index] = t
+        self._count[key] += 1
+        self.num_trajectories += 1
+        return True
+
+    def is_assembled(self, key: Key) -> bool:
+        return self._count.get(key, 0) == self.n
+
+    def slots(self, key: Key) -> list:
+        return self._slots.get(key, [None] * self.n)
+
+    def pop(self, key: Key) -> list:
+        """Remove and return the group's slots (None where a trajectory never arrived)."""
+        slots = self._slots.pop(key, None)
+        if slots is None:
+            return [None] * self.n
+        self.num_trajectories -= self._count.pop(key)
+        return slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+
+class PipelineBuffer:
+    """Collector -> trainer: complete, filtered groups, handed out oldest (epoch, seq) first. Bounded by C."""
+
+    def __init__(self, max_groups: int):
+        self.max_groups = max_groups
+        self._heap: list = []  # (prompt_id, Group)
+
+    def put(self, group: Group) -> None:
+        if len(self._heap) >= self.max_groups:
+            raise RuntimeError(f"PipelineBuffer is full ({self.max_groups} groups = capacity C); "
+                               f"group {group.prompt_id} cannot be buffered")
+        heapq.heappush(self._heap, (group.prompt_id, group))
+
+    def pop(self, k: int) -> list:
+        return [heapq.heappop(self._heap)[1] for _ in range(min(k, len(self._heap)))]
+
+    def remove_if(self, pred) -> list:
+        """Remove and return the groups for which pred(group) is true."""
+        out, keep = [], []
+        for kg in self._heap:
+            (out if pred(kg[1]) else keep).append(kg)
+        if out:
+            self._heap = keep
+            heapq.heapify(self._heap)
+        return [g for _, g in out]
+
+    def groups(self) -> list:
+        return [g for _, g in sorted(self._heap, key=lambda kg: kg[0])]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PipelineServer: dispatch -> TrajQueue -> collector -> PipelineBuffer -> trainer, with the step boundary
+# ---------------------------------------------------------------------------------------------------------
+
+def _check_trajectory(t: Trajectory, n: int) -> None:
+    if not 0 <= t.index < n:
+        raise ValueError(f"trajectory {t.prompt_id} has index {t.index}; data_source.num_trajectories_per_prompt "
+                         f"is {n}, so 0..{n - 1} are accepted")
+    if t.status not in STATUSES:
+        raise ValueError(f"trajectory {t.prompt_id}#{t.index} has status '{t.status}'; accepted: {', '.join(STATUSES)}")
+    T = t.response_ids.numel()
+    for name in ("rollout_log_probs", "versions", "loss_mask"):
+        if getattr(t, name).numel() != T:
+            raise ValueError(f"trajectory {t.prompt_id}#{t.index}: {name} has {getattr(t, name).numel()} entries "
+                             f"but response_ids has {T}; every per-token field needs one entry per response token")
+
+
+class PipelineServer:
+    """The buffer process's object: the rollout calls dispatch/put/step_boundary, the trainer get/step_metrics.
+
+    Bounds (all in prompt groups unless said otherwise, all in step_metrics()):
+      C = int(B * (1 + stale_steps)) in fully-async mode, B + num_oversample in synchronous mode;
+      R + Q <= C (synchronous: consumed this step + R + Q <= C), so TrajQueue holds <= C groups (<= C * N
+      trajectories), PipelineBuffer <= C groups, the restored lane <= C groups;
+      generating groups <= rollout.async_max_concurrent_samples // N when that is set.
+    With `collector_thread=False` the collection runs inside put() (deterministic; used by the property tests);
+    the rules are identical.
+    """
+
+    def __init__(self, cfg, prompts_per_source: list, collector_thread: bool = True):
+        if len(prompts_per_source) != len(cfg.data_sources):
+            raise ValueError(f"PipelineServer got {len(prompts_per_source)} prompt lists for "
+                             f"{len(cfg.data_sources)} data_sources; pass one list per data source")
+        self.B, self.N = cfg.B, cfg.N
+        self.fully_async = cfg.fully_async.enable
+        self.C = cfg.capacity if self.fully_async else self.B + cfg.rollout.sampler.num_oversample
+        cap = cfg.rollout.async_max_concurrent_samples
+        if cap is not None and cap < self.N:
+            raise ValueError(f"rollout.async_max_concurrent_samples ({cap}) must be >= "
+                             f"data_source.num_trajectories_per_prompt ({self.N}), otherwise no group can be in flight")
+        self.max_generating = None if cap is None else cap // self.N  # groups still generating (spec: value // N)
+        for f in cfg.rollout.filter:
+            if f not in ("failed", "all_equal_reward"):
+                raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
+        self.filters = tuple(cfg.rollout.filter)
+        self.max_staleness = cfg.rollout.max_weight_staleness  # None: no per-trajectory bound
+        self.get_timeout = float(cfg.buffer.get_timeout_s)
+        self.strategy = strategies.build(cfg.fully_async.sliding_window, self.B, self.C, self.fully_async)
+        ds = cfg.data_sources
+        self.data = DataSource(prompts_per_source, [d.weight for d in ds], [d.seed for d in ds],
+                               [d.shuffle for d in ds])
+        self.queue = TrajQueue(self.N, max_groups=self.C)
+        self.pbuf = PipelineBuffer(max_groups=self.C)
+        self.version = 0  # current weight version (set_weight_version)
+        self._in_flight: dict = {}  # key -> PromptGroup: dispatched, not yet collected (R)
+        self._assembled: set = set()  # in-flight keys with all N trajectories in TrajQueue (not generating)
+        self._complete: set = set()  # assembled keys with no aborted trajectory: candidates for collection
+        self._consumed_step = 0  # groups handed out since the last step boundary
+        self._counts: Counter = Counter()  # popped by step_metrics()
+        self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
+        self._boundary: dict = {}  # cleanup metrics of the last step boundary, reported once
+        self._cond = threading.Condition()
+        self._pending = False  # put() added trajectories the collector has not looked at yet
+        self._closed = False
+        self._thread = None
+        if collector_thread:
+            self._thread = threading.Thread(target=self._collector_loop, name="buffer-collector", daemon=True)
+            self._thread.start()
+
+    # ---- rollout side ----
+    def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list:
+        """Prompt groups that may start now (restored lane first); waits up to `timeout` s for at least one.
+
+        An empty list means the capacity, window or concurrency rule says "not now"; it is not an error.
+        """
+        if max_groups is not None and max_groups < 0:
+            raise ValueError(f"dispatch(max_groups={max_groups}): max_groups must be >= 0 or None")
+        with self._cond:
+            if timeout > 0 and max_groups != 0:
+                self._cond.wait_for(lambda: self._closed or self._may_dispatch(self._view()), timeout)
+            out: list = []
+            view = self._view()
+            while (max_groups is None or len(out) < max_groups) and self._may_dispatch(view):
+                pg = self.data.pop()
+                self._in_flight[pg.prompt_id] = pg
+                view.R += 1
+                view.generating += 1
+                view.next_seq = self.data.next_seq
+                view.oldest_uncollected = pg.seq if view.oldest_uncollected is None else min(view.oldest_uncollected, pg.seq)
+                view.oldest_uncompleted = pg.seq if view.oldest_uncompleted is None else min(view.oldest_uncompleted, pg.seq)
+                out.append(pg)
+            self._counts["dispatched"] += len(out)
+            return out
+
+    def put(self, trajs: list) -> None:
+        """Finished (completed / truncated / failed) trajectories into TrajQueue; the collector takes it from there.
+
+        Trajectories of groups no longer in flight (dropped or restored at a step boundary) and duplicates are
+        ignored and counted in rollout/late_drop.
+        """
+        for t in trajs:
+            _check_trajectory(t, self.N)
+        with self._cond:
+            for t in trajs:
+                self._add_locked(t)
+            if self._thread is None:
+                self._collect_locked()
+            else:
+                self._pending = True
+                self._cond.notify_all()
+
+    def step_boundary(self, returned: list) -> dict:
+        """After the rollout paused: restore complete groups, drop incomplete ones, clear TrajQueue, reset strategy.
+
+        `returned` are the trajectories the pause handed back (aborted partial ones, possibly finished ones).
+        A group with all N trajectories (finished or not) goes to the restored lane with them as `partial`; a group
+        with none at all goes back as it was dispatched (nothing was generated, nothing is lost); a group with
+        some but not all is dropped. PipelineBuffer keeps its groups.
+        """
+        for t in returned:
+            _check_trajectory(t, self.N)
+        with self._cond:
+            self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
+            for t in returned:
+                self._add_locked(t)
+            restored, dropped_trajs, dropped_groups, untouched = [], 0, 0, 0
+            for key in sorted(self._in_flight):
+                pg = self._in_flight[key]
+                slots = self.queue.pop(key)
+                present = sum(s is not None for s in slots)
+                if present == self.N:
+                    pg.partial = slots
+                    restored.append(pg)
+                elif present == 0:
+                    untouched += 1
+                    restored.append(pg)  # keeps the partial it was dispatched with, if any
+                else:
+                    dropped_trajs += present
+                    dropped_groups += 1
+            if len(self.queue):  # only in-flight groups can have trajectories queued (put() checks)
+                raise RuntimeError(f"TrajQueue still holds {len(self.queue)} groups after the step boundary")
+            self.data.restore(restored)
+            self._in_flight.clear()
+            self._assembled.clear()
+            self._complete.clear()
+            self.strategy.reset()
+            self._consumed_step = 0
+            n_restored = len(restored) - untouched
+            self._boundary = {"rollout/partial_restored_count": n_restored * self.N,
+                              "rollout/partial_dropped_incomplete_count": dropped_trajs,
+                              "rollout/partial_dropped_incomplete_groups": dropped_groups,
+                              "rollout/restored_groups": n_restored,
+                              "rollout/requeued_unstarted_groups": untouched,
+                              "rollout/pipeline_buf_size": len(self.pbuf)}
+            self._cond.notify_all()
+            return dict(self._boundary)
+
+    # ---- trainer side ----
+    def get(self, k: int, timeout: Optional[float] = None) -> list:
+        """k complete groups, oldest (epoch, seq) first; waits up to `timeout` s (default buffer.get_timeout_s)."""
+        if not 1 <= k <= self.C:
+            raise ValueError(f"get(k={k}): k must be in 1..{self.C} (the capacity C); more groups can never be "
+                             "buffered at once")
+        timeout = self.get_timeout if timeout is None else float(timeout)
+        with self._cond:
+            ready = self._cond.wait_for(lambda: self._closed or len(self.pbuf) >= k, timeout)
+            if self._closed:
+                raise RuntimeError("PipelineServer was closed while get() was waiting for groups")
+            if not ready:
+                v = self._view()
+                raise TimeoutError(
+                    f"PipelineBuffer.get: wanted {k} groups, {v.Q} buffered after {timeout:.1f}s (R={v.R} dispatched "
+                    f"and not collected: {v.generating} still generating, {len(self._complete)} complete but held "
+                    f"in TrajQueue; C={self.C}); is the rollout running? (buffer.get_timeout_s sets this limit)")
+            groups = self.pbuf.pop(k)
+            self._consumed_step += k
+            self._counts["consumed"] += k
+            for g in groups:
+                for t in g.trajectories:
+                    self._consumed_trajs.append((t.start_version, t.end_version, self.version))
+            self._cond.notify_all()  # a freed slot may allow dispatch
+            return groups
+
+    def set_weight_version(self, v: int) -> None:
+        """The rollout now generates with weights `v`; buffered groups beyond rollout.max_weight_staleness go."""
+        with self._cond:
+            if v < self.version:
+                raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is {self.version}")
+            self.version = int(v)
+            if self.max_staleness is not None:
+                stale = self.pbuf.remove_if(lambda g: self._too_stale(g.trajectories))
+                self._counts["staleness_drop"] += len(stale)
+            self._cond.notify_all()
+
+    # ---- metrics, checkpoints ----
+    def step_metrics(self) -> dict:
+        """This step's counters (popped) and the current sizes and bounds, as `rollout/...` metrics."""
+        with self._cond:
+            v = self._view()
+            m = {"rollout/pipeline_buf_size": len(self.pbuf)}
+            m.update(self._boundary)
+            c = self._counts
+            m.update({"rollout/filter_drop": c["filter_drop"], "rollout/staleness_drop": c["staleness_drop"],
+                      "rollout/late_drop": c["late_drop"], "rollout/dispatched_groups": c["dispatched"],
+                      "rollout/collected_groups": c["collected"], "rollout/consumed_groups": c["consumed"],
+                      "rollout/in_flight_groups": v.R, "rollout/generating_groups": v.generating,
+                      "rollout/held_groups": len(self._complete), "rollout/trajqueue_groups": len(self.queue),
+                      "rollout/trajqueue_trajectories": self.queue.num_trajectories,
+                      "rollout/restored_lane_size": len(self.data.lane), "rollout/weight_version": self.version,
+                      "rollout/data_epoch": self.data.epoch[0], "rollout/capacity": self.C,
+                      "rollout/pipeline_buf_max": self.pbuf.max_groups,
+                      "rollout/trajqueue_max_groups": self.queue.max_groups,
+                      "rollout/max_generating_groups": self.C if self.max_generating is None else self.max_generating})
+            if self._consumed_trajs:
+                started = [(s, e, cur) for s, e, cur in self._consumed_trajs if s >= 0]
+                spans = [e - s for s, e, _ in started]
+                stale = [cur - s for s, _, cur in started]
+                m["rollout/partial_ratio"] = sum(x != 0 for x in spans) / len(self._consumed_trajs)
+                m["rollout/partial_span_max"] = max(spans, default=0)
+                m["rollout/staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
+                m["rollout/staleness_max"] = max(stale, default=0)
+            self._counts.clear()
+            self._consumed_trajs = []
+            self._boundary = {}
+            return m
+
+    def stats(self, keys: bool = False) -> dict:
+        """Current sizes and bounds without popping anything; with keys=True also the prompt ids per place."""
+        with self._cond:
+            v = self._view()
+            out = {"B": self.B, "N": self.N, "C": self.C, "R": v.R, "Q": v.Q, "generating": v.generating,
+                   "held": len(self._complete), "consumed_step": v.consumed, "next_seq": v.next_seq,
+                   "oldest_uncollected": v.oldest_uncollected, "oldest_uncompleted": v.oldest_uncompleted,
+                   "lane": len(self.data.lane), "trajqueue_trajectories": self.queue.num_trajectories,
+                   "weight_version": self.version, "max_generating": self.max_generating,
+                   "get_timeout_s": self.get_timeout}
+            if keys:
+                out.update(in_flight_keys=sorted(self._in_flight), held_keys=sorted(self._complete),
+                           buffered_keys=[g.prompt_id for g in self.pbuf.groups()],
+                           lane_keys=[g.prompt_id for g in self.data.lane])
+            return out
+
+    def state_dict(self) -> dict:
+        """Data-source cursor, weight version and every prompt not yet consumed: the restored lane (with partial
+        responses), groups in flight (with the partial they were dispatched with) and PipelineBuffer's groups (as
+        prompts, regenerated after a resume). Loading it replays them before any fresh prompt, so every prompt of
+        an epoch is trained exactly once across a resume. Plain data + tensors (torch.save-able)."""
+        with self._cond:
+            replay = list(self._in_flight.values())
+            for g in self.pbuf.groups():
+                pg = dataclasses.replace(g.prompt, partial=[])
+                replay.append(pg)
+            return {"format": 1, "weight_version": self.version, "data": self.data.state_dict(replay)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        with self._cond:
+            if self._in_flight or len(self.pbuf) or len(self.queue):
+                raise RuntimeError("load_state_dict needs an idle PipelineServer (nothing dispatched or buffered); "
+                                   "load the checkpoint before the rollout starts")
+            if sd.get("format") != 1:
+                raise ValueError(f"buffer state_dict format {sd.get('format')!r} is not supported (expected 1)")
+            self.data.load_state_dict(sd["data"])
+            self.version = int(sd["weight_version"])
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the collector thread; waiting get()/dispatch() calls return with an error / empty."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+            if self._thread.is_alive():
+                print("buffer: the collector thread did not stop within 10 s", file=sys.stderr)
+
+    def __enter__(self) -> "PipelineServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals (the caller holds self._cond) ----
+    def _view(self) -> strategies.PipelineView:
+        seqs = [k[1] for k in self._in_flight]
+        return strategies.PipelineView(
+            B=self.B, C=self.C, R=len(self._in_flight), Q=len(self.pbuf),
+            generating=len(self._in_flight) - len(self._assembled), consumed=self._consumed_step,
+            next_seq=self.data.next_seq, oldest_uncollected=min(seqs, default=None),
+            oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None))
+
+    def _may_dispatch(self, view: strategies.PipelineView) -> bool:
+        if self.max_generating is not None and view.generating >= self.max_generating:
+            return False
+        return self.strategy.may_dispatch(self.data.peek_seq(), view)
+
+    def _add_locked(self, t: Trajectory) -> None:
+        key = t.prompt_id
+        if key not in self._in_flight or not self.queue.add(t):
+            self._counts["late_drop"] += 1
+            return
+        if self.queue.is_assembled(key):
+            self._assembled.add(key)
+            if all(s.status != ABORTED for s in self.queue.slots(key)):
+                self._complete.add(key)
+
+    def _too_stale(self, trajs: list) -> bool:
+        return self.max_staleness is not None and any(
+            t.start_version >= 0 and self.version - t.start_version > self.max_staleness for t in trajs)
+
+    def _collect_locked(self) -> None:
+        """The collector: complete groups the strategy lets through -> filter -> staleness -> PipelineBuffer."""
+        view = self._view()  # updated in place below: O(R) once per pass, not once per group
+        moved = True
+        while moved:  # a custom strategy may let a group through only after another one moved
+            moved = False
+            for key in sorted(self._complete):
+                if not self.strategy.may_collect(key[1], view):
+                    continue
+                moved = True
+                pg = self._in_flight.pop(key)
+                trajs = self.queue.pop(key)
+                self._assembled.discard(key)
+                self._complete.discard(key)
+                pg.partial = []  # the trajectories now live in the Group
+                view.R -= 1
+                if key[1] == view.oldest_uncollected:
+                    view.oldest_uncollected = min((k[1] for k in self._in_flight), default=None)
+                rewards = [t.reward for t in trajs]
+                if ("failed" in self.filters and any(t.status == FAILED for t in trajs)) or (
+                        "all_equal_reward" in self.filters and max(rewards) == min(rewards)):
+                    self._counts["filter_drop"] += 1
+                elif self._too_stale(trajs):
+                    self._counts["staleness_drop"] += 1
+                else:
+                    self.pbuf.put(Group(pg, trajs))
+                    self._counts["collected"] += 1
+                    view.Q += 1
+        self._cond.notify_all()
+
+    def _collector_loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                self._cond.wait_for(lambda: self._pending or self._closed, timeout=1.0)
+                if self._pending:
+                    self._pending = False
+                    self._collect_locked()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Serving over torch.distributed.rpc: the buffer process ("buffer") and the client proxy
+# ---------------------------------------------------------------------------------------------------------
+
+_SERVER: Optional[PipelineServer] = None  # the buffer process's singleton, reached by _invoke
+_METHODS = ("dispatch", "put", "get", "step_boundary", "set_weight_version", "step_metrics", "stats",
+            "state_dict", "load_state_dict")
+
+
+def _invoke(method: str, *args):
+    """Runs in the buffer process for every RemoteBuffer call."""
+    if _SERVER is None:
+        raise RuntimeError("no PipelineServer is running in this process; start it with buffer.serve(...)")
+    if method not in _METHODS:
+        raise ValueError(f"buffer method '{method}' is not served; served: {', '.join(_METHODS)}")
+    return getattr(_SERVER, method)(*args)
+
+
+def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float,
+             num_worker_threads: int = 32) -> None:
+    """rpc.init_rpc with a start-up timeout (a worker that never shows up fails the run instead of hanging it).
+
+    Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes the tcp:// rendezvous look for torchrun's store; it is
+    removed from the environment around this call only.
+    """
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
+                                           num_worker_threads=num_worker_threads)
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    errors: list = []
+
+    def run() -> None:
+        try:
+            rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
+        except BaseException as e:  # re-raised in the calling thread below
+            errors.append(e)
+
+    try:
+        th = threading.Thread(target=run, name=f"init_rpc-{name}", daemon=True)
+        th.start()
+        th.join(timeout)
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+    if th.is_alive():
+        raise TimeoutError(f"RPC start-up: worker '{name}' (rank {rank}) waited {timeout:.0f}s at {init_method} and "
+                           f"not all {world_size} workers (trainer, buffer, rollout) joined; check that each process "
+                           "started with the same --rpc-init and --world-size")
+    if errors:
+        raise RuntimeError(f"RPC start-up of worker '{name}' (rank {rank} of {world_size}) at {init_method} "
+                           f"failed: {errors[0]}") from errors[0]
+
+
+def _exit_when_orphaned(poll_s: float = 2.0) -> None:
+    """The buffer process lives as long as its parent: if the trainer dies, nobody will ever call shutdown."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                print(f"buffer: parent process {parent} is gone; exiting", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="buffer-parent-watch", daemon=True).start()
+
+
+def _load_prompts(cfg) -> list:
+    import tasks  # project module; imported here so buffer.py stays torch + stdlib at module level
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    return [tasks.load_prompts(ds, tokenizer, "train") for ds in cfg.data_sources]
+
+
+def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
+          prompts_per_source: Optional[list] = None) -> None:
+    """Run the buffer process: a PipelineServer reachable as RPC worker "buffer" until every worker shuts down.
+
+    `prompts_per_source` defaults to tasks.load_prompts(...) of each data source (split "train").
+    """
+    import config  # light: stdlib + yaml
+    global _SERVER
+    cfg = config.validate(config.from_dict(cfg_dict))
+    if prompts_per_source is None:
+        prompts_per_source = _load_prompts(cfg)
+    _SERVER = PipelineServer(cfg, prompts_per_source)  # before init_rpc: clients may call as soon as it returns
+    try:
+        init_rpc("buffer", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
+        _exit_when_orphaned()
+        rpc.shutdown(graceful=True)  # returns once the trainer and the rollout have shut down too
+    finally:
+        _SERVER.close()
+        _SERVER = None
+
+
+class RemoteBuffer:
+    """Client proxy of the buffer process: the PipelineServer methods, each one rpc_sync of _invoke.
+
+    Every call times out after `timeout` s (buffer.rpc_timeout_s); get() and dispatch() add their own wait.
+    """
+
+    def __init__(self, worker: str = "buffer", timeout: float = 600.0):
+        self.worker, self.timeout = worker, float(timeout)
+        self._get_timeout: Optional[float] = None  # the server's buffer.get_timeout_s, fetched on first use
+
+    def _call(self, method: str, *args, wait: float = 0.0):
+        return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), timeout=self.timeout + wait)
+
+    def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list:
+        return self._call("dispatch", max_groups, timeout, wait=timeout)
+
+    def put(self, trajs: list) -> None:
+        return self._call("put", trajs)
+
+    def get(self, k: int, timeout: Optional[float] = None) -> list:
+        if timeout is None:
+            if self._get_timeout is None:
+                self._get_timeout = self.stats()["get_timeout_s"]
+            timeout = self._get_timeout
+        return self._call("get", k, timeout, wait=timeout)
+
+    def step_boundary(self, returned: list) -> dict:
+        return self._call("step_boundary", returned)
+
+    def set_weight_version(self, v: int) -> None:
+        return self._call("set_weight_version", v)
+
+    def step_metrics(self) -> dict:
+        return self._call("step_metrics")
+
+    def stats(self, keys: bool = False) -> dict:
+        return self._call("stats", keys)
+
+    def state_dict(self) -> dict:
+        return self._call("state_dict")
+
+    def load_state_dict(self, sd: dict) -> None:
+        return self._call("load_state_dict", sd)
+
+
+def main(argv: Optional[list] = None) -> None:
+    ap = argparse.ArgumentParser(description="Run the buffer process (RPC worker 'buffer').")
+    ap.add_argument("--config", required=True, help="resolved config YAML (train.py writes it to run_dir)")
+    ap.add_argument("--rpc-init", required=True, help="RPC rendezvous, e.g. tcp://127.0.0.1:29600")
+    ap.add_argument("--rank", type=int, required=True, help="this process's RPC rank")
+    ap.add_argument("--world-size", type=int, required=True, help="number of RPC workers (trainer, buffer, rollout)")
+    args = ap.parse_args(argv)
+    import config
+    serve(config.to_dict(config.load_config(args.config)), args.rpc_init, args.rank, args.world_size)
+
+
+if __name__ == "__main__":
+    import buffer  # serve from the importable module: RPC pickles calls as buffer._invoke, so the singleton must live there
+    buffer.main()
