@@ -1,0 +1,1124 @@
+"""rollout.py: the asynchronous producer that drives SGLang-compatible inference servers over HTTP.
+
+- `Fleet`: one asyncio HTTP client for the inference fleet, either a list of server URLs or an sglang-router URL
+  (its workers are listed with GET /workers). `/generate` goes to the least-loaded server (or to the router), with
+  retries and exponential backoff on connection errors and 5xx. Control calls (abort, pause/continue, flush, weight
+  updates, memory release) fan out to every worker, because a router forwards none of them. `SyncFleet` runs a
+  Fleet on its own event-loop thread, so synchronous code (the trainer, tests) can call it too.
+- `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
+  asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function
+  (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
+  `pause()` stops dispatch and then either aborts everything in flight (rollout.partial=true; the partial
+  trajectories go to `buffer.step_boundary`) or waits for it; `resume(version)` restarts dispatch. A restored group
+  continues from its partial responses (prompt + partial tokens as input, the remaining max_new_tokens); its finished
+  trajectories are put back as they are. `rollout.trajectory_timeout_s` aborts a request that runs too long and
+  marks its trajectory failed.
+- `serve` / `RemoteRollout`: the rollout process (RPC worker "rollout") and the trainer's proxy of it.
+- Standalone: generate and score a dataset against running servers, without training (JSONL + a summary line).
+
+Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP
+layer counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in
+flight (the producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all
+of its N trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once; a semaphore
+of S requests at the HTTP layer backs this for custom rollout functions. S above the fleet's concurrency (the sum of
+the servers' max_running_requests, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming
+both numbers. Set S above the global batch B x N; otherwise the capacity C already bounds generation and S is
+redundant. Unset, only the strategy's capacity C bounds the groups in flight.
+
+Rids are f"{run_tag}-{epoch}-{seq}-{index}-{attempt}." (`attempt` counts every request of a trajectory: turns,
+retries, continuations); the trailing dot keeps any rid from being a prefix of another, since SGLang aborts by
+prefix. Weight versions are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
+
+A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
+`await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
+(environment tokens, loss mask 0). Built in: `single_turn`, `multi_turn_tool` (tasks.make_env). Or
+rollout.function=module:function.
+
+Simplifications: one request per trajectory at a time (turns are sequential); the response budget
+rollout.sampling.max_new_tokens counts every response token, environment tokens included; a restored multi-turn
+trajectory rebuilds its environment by replaying the turns it already has; rewards see the decoded response only.
+
+Run:
+    python rollout.py --config configs/tiny.yaml rollout.servers=[http://127.0.0.1:31000] [--split eval --limit 64]
+    python rollout.py --serve --config RESOLVED.yaml --rpc-init tcp://127.0.0.1:29500 --rank 2 --world-size 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import random
+import threading
+import time
+import uuid
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import aiohttp
+import torch
+
+import config as config_lib
+import losses
+from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, PromptGroup, Trajectory
+
+log = logging.getLogger("rollout")
+
+CONNECT_TIMEOUT_S = 10.0  # TCP connect timeout of every HTTP call (a dead server is a retry, not a long wait)
+MAX_BACKOFF_S = 30.0  # cap of the doubling /generate retry delay
+ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
+DISPATCH_POLL_S = 0.02  # re-ask the buffer this often while it allows no dispatch (it learns of consumption, we don't)
+STATUS_OF_FINISH = {"stop": COMPLETED, "length": TRUNCATED, "abort": ABORTED}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rids
+
+def make_rid(run_tag: str, epoch: int, seq: int, index: int, attempt: int) -> str:
+    """The rid of one request: never a prefix of another rid, so aborting it by prefix aborts only it."""
+    return f"{trajectory_rid_prefix(run_tag, epoch, seq, index)}{attempt}."
+
+
+def trajectory_rid_prefix(run_tag: str, epoch: int, seq: int, index: int) -> str:
+    """The prefix shared by every request of one trajectory (and of no other trajectory)."""
+    return f"{run_tag}-{epoch}-{seq}-{index}-"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Responses
+
+@dataclass
+class Generation:
+    """One /generate response, parsed: the new tokens with their log-probs and weight versions."""
+    ids: list[int]
+    log_probs: list[float]
+    versions: list[int]
+    finish: str  # stop | length | abort
+    finish_reason: dict  # the server's finish_reason, as sent
+
+
+def parse_version(value: Any, where: str) -> int:
+    """A server's weight_version string as an int (this project's versions are str(int), the first weights 0)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} weight_version {value!r} is not an integer; start the servers with "
+                         "--weight-version 0 (SGLang's default is 'default')") from None
+
+
+def parse_generate_response(out: dict) -> Generation:
+    """Token ids, log-probs, per-token versions (from the `weight_versions` spans) and finish type of a response."""
+    meta = out.get("meta_info") or {}
+    ids = list(out.get("output_ids") or [])
+    lps = meta.get("output_token_logprobs") or []
+    if len(lps) != len(ids):
+        raise ValueError(f"/generate response {meta.get('id')} has {len(ids)} output_ids but {len(lps)} "
+                         "output_token_logprobs; send return_logprob=true")
+    for (lp, tok, *_), i in zip(lps, ids):
+        if tok != i:
+            raise ValueError(f"/generate response {meta.get('id')}: output_token_logprobs token {tok} != output id {i}")
+    rid = meta.get("id")
+    versions = [parse_version(meta.get("weight_version"), f"/generate response {rid}")] * len(ids)
+    for span in meta.get("weight_versions") or []:  # spans over output token indices, end exclusive
+        v = parse_version(span["version"], f"/generate response {rid} span")
+        start, end = max(0, int(span["start"])), min(len(ids), int(span["end"]))
+        versions[start:end] = [v] * max(0, end - start)
+    reason = meta.get("finish_reason") or {}
+    finish = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if finish not in STATUS_OF_FINISH:
+        raise ValueError(f"/generate response {rid} has finish_reason {reason!r}; expected type stop, length or abort")
+    return Generation(ids, [float(lp[0]) for lp in lps], versions, finish, reason)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fleet client
+
+class FleetError(RuntimeError):
+    """A fleet call failed for good: retries exhausted, an HTTP 4xx, a timeout, or a worker answered success=false."""
+
+
+class Fleet:
+    """Async HTTP client of the inference fleet: server URLs, or a router whose workers GET /workers lists.
+
+    Every method is a coroutine of the event loop that first uses the Fleet (its aiohttp session lives there).
+    """
+
+    def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
+                 request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0, max_retries: int = 5,
+                 retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None):
+        if bool(urls) == bool(router_url):
+            raise ValueError("the fleet needs either rollout.servers (a list of URLs) or rollout.router_url, "
+                             f"not both and not neither; got servers={urls!r}, router_url={router_url!r}")
+        self.urls = [u.rstrip("/") for u in urls or []]
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
+        self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+        self.router_max_concurrent_requests = router_max_concurrent_requests
+        self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
+        self.requests_in_flight = 0  # our /generate requests in flight, all servers together
+        self.retries = 0  # /generate retries since the Fleet was made
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "Fleet":
+        r = cfg.rollout
+        return cls(r.servers, r.router_url, request_timeout_s=r.request_timeout_s,
+                   control_timeout_s=cfg.weight_sync.timeout_s, max_retries=r.max_retries,
+                   retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:  # limit=0: our own bounds (semaphore, groups) decide the concurrency, not aiohttp's
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- /generate ----
+    def _pick(self, avoid: Optional[str]) -> str:
+        """The server with the fewest of our requests in flight (not `avoid`, the one that just failed, if others)."""
+        candidates = [u for u in self.urls if u != avoid] or self.urls
+        return min(candidates, key=lambda u: self.in_flight[u])
+
+    async def generate(self, payload: dict, next_rid: Optional[Callable[[], str]] = None,
+                       stop: Optional[asyncio.Event] = None) -> Optional[dict]:
+        """POST /generate with retries; returns the response JSON, or None if `stop` was set before a server took it.
+
+        `next_rid()` gives the rid of each attempt. Connection errors and 5xx are retried (on another server when
+        there is one) after rollout.retry_backoff_s, doubling; HTTP 4xx and the request timeout are not.
+        """
+        last_error = ""
+        avoid = None
+        for attempt in range(self.max_retries + 1):
+            if stop is not None and stop.is_set():
+                return None
+            if next_rid is not None:
+                payload["rid"] = next_rid()
+            url = self.router_url or self._pick(avoid)
+            self.requests_in_flight += 1
+            if url in self.in_flight:
+                self.in_flight[url] += 1
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+                async with self._http().post(url + "/generate", json=payload, timeout=timeout) as resp:
+                    if resp.status < 400:
+                        return await resp.json(content_type=None)
+                    body = (await resp.text())[:300]
+                    if resp.status < 500:
+                        raise FleetError(f"{url}/generate answered HTTP {resp.status}: {body}")
+                    last_error = f"{url}/generate answered HTTP {resp.status}: {body}"
+            except aiohttp.ServerTimeoutError as e:  # connect or socket timeout: the server is not there
+                last_error = f"{url}/generate: {e!r}"
+            except asyncio.TimeoutError:
+                raise FleetError(f"{url}/generate did not answer within rollout.request_timeout_s="
+                                 f"{self.request_timeout_s} s") from None
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                last_error = f"{url}/generate: {e!r}"
+            finally:
+                self.requests_in_flight -= 1
+                if url in self.in_flight:
+                    self.in_flight[url] -= 1
+            avoid = url
+            if attempt == self.max_retries:
+                break
+            self.retries += 1
+            delay = min(self.retry_backoff_s * 2 ** attempt, MAX_BACKOFF_S) * (1 + 0.25 * random.random())
+            log.warning("retrying /generate in %.1f s (retry %d of rollout.max_retries=%d): %s",
+                        delay, attempt + 1, self.max_retries, last_error)
+            if stop is None:
+                await asyncio.sleep(delay)
+            else:
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                    return None
+                except asyncio.TimeoutError:
+                    pass
+        raise FleetError(f"/generate failed after rollout.max_retries={self.max_retries} retries: {last_error}")
+
+    # ---- control calls ----
+    async def _call(self, url: str, method: str, path: str, body: Optional[dict] = None,
+                    timeout_s: Optional[float] = None) -> Any:
+        """One control call to one worker: the JSON (or text) answer; FleetError on HTTP >= 400 or success=false."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+        try:
+            async with self._http().request(method, url + path, json=body, timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise FleetError(f"{method} {url}{path} answered HTTP {resp.status}: {text[:300]}")
+        except asyncio.TimeoutError:
+            raise FleetError(f"{method} {url}{path} did not answer within {timeout.total} s") from None
+        except aiohttp.ClientError as e:
+            raise FleetError(f"{method} {url}{path} failed: {e!r}") from None
+        try:
+            data = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return text
+        if isinstance(data, dict) and data.get("success") is False:
+            raise FleetError(f"{method} {url}{path} failed: {data.get('message')}")
+        return data
+
+    async def workers(self) -> list[str]:
+        """The worker URLs: the configured servers, or the router's GET /workers."""
+        if self.router_url is None:
+            return list(self.urls)
+        data = await self._call(self.router_url, "GET", "/workers")
+        items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
+        urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
+        if not urls:
+            raise FleetError(f"router {self.router_url} lists no workers in GET /workers: {data!r}")
+        return urls
+
+    async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
+                       timeout_s: Optional[float] = None) -> list:
+        urls = await self.workers()
+        return list(await asyncio.gather(*[self._call(u, method, path, body, timeout_s) for u in urls]))
+
+    async def abort(self, rid_prefix: str = "", abort_all: bool = False) -> int:
+        """Abort matching requests on every worker; returns how many workers could not be reached (logged only:
+        their requests are gone with them)."""
+        urls = await self.workers()
+        results = await asyncio.gather(*[self._call(u, "POST", "/abort_request",
+                                                    {"rid": rid_prefix, "abort_all": abort_all}, CONNECT_TIMEOUT_S)
+                                         for u in urls], return_exceptions=True)
+        errors = [r for r in results if isinstance(r, Exception)]
+        for e in errors:
+            log.warning("abort of rids '%s' failed: %s", rid_prefix, e)
+        return len(errors)
+
+    async def pause(self, mode: str = "abort") -> list:
+        return await self._fan_out("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_(self) -> list:
+        return await self._fan_out("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> list:
+        return await self._fan_out("POST", "/flush_cache")
+
+    async def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True) -> list:
+        return await self._fan_out("POST", "/update_weights_from_disk",
+                                   {"model_path": path, "weight_version": str(version), "flush_cache": flush_cache})
+
+    async def engine_ranks(self) -> list[int]:
+        """Ranks each worker brings to a weight-update group (its tp_size from /server_info)."""
+        return [int(info.get("tp_size") or 1) for info in await self.server_infos()]
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "nccl") -> list:
+        """Every worker joins the trainer's broadcast group (trainer rank 0 is rank 0, workers follow in order).
+
+        The calls return only once the group has formed, so the trainer joins it while this runs (SyncFleet.submit).
+        """
+        urls, ranks = await self.workers(), await self.engine_ranks()
+        if world_size != 1 + sum(ranks):
+            raise ValueError(f"weight-update group world_size {world_size} != 1 + the workers' ranks {ranks}")
+        offsets = [1 + sum(ranks[:i]) for i in range(len(urls))]
+        body = {"master_address": master_address, "master_port": master_port, "world_size": world_size,
+                "group_name": group_name, "backend": backend}
+        return list(await asyncio.gather(*[self._call(u, "POST", "/init_weights_update_group",
+                                                      {**body, "rank_offset": off}) for u, off in zip(urls, offsets)]))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list:
+        return await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: Optional[int] = None, group_name: str = "weight_update_group",
+                                              flush_cache: bool = True) -> list:
+        """Every worker receives these tensors from the group's broadcast (the trainer broadcasts meanwhile)."""
+        return await self._fan_out("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": None if version is None else str(version)})
+
+    async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> list:
+        return await self._fan_out("POST", "/update_weight_version",
+                                   {"new_version": str(version), "abort_all_requests": abort_all_requests})
+
+    async def release_memory(self, tags: Optional[list[str]] = None) -> list:
+        return await self._fan_out("POST", "/release_memory_occupation", {} if tags is None else {"tags": tags})
+
+    async def resume_memory(self, tags: Optional[list[str]] = None) -> list:
+        return await self._fan_out("POST", "/resume_memory_occupation", {} if tags is None else {"tags": tags})
+
+    async def server_infos(self) -> list[dict]:
+        return await self._fan_out("GET", "/server_info")
+
+    async def loads(self) -> list[dict]:
+        """GET /v1/loads of every worker (running and waiting requests, per DP rank)."""
+        return await self._fan_out("GET", "/v1/loads")
+
+    async def health(self) -> dict[str, bool]:
+        """Worker URL -> whether GET /health answers 200 (503 while starting or shutting down)."""
+        urls = await self.workers()
+        results = await asyncio.gather(*[self._call(u, "GET", "/health", None, CONNECT_TIMEOUT_S) for u in urls],
+                                       return_exceptions=True)
+        return {u: not isinstance(r, Exception) for u, r in zip(urls, results)}
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Wait until every worker answers /health; TimeoutError naming the ones that did not."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                down = [u for u, ok in (await self.health()).items() if not ok]
+            except FleetError as e:  # a router that is still starting
+                down = [f"{self.router_url} ({e})"]
+            if not down:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference servers not healthy after rollout.startup_timeout_s={timeout_s} s: "
+                                   f"{', '.join(down)}")
+            await asyncio.sleep(0.5)
+
+    async def concurrency(self) -> Optional[int]:
+        """The fleet's concurrency: sum of the workers' max_running_requests (/server_info), capped by
+        rollout.router_max_concurrent_requests; None when no server reports it and no router limit is set."""
+        limits = [info.get("max_running_requests") for info in await self.server_infos()]
+        total = sum(limits) if limits and all(isinstance(x, int) and x > 0 for x in limits) else None
+        router = self.router_max_concurrent_requests if self.router_url else None
+        if router is not None and router > 0:
+            return router if total is None else min(total, router)
+        return total
+
+
+class SyncFleet:
+    """A Fleet on its own event-loop thread, callable from synchronous code: every Fleet coroutine method becomes a
+    blocking method (e.g. `SyncFleet(fleet).update_weights_from_disk(path, 3)`); `submit` returns a Future instead.
+
+    The Rollout producer runs on this same loop, so one process has one event loop and one HTTP session.
+    """
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
+        self._thread.start()
+        # A fleet call is bounded by its own HTTP timeouts; this outer bound only catches a wedged loop.
+        self.call_timeout_s = max(fleet.control_timeout_s, fleet.request_timeout_s) + 60.0
+
+    def run(self, coro, timeout_s: Optional[float] = None, what: str = "fleet call"):
+        """Run a coroutine on the loop and wait for its result (TimeoutError naming `what` after timeout_s)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s or self.call_timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"{what} did not finish within {timeout_s or self.call_timeout_s} s") from None
+
+    def submit(self, method: str, *args, **kwargs) -> concurrent.futures.Future:
+        """Start a Fleet method without waiting (e.g. init_weights_update_group while the trainer joins the group)."""
+        return asyncio.run_coroutine_threadsafe(getattr(self.fleet, method)(*args, **kwargs), self.loop)
+
+    def __getattr__(self, name: str):
+        if name == "fleet":  # not set yet (during construction or unpickling)
+            raise AttributeError(name)
+        attr = getattr(self.fleet, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+        return lambda *a, **kw: self.run(attr(*a, **kw), what=f"Fleet.{name}")
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.run(self.fleet.close(), 30.0, "closing the fleet's HTTP session")
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The concurrency knob
+
+def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency: Optional[int]) -> Optional[int]:
+    """rollout.async_max_concurrent_samples after validation (ValueError: not > 0, or below N) and the clamp to the
+    fleet's concurrency (a warning naming both numbers, not an error: users want this value large)."""
+    config_lib.validate_concurrency(value, n)
+    if value is None or fleet_concurrency is None or value <= fleet_concurrency:
+        return value
+    if fleet_concurrency < n:
+        raise ValueError(f"the inference fleet's concurrency ({fleet_concurrency}, sum of max_running_requests or the "
+                         f"router limit) is below data_source.num_trajectories_per_prompt ({n}), so no group could be "
+                         "in flight; raise rollout.sglang_args.max_running_requests or add servers")
+    warnings.warn(f"rollout.async_max_concurrent_samples ({value}) exceeds the inference fleet's concurrency "
+                  f"({fleet_concurrency}, sum of max_running_requests or the router limit); clamping it to "
+                  f"{fleet_concurrency}", stacklevel=2)
+    return fleet_concurrency
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout functions
+
+@dataclass
+class _Active:
+    """A trajectory being generated: the event that stops it (pause or timeout) and whether it timed out."""
+    prefix: str
+    stop: asyncio.Event
+    timed_out: bool = False
+
+
+def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
+    traj.response_ids = torch.cat([traj.response_ids, torch.tensor(ids, dtype=torch.long)])
+    traj.rollout_log_probs = torch.cat([traj.rollout_log_probs, torch.tensor(log_probs, dtype=torch.float32)])
+    traj.versions = torch.cat([traj.versions, torch.tensor(versions, dtype=torch.long)])
+    traj.loss_mask = torch.cat([traj.loss_mask, torch.full((len(ids),), mask, dtype=torch.long)])
+
+
+class RolloutContext:
+    """What a rollout function may use for one trajectory: generate a turn, append environment tokens, decode."""
+
+    def __init__(self, rollout: "Rollout", group: PromptGroup, active: _Active):
+        self.rollout, self.group, self._active = rollout, group, active
+        self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
+        self.task = rollout.cfg.data_sources[group.source].task
+        self.max_new_tokens = rollout.cfg.rollout.sampling.max_new_tokens
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    async def generate(self, traj: Trajectory) -> str:
+        """One model turn from prompt + response so far, within the remaining budget. Appends the new tokens (loss
+        mask 1) with their log-probs and versions, sets traj.status from the finish reason and returns its type
+        (stop | length | abort). A server-side abort we did not ask for is continued, up to max_retries times."""
+        r = self.rollout
+        unasked_aborts = 0
+        while True:
+            budget = self.max_new_tokens - len(traj.response_ids)
+            if budget <= 0:
+                traj.status = TRUNCATED
+                return "length"
+            payload = {"input_ids": traj.prompt_ids.tolist() + traj.response_ids.tolist(), "return_logprob": True,
+                       "sampling_params": {**r.sampling_params, "max_new_tokens": budget}}
+            async with r.http_slots:
+                out = await r.fleet.generate(payload, lambda: r.next_rid(traj), self._active.stop)
+            if out is None:  # stopped before a server took the request
+                traj.status = ABORTED
+                return "abort"
+            gen = parse_generate_response(out)
+            _extend(traj, gen.ids, gen.log_probs, gen.versions, 1)
+            r.stats["generated_tokens"] += len(gen.ids)
+            traj.metadata["finish_reason"] = gen.finish_reason
+            status_code = gen.finish_reason.get("status_code") if isinstance(gen.finish_reason, dict) else None
+            if (gen.finish == "abort" and not self._active.stop.is_set() and not (status_code and status_code < 500)
+                    and unasked_aborts < r.cfg.rollout.max_retries):
+                unasked_aborts += 1
+                continue
+            traj.status = STATUS_OF_FINISH[gen.finish]
+            if gen.finish == "abort" and not self._active.stop.is_set():
+                traj.status = FAILED
+                traj.metadata["error"] = f"the server aborted the request: {gen.finish_reason}"
+            return gen.finish
+
+    def append_env(self, traj: Trajectory, text: str) -> bool:
+        """Environment tokens (loss mask 0, log-prob 0, the version of the turn before them). False, and status
+        truncated, when they do not fit in the remaining budget (nothing is appended then)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        start = len(traj.response_ids)
+        if start + len(ids) > self.max_new_tokens:
+            traj.status = TRUNCATED
+            return False
+        version = int(traj.versions[-1]) if start else -1
+        _extend(traj, ids, [0.0] * len(ids), [version] * len(ids), 0)
+        traj.metadata.setdefault("env_spans", []).append([start, start + len(ids)])
+        return True
+
+
+async def single_turn(ctx: RolloutContext, traj: Trajectory) -> None:
+    """One model turn from the prompt (or from a restored partial response) to stop, length or abort."""
+    await ctx.generate(traj)
+
+
+async def multi_turn_tool(ctx: RolloutContext, traj: Trajectory) -> None:
+    """Model turns alternating with tasks.make_env observations (loss mask 0) until the environment ends the episode,
+    env.max_turns model turns, or the budget runs out. A restored trajectory first replays its finished turns into
+    a fresh environment, then continues its last, partial turn."""
+    import tasks
+
+    env = tasks.make_env(ctx.task, ctx.group.label, ctx.group.metadata)
+    turn_start = 0
+    for start, end in traj.metadata.get("env_spans", []):
+        env.step(ctx.decode(traj.response_ids[turn_start:start]))
+        turn_start = end
+    turns = len(traj.metadata.get("env_spans", []))
+    while True:
+        if await ctx.generate(traj) != "stop":
+            return
+        turns += 1
+        if turns >= env.max_turns:
+            return
+        observation = env.step(ctx.decode(traj.response_ids[turn_start:]))
+        if observation is None or not ctx.append_env(traj, observation):
+            return
+        turn_start = len(traj.response_ids)
+
+
+ROLLOUT_FUNCTIONS = {"single_turn": single_turn, "multi_turn_tool": multi_turn_tool}
+
+
+def resolve_rollout_function(name: str) -> Callable:
+    """rollout.function: a built-in name or "module:function" naming an async function (ctx, traj) -> None."""
+    fn = ROLLOUT_FUNCTIONS.get(name)
+    if fn is None and ":" in name:
+        module, attr = name.split(":", 1)
+        fn = getattr(importlib.import_module(module), attr, None)
+    if fn is None or not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.function '{name}' must be one of {', '.join(ROLLOUT_FUNCTIONS)} or "
+                         "module:function naming an async function (ctx, traj) -> None")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+
+def partial_metrics(groups) -> dict:
+    """rollout/partial_ratio and rollout/partial_span_max over the trajectories the trainer consumed this step
+    (spec section 4): the share whose first and last generated tokens have different weight versions, and the
+    largest end - start version span. Trajectories with no generated token count as not partial."""
+    trajs = [t for g in groups for t in g.trajectories]
+    spans = [t.end_version - t.start_version if t.start_version >= 0 else 0 for t in trajs]
+    return {"rollout/partial_ratio": sum(s != 0 for s in spans) / max(1, len(spans)),
+            "rollout/partial_span_max": max(spans, default=0)}
+
+
+def _new_stats() -> dict:
+    return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
+            "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
+            "in_flight_max": 0, "in_flight_area": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The producer
+
+@dataclass
+class _GroupRun:
+    group: PromptGroup
+    remaining: int  # trajectories not yet put to the buffer (or returned as partial)
+
+
+class Rollout:
+    """The producer: dispatch groups, run and score their trajectories, put them to the buffer (see module doc).
+
+    `buffer` is a buffer.PipelineServer or a buffer.RemoteBuffer (dispatch, put, step_boundary); `fleet` a Fleet or
+    a SyncFleet (whose event-loop thread the producer runs on). Public methods are synchronous and thread-safe.
+    """
+
+    def __init__(self, cfg, buffer, fleet, tokenizer):
+        r = cfg.rollout
+        if r.reward_pool not in ("thread", "process"):
+            raise ValueError(f"rollout.reward_pool must be thread or process, got '{r.reward_pool}'")
+        if r.reward_workers <= 0:
+            raise ValueError(f"rollout.reward_workers must be > 0, got {r.reward_workers}")
+        if r.retry_backoff_s < 0:
+            raise ValueError(f"rollout.retry_backoff_s must be >= 0, got {r.retry_backoff_s}")
+        self.cfg, self.buffer, self.tokenizer = cfg, buffer, tokenizer
+        self.sync = fleet if isinstance(fleet, SyncFleet) else SyncFleet(fleet)
+        self.fleet = self.sync.fleet
+        self.fn = resolve_rollout_function(r.function)
+        import tasks
+
+        self.reward_fns = [tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task)) for ds in cfg.data_sources]
+        self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
+                                "top_k": r.sampling.top_k}
+        self.run_tag = uuid.uuid4().hex[:8]  # no "-": the tag, then "-", is a prefix of this Rollout's rids only
+        self.n = cfg.N
+        self.max_samples: Optional[int] = None  # effective async_max_concurrent_samples, set by start()
+        self.max_groups: Optional[int] = None  # max_samples // N
+        self.version: Optional[int] = None  # the last resume(version)
+        self.http_slots: Any = None
+        self.stats = _new_stats()
+        self._groups: dict[tuple[int, int], _GroupRun] = {}
+        self._active: dict[str, _Active] = {}
+        self._outbox: list[Trajectory] = []
+        self._partials: list[Trajectory] = []
+        self._dispatching = False
+        self._stopping = False  # pausing with rollout.partial=true: new and running trajectories stop
+        self._error: Optional[BaseException] = None
+        self._tasks: set = set()
+        self._started = False
+        self._in_flight_t = time.monotonic()
+        self._retries_seen = 0
+        if r.reward_pool == "process":
+            self._pool = concurrent.futures.ProcessPoolExecutor(r.reward_workers,
+                                                                mp_context=multiprocessing.get_context("spawn"))
+        else:
+            self._pool = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
+
+    # ---- public, synchronous ----
+    def start(self) -> None:
+        """Read the fleet's concurrency, clamp the knob, start dispatching. Idempotent."""
+        if not self._started:
+            self.sync.run(self._start(), self.cfg.rollout.startup_timeout_s, "Rollout.start")
+            self._started = True
+
+    def pause(self) -> dict:
+        """Stop dispatch; abort (partial=true) or wait for (partial=false) everything in flight; hand the partial
+        trajectories to buffer.step_boundary. Returns its cleanup metrics and timing/pause_delay."""
+        self._raise_error()
+        out = self.sync.run(self._pause(), self.cfg.rollout.pause_timeout_s + 60.0, "Rollout.pause")
+        self._raise_error()
+        return out
+
+    def resume(self, version: int) -> None:
+        """Dispatch again; `version` is the weight version the servers now serve (recorded for metrics)."""
+        self._raise_error()
+        self.sync.run(self._resume(version), 30.0, "Rollout.resume")
+
+    def step_metrics(self) -> dict:
+        """rollout/... metrics of the trajectories finished since the last call."""
+        self._raise_error()
+        return self.sync.run(self._step_metrics(), 30.0, "Rollout.step_metrics")
+
+    def stop(self) -> None:
+        """Abort everything of ours in flight, stop the producer and the reward pool (the fleet stays open)."""
+        if self.sync.loop.is_running():
+            self.sync.run(self._stop(), 60.0, "Rollout.stop")
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- on the loop ----
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _start(self) -> None:
+        self.max_samples = clamp_max_concurrent_samples(self.cfg.rollout.async_max_concurrent_samples, self.n,
+                                                        await self.fleet.concurrency())
+        self.max_groups = None if self.max_samples is None else self.max_samples // self.n
+        self.http_slots = asyncio.Semaphore(self.max_samples) if self.max_samples else _NoLimit()
+        self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._idle.set()
+        self._dispatch_lock = asyncio.Lock()
+        self._dispatching = True
+        self._spawn(self._guard(self._produce()))
+        self._spawn(self._guard(self._flush()))
+
+    async def _guard(self, coro) -> None:
+        """Run a background loop; record its failure so that every public call raises it."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            log.exception("rollout producer failed")
+            self._error = e
+            self._dispatching = False
+            self._idle.set()  # a pause waiting for in-flight work returns now and raises the error
+
+    async def _produce(self) -> None:
+        while True:
+            if not self._dispatching:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            async with self._dispatch_lock:  # a pause waits for a dispatch in progress to be launched
+                free = None if self.max_groups is None else self.max_groups - len(self._groups)
+                groups = await asyncio.to_thread(self.buffer.dispatch, free) if free is None or free > 0 else []
+                for g in groups:
+                    self._launch(g)
+            if not groups:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), DISPATCH_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _launch(self, g: PromptGroup) -> None:
+        key = g.prompt_id
+        if key in self._groups:
+            raise RuntimeError(f"buffer.dispatch returned group (epoch, seq)={key} which is still in flight")
+        if g.partial and len(g.partial) != self.n:
+            raise ValueError(f"restored group {key} has {len(g.partial)} partial trajectories, expected N={self.n}")
+        self._groups[key] = _GroupRun(g, self.n)
+        self._idle.clear()
+        for i in range(self.n):
+            traj = g.partial[i] if g.partial else Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=ABORTED)
+            self._spawn(self._run_trajectory(g, traj))
+
+    def next_rid(self, traj: Trajectory) -> str:
+        attempt = traj.metadata.get("attempts", 0)
+        traj.metadata["attempts"] = attempt + 1
+        return make_rid(self.run_tag, traj.epoch, traj.seq, traj.index, attempt)
+
+    def _count_in_flight(self, delta: int) -> None:
+        now = time.monotonic()
+        self.stats["in_flight_area"] += len(self._active) * (now - self._in_flight_t)
+        self._in_flight_t = now
+        self.stats["in_flight_max"] = max(self.stats["in_flight_max"], len(self._active) + delta)
+
+    async def _run_trajectory(self, g: PromptGroup, traj: Trajectory) -> None:
+        if traj.status != ABORTED:  # finished before the pause that restored its group: returned as it is
+            self._emit(traj)
+            return
+        prefix = trajectory_rid_prefix(self.run_tag, traj.epoch, traj.seq, traj.index)
+        active = _Active(prefix, asyncio.Event())
+        if self._stopping:
+            active.stop.set()
+        self._count_in_flight(+1)
+        self._active[prefix] = active
+        restored = len(traj.response_ids) > 0
+        task = self._spawn(self.fn(RolloutContext(self, g, active), traj))
+        loop = asyncio.get_running_loop()
+        timeout = self.cfg.rollout.trajectory_timeout_s
+        soft = loop.call_later(timeout, self._on_timeout, active)
+        hard = loop.call_later(timeout + ABORT_GRACE_S, task.cancel)  # the server did not return the abort either
+        try:
+            await asyncio.wait({task})
+        finally:
+            soft.cancel()
+            hard.cancel()
+            self._count_in_flight(-1)
+            del self._active[prefix]
+        if active.timed_out:
+            traj.status = FAILED
+            traj.metadata["error"] = f"rollout.trajectory_timeout_s={timeout} s exceeded; the request was aborted"
+            self.stats["timeouts"] += 1
+        elif not task.cancelled() and task.exception() is not None:
+            traj.status = FAILED
+            traj.metadata["error"] = repr(task.exception())
+            log.warning("trajectory %s failed: %r", prefix, task.exception())
+        elif traj.status == ABORTED and not self._stopping:
+            traj.status = FAILED
+            traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
+        if len(traj.response_ids):
+            traj.start_version, traj.end_version = int(traj.versions[0]), int(traj.versions[-1])
+        if restored:
+            traj.metadata["restored"] = traj.metadata.get("restored", 0) + 1
+        if traj.status == ABORTED:  # pausing with rollout.partial=true: to buffer.step_boundary
+            self._partials.append(traj)
+            self._done(g.prompt_id)
+            return
+        if self.cfg.rollout.mask_offpolicy_in_partial_rollout and len(traj.versions):
+            # The spec masks restored tokens of older versions when the trajectory is restored; the rule is the
+            # trainer's (losses.offpolicy_token_mask), so applying it here too changes nothing there.
+            traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
+        if traj.status in (COMPLETED, TRUNCATED):
+            await self._score(g, traj)
+        self._emit(traj)
+
+    def _on_timeout(self, active: _Active) -> None:
+        active.timed_out = True
+        active.stop.set()
+        self._spawn(self.fleet.abort(active.prefix))
+
+    async def _score(self, g: PromptGroup, traj: Trajectory) -> None:
+        text = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
+        fn = self.reward_fns[g.source]
+        try:
+            reward = await asyncio.get_running_loop().run_in_executor(self._pool, fn, text, g.label,
+                                                                      traj.status == COMPLETED)
+            traj.reward = float(reward)
+        except Exception as e:
+            traj.status = FAILED
+            traj.metadata["error"] = f"reward function failed: {e!r}"
+            log.warning("reward of trajectory %s failed: %r", traj.prompt_id, e)
+
+    def _emit(self, traj: Trajectory) -> None:
+        s = self.stats
+        s["finished"] += 1
+        s["failed"] += traj.status == FAILED
+        s["truncated"] += traj.status == TRUNCATED
+        if traj.status in (COMPLETED, TRUNCATED):
+            s["scored"] += 1
+            s["reward_sum"] += traj.reward
+            s["length_sum"] += len(traj.response_ids)
+            s["length_max"] = max(s["length_max"], len(traj.response_ids))
+        self._outbox.append(traj)
+        self._outbox_ready.set()
+
+    async def _flush(self) -> None:
+        """Put finished trajectories to the buffer, batched: one call carries whatever finished meanwhile."""
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            batch, self._outbox = self._outbox, []
+            if batch:
+                await asyncio.to_thread(self.buffer.put, batch)
+                for traj in batch:
+                    self._done(traj.prompt_id)
+
+    def _done(self, key: tuple[int, int]) -> None:
+        run = self._groups[key]
+        run.remaining -= 1
+        if run.remaining == 0:
+            del self._groups[key]
+            self._wake.set()
+            if not self._groups:
+                self._idle.set()
+
+    async def _pause(self) -> dict:
+        t0 = time.monotonic()
+        self._dispatching = False
+        async with self._dispatch_lock:  # groups being dispatched right now are launched before we go on
+            pass
+        deadline = t0 + self.cfg.rollout.pause_timeout_s
+        if self.cfg.rollout.partial:
+            self._stopping = True
+            for active in self._active.values():
+                active.stop.set()
+            wait_s = 0.05
+            while not self._idle.is_set():  # abort again until all came back: a request may reach a server late
+                await self.fleet.abort(self.run_tag + "-")
+                await self._wait_idle(min(wait_s, max(0.0, deadline - time.monotonic())), deadline)
+                wait_s = min(2 * wait_s, 1.0)
+        else:
+            await self._wait_idle(max(0.0, deadline - time.monotonic()), deadline)
+        partials, self._partials = self._partials, []
+        self._stopping = False
+        metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials) or {})
+        metrics["rollout/partial_aborted_count"] = len(partials)
+        metrics["timing/pause_delay"] = time.monotonic() - t0
+        return metrics
+
+    async def _wait_idle(self, wait_s: float, deadline: float) -> None:
+        try:
+            await asyncio.wait_for(self._idle.wait(), wait_s)
+        except asyncio.TimeoutError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"pause did not finish within rollout.pause_timeout_s={self.cfg.rollout.pause_timeout_s} s: "
+                    f"{len(self._active)} trajectories still generating ({', '.join(list(self._active)[:5])}), "
+                    f"{len(self._groups)} groups not yet put to the buffer") from None
+
+    async def _resume(self, version: int) -> None:
+        self.version = version
+        self._dispatching = self._error is None
+        self._wake.set()
+
+    async def _step_metrics(self) -> dict:
+        self._count_in_flight(0)
+        s, self.stats = self.stats, _new_stats()
+        elapsed = max(1e-9, time.monotonic() - s["t0"])
+        scored = max(1, s["scored"])
+        out = {
+            "rollout/reward_mean": s["reward_sum"] / scored,
+            "rollout/response_length_mean": s["length_sum"] / scored,
+            "rollout/response_length_max": s["length_max"],
+            "rollout/truncation_ratio": s["truncated"] / scored,
+            "rollout/trajectories_finished": s["finished"],
+            "rollout/failed_count": s["failed"],
+            "rollout/timeout_count": s["timeouts"],
+            "rollout/retry_count": self.fleet.retries - self._retries_seen,
+            "rollout/in_flight_trajectories_max": s["in_flight_max"],
+            "rollout/in_flight_trajectories_mean": s["in_flight_area"] / elapsed,
+            "rollout/generated_tokens_per_s": s["generated_tokens"] / elapsed,
+        }
+        self._retries_seen = self.fleet.retries
+        if self.max_samples is not None:
+            out["rollout/max_concurrent_samples"] = self.max_samples
+        if self.version is not None:
+            out["rollout/weight_version"] = self.version
+        return out
+
+    async def _stop(self) -> None:
+        self._dispatching = False
+        if self._active:
+            await self.fleet.abort(self.run_tag + "-")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class _NoLimit:
+    """The HTTP-layer bound when rollout.async_max_concurrent_samples is unset: none."""
+
+    async def __aenter__(self):
+        return None
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rollout process (RPC worker "rollout") and its proxy
+
+_ROLLOUT: Optional[Rollout] = None
+_READY = threading.Event()  # set once serve() has built _ROLLOUT (or failed to)
+_READY_TIMEOUT_S = [300.0]  # serve() sets rollout.startup_timeout_s here
+
+
+def _invoke(method: str, *args):
+    """Runs in the rollout process: one method of the served Rollout (called through rpc.rpc_sync)."""
+    if not _READY.wait(_READY_TIMEOUT_S[0]) or _ROLLOUT is None:
+        raise RuntimeError(f"the rollout process built no Rollout within rollout.startup_timeout_s="
+                           f"{_READY_TIMEOUT_S[0]} s; see its log for the start-up error")
+    return getattr(_ROLLOUT, method)(*args)
+
+
+class RemoteRollout:
+    """The trainer's proxy of the served Rollout: the same methods, each an rpc_sync with a timeout."""
+
+    def __init__(self, worker: str = "rollout", timeout: float = 600.0):
+        self.worker, self.timeout = worker, timeout
+
+    def _call(self, method: str, *args, timeout: Optional[float] = None):
+        from torch.distributed import rpc
+
+        return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), timeout=timeout or self.timeout)
+
+    def start(self) -> None:
+        return self._call("start")
+
+    def pause(self) -> dict:
+        return self._call("pause")
+
+    def resume(self, version: int) -> None:
+        return self._call("resume", version)
+
+    def step_metrics(self) -> dict:
+        return self._call("step_metrics")
+
+    def stop(self) -> None:
+        return self._call("stop")
+
+
+def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int) -> None:
+    """The rollout process: join RPC as "rollout", build the Rollout against RemoteBuffer("buffer") and the fleet,
+    serve its methods until the trainer shuts RPC down."""
+    global _ROLLOUT
+    from torch.distributed import rpc
+    from transformers import AutoTokenizer
+
+    import buffer as buffer_mod
+
+    cfg = config_lib.from_dict(cfg_dict)
+    _READY_TIMEOUT_S[0] = cfg.rollout.startup_timeout_s
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # inherited from torchrun; RPC must use its own store
+    options = rpc.TensorPipeRpcBackendOptions(init_method=rpc_init_method, rpc_timeout=cfg.buffer.rpc_timeout_s)
+    rpc.init_rpc("rollout", rank=rank, world_size=world_size, rpc_backend_options=options)
+    sync = SyncFleet(Fleet.from_config(cfg))
+    try:
+        try:
+            sync.wait_healthy(cfg.rollout.startup_timeout_s)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            _ROLLOUT = Rollout(cfg, buffer_mod.RemoteBuffer("buffer", cfg.buffer.rpc_timeout_s), sync, tokenizer)
+        finally:
+            _READY.set()  # callers waiting in _invoke get the Rollout, or the error that it is missing
+        rpc.shutdown()  # graceful: returns once every worker has called shutdown
+    finally:
+        if _ROLLOUT is not None:
+            _ROLLOUT.stop()
+        sync.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Standalone generation: a dataset through the same producer, against running servers
+
+class DatasetBuffer:
+    """The buffer interface over a fixed list of prompts: each dispatched once, trajectories collected by group."""
+
+    def __init__(self, prompts: list[dict], n: int):
+        self.n = n
+        self.pending = deque(PromptGroup(0, i, i, torch.tensor(p["prompt_ids"], dtype=torch.long), p["label"],
+                                         0, p.get("metadata", {})) for i, p in enumerate(prompts))
+        self.prompts = {g.seq: g for g in self.pending}
+        self.results: dict[int, list[Trajectory]] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        if not self.pending:
+            self.done.set()
+
+    def dispatch(self, max_groups: Optional[int] = None) -> list[PromptGroup]:
+        with self.lock:
+            k = len(self.pending) if max_groups is None else min(max_groups, len(self.pending))
+            return [self.pending.popleft() for _ in range(k)]
+
+    def put(self, trajs: list[Trajectory]) -> None:
+        with self.lock:
+            for t in trajs:
+                self.results.setdefault(t.seq, []).append(t)
+            if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
+                self.done.set()
+
+    def step_boundary(self, returned: list[Trajectory]) -> dict:
+        return {}
+
+
+def generate_dataset(cfg, prompts: list[dict], sync: SyncFleet, tokenizer, progress_timeout_s: float
+                     ) -> tuple[DatasetBuffer, dict]:
+    """Generate and score N trajectories for every prompt; returns the filled DatasetBuffer and a summary dict.
+    Unset rollout.async_max_concurrent_samples means the fleet's concurrency here (there is no capacity C)."""
+    if cfg.rollout.async_max_concurrent_samples is None:
+        cfg.rollout.async_max_concurrent_samples = sync.concurrency()
+    buf = DatasetBuffer(prompts, cfg.N)
+    rollout = Rollout(cfg, buf, sync, tokenizer)
+    t0 = time.monotonic()
+    rollout.start()
+    finished = -1
+    try:
+        while not buf.done.wait(progress_timeout_s):
+            now = sum(len(v) for v in buf.results.values())
+            if now == finished:
+                raise TimeoutError(f"no trajectory finished in {progress_timeout_s} s ({now} of "
+                                   f"{cfg.N * len(prompts)} done); are the servers in rollout.servers alive?")
+            finished = now
+        metrics = rollout.step_metrics()
+    finally:
+        rollout.stop()
+    trajs = [t for v in buf.results.values() for t in v]
+    wall = time.monotonic() - t0
+    summary = {"prompts": len(prompts), "trajectories": len(trajs), "wall_s": round(wall, 3),
+               "reward_mean": metrics["rollout/reward_mean"],
+               "pass_rate": sum(t.reward >= 1.0 for t in trajs) / max(1, len(trajs)),
+               "truncation_ratio": metrics["rollout/truncation_ratio"],
+               "failed": metrics["rollout/failed_count"],
+               "response_length_mean": metrics["rollout/response_length_mean"],
+               "generated_tokens_per_s": sum(len(t.response_ids) for t in trajs) / max(wall, 1e-9),
+               "max_concurrent_samples": rollout.max_samples}
+    return buf, summary
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml or a resolved one)")
+    parser.add_argument("--serve", action="store_true", help="run the rollout process (RPC worker 'rollout')")
+    parser.add_argument("--rpc-init", help="--serve: the RPC init method, e.g. tcp://127.0.0.1:29500")
+    parser.add_argument("--rank", type=int, help="--serve: RPC rank")
+    parser.add_argument("--world-size", type=int, help="--serve: RPC world size")
+    parser.add_argument("--split", default="eval", choices=["train", "eval"], help="standalone: prompts to generate")
+    parser.add_argument("--limit", type=int, help="standalone: only the first LIMIT prompts")
+    parser.add_argument("--out", help="standalone: JSONL output (default run_dir/rollout_<split>.jsonl)")
+    args, overrides = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_lib.load_config(args.config, overrides)
+    if args.serve:
+        if args.rpc_init is None or args.rank is None or args.world_size is None:
+            parser.error("--serve needs --rpc-init, --rank and --world-size")
+        serve(config_lib.to_dict(cfg), args.rpc_init, args.rank, args.world_size)
+        return
+    from transformers import AutoTokenizer
+
+    import tasks
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    prompts = tasks.load_prompts(cfg.data_sources[0], tokenizer, args.split)[:args.limit]
+    sync = SyncFleet(Fleet.from_config(cfg))
+    try:
+        sync.wait_healthy(cfg.rollout.startup_timeout_s)
+        buf, summary = generate_dataset(cfg, prompts, sync, tokenizer, cfg.rollout.trajectory_timeout_s + 60.0)
+    finally:
+        sync.close()
+    out = args.out or os.path.join(cfg.run_dir, f"rollout_{args.split}.jsonl")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        for seq in sorted(buf.results):
+            g = buf.prompts[seq]
+            for t in sorted(buf.results[seq], key=lambda t: t.index):
+                f.write(json.dumps({
+                    "data_index": g.data_index, "index": t.index, "prompt": tokenizer.decode(g.prompt_ids.tolist()),
+                    "response": tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=True),
+                    "label": g.label, "reward": t.reward, "status": t.status,
+                    "response_length": len(t.response_ids), "start_version": t.start_version,
+                    "end_version": t.end_version, "error": t.metadata.get("error")}) + "\n")
+    print(json.dumps({"rollout_summary": {**summary, "split": args.split, "out": out}}))
+
+
+if __name__ == "__main__":
+    main()

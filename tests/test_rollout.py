@@ -1,0 +1,190 @@
+"""rollout.py: the fleet client, response parsing, the concurrency knob, and the producer against engine.py.
+
+The Fleet unit tests use a tiny aiohttp fake where only HTTP behaviour matters (retries, fan-out, router workers);
+every producer test runs against engine.py serving the tiny model, started by the test.
+"""
+import asyncio
+import threading
+import warnings
+
+import pytest
+import torch
+from aiohttp import web
+
+import config
+import rollout
+from buffer import Group, PromptGroup, Trajectory
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure parts: rids, response parsing, partial metrics, the concurrency knob
+
+def test_rids_are_never_prefixes_of_each_other():
+    rids = [rollout.make_rid("t", e, s, i, a) for e in (0, 1) for s in (1, 10, 11) for i in (0, 1, 10) for a in (0, 1, 10)]
+    assert len(set(rids)) == len(rids)
+    assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+    prefix = rollout.trajectory_rid_prefix("t", 0, 1, 1)
+    assert [r for r in rids if r.startswith(prefix)] == [rollout.make_rid("t", 0, 1, 1, a) for a in (0, 1, 10)]
+
+
+def _response(ids, version="3", spans=None, finish=None):
+    meta = {"id": "r", "weight_version": version, "finish_reason": finish or {"type": "stop", "matched": 1},
+            "output_token_logprobs": [[-0.5 - i, t, None] for i, t in enumerate(ids)]}
+    if spans is not None:
+        meta["weight_versions"] = spans
+    return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+def test_parse_response_versions_from_spans_and_finish():
+    g = rollout.parse_generate_response(_response([5, 6, 7, 8], "4", [{"version": "3", "start": 0, "end": 3},
+                                                                       {"version": "4", "start": 3, "end": 4}]))
+    assert g.ids == [5, 6, 7, 8] and g.log_probs == [-0.5, -1.5, -2.5, -3.5]
+    assert g.versions == [3, 3, 3, 4] and g.finish == "stop"
+    g = rollout.parse_generate_response(_response([5, 6], "2", finish={"type": "length", "length": 2}))
+    assert g.versions == [2, 2] and g.finish == "length"
+    assert rollout.parse_generate_response(_response([], "0", finish={"type": "abort", "message": "x"})).ids == []
+    with pytest.raises(ValueError, match="weight_version 'default' is not an integer"):
+        rollout.parse_generate_response(_response([5], "default"))
+    bad = _response([5, 6])
+    bad["meta_info"]["output_token_logprobs"] = bad["meta_info"]["output_token_logprobs"][:1]
+    with pytest.raises(ValueError, match="return_logprob"):
+        rollout.parse_generate_response(bad)
+
+
+def test_partial_metrics_over_consumed_trajectories():
+    def traj(start, end):
+        return Trajectory(0, 0, 0, torch.tensor([1]), start_version=start, end_version=end)
+    prompt = PromptGroup(0, 0, 0, torch.tensor([1]))
+    groups = [Group(prompt, [traj(0, 0), traj(0, 2)]), Group(prompt, [traj(1, 2), traj(-1, -1)])]
+    assert rollout.partial_metrics(groups) == {"rollout/partial_ratio": 0.5, "rollout/partial_span_max": 2}
+
+
+def test_concurrency_knob_clamps_with_warning_and_rejects_bad_values():
+    with pytest.warns(UserWarning, match=r"\(100\) exceeds the inference fleet's concurrency \(24"):
+        assert rollout.clamp_max_concurrent_samples(100, 4, 24) == 24
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rollout.clamp_max_concurrent_samples(16, 4, 24) == 16
+        assert rollout.clamp_max_concurrent_samples(None, 4, 24) is None
+        assert rollout.clamp_max_concurrent_samples(100, 4, None) == 100  # fleet concurrency unknown: no clamp
+    with pytest.raises(ValueError, match="must be > 0"):
+        rollout.clamp_max_concurrent_samples(0, 4, 24)
+    with pytest.raises(ValueError, match=r"\(3\) must be >= data_source.num_trajectories_per_prompt \(4\)"):
+        rollout.clamp_max_concurrent_samples(3, 4, 24)
+    with pytest.raises(ValueError, match=r"fleet's concurrency \(2.*below.*\(4\)"):
+        rollout.clamp_max_concurrent_samples(8, 4, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Fleet's HTTP behaviour against a tiny fake
+
+class FakeServers:
+    """aiohttp apps on free ports in a background loop; `routes(i)` gives server i's (method, path, handler)s."""
+
+    def __init__(self, count, routes):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runners, self.urls = [], []
+        for i in range(count):
+            url, runner = asyncio.run_coroutine_threadsafe(self._start(routes(i)), self.loop).result(10)
+            self.urls.append(url)
+            self.runners.append(runner)
+
+    async def _start(self, routes):
+        app = web.Application()
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner
+
+    def close(self):
+        for r in self.runners:
+            asyncio.run_coroutine_threadsafe(r.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_fleet_retries_5xx_and_connection_errors_but_not_4xx():
+    calls = []
+
+    async def generate(request):
+        body = await request.json()
+        calls.append(body["rid"])
+        if len(calls) < 3:
+            return web.Response(status=503, text="starting")
+        if body["input_ids"] == [0]:
+            return web.Response(status=400, text="unknown field `x`")
+        return web.json_response(_response([7], "0"))
+
+    servers = FakeServers(1, lambda i: [("POST", "/generate", generate)])
+    dead = "http://127.0.0.1:9"  # discard port: connection refused
+    sync = rollout.SyncFleet(rollout.Fleet([dead, servers.urls[0]], retry_backoff_s=0.01, max_retries=6))
+    try:
+        rids = iter(f"r{i}." for i in range(100))
+        out = sync.generate({"input_ids": [1]}, lambda: next(rids))
+        assert out["output_ids"] == [7]
+        # a retry goes to the other server: dead, live (503), dead, live (503), dead, live (ok), each a new rid
+        assert len(calls) == 3 and len(set(calls)) == 3
+        assert sync.fleet.retries == 5 and sync.fleet.requests_in_flight == 0
+        with pytest.raises(rollout.FleetError, match="HTTP 400"):
+            sync.generate({"input_ids": [0]}, lambda: next(rids))
+        only_dead = rollout.SyncFleet(rollout.Fleet([dead], retry_backoff_s=0.01, max_retries=2))
+        with pytest.raises(rollout.FleetError, match="after rollout.max_retries=2 retries"):
+            only_dead.generate({"input_ids": [1]})
+        only_dead.close()
+    finally:
+        sync.close()
+        servers.close()
+
+
+def test_fleet_fans_control_calls_out_to_router_workers():
+    seen = {0: [], 1: []}
+
+    def worker_routes(i):
+        async def abort(request):
+            seen[i].append((await request.json())["rid"])
+            return web.Response(status=200)
+
+        async def info(request):
+            return web.json_response({"max_running_requests": 8 + i, "tp_size": 1})
+
+        async def update(request):
+            seen[i].append(("update", (await request.json())["weight_version"]))
+            return web.json_response({"success": i == 0, "message": "bad checkpoint" if i else "ok"})
+        return [("POST", "/abort_request", abort), ("GET", "/server_info", info),
+                ("POST", "/update_weights_from_disk", update)]
+
+    workers = FakeServers(2, worker_routes)
+
+    async def list_workers(request):
+        return web.json_response({"workers": [{"url": u, "healthy": True} for u in workers.urls]})
+
+    router = FakeServers(1, lambda i: [("GET", "/workers", list_workers)])
+    sync = rollout.SyncFleet(rollout.Fleet(router_url=router.urls[0], router_max_concurrent_requests=12))
+    try:
+        assert sync.workers() == workers.urls
+        assert sync.abort("tag-") == 0
+        assert seen == {0: ["tag-"], 1: ["tag-"]}
+        assert sync.concurrency() == 12  # min(8 + 9, router limit 12)
+        sync.fleet.router_max_concurrent_requests = None
+        assert sync.concurrency() == 17
+        with pytest.raises(rollout.FleetError, match="bad checkpoint"):
+            sync.update_weights_from_disk("/ckpt", 5)
+        assert seen[0][-1] == seen[1][-1] == ("update", "5")
+    finally:
+        sync.close()
+        workers.close()
+        router.close()
+    with pytest.raises(ValueError, match="either rollout.servers"):
+        rollout.Fleet(["http://a"], router_url="http://b")
+
+
+def test_rollout_function_names():
+    assert rollout.resolve_rollout_function("single_turn") is rollout.single_turn
+    assert rollout.resolve_rollout_function("rollout:multi_turn_tool") is rollout.multi_turn_tool
+    with pytest.raises(ValueError, match="rollout.function 'nope'"):
+        rollout.resolve_rollout_function("nope")
+    with pytest.raises(ValueError, match="async function"):
+        rollout.resolve_rollout_function("rollout:make_rid")
