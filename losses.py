@@ -314,7 +314,7 @@ def m2po_mask(b: TokenBatch, cfg) -> Correction:
     Computed over the tokens of this call: if every micro-batch's kept tokens have mean M2 <= tau, so does their
     union, so the mini-batch bound holds (a few more tokens may be masked than a global pass would).
     """
-    m2 = (b.old_log_probs - _rollout(b, "algorithm.m2po.enable")).detach().double().square()
+    m2 = (b.old_log_probs.double() - _rollout(b, "algorithm.m2po.enable").double()).detach().square()
     flat_mask = b.mask.flatten()
     # Non-loss tokens sort last with value 0, so they add nothing to the sums below.
     vals, order = torch.where(flat_mask, m2.flatten(), -1.0).sort(descending=True)

@@ -1,0 +1,585 @@
+"""losses.py against hand-computed values and against plain-Python-loop references written here (many seeds).
+
+Also: exact-zero gradients for masked tokens and sequences, dual-clip bound, detached IS weights, chunked == naive
+log-probs (values and gradients), and micro-batch / data-parallel splits summing to the mini-batch loss.
+Run: .venv/bin/python -m pytest -q tests/test_losses.py
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config
+import losses
+
+SEEDS = range(40)
+
+
+def algo(**kw):
+    """A config.AlgorithmConfig with dotted overrides, e.g. algo(**{"m2po.enable": True, "dual_clip_c": 3.0})."""
+    a = config.AlgorithmConfig()
+    for key, value in kw.items():
+        *path, last = key.split(".")
+        obj = a
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------
+# token_logprobs
+# ---------------------------------------------------------------------------------------------------------
+
+def naive_logprobs(logits, targets, temperature):
+    """Full float32 log_softmax: the memory-hungry reference."""
+    t = losses.effective_temperature(temperature)
+    logp_all = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def loop_logprobs(logits, targets, temperature):
+    """Plain-Python reference: one token at a time, math.exp / math.log on floats."""
+    t = 1.0 if temperature < 1e-5 else temperature
+    rows = logits.reshape(-1, logits.shape[-1]).tolist()
+    logp, ent = [], []
+    for row, y in zip(rows, targets.reshape(-1).tolist()):
+        s = [v / t for v in row]
+        m = max(s)
+        lse = m + math.log(sum(math.exp(v - m) for v in s))
+        logp.append(s[y] - lse)
+        ent.append(-sum(math.exp(v - lse) * (v - lse) for v in s))
+    return (torch.tensor(logp, dtype=torch.float64).view(targets.shape),
+            torch.tensor(ent, dtype=torch.float64).view(targets.shape))
+
+
+def test_token_logprobs_hand_computed():
+    # probs [1/4, 1/4, 1/2]: log p(2) = -log 2, H = 1.5 log 2; temperature 2 gives probs [1, 1, sqrt 2] / (2 + sqrt 2)
+    logits = torch.tensor([[0.0, 0.0, math.log(2)], [0.0, 0.0, math.log(2)]])
+    targets = torch.tensor([2, 0])
+    logp, ent = losses.token_logprobs(logits, targets, 1.0, with_entropy=True)
+    assert torch.allclose(logp, torch.tensor([-math.log(2), -math.log(4)]), atol=1e-6)
+    assert torch.allclose(ent, torch.tensor([1.5 * math.log(2)] * 2), atol=1e-6)
+    z = 2 + math.sqrt(2)
+    logp, ent = losses.token_logprobs(logits, targets, 2.0, with_entropy=True)
+    assert torch.allclose(logp, torch.tensor([math.log(math.sqrt(2) / z), math.log(1 / z)]), atol=1e-6)
+    h = -(2 / z * math.log(1 / z) + math.sqrt(2) / z * math.log(math.sqrt(2) / z))
+    assert torch.allclose(ent, torch.tensor([h, h]), atol=1e-6)
+    # greedy (temperature < 1e-5) reports temperature-1 log-probs, as the engine does
+    assert torch.equal(losses.token_logprobs(logits, targets, 0.0)[0], losses.token_logprobs(logits, targets, 1.0)[0])
+    assert losses.token_logprobs(logits, targets, 1.0)[1] is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_token_logprobs_match_loop_reference(temperature):
+    for seed in SEEDS:
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(2, 5, 11, generator=g) * 3
+        targets = torch.randint(0, 11, (2, 5), generator=g)
+        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_size=1 + seed % 7, with_entropy=True)
+        ref_logp, ref_ent = loop_logprobs(logits.double(), targets, temperature)
+        assert torch.allclose(logp.double(), ref_logp, atol=2e-5, rtol=1e-5)
+        assert torch.allclose(ent.double(), ref_ent, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 2, 7)])
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 10, 64])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_equals_naive_values_and_gradients(shape, chunk_size, with_entropy):
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        V, temperature = 13, 0.7
+        logits = (torch.randn(*shape, V, generator=g) * 2).requires_grad_()
+        targets = torch.randint(0, V, shape, generator=g)
+        w_logp, w_ent = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_size, with_entropy)
+        ((logp * w_logp).sum() + ((ent * w_ent).sum() if with_entropy else 0)).backward()
+        grad = logits.grad.clone()
+        logits.grad = None
+        ref_logp, ref_ent = naive_logprobs(logits, targets, temperature)
+        ((ref_logp * w_logp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0)).backward()
+        assert logp.dtype == torch.float32 and logp.shape == shape
+        assert torch.allclose(logp, ref_logp, atol=1e-5)
+        if with_entropy:
+            assert torch.allclose(ent, ref_ent, atol=1e-5)
+        assert torch.allclose(grad, logits.grad, atol=1e-5)
+
+
+def test_chunked_bf16_and_noncontiguous_slice():
+    g = torch.Generator().manual_seed(0)
+    full = (torch.randn(2, 9, 50, generator=g) * 2).to(torch.bfloat16).requires_grad_()
+    logits = full[:, :-1]  # the usual shift: not contiguous
+    targets = torch.randint(0, 50, (2, 8), generator=g)
+    logp, ent = losses.token_logprobs(logits, targets, 0.9, chunk_size=3, with_entropy=True)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    grad = full.grad.clone()
+    full.grad = None
+    ref_logp, ref_ent = naive_logprobs(full[:, :-1], targets, 0.9)
+    (ref_logp.sum() + 0.5 * ref_ent.sum()).backward()
+    assert logp.dtype == torch.float32
+    assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    assert grad.dtype == torch.bfloat16 and torch.all(grad[:, -1] == 0)
+    assert torch.allclose(grad.float(), full.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_token_logprobs_leave_float32_logits_untouched_and_nan_rows_get_zero_grad():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, generator=g)
+    logits[2, 3] = float("nan")
+    before = logits.clone()
+    logits.requires_grad_()
+    targets = torch.tensor([0, 1, 2, 3])
+    logp, ent = losses.token_logprobs(logits, targets, 0.5, chunk_size=2, with_entropy=True)
+    assert torch.isnan(logp[2]) and torch.isfinite(logp[[0, 1, 3]]).all()
+    weights = torch.tensor([1.0, 1.0, 0.0, 1.0])  # the loss excludes the NaN token: zero upstream gradient
+    ((logp * weights).sum() + (torch.where(weights > 0, ent, 0.0)).sum()).backward()
+    assert torch.isfinite(logits.grad).all() and torch.all(logits.grad[2] == 0)
+    assert torch.equal(logits.detach()[~before.isnan()], before[~before.isnan()])
+
+
+def test_token_logprobs_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="logprob_chunk_tokens"):
+        losses.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 1.0, chunk_size=0)
+    with pytest.raises(ValueError, match="targets shape"):
+        losses.token_logprobs(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compute_advantages and offpolicy_token_mask
+# ---------------------------------------------------------------------------------------------------------
+
+def test_advantages_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.1, 0.1, 0.1, 0.1], [2.0, 2.0, 2.0, 2.0]])
+    a = losses.compute_advantages(r, std_normalize=True, eps=1e-6)
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert torch.allclose(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / (std + 1e-6))
+    assert torch.equal(a[1:], torch.zeros(2, 4))  # identical rewards: exactly zero, also for 0.1 (rounding)
+    dr = losses.compute_advantages(r, std_normalize=False)
+    assert torch.allclose(dr[0], torch.tensor([0.5, -0.5, -0.5, 0.5])) and torch.equal(dr[1:], torch.zeros(2, 4))
+    assert torch.equal(losses.compute_advantages(torch.tensor([[3.0], [1.0]])), torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("std_normalize", [True, False])
+def test_advantages_match_loop_reference(std_normalize):
+    for seed in SEEDS:
+        g = torch.Generator().manual_seed(seed)
+        G, N = 3, 2 + seed % 6
+        r = torch.randint(0, 3, (G, N), generator=g).float() * 0.5 + torch.rand(G, 1, generator=g)
+        eps = 1e-6 * (1 + seed % 3)
+        a = losses.compute_advantages(r, std_normalize, eps)
+        for i, row in enumerate(r.double().tolist()):
+            mean = sum(row) / N
+            std = math.sqrt(sum((x - mean) ** 2 for x in row) / (N - 1))
+            for j, x in enumerate(row):
+                if max(row) == min(row):
+                    expected = 0.0
+                else:
+                    expected = (x - mean) / (std + eps) if std_normalize else x - mean
+                assert a[i, j].item() == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_offpolicy_token_mask_hand_computed():
+    versions = torch.tensor([[0, 0, 1, 1, 2, 7], [3, 3, 3, 0, 0, 0], [5, 4, 5, 0, 0, 0]])
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]], dtype=torch.float32)
+    expected = torch.tensor([[0, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [1, 0, 1, 0, 0, 0]], dtype=torch.float32)
+    out = losses.offpolicy_token_mask(versions, loss_mask)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    assert torch.equal(losses.offpolicy_token_mask(versions, loss_mask.bool()), expected.bool())
+
+
+def test_offpolicy_token_mask_matches_loop_reference():
+    for seed in SEEDS:
+        g = torch.Generator().manual_seed(seed)
+        versions = torch.randint(0, 4, (4, 9), generator=g)
+        loss_mask = torch.rand(4, 9, generator=g) < 0.7
+        out = losses.offpolicy_token_mask(versions, loss_mask)
+        for i in range(4):
+            vs = [v for v, m in zip(versions[i].tolist(), loss_mask[i].tolist()) if m]
+            newest = max(vs) if vs else None
+            for t in range(9):
+                assert bool(out[i, t]) == (bool(loss_mask[i, t]) and versions[i, t].item() == newest)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# policy_loss: the plain-loop reference
+# ---------------------------------------------------------------------------------------------------------
+
+def finite(*xs):
+    return all(math.isfinite(x) for x in xs)
+
+
+def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
+    """Token by token, straight from ../shared/algorithms.md. lp: leaf tensor [B, T]; the rest Python lists.
+
+    Returns (loss tensor with grad, metrics dict of floats, the denominator it used).
+    """
+    B, T = len(mask), len(mask[0])
+    tok = [[lp[i, t] for t in range(T)] for i in range(B)]
+    lpv = lp.tolist()
+    present = [[bool(mask[i][t]) for t in range(T)] for i in range(B)]
+    ok = [[present[i][t] and finite(lpv[i][t], old[i][t], adv[i], *( [ro[i][t]] if ro is not None else []))
+           for t in range(T)] for i in range(B)]
+    keep = [row[:] for row in ok]
+    weight = [[1.0] * T for _ in range(B)]
+    m = {}
+    n_ok = sum(map(sum, ok))
+    if a.is_correction.enable:
+        c = a.is_correction
+        low = c.mask_low if c.mask_low is not None else 0.0
+        high = c.mask_high if c.mask_high is not None else math.inf
+        units = []  # (rho, [(i, t), ...])
+        for i in range(B):
+            cells = [(i, t) for t in range(T) if ok[i][t]]
+            if c.level == "token":
+                units += [(math.exp(old[i][t] - ro[i][t]), [(i, t)]) for (i, t) in cells]
+            elif cells:
+                units.append((math.exp(sum(old[i][t] - ro[i][t] for (i, t) in cells)), cells))
+        kept_w, truncated, dropped = [], 0, 0
+        for rho, cells in units:
+            if low <= rho <= high:
+                kept_w.append(min(rho, c.clip))
+                truncated += rho > c.clip
+                for (i, t) in cells:
+                    weight[i][t] = min(rho, c.clip)
+            else:
+                dropped += 1
+                for (i, t) in cells:
+                    keep[i][t] = False
+        m["train/is_mean"] = sum(kept_w) / len(kept_w) if kept_w else 0.0
+        m["train/is_max"] = max(kept_w) if kept_w else 0.0
+        m["train/is_min"] = min(kept_w) if kept_w else 0.0
+        m["train/is_truncated_frac"] = truncated / len(kept_w) if kept_w else 0.0
+        m["train/is_masked_frac"] = dropped / len(units) if units else 0.0
+    if a.m2po.enable:
+        items = sorted(((old[i][t] - ro[i][t]) ** 2, i, t) for i in range(B) for t in range(T) if ok[i][t])[::-1]
+        masked = 0
+        while items and sum(x for x, _, _ in items) / len(items) > a.m2po.tau:
+            _, i, t = items.pop(0)
+            keep[i][t] = False
+            masked += 1
+        m["train/m2po_masked_frac"] = masked / n_ok if n_ok else 0.0
+    if a.opsm.enable:
+        mu = ro if ro is not None else old
+        seqs, dropped = 0, 0
+        for i in range(B):
+            cells = [t for t in range(T) if ok[i][t]]
+            if not cells:
+                continue
+            seqs += 1
+            kl = sum(mu[i][t] - lpv[i][t] for t in cells) / len(cells)
+            if adv[i] < 0 and kl > a.opsm.delta:
+                dropped += 1
+                for t in cells:
+                    keep[i][t] = False
+        m["train/opsm_masked_frac"] = dropped / seqs if seqs else 0.0
+
+    per_seq, clipped, dual, n_keep = [], 0, 0, 0
+    for i in range(B):
+        total = 0.0
+        for t in range(T):
+            if not keep[i][t]:
+                continue
+            A = adv[i]
+            r = torch.exp(torch.clamp(tok[i][t] - old[i][t], -20, 20))
+            surr1, surr2 = -A * r, -A * torch.clamp(r, 1 - a.clip_low, 1 + a.clip_high)
+            loss_t = surr2 if surr2 > surr1 else surr1
+            clipped += bool(surr2 > surr1)
+            if a.dual_clip_c is not None and A < 0 and loss_t > -a.dual_clip_c * A:
+                loss_t = torch.tensor(-a.dual_clip_c * A, dtype=torch.float64)
+                dual += 1
+            total = total + loss_t * weight[i][t]
+            n_keep += 1
+        per_seq.append((total, sum(present[i])))
+    mode = a.loss_agg_mode
+    n_seqs = sum(1 for i in range(B) if any(present[i]))
+    if mode == "token-mean":
+        num, denom = sum(s for s, _ in per_seq), sum(map(sum, present))
+    elif mode == "seq-mean-token-mean":
+        num, denom = sum(s / n for s, n in per_seq if n), n_seqs
+    else:
+        num, denom = sum(s for s, _ in per_seq), n_seqs * norm_len
+    loss = num / max(denom, 1)
+    if not torch.is_tensor(loss):
+        loss = lp.sum() * 0.0 + loss
+    n_present = sum(map(sum, present))
+    m["train/pg_loss"] = loss.item()
+    m["train/approx_kl"] = (sum(old[i][t] - lpv[i][t] for i in range(B) for t in range(T) if ok[i][t]) / n_ok
+                            if n_ok else 0.0)
+    m["train/clip_ratio"] = clipped / n_keep if n_keep else 0.0
+    m["train/dual_clip_ratio"] = dual / n_keep if n_keep else 0.0
+    m["train/nan_ratio"] = (n_present - n_ok) / n_present if n_present else 0.0
+    return loss, m, denom
+
+
+def random_batch(seed, B=5, T=7, nonfinite=False):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g) * 3
+    old = lp + torch.randn(B, T, generator=g) * 0.4
+    ro = old + torch.randn(B, T, generator=g) * 0.3
+    adv = torch.randn(B, generator=g)
+    adv[seed % B] = 0.0
+    mask = torch.rand(B, T, generator=g) < 0.75
+    mask[(seed + 1) % B] = False if seed % 4 == 0 else mask[(seed + 1) % B]
+    if nonfinite:
+        lp[0, 1], ro[1, 2], old[2, 3], adv[3] = float("nan"), float("inf"), float("-inf"), float("nan")
+    return lp, old, ro, adv, mask
+
+
+CONFIGS = {
+    "ppo": {},
+    "dual": {"dual_clip_c": 2.0, "clip_low": 0.1, "clip_high": 0.15},
+    "is-token": {"is_correction.enable": True, "is_correction.clip": 1.3},
+    "is-token-mis": {"is_correction.enable": True, "is_correction.mask_low": 0.7, "is_correction.mask_high": 1.6},
+    "is-seq-mis": {"is_correction.enable": True, "is_correction.level": "sequence", "is_correction.clip": 1.5,
+                   "is_correction.mask_low": 0.2, "is_correction.mask_high": 4.0},
+    "m2po": {"m2po.enable": True, "m2po.tau": 0.05},
+    "opsm": {"opsm.enable": True, "opsm.delta": 0.02},
+    "all": {"dual_clip_c": 3.0, "is_correction.enable": True, "is_correction.level": "sequence",
+            "m2po.enable": True, "m2po.tau": 0.08, "opsm.enable": True, "opsm.delta": 0.05},
+}
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+EXERCISED = {  # a metric that must be non-zero for some seed, so the random inputs really take each path
+    "ppo": "train/clip_ratio", "dual": "train/dual_clip_ratio", "is-token": "train/is_truncated_frac",
+    "is-token-mis": "train/is_masked_frac", "is-seq-mis": "train/is_masked_frac", "m2po": "train/m2po_masked_frac",
+    "opsm": "train/opsm_masked_frac", "all": "train/m2po_masked_frac",
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("mode", MODES)
+def test_policy_loss_matches_loop_reference(name, mode):
+    a = algo(loss_agg_mode=mode, **CONFIGS[name])
+    exercised = 0.0
+    for seed in range(25):
+        lp, old, ro, adv, mask = random_batch(seed, nonfinite=seed % 5 == 1)
+        entropy = torch.rand(5, 7, generator=torch.Generator().manual_seed(seed))
+        denom = losses.loss_denominator(mask, mode, norm_len=12)
+        x = lp.clone().requires_grad_()
+        loss, metrics = losses.policy_loss(x, old, ro, adv, mask, a, denom, entropy=entropy)
+        loss.backward()
+        x_ref = lp.double().requires_grad_()
+        ref_loss, ref_m, ref_denom = ref_policy_loss(x_ref, old.double().tolist(), ro.double().tolist(),
+                                                     adv.double().tolist(), mask.tolist(), a, norm_len=12)
+        ref_loss.backward()
+        assert denom == ref_denom
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-6), (name, mode, seed)
+        ref_grad = torch.nan_to_num(x_ref.grad.float(), nan=0.0)
+        assert torch.allclose(x.grad, ref_grad, rtol=1e-4, atol=1e-6), (name, mode, seed)
+        ok = (mask & torch.isfinite(lp) & torch.isfinite(old) & torch.isfinite(ro)
+              & torch.isfinite(adv).unsqueeze(-1) & torch.isfinite(entropy))
+        ref_m["train/entropy"] = entropy[ok].mean().item() if ok.any() else 0.0
+        assert set(metrics) == set(ref_m)
+        for k, v in ref_m.items():
+            assert metrics[k].item() == pytest.approx(v, rel=1e-5, abs=1e-6), (name, mode, seed, k)
+        exercised = max(exercised, ref_m[EXERCISED[name]])
+    assert exercised > 0, f"no seed exercised {EXERCISED[name]}"
+
+
+def test_policy_loss_hand_computed_clip_and_dual_clip():
+    # one sequence, A = +1: r = 1.5 clips at 1.28 (loss -1.28), r = 1 gives -1 -> token-mean -1.14
+    lp = torch.tensor([[math.log(1.5), 0.0]]).requires_grad_()
+    loss, m = losses.policy_loss(lp, torch.zeros(1, 2), None, torch.tensor([1.0]), torch.ones(1, 2), algo(), 2)
+    assert loss.item() == pytest.approx(-1.14) and m["train/clip_ratio"].item() == 0.5
+    loss.backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1].item() == pytest.approx(-0.5)  # d(-r/2)/dlp = -r/2 at r = 1
+    # A = -1, r = 5: PPO loss = -min(-5, -1.28) = 5; dual-clip with c = 3 caps it at -cA = 3, gradient 0
+    lp = torch.tensor([[math.log(5.0), 0.0]]).requires_grad_()
+    loss, m = losses.policy_loss(lp, torch.zeros(1, 2), None, torch.tensor([-1.0]), torch.ones(1, 2), algo(), 2)
+    assert loss.item() == pytest.approx((5 + 1) / 2)
+    loss, m = losses.policy_loss(lp, torch.zeros(1, 2), None, torch.tensor([-1.0]), torch.ones(1, 2),
+                                 algo(dual_clip_c=3.0), 2)
+    assert loss.item() == pytest.approx((3 + 1) / 2) and m["train/dual_clip_ratio"].item() == 0.5
+    loss.backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1].item() == pytest.approx(0.5)
+
+
+def test_dual_clip_bounds_every_token_loss_at_minus_c_times_a():
+    g = torch.Generator().manual_seed(0)
+    n, c = 200, 3.0
+    lp = (torch.randn(n, 1, generator=g) * 3).requires_grad_()  # ratios from e^-9 to e^9
+    adv = -torch.rand(n, generator=g) * 2 - 0.01
+    a = algo(dual_clip_c=c, loss_agg_mode="seq-mean-token-mean")
+    per_seq = [losses.policy_loss(lp[i:i + 1], torch.zeros(1, 1), None, adv[i:i + 1], torch.ones(1, 1), a, 1)[0]
+               for i in range(n)]
+    per_seq = torch.stack(per_seq)
+    assert torch.all(per_seq <= -c * adv + 1e-6)
+    assert torch.any(per_seq == -c * adv)  # the bound is reached (dual-clip active)
+    off = torch.stack([losses.policy_loss(lp[i:i + 1], torch.zeros(1, 1), None, adv[i:i + 1], torch.ones(1, 1),
+                                          algo(), 1)[0] for i in range(n)])
+    assert torch.any(off > -c * adv)  # without dual-clip the same tokens exceed it
+
+
+def test_is_correction_hand_computed():
+    # rho = pi_old / mu = [3, 0.5, 1.2]; C = 2 -> w = [2, 0.5, 1.2]; A = 1, r = 1 -> token losses -w
+    old = torch.zeros(1, 3)
+    ro = -torch.log(torch.tensor([[3.0, 0.5, 1.2]]))
+    lp = torch.zeros(1, 3, requires_grad=True)
+    a = algo(**{"is_correction.enable": True})
+    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3), a, 3)
+    assert loss.item() == pytest.approx(-(2 + 0.5 + 1.2) / 3, rel=1e-6)
+    assert m["train/is_max"].item() == pytest.approx(2) and m["train/is_min"].item() == pytest.approx(0.5)
+    assert m["train/is_mean"].item() == pytest.approx(3.7 / 3, rel=1e-6)
+    assert m["train/is_truncated_frac"].item() == pytest.approx(1 / 3)
+    # MIS: keep only rho in [0.6, 2.5] -> the 3 and the 0.5 tokens drop out, zero gradient
+    a = algo(**{"is_correction.enable": True, "is_correction.mask_low": 0.6, "is_correction.mask_high": 2.5})
+    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3), a, 3)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2 / 3, rel=1e-6) and m["train/is_masked_frac"].item() == pytest.approx(2 / 3)
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == 0 and lp.grad[0, 2].item() == pytest.approx(-1.2 / 3)
+    # sequence level: rho = 3 * 0.5 * 1.2 = 1.8 for every token
+    a = algo(**{"is_correction.enable": True, "is_correction.level": "sequence"})
+    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3), a, 3)
+    assert loss.item() == pytest.approx(-1.8, rel=1e-6) and m["train/is_mean"].item() == pytest.approx(1.8)
+
+
+def test_is_weights_carry_no_gradient():
+    lp, old, ro, adv, mask = random_batch(3)
+    old, ro = old.clone().requires_grad_(), ro.clone().requires_grad_()
+    a_is = algo(**{"is_correction.enable": True, "is_correction.clip": 1.5})
+    x = lp.clone().requires_grad_()
+    loss, _ = losses.policy_loss(x, old, ro, adv, mask, a_is, mask.sum())
+    loss.backward()
+    assert old.grad is None and ro.grad is None
+    # the weighted gradient is the unweighted one times the (constant) weight min(rho, C)
+    y = lp.clone().requires_grad_()
+    plain, _ = losses.policy_loss(y, old.detach(), None, adv, mask, algo(), mask.sum())
+    plain.backward()
+    w = torch.exp(old.detach() - ro.detach()).clamp(max=1.5)
+    assert torch.allclose(x.grad, y.grad * w, atol=1e-7)
+
+
+def test_m2po_hand_computed():
+    # squared log-ratios [1, .01, .01, .01]: mean .2575 > tau = .04; masking the top one leaves .01 <= tau
+    old = torch.tensor([[1.0, 0.1, -0.1, 0.1]])
+    ro = torch.zeros(1, 4)
+    lp = old.clone().requires_grad_()
+    a = algo(**{"m2po.enable": True, "m2po.tau": 0.04})
+    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4), a, 4)
+    loss.backward()
+    assert m["train/m2po_masked_frac"].item() == 0.25
+    assert loss.item() == pytest.approx(-3 / 4) and lp.grad[0, 0] == 0 and torch.all(lp.grad[0, 1:] != 0)
+    # tau above the full mean: nothing masked
+    _, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4), algo(**{"m2po.enable": True,
+                              "m2po.tau": 0.3}), 4)
+    assert m["train/m2po_masked_frac"].item() == 0.0
+
+
+def test_opsm_hand_computed():
+    # both sequences: mean KL(mu || pi) = mean(log mu - log pi) = 0.5 > delta; only the A < 0 one is masked
+    lp = torch.full((2, 2), -1.0, requires_grad=True)
+    ro = torch.tensor([[-0.5, -0.5], [-0.5, -0.5]])
+    a = algo(**{"opsm.enable": True, "opsm.delta": 0.1})
+    loss, m = losses.policy_loss(lp, lp.detach(), ro, torch.tensor([1.0, -1.0]), torch.ones(2, 2), a, 4)
+    loss.backward()
+    assert m["train/opsm_masked_frac"].item() == 0.5 and loss.item() == pytest.approx(-0.5)
+    assert torch.all(lp.grad[1] == 0) and torch.all(lp.grad[0] != 0)
+    a = algo(**{"opsm.enable": True, "opsm.delta": 0.6})  # KL below delta: nothing masked
+    _, m = losses.policy_loss(lp, lp.detach(), ro, torch.tensor([1.0, -1.0]), torch.ones(2, 2), a, 4)
+    assert m["train/opsm_masked_frac"].item() == 0.0
+
+
+def test_masked_tokens_and_sequences_get_exactly_zero_gradient():
+    a = algo(**{"dual_clip_c": 3.0, "is_correction.enable": True, "is_correction.mask_low": 0.8,
+                "is_correction.mask_high": 1.25, "m2po.enable": True, "m2po.tau": 0.05,
+                "opsm.enable": True, "opsm.delta": 0.02})
+    for seed in SEEDS:
+        lp, old, ro, adv, mask = random_batch(seed, nonfinite=True)
+        x = lp.clone().requires_grad_()
+        loss, m = losses.policy_loss(x, old, ro, adv, mask, a, losses.loss_denominator(mask, "token-mean"))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+        assert torch.all(x.grad[~mask] == 0)
+        assert torch.all(x.grad[[0, 1, 2], [1, 2, 3]] == 0) and torch.all(x.grad[3] == 0)  # NaN/inf tokens
+        assert m["train/nan_ratio"].item() > 0
+
+
+def test_nan_logits_never_reach_the_gradient():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 9, generator=g)
+    logits[1, 2, 5] = float("nan")
+    logits.requires_grad_()
+    targets = torch.randint(0, 9, (2, 4), generator=g)
+    logp, ent = losses.token_logprobs(logits, targets, 1.0, chunk_size=3, with_entropy=True)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    loss, m = losses.policy_loss(logp, logp.detach() + 0.1, None, torch.tensor([1.0, -1.0]), mask, algo(), 8,
+                                 entropy=ent)
+    loss.backward()
+    assert m["train/nan_ratio"].item() == pytest.approx(1 / 8) and torch.isfinite(m["train/entropy"])
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all() and torch.all(logits.grad[1, 2] == 0)
+
+
+def test_corrections_need_rollout_log_probs():
+    lp, old, _, adv, mask = random_batch(0)
+    for key in ("is_correction", "m2po"):
+        with pytest.raises(ValueError, match=f"algorithm.{key}.enable=true needs rollout_log_probs"):
+            losses.policy_loss(lp, old, None, adv, mask, algo(**{f"{key}.enable": True}), 10)
+    losses.policy_loss(lp, old, None, adv, mask, algo(**{"opsm.enable": True}), 10)  # OPSM falls back to old
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aggregation across micro-batches and data-parallel ranks
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_microbatches_sum_to_minibatch_loss(mode):
+    # M2PO is left out: it is defined per call (see m2po_mask), so a split may mask differently by design.
+    a = algo(loss_agg_mode=mode, dual_clip_c=3.0, **{"is_correction.enable": True, "is_correction.level": "sequence",
+                                                     "opsm.enable": True, "opsm.delta": 0.05})
+    splits = [[0, 3], [3, 4], [4, 8], [8, 12]]  # e.g. 2 ranks x 2 micro-batches of uneven sizes
+    for seed in range(10):
+        lp, old, ro, adv, mask = random_batch(seed, B=12, T=9, nonfinite=seed % 3 == 0)
+        parts = [(s, e) for s, e in splits]
+        D = sum(losses.loss_denominator(mask[s:e], mode, norm_len=16) for s, e in parts)  # the all-reduced sum
+        assert D == losses.loss_denominator(mask, mode, norm_len=16)
+        full_x = lp.clone().requires_grad_()
+        full, _ = losses.policy_loss(full_x, old, ro, adv, mask, a, D)
+        full.backward()
+        x = lp.clone().requires_grad_()
+        total = sum(losses.policy_loss(x[s:e], old[s:e], ro[s:e], adv[s:e], mask[s:e], a, D)[0] for s, e in parts)
+        total.backward()
+        assert total.item() == pytest.approx(full.item(), rel=1e-6, abs=1e-7)
+        assert torch.allclose(x.grad, full_x.grad, atol=1e-7)
+
+
+def test_loss_denominator_values_and_errors():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert losses.loss_denominator(mask, "token-mean") == 3.0
+    assert losses.loss_denominator(mask, "seq-mean-token-mean") == 2.0
+    assert losses.loss_denominator(mask, "seq-mean-token-sum-norm", norm_len=10) == 20.0
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm needs"):
+        losses.loss_denominator(mask, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="algorithm.loss_agg_mode 'mean' is unknown"):
+        losses.loss_denominator(mask, "mean")
+
+
+def test_empty_minibatch_gives_zero_loss_and_metrics():
+    lp = torch.zeros(2, 3, requires_grad=True)
+    a = algo(**{"is_correction.enable": True, "m2po.enable": True, "opsm.enable": True})
+    loss, m = losses.policy_loss(lp, lp.detach(), lp.detach(), torch.ones(2), torch.zeros(2, 3), a, 0)
+    loss.backward()
+    assert loss.item() == 0 and torch.all(lp.grad == 0)
+    assert all(torch.isfinite(torch.as_tensor(v)) and float(v) == 0 for v in m.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# offpolicy_warning
+# ---------------------------------------------------------------------------------------------------------
+
+def run_cfg(fully_async=True, use_rollout=True, **kw):
+    return SimpleNamespace(fully_async=SimpleNamespace(enable=fully_async),
+                           trainer=SimpleNamespace(use_rollout_log_probs=use_rollout), algorithm=algo(**kw))
+
+
+def test_offpolicy_warning():
+    text = losses.offpolicy_warning(run_cfg())
+    assert "WARNING" in text and "trainer.use_rollout_log_probs=true" in text and "algorithm.opsm" in text
+    assert losses.offpolicy_warning(run_cfg(fully_async=False)) is None
+    assert losses.offpolicy_warning(run_cfg(use_rollout=False)) is None
+    assert losses.offpolicy_warning(run_cfg(**{"opsm.enable": True})) is None
+    # IS correction compares two identical tensors here: still warned about, and the text says why
+    assert "algorithm.is_correction.enable=true cannot help" in losses.offpolicy_warning(
+        run_cfg(**{"is_correction.enable": True}))
+    cfg = config.from_dict({"colocate": False, "fully_async": {"enable": True},
+                            "trainer": {"use_rollout_log_probs": True}})
+    assert losses.offpolicy_warning(cfg) is not None
