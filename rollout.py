@@ -74,7 +74,7 @@ log = logging.getLogger("rollout")
 CONNECT_TIMEOUT_S = 10.0  # TCP connect timeout of every HTTP call (a dead server is a retry, not a long wait)
 MAX_BACKOFF_S = 30.0  # cap of the doubling /generate retry delay
 ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
-DISPATCH_POLL_S = 0.02  # re-ask the buffer this often while it allows no dispatch (it learns of consumption, we don't)
+DISPATCH_WAIT_S = 0.05  # buffer.dispatch waits up to this long for the strategy to allow a group (bounds pause delay)
 STATUS_OF_FINISH = {"stop": COMPLETED, "length": TRUNCATED, "abort": ABORTED}
 
 
@@ -718,17 +718,16 @@ class Rollout:
                 await self._wake.wait()
                 self._wake.clear()
                 continue
-            async with self._dispatch_lock:  # a pause waits for a dispatch in progress to be launched
-                free = None if self.max_groups is None else self.max_groups - len(self._groups)
-                groups = await asyncio.to_thread(self.buffer.dispatch, free) if free is None or free > 0 else []
-                for g in groups:
-                    self._launch(g)
-            if not groups:
+            free = None if self.max_groups is None else self.max_groups - len(self._groups)
+            if free == 0:  # our concurrency bound: wait for a group to be put (or for a pause)
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), DISPATCH_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
+                await self._wake.wait()
+                continue
+            async with self._dispatch_lock:  # a pause waits for a dispatch in progress to be launched
+                # The buffer waits (up to DISPATCH_WAIT_S) until its strategy allows a group: it learns of the
+                # trainer's consumption, we do not.
+                for g in await asyncio.to_thread(self.buffer.dispatch, free, DISPATCH_WAIT_S):
+                    self._launch(g)
 
     def _launch(self, g: PromptGroup) -> None:
         key = g.prompt_id
@@ -990,9 +989,7 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int) -> N
 
     cfg = config_lib.from_dict(cfg_dict)
     _READY_TIMEOUT_S[0] = cfg.rollout.startup_timeout_s
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # inherited from torchrun; RPC must use its own store
-    options = rpc.TensorPipeRpcBackendOptions(init_method=rpc_init_method, rpc_timeout=cfg.buffer.rpc_timeout_s)
-    rpc.init_rpc("rollout", rank=rank, world_size=world_size, rpc_backend_options=options)
+    buffer_mod.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
     sync = SyncFleet(Fleet.from_config(cfg))
     try:
         try:
@@ -1025,7 +1022,9 @@ class DatasetBuffer:
         if not self.pending:
             self.done.set()
 
-    def dispatch(self, max_groups: Optional[int] = None) -> list[PromptGroup]:
+    def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list[PromptGroup]:
+        if not self.pending:
+            time.sleep(timeout)  # as PipelineServer.dispatch: nothing to hand out, wait instead of spinning
         with self.lock:
             k = len(self.pending) if max_groups is None else min(max_groups, len(self.pending))
             return [self.pending.popleft() for _ in range(k)]
