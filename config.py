@@ -264,6 +264,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ValueError(f"config key '{key}' must be an integer, got {value!r}")
     if tp is float:
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-6, written without a dot, as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise ValueError(f"config key '{key}' must be a number, got {value!r}")
@@ -421,6 +426,9 @@ def validate(cfg: Config) -> Config:
     for f in r.filter:
         if f not in ("failed", "all_equal_reward"):
             raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
+    if "all_equal_reward" in r.filter and N == 1:
+        raise ValueError("rollout.filter all_equal_reward needs data_source.num_trajectories_per_prompt > 1: with "
+                         "one trajectory per prompt every group has equal rewards and would be dropped")
     if r.launch not in ("engine", "sglang", "none"):
         raise ValueError(f"rollout.launch must be one of engine, sglang, none, got '{r.launch}'")
     if r.sglang_args.max_running_requests is not None:

@@ -1,0 +1,205 @@
+"""config.py: every start-up rule raises one sentence naming its key; loading, overrides and derived values.
+
+Run: python -m pytest -q tests/test_config.py
+"""
+import dataclasses
+import warnings
+
+import pytest
+import yaml
+
+import config
+
+FULLY_ASYNC = {"colocate": False, "fully_async": {"enable": True}}
+
+
+def _cfg(*overrides, base=None):
+    """Defaults (+ `base` dict) with dotted `a.b=c` overrides, built but not validated."""
+    data = config._merge(base or {}, config.parse_overrides(list(overrides)))
+    return config.from_dict(data)
+
+
+def test_defaults_and_fully_async_base_are_valid():
+    config.validate(_cfg())
+    config.validate(_cfg(base=FULLY_ASYNC))
+
+
+# (overrides, base, strings the message must contain: the key(s) at fault)
+RULES = [
+    (["data_source.num_prompts_per_step=0"], None, ["data_sources[0].num_prompts_per_step"]),
+    (["data_source.num_trajectories_per_prompt=0"], None, ["data_sources[0].num_trajectories_per_prompt"]),
+    (["data_source.weight=0"], None, ["data_sources[0].weight"]),
+    (["trainer.mini_batch_size=0"], None, ["trainer.mini_batch_size"]),
+    # spec: B x N must be divisible by M
+    (["data_source.num_prompts_per_step=3", "trainer.mini_batch_size=16"], None,
+     ["data_source.num_prompts_per_step", "data_source.num_trajectories_per_prompt", "trainer.mini_batch_size"]),
+    (["data_source.num_prompts_per_step=1", "trainer.mini_batch_size=4"], None,
+     ["trainer.mini_batch_size", "data_source.num_trajectories_per_prompt"]),
+    (["run_mode=eval"], None, ["run_mode"]),
+    (["device=tpu"], None, ["device"]),
+    (["fully_async.stale_steps=-0.5"], None, ["fully_async.stale_steps"]),
+    (["fully_async.sliding_window=fifo"], None, ["fully_async.sliding_window", "no-window", "window-gated",
+                                                "windowed-fifo"]),
+    # spec's table: fully-async needs colocate=false, run_mode=default, one data source, num_oversample=0
+    (["fully_async.enable=true"], None, ["fully_async.enable", "colocate"]),
+    (["run_mode=train-only"], FULLY_ASYNC, ["fully_async.enable", "run_mode"]),
+    (["data_sources=[{}, {seed: 1}]"], FULLY_ASYNC,
+     ["fully_async.enable", "data_sources"]),
+    (["rollout.sampler.num_oversample=8"], FULLY_ASYNC, ["rollout.sampler.num_oversample", "fully_async"]),
+    (["rollout.sampler.num_oversample=-1"], None, ["rollout.sampler.num_oversample"]),
+    (["rollout.mask_offpolicy_in_partial_rollout=true"], None,
+     ["rollout.mask_offpolicy_in_partial_rollout", "rollout.partial"]),
+    (["rollout.async_max_concurrent_samples=0"], None, ["rollout.async_max_concurrent_samples"]),
+    (["rollout.async_max_concurrent_samples=7"], None,
+     ["rollout.async_max_concurrent_samples", "data_source.num_trajectories_per_prompt"]),
+    (["rollout.max_weight_staleness=-1"], None, ["rollout.max_weight_staleness"]),
+    (["rollout.filter=[failed, short]"], None, ["rollout.filter", "short"]),
+    (["rollout.filter=[all_equal_reward]", "data_source.num_trajectories_per_prompt=1",
+      "trainer.mini_batch_size=1"], None, ["rollout.filter", "data_source.num_trajectories_per_prompt"]),
+    (["rollout.launch=docker"], None, ["rollout.launch"]),
+    (["rollout.sglang_args.max_running_requests=0"], None, ["rollout.sglang_args.max_running_requests"]),
+    (["rollout.sampling.max_new_tokens=0"], None, ["rollout.sampling.max_new_tokens"]),
+    (["rollout.sampling.temperature=0"], None, ["rollout.sampling.temperature"]),
+    (["rollout.sampling.top_p=0"], None, ["rollout.sampling.top_p"]),
+    (["rollout.sampling.top_p=1.5"], None, ["rollout.sampling.top_p"]),
+    (["rollout.trajectory_timeout_s=0"], None, ["rollout.trajectory_timeout_s"]),
+    (["rollout.request_timeout_s=0"], None, ["rollout.request_timeout_s"]),
+    (["rollout.startup_timeout_s=0"], None, ["rollout.startup_timeout_s"]),
+    (["rollout.pause_timeout_s=-1"], None, ["rollout.pause_timeout_s"]),
+    # spec's table: M2PO cannot be combined with use_rollout_log_probs
+    (["algorithm.m2po.enable=true", "trainer.use_rollout_log_probs=true"], None,
+     ["algorithm.m2po.enable", "trainer.use_rollout_log_probs"]),
+    (["algorithm.m2po.enable=true", "algorithm.m2po.tau=0"], None, ["algorithm.m2po.tau"]),
+    (["algorithm.opsm.enable=true", "algorithm.opsm.delta=-0.1"], None, ["algorithm.opsm.delta"]),
+    (["algorithm.clip_low=1.0"], None, ["algorithm.clip_low"]),
+    (["algorithm.clip_high=-0.1"], None, ["algorithm.clip_high"]),
+    (["algorithm.dual_clip_c=1.0"], None, ["algorithm.dual_clip_c"]),
+    (["algorithm.loss_agg_mode=sum"], None, ["algorithm.loss_agg_mode"]),
+    (["algorithm.is_correction.level=batch"], None, ["algorithm.is_correction.level"]),
+    (["algorithm.is_correction.clip=0"], None, ["algorithm.is_correction.clip"]),
+    (["algorithm.is_correction.mask_low=2.0", "algorithm.is_correction.mask_high=0.5"], None,
+     ["algorithm.is_correction.mask_low", "algorithm.is_correction.mask_high"]),
+    (["algorithm.adv.eps=-1e-6"], None, ["algorithm.adv.eps"]),
+    (["trainer.total_steps=0"], None, ["trainer.total_steps"]),
+    (["trainer.num_nodes=0"], None, ["trainer.num_nodes"]),
+    (["trainer.num_gpus_per_node=0"], None, ["trainer.num_gpus_per_node"]),
+    (["trainer.lr=0"], None, ["trainer.lr"]),
+    (["trainer.micro_batch_tokens=0"], None, ["trainer.micro_batch_tokens"]),
+    (["trainer.logprob_chunk_tokens=0"], None, ["trainer.logprob_chunk_tokens"]),
+    (["trainer.save_freq=-1"], None, ["trainer.save_freq"]),
+    (["trainer.eval_freq=-1"], None, ["trainer.eval_freq"]),
+    (["trainer.warmup_steps=-1"], None, ["trainer.warmup_steps"]),
+    (["trainer.resume=/nonexistent/checkpoint"], None, ["trainer.resume"]),
+    (["weight_sync.method=nfs"], None, ["weight_sync.method"]),
+    (["weight_sync.bucket_mb=0"], None, ["weight_sync.bucket_mb"]),
+    (["weight_sync.timeout_s=0"], None, ["weight_sync.timeout_s"]),
+    (["buffer.get_timeout_s=0"], None, ["buffer.get_timeout_s"]),
+    (["buffer.rpc_timeout_s=0"], None, ["buffer.rpc_timeout_s"]),
+    (["logging.wandb.mode=disabled"], None, ["logging.wandb.mode"]),
+]
+
+
+@pytest.mark.parametrize("overrides,base,keys", RULES, ids=[" ".join(r[0])[:60] for r in RULES])
+def test_validation_rule_names_its_keys(overrides, base, keys):
+    cfg = _cfg(*overrides, base=base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the M % N warning may precede an error; it has its own test
+        with pytest.raises(ValueError) as err:
+            config.validate(cfg)
+    msg = str(err.value)
+    for key in keys:
+        assert key in msg, f"message {msg!r} does not name {key!r}"
+    assert "\n" not in msg
+
+
+def test_m_not_multiple_of_n_is_a_warning_not_an_error():
+    cfg = _cfg("data_source.num_prompts_per_step=3", "data_source.num_trajectories_per_prompt=4",
+               "trainer.mini_batch_size=6")  # B*N = 12 divisible by M = 6, but M % N = 2
+    with pytest.warns(UserWarning, match="trainer.mini_batch_size"):
+        config.validate(cfg)
+    assert cfg.groups_per_call == 1
+
+
+def test_spec_capacity_and_derived_values():
+    cfg = _cfg("data_source.num_prompts_per_step=64", "data_source.num_trajectories_per_prompt=8",
+               "trainer.mini_batch_size=128", "fully_async.stale_steps=1.0")
+    assert (cfg.B, cfg.N, cfg.M) == (64, 8, 128)
+    assert cfg.capacity == 128  # spec section 1: int(64 * (1 + 1.0))
+    assert cfg.calls_per_step == 4 and cfg.groups_per_call == 16  # (B*N)//M calls of M//N groups
+    assert _cfg("fully_async.stale_steps=2.0").capacity == 192  # spec 5.4
+    assert _cfg("data_source.num_prompts_per_step=3", "fully_async.stale_steps=0.5").capacity == 4  # floor of 4.5
+    assert _cfg().capacity == 64  # stale_steps defaults to 0
+
+
+def test_sliding_window_accepts_every_registered_strategy():
+    for name in ("no-window", "window-gated", "windowed-fifo"):
+        config.validate(_cfg(f"fully_async.sliding_window={name}", base=FULLY_ASYNC))
+
+
+def test_async_max_concurrent_samples_accepts_unset_and_multiples():
+    config.validate(_cfg("rollout.async_max_concurrent_samples=null"))
+    config.validate(_cfg("rollout.async_max_concurrent_samples=8"))  # == N: one group
+    config.validate(_cfg("rollout.async_max_concurrent_samples=1000"))  # large is fine (the rollout clamps it)
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"trainer": {"mini_batch_sise": 4}}, "trainer.mini_batch_sise"),
+    ({"nonsense": 1}, "nonsense"),
+    ({"fully_async": {"enable": "yes"}}, "fully_async.enable"),
+    ({"trainer": {"total_steps": 1.5}}, "trainer.total_steps"),
+    ({"trainer": {"total_steps": True}}, "trainer.total_steps"),
+    ({"fully_async": {"stale_steps": "one"}}, "fully_async.stale_steps"),
+    ({"run_mode": 3}, "run_mode"),
+    ({"rollout": {"filter": "failed"}}, "rollout.filter"),
+    ({"rollout": 5}, "rollout"),
+    ({"data_sources": []}, "data_sources"),
+    ({"data_sources": [{"num_prompts_per_step": 4, "tsk": "x"}]}, "data_sources[0].tsk"),
+])
+def test_unknown_keys_and_wrong_types_name_the_key(data, key):
+    with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        config.from_dict(data)
+
+
+def test_numbers_are_coerced_where_harmless():
+    cfg = config.from_dict({"fully_async": {"stale_steps": 1}, "rollout": {"max_weight_staleness": None}})
+    assert cfg.fully_async.stale_steps == 1.0 and isinstance(cfg.fully_async.stale_steps, float)
+    assert cfg.rollout.max_weight_staleness is None
+    # PyYAML reads 1e-6 (no dot) as a string; on the command line and in files it must still be a number
+    assert _cfg("trainer.lr=1e-6").trainer.lr == 1e-6
+    assert config.from_dict(yaml.safe_load("trainer: {lr: 3e-7}")).trainer.lr == 3e-7
+
+
+def test_override_without_equals_names_the_argument():
+    with pytest.raises(ValueError, match="fully_async.enable"):
+        config.parse_overrides(["fully_async.enable"])
+
+
+def test_load_config_file_and_overrides(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"colocate": False, "fully_async": {"enable": True, "stale_steps": 0.5},
+                                    "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2},
+                                    "trainer": {"mini_batch_size": 4}}))
+    cfg = config.load_config(str(path), ["fully_async.sliding_window=windowed-fifo", "trainer.total_steps=3"])
+    assert cfg.name == "tiny" and cfg.run_dir.endswith("tiny")
+    assert cfg.fully_async.sliding_window == "windowed-fifo" and cfg.trainer.total_steps == 3
+    assert cfg.data_sources == [cfg.data_source] and cfg.capacity == 6
+    again = config.from_dict(config.to_dict(cfg))  # what child processes receive
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+    with pytest.raises(ValueError, match="colocate"):
+        config.load_config(str(path), ["colocate=true"])  # validated after the overrides
+
+
+def test_load_config_rejects_missing_and_non_mapping_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        config.load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        config.load_config(str(bad))
+
+
+def test_data_sources_list_for_synchronous_mixing():
+    cfg = _cfg("data_sources=[{task: reverse_digits, weight: 3.0}, {task: reverse_digits, weight: 1.0, seed: 1}]")
+    config.validate(cfg)  # several sources are fine in synchronous mode
+    assert [d.weight for d in cfg.data_sources] == [3.0, 1.0]
+    assert cfg.B == cfg.data_sources[0].num_prompts_per_step
