@@ -188,3 +188,53 @@ def test_rollout_function_names():
         rollout.resolve_rollout_function("nope")
     with pytest.raises(ValueError, match="async function"):
         rollout.resolve_rollout_function("rollout:make_rid")
+
+
+def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():
+    """A scripted server answers "calc 2+3" then "5": the calculator's "=5\\n" gets loss mask 0; a trajectory
+    restored after its first turn replays that turn into a fresh environment and only generates the answer."""
+    import tasks
+    tok = tasks.build_tokenizer()
+    eos = tok.eos_token_id
+
+    async def generate(request):
+        body = await request.json()
+        text = tok.decode(body["input_ids"])
+        reply = tok.encode("5" if text.endswith("=5\n") else "calc 2+3", add_special_tokens=False) + [eos]
+        return web.json_response(_response(reply, "0"))
+
+    async def info(request):
+        return web.json_response({"max_running_requests": 8})
+
+    server = FakeServers(1, lambda i: [("POST", "/generate", generate), ("GET", "/server_info", info)])
+    cfg = config.load_config(None, ["data_source.task=calc_tool", "data_source.num_prompts_per_step=2",
+                                    "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
+                                    "rollout.function=multi_turn_tool", "rollout.sampling.max_new_tokens=24",
+                                    f"rollout.servers=[{server.urls[0]}]"])
+    prompt = {"prompt_ids": tok.encode("2+3=", add_special_tokens=False), "label": "5", "metadata": {}}
+    buf = rollout.DatasetBuffer([prompt, prompt], cfg.N)
+    first_turn = tok.encode("calc 2+3", add_special_tokens=False) + [eos]
+    observation = tok.encode("=5\n", add_special_tokens=False)
+    partial = [Trajectory(0, 1, i, buf.pending[1].prompt_ids, status="aborted") for i in range(2)]
+    rollout._extend(partial[0], first_turn, [-1.0] * len(first_turn), [0] * len(first_turn), 1)
+    rollout._extend(partial[0], observation, [0.0] * 3, [0] * 3, 0)
+    partial[0].metadata["env_spans"] = [[len(first_turn), len(first_turn) + 3]]
+    buf.pending[1].partial = partial
+    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, tok)
+    try:
+        ro.start()
+        assert buf.done.wait(30), "the scripted multi-turn episodes did not finish"
+    finally:
+        ro.stop()
+        sync.close()
+        server.close()
+    answer = tok.encode("5", add_special_tokens=False) + [eos]
+    for seq in (0, 1):
+        for t in buf.results[seq]:
+            assert t.status == "completed" and t.reward == 1.0
+            assert t.response_ids.tolist() == first_turn + observation + answer
+            assert t.loss_mask.tolist() == [1] * len(first_turn) + [0] * 3 + [1] * len(answer)
+            assert len(t.rollout_log_probs) == len(t.versions) == len(t.response_ids)
+    restored = next(t for t in buf.results[1] if t.index == 0)
+    assert restored.metadata["attempts"] == 1 and restored.metadata["restored"] == 1  # one request: the answer
