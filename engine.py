@@ -1,0 +1,1253 @@
+"""engine.py: an SGLang-compatible HTTP inference server around any transformers causal LM.
+
+It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/sglang_api.md: /generate, aborts,
+pause/continue, weight updates from disk or over a torch.distributed group, weight versions, memory release,
+loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this engine on a laptop.
+
+Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
+                        [--device auto] [--dtype auto] [--host 127.0.0.1]
+From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
+Trainer side of the weight-update group: `pg = engine.init_weight_update_group(addr, port, 0, world_size,
+group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed.
+
+Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
+log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-5, and log_softmax(logits)[token]
+(temperature 1) for greedy requests (temperature < 1e-5, as SGLang, which turns greedy into temperature 1 + top_k 1).
+top_p / top_k / min_p and the min_new_tokens ban change which token is drawn but never the reported log-prob: RL
+runs sample with top_p=1, top_k=-1 so that the reported value is the probability the token was drawn with.
+
+How it works: one model thread owns the model and every request's state. Each iteration it runs the control calls
+queued by the HTTP handlers (abort, pause, weight update, ...), prefills newly admitted requests as one left-padded
+batch, and advances ALL running requests with ONE batched forward of one token each (continuous batching). The KV
+cache is one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their
+prefilled slab in and leave by compacting rows, and leading all-padding columns are trimmed. At most
+--max-running-requests run; the rest wait in a FIFO queue (/v1/loads shows both). The HTTP side (aiohttp) only
+parses, validates and formats, so it stays responsive while the model computes.
+
+Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache only checks
+that no request is in flight; no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
+or custom logit processors: those fields are accepted at their defaults and rejected with HTTP 400 otherwise;
+`spaces_between_special_tokens` is accepted and ignored (fast tokenizers have no such option). Only models whose
+layers are all full attention (Llama/Qwen/Mistral-style decoders) are supported. Weights released by
+/release_memory_occupation are kept in host memory (SGLang discards them) and generation waits until resumed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import datetime
+import inspect
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("engine")
+
+GREEDY_EPS = 1e-5  # temperature below this is greedy (SGLang's _SAMPLING_EPS)
+KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
+
+# SGLang's sampling_params fields and defaults (srt/sampling/sampling_params.py). Every key is validated below.
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "stop": None,
+    "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "no_stop_trim": False, "min_new_tokens": 0, "n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "sampling_seed": None, "logit_bias": None, "json_schema": None, "regex": None,
+    "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None,
+}
+# Fields engine.py implements only at their default value (HTTP 400 otherwise, naming the field).
+DEFAULT_ONLY = ("n", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
+                "regex", "ebnf", "stop_regex", "custom_params", "structural_tag")
+RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class BadRequest(ValueError):
+    """A request field is missing, of the wrong type or out of range: answered with HTTP 400 and this message."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Request parsing and validation
+# ----------------------------------------------------------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _field(body: dict, name: str, default, check: Callable[[Any], bool], expected: str, where: str = ""):
+    """body[name] (or default when absent/None-able); BadRequest naming the field when `check` fails."""
+    v = body.get(name, default)
+    if v is None and default is None:
+        return None
+    if not check(v):
+        raise BadRequest(f"field `{where}{name}` must be {expected}, got {json.dumps(v)[:80]}")
+    return v
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float  # 1.0 for greedy requests (the log-prob convention)
+    greedy: bool
+    top_p: float
+    top_k: int  # -1: whole vocabulary
+    min_p: float
+    stop_strs: list  # list[str]
+    stop_token_ids: list  # list[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    min_new_tokens: int
+    sampling_seed: Optional[int]
+    stream_interval: int
+
+
+def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
+    """Validate an SGLang sampling_params dict; unknown keys are rejected the way SGLang rejects them."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest("field `sampling_params` must be a JSON object")
+    for k in sp:
+        if k not in SAMPLING_DEFAULTS:
+            raise BadRequest(f"unknown field `{k}`, expected one of "
+                             + ", ".join(f"`{n}`" for n in SAMPLING_DEFAULTS))
+    for k in DEFAULT_ONLY:
+        if k in sp and sp[k] is not None and sp[k] != SAMPLING_DEFAULTS[k]:
+            raise BadRequest(f"field `sampling_params.{k}` is not supported by engine.py; only its default "
+                             f"{json.dumps(SAMPLING_DEFAULTS[k])} is accepted")
+    def g(name, check, expected):
+        return _field(sp, name, SAMPLING_DEFAULTS[name], check, expected, "sampling_params.")
+    max_new = g("max_new_tokens", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null")
+    temperature = g("temperature", lambda v: _is_num(v) and v >= 0, "a number >= 0")
+    top_p = g("top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
+    top_k = g("top_k", lambda v: _is_int(v) and (v == -1 or v >= 1), "-1 (disabled) or an integer >= 1")
+    min_p = g("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")
+    stop = g("stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+             "a string or a list of strings")
+    stop_ids = g("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+                 "a list of integers")
+    flags = {name: g(name, lambda v: isinstance(v, bool), "true or false")
+             for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")}
+    min_new = g("min_new_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    seed = g("sampling_seed", _is_int, "an integer")
+    interval = g("stream_interval", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    if max_new is not None and min_new > max_new:
+        raise BadRequest(f"field `sampling_params.min_new_tokens` ({min_new}) must be <= max_new_tokens ({max_new})")
+    greedy = temperature < GREEDY_EPS
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy,
+        top_p=float(top_p), top_k=top_k, min_p=float(min_p),
+        stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
+        stop_token_ids=list(stop_ids or []), ignore_eos=flags["ignore_eos"],
+        skip_special_tokens=flags["skip_special_tokens"], no_stop_trim=flags["no_stop_trim"],
+        min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1)
+
+
+@dataclass
+class Req:
+    """One /generate request. The model thread owns every field after submission; the HTTP side only reads
+    prefixes of the append-only lists, and reads everything after `finish` is set."""
+    rid: str
+    input_ids: list
+    sp: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    created: float = field(default_factory=time.perf_counter)
+    output_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # float per output token
+    top_logprobs: list = field(default_factory=list)  # per output token: list of (logprob, id)
+    input_logprobs: list = field(default_factory=list)  # (logprob|None, id) per input token from logprob_start_len
+    spans: list = field(default_factory=list)  # [version, start, end) over output token indices
+    finish: Optional[dict] = None  # SGLang finish_reason once finished
+    finished_at: float = 0.0
+    num_retractions: int = 0
+    generator: Optional[torch.Generator] = None
+    notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
+
+
+def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int) -> Req:
+    """A validated Req from a /generate body (single prompt)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("exactly one of fields `input_ids` and `text` is required")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list) or isinstance(text, list):
+        raise BadRequest("field `input_ids`/`text` holds a batch; engine.py accepts one prompt per /generate")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadRequest("field `text` must be a string")
+        ids = tokenizer.encode(text)
+    elif not (isinstance(ids, list) and all(_is_int(t) and 0 <= t < vocab_size for t in ids)):
+        raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
+    if not ids:
+        raise BadRequest("field `input_ids` must not be empty")
+    rid = _field(body, "rid", None, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    sp = parse_sampling_params(body.get("sampling_params"), vocab_size)
+    if len(ids) >= context_len:
+        raise BadRequest(f"field `input_ids` has {len(ids)} tokens; the model's context length is {context_len}")
+    if sp.max_new_tokens is None:
+        sp.max_new_tokens = context_len - len(ids)
+    elif len(ids) + sp.max_new_tokens > context_len:
+        raise BadRequest(f"field `sampling_params.max_new_tokens` ({sp.max_new_tokens}) plus the {len(ids)} input "
+                         f"tokens exceeds the model's context length {context_len}")
+    req = Req(
+        rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp,
+        return_logprob=_field(body, "return_logprob", False, lambda v: isinstance(v, bool), "true or false"),
+        top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+        logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1,
+                                 "an integer >= -1"),
+        return_text_in_logprobs=_field(body, "return_text_in_logprobs", False, lambda v: isinstance(v, bool),
+                                       "true or false"),
+        stream=_field(body, "stream", False, lambda v: isinstance(v, bool), "true or false"))
+    if req.logprob_start_len >= len(ids):
+        raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
+    return req
+
+
+def abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache: one left-padded slab per layer
+# ----------------------------------------------------------------------------------------------------------------
+
+from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's K/V in a preallocated [B, H, capacity, D] buffer. Appending a step writes into the slab
+    instead of torch.cat-ing the whole cache (DynamicLayer's O(T^2) total copying); `keys`/`values` are views
+    of the first `n` columns, which is what the attention and the mask code read."""
+
+    def __init__(self, kb: Optional[torch.Tensor], vb: Optional[torch.Tensor], n: int, cap: int):
+        super().__init__()
+        self.kb, self.vb, self.n, self.cap = kb, vb, n, cap
+        if kb is not None:
+            self._views()
+
+    def _views(self):
+        self.keys, self.values = self.kb[:, :, :self.n], self.vb[:, :, :self.n]
+        self.is_initialized, self.device = True, self.kb.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        q = key_states.shape[-2]
+        if self.kb is None:
+            b, h, _, d = key_states.shape
+            self.kb = key_states.new_zeros(b, h, self.cap, d)
+            self.vb = value_states.new_zeros(b, h, self.cap, value_states.shape[-1])
+        assert self.n + q <= self.kb.shape[2], "KVBatch.reserve must run before the forward"
+        self.kb[:, :, self.n:self.n + q] = key_states
+        self.vb[:, :, self.n:self.n + q] = value_states
+        self.n += q
+        self._views()
+        return self.keys, self.values
+
+    def grow(self, cap: int):
+        if self.kb is not None:
+            self.kb, self.vb = (torch.cat([t, t.new_zeros(*t.shape[:2], cap - t.shape[2], t.shape[3])], 2)
+                                for t in (self.kb, self.vb))
+            self._views()
+        self.cap = cap
+
+
+class KVBatch:
+    """The running batch's cache: per-layer slabs, a [B, capacity] attention mask (1 = real token; rows are
+    left-padded so every row's newest token sits in column n-1), each row's next position id and last token."""
+
+    def __init__(self, layers: list, mask: torch.Tensor, next_pos: torch.Tensor, last_tok: torch.Tensor):
+        self.layers, self.mask, self.next_pos, self.last_tok = layers, mask, next_pos, last_tok
+        self.cache = DynamicCache()
+        self.cache.layers = layers
+
+    @classmethod
+    def empty(cls, num_layers: int, batch: int, cap: int, device) -> "KVBatch":
+        z = torch.zeros(batch, dtype=torch.long, device=device)
+        return cls([_SlabLayer(None, None, 0, cap) for _ in range(num_layers)],
+                   torch.zeros(batch, cap, dtype=torch.long, device=device), z, z.clone())
+
+    @property
+    def n(self) -> int:
+        return self.layers[0].n
+
+    def reserve(self, q: int):
+        """Make room for q more columns (doubling), before a forward appends them."""
+        cap = self.mask.shape[1]
+        if self.n + q > cap:
+            cap = max(2 * cap, self.n + q + KV_HEADROOM)
+            self.mask = torch.cat([self.mask, self.mask.new_zeros(self.mask.shape[0], cap - self.mask.shape[1])], 1)
+            for layer in self.layers:
+                layer.grow(cap)
+
+    @staticmethod
+    def combine(parts: list) -> Optional["KVBatch"]:
+        """A new batch made of `rows` of each (KVBatch, rows) part, right-aligned to a common length with the
+        leading all-padding columns dropped. Serves both leaving (one part, fewer rows) and joining (two parts)."""
+        pieces = []
+        for kv, rows in parts:
+            if not rows:
+                continue
+            idx = torch.tensor(rows, device=kv.mask.device)
+            used = kv.mask[idx, :kv.n].any(0)
+            start = int(used.int().argmax())  # first column any selected row uses
+            pieces.append((kv, idx, start, kv.n - start))
+        if not pieces:
+            return None
+        length = max(p[3] for p in pieces)
+        cap = length + KV_HEADROOM
+        batch = sum(len(p[1]) for p in pieces)
+        kv0 = pieces[0][0]
+        mask = kv0.mask.new_zeros(batch, cap)
+        layers = []
+        for li, layer0 in enumerate(kv0.layers):
+            kb = layer0.kb.new_zeros(batch, layer0.kb.shape[1], cap, layer0.kb.shape[3])
+            vb = layer0.vb.new_zeros(batch, layer0.vb.shape[1], cap, layer0.vb.shape[3])
+            r = 0
+            for kv, idx, start, ln in pieces:
+                src = kv.layers[li]
+                kb[r:r + len(idx), :, length - ln:length] = src.kb[idx, :, start:kv.n]
+                vb[r:r + len(idx), :, length - ln:length] = src.vb[idx, :, start:kv.n]
+                r += len(idx)
+            layers.append(_SlabLayer(kb, vb, length, cap))
+        r = 0
+        for kv, idx, start, ln in pieces:
+            mask[r:r + len(idx), length - ln:length] = kv.mask[idx, start:kv.n]
+            r += len(idx)
+        return KVBatch(layers, mask, torch.cat([p[0].next_pos[p[1]] for p in pieces]),
+                       torch.cat([p[0].last_tok[p[1]] for p in pieces]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Torch distributed weight-update group (both sides use these helpers)
+# ----------------------------------------------------------------------------------------------------------------
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                             group_name: str = "weight_update_group", backend: str = "gloo",
+                             timeout_s: float = 300.0):
+    """A ProcessGroupGloo/NCCL of `world_size` ranks rendezvousing on a TCPStore at master_address:master_port
+    (rank 0, the trainer, hosts the store). It is NOT the default process group, so a trainer under torchrun can
+    own it next to its own. The store prefixes mirror SGLang's init_custom_process_group (PrefixStore(group_name)
+    then torch's "<group_name>/<device>/"), so the trainer side can also face real SGLang over NCCL.
+    Blocks until all ranks joined; raises after timeout_s naming what did not arrive."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                              multi_tenant=True)
+        device = "cuda" if backend == "nccl" else "cpu"
+        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",
+                                                               dist.PrefixStore(group_name, store)))
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    except Exception as e:  # noqa: BLE001 - re-raised with what did not arrive
+        raise RuntimeError(f"weight-update group {group_name!r} (rank {rank} of {world_size}, {backend}) at "
+                           f"{master_address}:{master_port} did not form within {timeout_s}s: {e}") from e
+
+
+def broadcast_tensors(pg, tensors: list, timeout_s: float = 300.0, src: int = 0):
+    """Broadcast `tensors` in order from rank `src` of `pg` (send on src, receive in place elsewhere)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    works = [pg.broadcast([t], opts) for t in tensors]
+    for i, w in enumerate(works):
+        if not w.wait(datetime.timedelta(seconds=timeout_s)):
+            raise TimeoutError(f"broadcast of tensor {i} of {len(tensors)} did not complete within {timeout_s}s")
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise BadRequest(f"field `dtypes` holds {name!r}, which is not a torch dtype name (e.g. 'bfloat16')")
+    return dt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model thread
+# ----------------------------------------------------------------------------------------------------------------
+
+def load_model(path: str, device: torch.device, dtype: str):
+    from transformers import AutoModelForCausalLM
+    torch_dtype = (torch.float32 if device.type == "cpu" else "auto") if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    cfg = model.config.get_text_config()
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(f"--model-path {path}: engine.py supports full-attention layers only, the model has "
+                         f"{sorted(layer_types)}")
+    return model
+
+
+class Scheduler:
+    """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
+
+    def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
+                 weight_version: str, dist_timeout: float):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.max_running, self.max_prefill_tokens, self.dist_timeout = max_running, max_prefill_tokens, dist_timeout
+        self.weight_version = weight_version
+        cfg = model.config.get_text_config()
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.context_len = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        eos = set()
+        for src in (model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None),
+                    tokenizer.eos_token_id):
+            eos.update([src] if _is_int(src) else (src or []))
+        self.eos_ids = sorted(eos)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.logits_to_keep = "logits_to_keep" in params
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: collections.deque = collections.deque()
+        self.running: list = []  # row i of self.kv belongs to running[i]
+        self.kv: Optional[KVBatch] = None
+        self.paused: Optional[str] = None  # None | abort | retract | in_place
+        self.released: set = set()
+        self.groups: dict = {}  # group_name -> (process group, device of its tensors)
+        self.generated_tokens = 0  # total, for throughput in /server_info
+        self.throughput = 0.0
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="engine-model", daemon=True)
+
+    # -- called from other threads ------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the model thread between two steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put((fn, fut))
+        return fut
+
+    def stop(self):
+        self._stop = True
+        self.inbox.put((lambda: None, concurrent.futures.Future()))
+        self.thread.join(timeout=30)
+
+    # -- loop ---------------------------------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.running or self.waiting) and self.paused is None and not self.released
+
+    def _loop(self):
+        tick_t, tick_n = time.perf_counter(), 0
+        with torch.inference_mode():
+            while not self._stop:
+                try:  # wait for work when idle, only peek when requests are decoding
+                    item = self.inbox.get_nowait() if self._busy() else self.inbox.get(timeout=1.0)
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    fn, fut = item
+                    try:
+                        fut.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+                    try:
+                        item = self.inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if not self._busy():
+                    continue
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                    log.exception("model step failed; aborting the running requests")
+                    for req in self.running + list(self.waiting):
+                        self._finish(req, abort_reason(f"engine error: {e}", 500, "InternalServerError"))
+                    self.running, self.kv = [], None
+                    self.waiting.clear()
+                now = time.perf_counter()
+                if now - tick_t > 2.0:
+                    self.throughput = (self.generated_tokens - tick_n) / (now - tick_t)
+                    tick_t, tick_n = now, self.generated_tokens
+
+    def _step(self):
+        if self.waiting and len(self.running) < self.max_running:
+            self._admit()
+        if self.running:
+            self._decode()
+
+    def _forward(self, ids: torch.Tensor, kv: KVBatch, pos: torch.Tensor, last_only: bool) -> torch.Tensor:
+        q = ids.shape[1]
+        kw = {self.cache_kw: kv.cache, "attention_mask": kv.mask[:, :kv.n + q], "position_ids": pos,
+              "use_cache": True}
+        if last_only and self.logits_to_keep:
+            kw["logits_to_keep"] = 1
+        return self.model(input_ids=ids, **kw).logits
+
+    def _admit(self):
+        """Prefill queued requests (FIFO, up to the running limit and the prefill token budget) as one batch."""
+        new, tokens = [], 0
+        while self.waiting and len(self.running) + len(new) < self.max_running:
+            n = len(self.waiting[0].input_ids) + len(self.waiting[0].output_ids)
+            if new and tokens + n > self.max_prefill_tokens:
+                break
+            new.append(self.waiting.popleft())
+            tokens += n
+        seqs = [r.input_ids + r.output_ids for r in new]
+        width = max(map(len, seqs))
+        ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
+        kv = KVBatch.empty(self.num_layers, len(new), width + KV_HEADROOM, self.device)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s)
+            kv.mask[i, width - len(s):width] = 1
+        ids = ids.to(self.device)
+        mask = kv.mask[:, :width]
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
+        logits = self._forward(ids, kv, pos, last_only=not any(want_input_lp))
+        for i, r in enumerate(new):
+            if want_input_lp[i]:
+                self._input_logprobs(r, logits[i, width - len(seqs[i]):], seqs[i])
+        kv.next_pos = mask.sum(1)
+        for r in new:
+            if r.sp.sampling_seed is not None and r.generator is None:
+                r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
+        live = [i for i, r in enumerate(new) if r.sp.max_new_tokens > len(r.output_ids)]
+        for i, r in enumerate(new):
+            if i not in live:  # max_new_tokens 0 (or a retracted request already at its limit)
+                self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
+        if not live:
+            return
+        sel = torch.tensor(live, device=self.device)
+        toks = self._sample_and_append([new[i] for i in live], logits[sel, -1])
+        kv.last_tok = torch.zeros(len(new), dtype=torch.long, device=self.device)
+        kv.last_tok[sel] = toks
+        keep = [i for i in live if new[i].finish is None]
+        parts = [(self.kv, list(range(len(self.running))))] if self.kv is not None else []
+        self.kv = KVBatch.combine(parts + [(kv, keep)])
+        self.running += [new[i] for i in keep]
+
+    def _decode(self):
+        kv = self.kv
+        kv.reserve(1)
+        kv.mask[:, kv.n] = 1
+        logits = self._forward(kv.last_tok[:, None], kv, kv.next_pos[:, None], last_only=True)
+        kv.next_pos = kv.next_pos + 1
+        kv.last_tok = self._sample_and_append(self.running, logits[:, -1])
+        if any(r.finish is not None for r in self.running):
+            self._remove([i for i, r in enumerate(self.running) if r.finish is None])
+
+    def _remove(self, keep: list):
+        """Keep only rows `keep` of the running batch (the others finished or were aborted)."""
+        self.kv = KVBatch.combine([(self.kv, keep)])
+        self.running = [self.running[i] for i in keep]
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+    def _sample_and_append(self, reqs: list, logits: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row, append it (with its log-prob and weight version) to each request and finish
+        the ones that hit a stop condition. Returns the drawn tokens (device tensor)."""
+        logits = logits.float()
+        dev = logits.device
+        sp = [r.sp for r in reqs]
+        temp = torch.tensor([p.temperature for p in sp], device=dev)
+        greedy = torch.tensor([p.greedy for p in sp], device=dev)
+        logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # the reported log-probs (module docstring)
+        scores, raw = logp, logits
+        banned = [(i, r.sp.stop_token_ids + ([] if r.sp.ignore_eos else self.eos_ids)) for i, r in enumerate(reqs)
+                  if len(r.output_ids) < r.sp.min_new_tokens]
+        if banned:  # SGLang's min_new_tokens: stop tokens cannot be drawn before min_new_tokens
+            scores, raw = scores.clone(), raw.clone()
+            for i, ids in banned:
+                scores[i, ids] = float("-inf")
+                raw[i, ids] = float("-inf")
+        if any(not p.greedy and (p.top_p < 1 or p.top_k > 0 or p.min_p > 0) for p in sp):
+            scores = self._filter(scores, sp)
+        if all(p.greedy for p in sp):
+            toks = raw.argmax(-1)
+        else:
+            noise = torch.empty_like(scores).exponential_()  # argmax(log p - log E), E ~ Exp(1), draws from p
+            for i, r in enumerate(reqs):
+                if r.generator is not None:
+                    noise[i].exponential_(generator=r.generator)
+            gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()  # clamp: a 0 draw must not give +inf
+            toks = torch.where(greedy, raw.argmax(-1), (scores + gumbel).argmax(-1))
+        chosen = logp.gather(1, toks[:, None])[:, 0]
+        host = torch.stack([toks.double(), chosen.double()]).cpu().tolist()
+        k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        if k:
+            tv, ti = (t.cpu().tolist() for t in logp.topk(min(k, logp.shape[1]), dim=-1))
+        for i, r in enumerate(reqs):
+            top = list(zip(tv[i], ti[i]))[:r.top_logprobs_num] if k else None
+            self._append(r, int(host[0][i]), host[1][i], top)
+        return toks
+
+    @staticmethod
+    def _filter(scores: torch.Tensor, sp: list) -> torch.Tensor:
+        """top_k / top_p / min_p on the sampling distribution (greedy rows are left alone)."""
+        dev, vocab = scores.device, scores.shape[1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in sp], device=dev)
+        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in sp], device=dev)
+        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in sp], device=dev)
+        s, idx = scores.sort(-1, descending=True)
+        probs = s.softmax(-1)
+        ranks = torch.arange(vocab, device=dev)[None]
+        remove = ranks >= top_k[:, None]
+        remove |= ((probs.cumsum(-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1)
+        remove |= probs < min_p[:, None] * probs[:, :1]
+        remove[:, 0] = False
+        return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
+
+    def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list):
+        """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""
+        lp = torch.log_softmax(logits.float() / r.sp.temperature, -1)
+        tgt = torch.tensor(seq[1:], device=lp.device)
+        vals = lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
+        full = [None] + vals
+        r.input_logprobs = [(full[j], seq[j]) for j in range(r.logprob_start_len, len(seq))]
+
+    def _append(self, r: Req, tok: int, lp: float, top: Optional[list]):
+        n = len(r.output_ids)
+        r.output_ids.append(tok)
+        r.logprobs.append(lp)
+        if r.return_logprob and r.top_logprobs_num:
+            r.top_logprobs.append(top or [])
+        v = self.weight_version
+        if r.spans and r.spans[-1][0] == v:
+            r.spans[-1][2] = n + 1
+        else:
+            r.spans.append([v, n, n + 1])
+        self.generated_tokens += 1
+        # SGLang's order (Req.check_finished): length first, then stop tokens (unless ignore_eos), then strings.
+        if n + 1 >= r.sp.max_new_tokens:
+            self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
+        elif not r.sp.ignore_eos and (tok in r.sp.stop_token_ids or tok in self.eos_ids):
+            self._finish(r, {"type": "stop", "matched": tok})
+        elif r.sp.stop_strs:
+            width = max(len(s) for s in r.sp.stop_strs) + 1
+            tail = self.tokenizer.decode(r.output_ids[-width:], skip_special_tokens=r.sp.skip_special_tokens)
+            for s in r.sp.stop_strs:
+                if s in tail:
+                    self._finish(r, {"type": "stop", "matched": s})
+                    break
+        if r.finish is None and r.stream and (n + 1) % r.sp.stream_interval == 0:
+            r.notify(n + 1, False)
+
+    def _finish(self, r: Req, reason: dict):
+        r.finish, r.finished_at = reason, time.perf_counter()
+        r.notify(len(r.output_ids), True)
+
+    # -- control calls (run on the model thread via call()) -----------------------------------------------------
+    def add(self, r: Req):
+        self.waiting.append(r)
+
+    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
+        """Abort requests whose rid starts with `rid` (or equals it when exact; all with abort_all). Running ones
+        return their partial output; queued ones "Abort in waiting queue". Returns how many were aborted."""
+        def hit(r):
+            return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
+        n = 0
+        for r in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(r)
+            self._finish(r, abort_reason("Abort in waiting queue"))
+            n += 1
+        keep = []
+        for i, r in enumerate(self.running):
+            if hit(r):
+                self._finish(r, abort_reason("Aborted"))
+                n += 1
+            else:
+                keep.append(i)
+        if len(keep) < len(self.running):
+            self._remove(keep)
+        return n
+
+    def pause(self, mode: str) -> int:
+        """SGLang's pause modes: abort (return everything in flight), retract (keep requests, drop their KV; they
+        are recomputed after continue), in_place (keep requests and KV). Returns the number of requests kept."""
+        if mode == "abort":
+            self.abort(abort_all=True)
+        elif mode == "retract":
+            for r in self.running:
+                r.num_retractions += 1
+            self.waiting.extendleft(reversed(self.running))
+            self.running, self.kv = [], None
+        self.paused = mode
+        return len(self.running) + len(self.waiting)
+
+    def resume_generation(self):
+        self.paused = None
+
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting:
+            return False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def set_version(self, version: str, abort_all: bool):
+        if abort_all:
+            self.abort(abort_all=True)
+        self.weight_version = version
+
+    def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> int:
+        device = next(self.model.parameters()).device  # host memory while released
+        self.model = load_model(path, device, dtype)
+        if version is not None:
+            self.weight_version = version
+        return len(self.running) + len(self.waiting)
+
+    def load_tensors(self, named: list, version: Optional[str]):
+        """Copy received (name, tensor) pairs into the model's parameters (names as in named_parameters)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = [n for n, _ in named if n not in params]
+        bad = [f"{n} {tuple(t.shape)} vs {tuple(params[n].shape)}" for n, t in named
+               if n in params and params[n].shape != t.shape]
+        if unknown or bad:
+            raise BadRequest(f"field `names`: unknown parameters {unknown[:5]}, shape mismatches {bad[:5]}")
+        for n, t in named:
+            params[n].data.copy_(t)
+        if version is not None:
+            self.weight_version = version
+
+    def release(self, tags: list) -> None:
+        if self.running:
+            raise BadRequest(f"{len(self.running)} requests are running; pause generation before releasing memory")
+        if "weights" in tags and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released |= set(tags)
+
+    def resume_memory(self, tags: list) -> None:
+        if "weights" in tags and "weights" in self.released:
+            self.model.to(self.device)
+        self.released -= set(tags)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HTTP server
+# ----------------------------------------------------------------------------------------------------------------
+
+from aiohttp import web  # noqa: E402
+
+
+class Gate:
+    """Who may start a /generate: SGLang's pause flag (new requests wait while paused) plus its model-update
+    reader/writer lock (every /generate is a reader for its lifetime; an update while not paused is the writer:
+    it waits for the readers to finish and new requests wait for it)."""
+
+    def __init__(self):
+        self.cond = asyncio.Condition()
+        self.paused, self.writers, self.readers = False, 0, 0
+
+    async def _wait(self, pred, timeout: float, what: str):
+        try:
+            await asyncio.wait_for(self.cond.wait_for(pred), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} did not happen within {timeout}s (--wait-timeout)") from None
+
+    async def enter(self, timeout: float):
+        async with self.cond:
+            await self._wait(lambda: not self.paused and not self.writers, timeout,
+                             "/continue_generation (or the end of a weight update)")
+            self.readers += 1
+
+    async def leave(self):
+        async with self.cond:
+            self.readers -= 1
+            self.cond.notify_all()
+
+    async def set_paused(self, paused: bool):
+        async with self.cond:
+            self.paused = paused
+            self.cond.notify_all()
+
+    async def drained(self, timeout: float):
+        async with self.cond:
+            await self._wait(lambda: self.readers == 0, timeout, "the end of the in-flight /generate requests")
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, timeout: float):
+        """The writer side: a no-op while paused (SGLang updates a paused server immediately)."""
+        if self.paused:
+            yield
+            return
+        async with self.cond:
+            self.writers += 1
+        try:
+            await self.drained(timeout)
+            yield
+        finally:
+            async with self.cond:
+                self.writers -= 1
+                self.cond.notify_all()
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _body(request: web.Request, required: bool = True) -> dict:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise BadRequest("request body must be a JSON object (send {} for defaults)")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+class Server:
+    """The aiohttp application: validates and formats on the event loop; the Scheduler does the work."""
+
+    def __init__(self, args, sched: Scheduler, tokenizer):
+        self.args, self.sched, self.tokenizer = args, sched, tokenizer
+        self.gate = Gate()
+        self.ready = False
+        self.app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        post, get = self.app.router.add_post, self.app.router.add_get
+        post("/generate", self.generate)
+        post("/abort_request", self.abort_request)
+        post("/pause_generation", self.pause_generation)
+        post("/continue_generation", self.continue_generation)
+        for path in ("/flush_cache",):
+            get(path, self.flush_cache)
+            post(path, self.flush_cache)
+        post("/update_weights_from_disk", self.update_weights_from_disk)
+        post("/init_weights_update_group", self.init_weights_update_group)
+        post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        post("/update_weight_version", self.update_weight_version)
+        for path, fn in (("/release_memory_occupation", self.release_memory), ("/resume_memory_occupation",
+                                                                                 self.resume_memory)):
+            get(path, fn)
+            post(path, fn)
+        for path, fn in (("/model_info", self.model_info), ("/get_model_info", self.model_info),
+                         ("/server_info", self.server_info), ("/get_server_info", self.server_info),
+                         ("/health", self.health), ("/health_generate", self.health_generate),
+                         ("/v1/loads", self.loads), ("/get_loads", self.loads)):
+            get(path, fn)
+        self.app.on_startup.append(self._on_startup)
+        self.app.on_shutdown.append(self._on_shutdown)
+
+    async def _on_startup(self, app):
+        self.ready = True
+
+    async def _on_shutdown(self, app):
+        self.ready = False
+        await asyncio.get_running_loop().run_in_executor(None, self.sched.stop)
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(str(e))
+        except TimeoutError as e:
+            return _error(str(e), 503)
+
+    async def _run(self, fn: Callable[[], Any], timeout: Optional[float] = None):
+        """Run fn on the model thread and await its result."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.sched.call(fn)), timeout or self.args.wait_timeout)
+
+    # -- /generate --------------------------------------------------------------------------------------------
+    def _output(self, r: Req, n: int, final: bool) -> dict:
+        ids = r.output_ids[:n]
+        fin = r.finish if final else None
+        text_ids = ids
+        if fin and fin["type"] == "stop" and _is_int(fin.get("matched")) and not r.sp.no_stop_trim:
+            text_ids = ids[:-1]
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=r.sp.skip_special_tokens)
+        if fin and fin["type"] == "stop" and isinstance(fin.get("matched"), str) and not r.sp.no_stop_trim:
+            cut = text.find(fin["matched"])
+            text = text[:cut] if cut >= 0 else text
+        spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
+        meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
+                "cached_tokens": 0, "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
+                "weight_versions": spans, "num_retractions": r.num_retractions}
+        if final:
+            meta["e2e_latency"] = r.finished_at - r.created
+        if r.return_logprob:
+            tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
+            meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.logprobs[:n], ids)]
+            meta["input_token_logprobs"] = [[lp, t, tt(t)] for lp, t in r.input_logprobs]
+            if r.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[lp, t, tt(t)] for lp, t in top] for top in r.top_logprobs[:n]]
+                meta["input_top_logprobs"] = []
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        r = parse_generate(body, self.tokenizer, self.sched.vocab_size, self.sched.context_len)
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        r.notify = lambda n, final: loop.call_soon_threadsafe(updates.put_nowait, (n, final))
+        await self.gate.enter(self.args.wait_timeout)
+        try:
+            self.sched.call(lambda: self.sched.add(r))
+            if not r.stream:
+                while not (await updates.get())[1]:
+                    pass
+                return web.json_response(self._output(r, len(r.output_ids), True))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            final = False
+            while not final:
+                n, final = await updates.get()
+                while not final and not updates.empty():  # coalesce when the client reads slower than we decode
+                    n, final = updates.get_nowait()
+                out = self._output(r, len(r.output_ids) if final else n, final)
+                await resp.write(f"data: {json.dumps(out)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        except asyncio.CancelledError:  # the client went away: free its slot, as SGLang does
+            if r.finish is None:
+                self.sched.call(lambda: self.sched.abort(r.rid, exact=True))
+            raise
+        finally:
+            await self.gate.leave()
+
+    # -- control endpoints ------------------------------------------------------------------------------------
+    async def abort_request(self, request):
+        body = await _body(request, required=False)
+        rid = _field(body, "rid", "", lambda v: isinstance(v, str), "a string")
+        abort_all = _field(body, "abort_all", False, lambda v: isinstance(v, bool), "true or false")
+        await self._run(lambda: self.sched.abort(rid, abort_all))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request):
+        body = await _body(request)
+        mode = _field(body, "mode", "abort", lambda v: v in ("abort", "retract", "in_place"),
+                      "one of abort, retract, in_place")
+        await self.gate.set_paused(True)
+        await self._run(lambda: self.sched.pause(mode))
+        if mode == "abort":  # SGLang returns once the aborted requests have been answered
+            await self.gate.drained(self.args.wait_timeout)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request):
+        body = await _body(request, required=False)
+        _field(body, "torch_empty_cache", True, lambda v: isinstance(v, bool), "true or false")
+        await self._run(self.sched.resume_generation)
+        await self.gate.set_paused(False)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request):
+        ok = await self._run(self.sched.flush_cache)
+        text = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting " \
+               "requests, the operation will not be performed.)"
+        return web.Response(text=text, status=200 if ok else 400)
+
+    def _version_field(self, body: dict) -> Optional[str]:
+        v = _field(body, "weight_version", None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
+                   "a string")
+        return None if v is None else str(v)
+
+    async def update_weights_from_disk(self, request):
+        body = await _body(request)
+        path = _field(body, "model_path", None, lambda v: isinstance(v, str), "a string")
+        if path is None:
+            raise BadRequest("field `model_path` is required")
+        _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
+        abort_all = _field(body, "abort_all_requests", False, lambda v: isinstance(v, bool), "true or false")
+        _field(body, "flush_cache", True, lambda v: isinstance(v, bool), "true or false")
+        version = self._version_field(body)
+        if not Path(path).is_dir():
+            return web.json_response({"success": False, "message": f"model_path {path} is not a directory",
+                                      "num_paused_requests": 0}, status=400)
+        if abort_all:
+            await self._run(lambda: self.sched.abort(abort_all=True))
+        async with self.gate.exclusive(self.args.wait_timeout):
+            try:
+                kept = await self._run(lambda: self.sched.load_from_disk(path, version, self.args.dtype))
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                return web.json_response({"success": False, "message": f"loading {path} failed: {e}",
+                                          "num_paused_requests": 0}, status=400)
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}."
+                                  + (f" Weight version updated to {version}." if version else ""),
+                                  "num_paused_requests": kept})
+
+    async def init_weights_update_group(self, request):
+        body = await _body(request)
+        b = {}
+        for name, check, expected in (("master_address", lambda v: isinstance(v, str), "a string"),
+                                      ("master_port", lambda v: _is_int(v) and 0 < v < 65536, "a port number"),
+                                      ("rank_offset", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+                                      ("world_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2")):
+            if name not in body:
+                raise BadRequest(f"field `{name}` is required")
+            b[name] = _field(body, name, None, check, expected)
+        if b["rank_offset"] >= b["world_size"]:
+            raise BadRequest(f"field `rank_offset` ({b['rank_offset']}) must be < world_size ({b['world_size']})")
+        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        backend = _field(body, "backend", "nccl", lambda v: v in ("nccl", "gloo"), "'nccl' or 'gloo'")
+        if backend == "nccl" and self.sched.device.type != "cuda":
+            raise BadRequest("field `backend` is 'nccl' but this engine runs on CPU; use 'gloo'")
+        if group in self.sched.groups:
+            raise BadRequest(f"field `group_name`: group {group!r} already exists; destroy it first")
+        try:  # off the model thread: generation goes on while the trainer joins
+            pg = await asyncio.to_thread(init_weight_update_group, b["master_address"], b["master_port"],
+                                         b["rank_offset"], b["world_size"], group, backend, self.args.dist_timeout)
+        except RuntimeError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        self.sched.groups[group] = (pg, self.sched.device if backend == "nccl" else torch.device("cpu"))
+        return web.json_response({"success": True, "message": f"Succeeded to initialize group {group!r}."})
+
+    async def destroy_weights_update_group(self, request):
+        body = await _body(request, required=False)
+        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        entry = self.sched.groups.pop(group, None)
+        if entry is None:
+            return web.json_response({"success": False, "message": f"no weight-update group {group!r}"}, status=400)
+        with contextlib.suppress(Exception):
+            entry[0].shutdown()
+        return web.json_response({"success": True, "message": f"Succeeded to destroy group {group!r}."})
+
+    async def update_weights_from_distributed(self, request):
+        body = await _body(request)
+        lists = {}
+        for name, check in (("names", lambda v: isinstance(v, str)), ("dtypes", lambda v: isinstance(v, str)),
+                            ("shapes", lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v))):
+            if name not in body:
+                raise BadRequest(f"field `{name}` is required")
+            lists[name] = _field(body, name, None, lambda v: isinstance(v, list) and all(map(check, v)),
+                                 "a list of " + ("strings" if name != "shapes" else "shapes (lists of ints)"))
+        if not len(lists["names"]) == len(lists["dtypes"]) == len(lists["shapes"]):
+            raise BadRequest("fields `names`, `dtypes` and `shapes` must have the same length")
+        dtypes = [_parse_dtype(d) for d in lists["dtypes"]]
+        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        _field(body, "load_format", None, lambda v: False, "null (the only supported load_format)")
+        _field(body, "flush_cache", True, lambda v: isinstance(v, bool), "true or false")
+        abort_all = _field(body, "abort_all_requests", False, lambda v: isinstance(v, bool), "true or false")
+        version = self._version_field(body)
+        if group not in self.sched.groups:
+            raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
+        pg, device = self.sched.groups[group]
+        if abort_all:
+            await self._run(lambda: self.sched.abort(abort_all=True))
+        async with self.gate.exclusive(self.args.wait_timeout):
+            tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(lists["shapes"], dtypes)]
+            try:  # receive off the model thread, then swap between two steps
+                await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
+                await self._run(lambda: self.sched.load_tensors(list(zip(lists["names"], tensors)), version))
+            except (BadRequest, TimeoutError, RuntimeError) as e:
+                return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "message": f"Succeeded to update {len(tensors)} parameters."
+                                  + (f" Weight version updated to {version}." if version else "")})
+
+    async def update_weights_from_tensor(self, request):
+        return web.json_response({"success": False, "message": "engine.py does not implement "
+                                  "/update_weights_from_tensor; use /update_weights_from_distributed or "
+                                  "/update_weights_from_disk"}, status=400)
+
+    async def update_weight_version(self, request):
+        body = await _body(request)
+        v = _field(body, "new_version", None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
+                   "a string")
+        if v is None:
+            raise BadRequest("field `new_version` is required")
+        abort_all = _field(body, "abort_all_requests", True, lambda x: isinstance(x, bool), "true or false")
+        await self._run(lambda: self.sched.set_version(str(v), abort_all))
+        return web.json_response({"success": True, "message": f"Weight version updated to {v}.",
+                                  "new_version": str(v)})
+
+    def _tags(self, body: dict) -> list:
+        tags = _field(body, "tags", None, lambda v: isinstance(v, list) and all(t in RELEASE_TAGS for t in v),
+                      "a list of " + ", ".join(RELEASE_TAGS))
+        return list(RELEASE_TAGS) if tags is None else tags
+
+    async def release_memory(self, request):
+        tags = self._tags(await _body(request, required=False))
+        await self._run(lambda: self.sched.release(tags))
+        return web.json_response({"success": True, "message": f"Released {tags}."})
+
+    async def resume_memory(self, request):
+        tags = self._tags(await _body(request, required=False))
+        await self._run(lambda: self.sched.resume_memory(tags))
+        return web.json_response({"success": True, "message": f"Resumed {tags}."})
+
+    # -- info endpoints ---------------------------------------------------------------------------------------
+    async def model_info(self, request):
+        cfg = self.sched.model.config
+        return web.json_response({
+            "model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.sched.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
+            "architectures": getattr(cfg, "architectures", None)})
+
+    async def server_info(self, request):
+        info = {k: v for k, v in vars(self.args).items()}
+        info.update({"version": "engine.py", "tp_size": 1, "dp_size": 1, "device": str(self.sched.device), "weight_version":
+                     self.sched.weight_version, "context_length": self.sched.context_len,
+                     "internal_states": [{"last_gen_throughput": self.sched.throughput}]})
+        return web.json_response(info)
+
+    async def health(self, request):
+        return web.Response(status=200 if self.ready and self.sched.thread.is_alive() else 503)
+
+    async def health_generate(self, request):
+        """A real one-token generation, except while paused or released (then: is the model thread alive)."""
+        s = self.sched
+        if not (self.ready and s.thread.is_alive()):
+            return web.Response(status=503)
+        if s.paused or s.released:
+            return web.Response(status=200)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        r = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[s.pad_id],
+                sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, s.vocab_size))
+        r.notify = lambda n, final: final and loop.call_soon_threadsafe(done.set)
+        s.call(lambda: s.add(r))
+        try:
+            await asyncio.wait_for(done.wait(), 20)
+        except asyncio.TimeoutError:
+            s.call(lambda: s.abort(r.rid, exact=True))
+            return web.Response(status=503, text="no token generated within 20 s")
+        return web.Response(status=200)
+
+    async def loads(self, request):
+        s = self.sched
+        kv = s.kv
+        # a request that just finished leaves the batch at the end of its step: count only unfinished ones
+        running = sum(r.finish is None for r in list(s.running))
+        waiting = len(s.waiting)
+        used = int(kv.n * len(s.running)) if kv is not None else 0
+        return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting, "num_used_tokens": used,
+            "max_running_requests": s.max_running, "paused": s.paused}]})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launching (CLI and subprocess helper)
+# ----------------------------------------------------------------------------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """Handle of an engine subprocess started by launch()."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: str):
+        self.proc, self.url, self.log_path = proc, url, log_path
+
+    def log_tail(self, n: int = 30) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+        return ""
+
+    def stop(self, timeout: float = 15.0):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1", timeout: float = 180.0,
+           log_path: Optional[str] = None, **kw) -> tuple[str, EngineProcess]:
+    """Start `python engine.py` on a free port (or `port`) and wait until /health answers 200.
+    Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8). Returns (url, handle);
+    handle.stop() ends it. The server's log goes to log_path (default: a temporary file, handle.log_path)."""
+    port = port or free_port(host)
+    url = f"http://{host}:{port}"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_path), "--host", host,
+           "--port", str(port)]
+    for k, v in kw.items():
+        if v is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
+        os.close(fd)
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                "PYTHONUNBUFFERED": "1"})
+    handle = EngineProcess(proc, url, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine for {model_path} exited with code {proc.returncode} before answering "
+                               f"/health; log {log_path}:\n{handle.log_tail()}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return url, handle
+        time.sleep(0.2)
+    handle.stop()
+    raise TimeoutError(f"engine for {model_path} did not answer {url}/health within {timeout}s; log {log_path}:\n"
+                       f"{handle.log_tail()}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, weights, tokenizer)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together; the rest queue")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
+    p.add_argument("--weight-version", default="0", help="weight_version reported until an update changes it")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, the checkpoint's dtype on GPU")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--wait-timeout", type=float, default=1800.0,
+                   help="longest a request waits for /continue_generation or a weight update (s)")
+    p.add_argument("--dist-timeout", type=float, default=300.0, help="timeout of weight-update group collectives (s)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    for name, v in (("--max-running-requests", args.max_running_requests),
+                    ("--max-prefill-tokens", args.max_prefill_tokens)):
+        if v < 1:
+            p.error(f"{name} must be >= 1, got {v}")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    model = load_model(args.model_path, device, args.dtype)
+    sched = Scheduler(model, tokenizer, device, args.max_running_requests, args.max_prefill_tokens,
+                      str(args.weight_version), args.dist_timeout)
+    sched.thread.start()
+    server = Server(args, sched, tokenizer)
+    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d)", args.model_path, args.host,
+             args.port, device, args.max_running_requests)
+    web.run_app(server.app, host=args.host, port=args.port, handler_cancellation=True, print=None,
+                access_log=None)
+
+
+if __name__ == "__main__":
+    main()
