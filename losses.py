@@ -61,8 +61,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
     Backward recomputes each chunk's softmax from the logits in float32 and writes d/dlogits analytically, in place:
       d logp_t / d s = onehot(y_t) - p,      d H_t / d s = -p * (log p + H_t),      s = logits / temperature,
-    so the peak extra memory is one or two float32 chunks plus the gradient in the logits' dtype. This is the
-    per-chunk checkpointing idea without autograd's saved intermediates.
+    so the peak extra memory is one float32 chunk (two with entropy) plus the gradient in the logits' dtype. This
+    is the per-chunk checkpointing idea without autograd's saved intermediates.
     """
 
     @staticmethod
@@ -73,12 +73,16 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         entropy = torch.empty_like(logp) if with_entropy else None
         for rs, ts in _chunks(rows, T, chunk_size):
             s = logits[rs, ts].to(torch.float32, copy=True).div_(temperature)  # one new float32 chunk
-            chunk_lse = torch.logsumexp(s, dim=-1)
+            target_s = s.gather(-1, targets[rs, ts].unsqueeze(-1)).squeeze(-1)
+            # log-sum-exp by hand so that, without entropy, exp() overwrites s: one float32 chunk in all
+            m = s.amax(-1, keepdim=True)
+            e = (s - m).exp_() if with_entropy else s.sub_(m).exp_()
+            z = e.sum(-1)
+            chunk_lse = m.squeeze(-1) + z.log()
             lse[rs, ts] = chunk_lse
-            logp[rs, ts] = s.gather(-1, targets[rs, ts].unsqueeze(-1)).squeeze(-1) - chunk_lse
-            if with_entropy:  # H = lse - sum_v p_v s_v; p is built in place over s's copy
-                p = (s - chunk_lse.unsqueeze(-1)).exp_()
-                entropy[rs, ts] = chunk_lse - p.mul_(s).sum(-1)
+            logp[rs, ts] = target_s - chunk_lse
+            if with_entropy:  # H = lse - sum_v p_v s_v with p = e / z
+                entropy[rs, ts] = chunk_lse - e.mul_(s).sum(-1) / z
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.save_for_backward(logits, targets, lse, *([entropy] if with_entropy else []))
         return (logp, entropy) if with_entropy else logp
@@ -395,10 +399,10 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
     for name, correction in CORRECTIONS.items():
         section = getattr(algo, name)
         if section.enable:
-            c = correction(batch, section)
-            keep = keep & c.keep
-            weight = weight if c.weight is None else weight * c.weight
-            metrics.update(c.metrics)
+            corr = correction(batch, section)
+            keep = keep & corr.keep
+            weight = weight if corr.weight is None else weight * corr.weight
+            metrics.update(corr.metrics)
 
     ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     unclipped = -adv * ratio
@@ -411,6 +415,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
     pg = torch.where(dual_active, dual_bound, pg)
 
     loss_mat = torch.where(keep, pg * weight.detach(), 0.0)
+    # D counts tokens or sequences, so it is >= 1 unless the mini-batch has no loss token; then the loss is 0
     denom = torch.as_tensor(loss_denominator, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
     loss = agg.numerator(loss_mat, mask) / denom
 
