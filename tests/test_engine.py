@@ -1,0 +1,491 @@
+"""Contract tests of engine.py over HTTP: every endpoint's fields and shapes (../shared/sglang_api.md), aborts, pause
+modes, weight updates (disk and a gloo group) with weight_versions spans, and the numbers: greedy == transformers
+generate, log-probs == the trainer's (losses.token_logprobs), sampling_seed reproduces; plus a 200-request stress
+run with random aborts and pauses and 400s naming the field for malformed input.
+
+One engine subprocess (tiny Qwen3, max 8 running requests) serves the whole module; tests that change its weights
+restore them. Run: .venv/bin/python -m pytest -q tests/test_engine.py
+"""
+import asyncio
+import concurrent.futures as cf
+import json
+import random
+import threading
+import time
+
+import aiohttp
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import engine
+import losses
+import tasks
+
+MAX_RUNNING = 8
+LONG = 3000  # max_new_tokens of requests meant to be still running when the test acts on them
+
+
+def make_model(path: str, seed: int) -> str:
+    """tasks.make_tiny_model with random RMSNorm gains: a random-init model with tied embeddings greedily repeats
+    its last input token, which would make the greedy and weight-change checks vacuous."""
+    tasks.make_tiny_model(path, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny checkpoints of the same architecture with different weights: A (served first) and B."""
+    root = tmp_path_factory.mktemp("engine_models")
+    paths = {k: make_model(str(root / k), s) for k, s in (("A", 0), ("B", 1))}
+    refs = {k: AutoModelForCausalLM.from_pretrained(p).eval() for k, p in paths.items()}
+    return paths, refs, AutoTokenizer.from_pretrained(paths["A"])
+
+
+@pytest.fixture(scope="module")
+def url(models):
+    paths, _, _ = models
+    url, handle = engine.launch(paths["A"], max_running_requests=MAX_RUNNING, num_threads=1, dist_timeout=60,
+                                wait_timeout=60)
+    yield url
+    alive = handle.proc.poll() is None
+    handle.stop()
+    assert alive, f"the engine died during the tests:\n{handle.log_tail()}"
+
+
+def post(url, path, body=None, **kw):
+    return requests.post(url + path, data=None if body is None else json.dumps(body), timeout=60, **kw)
+
+
+def generate(url, ids, rid=None, **sp):
+    body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
+    if rid:
+        body["rid"] = rid
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def loads(url):
+    return requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]
+
+
+def wait_until(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+def version(url) -> int:
+    return int(requests.get(url + "/model_info", timeout=10).json()["weight_version"])
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def first_chunk_stream(url, body):
+    """POST a streaming /generate; returns (response, iterator over decoded chunks) after the first chunk."""
+    r = requests.post(url + "/generate", data=json.dumps({**body, "stream": True}), stream=True, timeout=60)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    lines = (ln for ln in r.iter_lines() if ln)
+    first = json.loads(next(lines)[len(b"data: "):])
+    return first, lines
+
+
+def last_chunk(lines):
+    chunks = [ln for ln in lines]
+    assert chunks[-1] == b"data: [DONE]"
+    return json.loads(chunks[-2][len(b"data: "):])
+
+
+@pytest.fixture
+def restore_weights(url, models):
+    yield
+    r = post(url, "/update_weights_from_disk", {"model_path": models[0]["A"], "weight_version": str(version(url) + 1)})
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fields and shapes
+
+def test_generate_response_fields(url, models):
+    tok = models[2]
+    out = generate(url, [5, 6, 7], max_new_tokens=12, ignore_eos=True, temperature=0.8)
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    m = out["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 12}
+    assert (m["prompt_tokens"], m["completion_tokens"], m["cached_tokens"]) == (3, 12, 0)
+    assert isinstance(m["id"], str) and m["id"] and m["num_retractions"] == 0 and m["e2e_latency"] > 0
+    v = m["weight_version"]
+    assert isinstance(v, str) and m["weight_versions"] == [{"version": v, "start": 0, "end": 12}]
+    lps = m["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"] and all(isinstance(lp, float) and lp <= 0 and s is None
+                                                               for lp, _, s in lps)
+    assert m["input_token_logprobs"] == []
+    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
+    # rid echoed; text input tokenized like the tokenizer; prompt log-probs and top log-probs when asked
+    r = post(url, "/generate", {"text": "12+3=", "rid": "fields-1.", "return_logprob": True, "logprob_start_len": 0,
+                                "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    m = r.json()["meta_info"]
+    ids = tok.encode("12+3=")
+    assert m["id"] == "fields-1." and m["prompt_tokens"] == len(ids)
+    assert [t for _, t, _ in m["input_token_logprobs"]] == ids and m["input_token_logprobs"][0][0] is None
+    tops = m["output_top_logprobs"]
+    assert len(tops) == 4 and all(len(t) == 3 for t in tops)
+    assert all(t[0][1] == o and abs(t[0][0] - lp[0]) < 1e-6  # greedy: the top-1 is the token drawn
+               for t, o, lp in zip(tops, r.json()["output_ids"], m["output_token_logprobs"]))
+
+
+def test_stop_tokens_strings_and_min_new_tokens(url, models):
+    tok = models[2]
+    prompt = [9, 10, 11, 12]
+    base = generate(url, prompt, max_new_tokens=30, temperature=0, ignore_eos=True)["output_ids"]
+    stop_tok = base[5]
+    first = base.index(stop_tok)
+    out = generate(url, prompt, max_new_tokens=30, temperature=0, stop_token_ids=[stop_tok])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert out["output_ids"] == base[:first + 1]  # the matched token is in output_ids, trimmed from the text
+    assert out["text"] == tok.decode(base[:first], skip_special_tokens=True)
+    # ignore_eos also ignores stop_token_ids (SGLang); min_new_tokens bans them before that many tokens
+    assert generate(url, prompt, max_new_tokens=30, temperature=0, stop_token_ids=[stop_tok],
+                    ignore_eos=True)["output_ids"] == base
+    late = generate(url, prompt, max_new_tokens=30, temperature=0, stop_token_ids=[stop_tok],
+                    min_new_tokens=first + 2)["output_ids"]
+    assert stop_tok not in late[:first + 2]
+    # a stop string: matched string reported, text cut before it unless no_stop_trim
+    s = tok.decode(base[3:5])
+    out = generate(url, prompt, max_new_tokens=30, temperature=0, stop=[s])
+    text = tok.decode(base, skip_special_tokens=True)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": s}
+    assert out["text"] == text[:text.find(s)]
+    kept = generate(url, prompt, max_new_tokens=30, temperature=0, stop=s, no_stop_trim=True)
+    assert kept["text"].endswith(s) and kept["output_ids"] == out["output_ids"]
+
+
+def test_info_endpoints(url, models):
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    assert requests.get(url + "/health_generate", timeout=30).status_code == 200
+    info = requests.get(url + "/model_info", timeout=10).json()
+    assert info == requests.get(url + "/get_model_info", timeout=10).json()
+    assert info["model_path"] == models[0]["A"] and info["is_generation"] is True
+    assert isinstance(info["weight_version"], str)
+    s = requests.get(url + "/server_info", timeout=10).json()
+    assert s["max_running_requests"] == MAX_RUNNING and s["tp_size"] == 1
+    ld = loads(url)
+    assert {"num_running_reqs", "num_waiting_reqs"} <= set(ld) and ld["num_running_reqs"] == 0
+    assert post(url, "/flush_cache").status_code == 200
+    r = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": []})
+    assert r.status_code == 400 and "update_weights_from_distributed" in r.json()["message"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers
+
+def test_greedy_equals_transformers_generate(url, models):
+    ref = models[1]["A"]
+    prompts = [list(range(5, 5 + k)) for k in (1, 4, 9, 2, 13)]
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:  # concurrent: batched, left-padded, joining mid-flight
+        outs = list(ex.map(lambda p: generate(url, p, max_new_tokens=24, temperature=0, ignore_eos=True), prompts))
+    for p, o in zip(prompts, outs):
+        assert o["output_ids"] == hf_greedy(ref, p, 24)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
+def test_logprobs_equal_trainer_logprobs(url, models, temperature):
+    ref = models[1]["A"]
+    prompts = [[5, 6, 7], list(range(20, 31)), [40]]
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda p: generate(url, p, max_new_tokens=30, temperature=temperature, ignore_eos=True),
+                           prompts))
+    t = temperature if temperature >= 1e-5 else 1.0  # the documented convention: greedy reports temperature 1
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p + o["output_ids"]])
+        with torch.no_grad():
+            logits = ref(ids).logits.float()[:, len(p) - 1:-1]
+        target = ids[:, len(p):]
+        trainer, _ = losses.token_logprobs(logits, target, t)
+        plain = torch.log_softmax(logits / t, -1).gather(-1, target[..., None])[..., 0]
+        got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]])
+        assert (got - trainer).abs().max() < 1e-4 and (got - plain).abs().max() < 1e-4
+
+
+def test_sampling_seed_reproduces(url):
+    a = generate(url, [5, 6], max_new_tokens=40, sampling_seed=123, ignore_eos=True)
+    with cf.ThreadPoolExecutor(4) as ex:  # the same seed in a different batch composition
+        outs = list(ex.map(lambda s: generate(url, [5, 6], max_new_tokens=40, sampling_seed=s, ignore_eos=True),
+                           [123, 7, 123, 8]))
+    assert outs[0]["output_ids"] == a["output_ids"] == outs[2]["output_ids"]
+    assert outs[1]["output_ids"] != a["output_ids"]
+
+
+def test_top_k_and_top_p_restrict_sampling(url):
+    greedy = generate(url, [7, 8, 9], max_new_tokens=25, temperature=0, ignore_eos=True)
+    for sp in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        out = generate(url, [7, 8, 9], max_new_tokens=25, temperature=1.0, ignore_eos=True, **sp)
+        assert out["output_ids"] == greedy["output_ids"], sp
+        # the reported log-prob ignores the filter (documented convention): the same as greedy's at T=1
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, _, _ in greedy["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aborts, queue, pauses
+
+def test_abort_running_request_returns_partial_output(url):
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(generate, url, [5, 6, 7], "abort-me.", max_new_tokens=LONG, ignore_eos=True)
+        wait_until(lambda: loads(url)["num_running_reqs"] == 1, what="request running")
+        time.sleep(0.05)
+        assert post(url, "/abort_request", {"rid": "abort-me."}).status_code == 200
+        out = fut.result(timeout=30)
+    m = out["meta_info"]
+    assert m["finish_reason"]["type"] == "abort" and set(m["finish_reason"]) == {"type", "message", "status_code",
+                                                                                   "err_type"}
+    assert 0 < m["completion_tokens"] == len(out["output_ids"]) == len(m["output_token_logprobs"]) < LONG
+    assert m["weight_versions"][-1]["end"] == m["completion_tokens"]
+
+
+def test_queue_prefix_abort_and_abort_all(url):
+    with cf.ThreadPoolExecutor(MAX_RUNNING + 3) as ex:
+        running = {f"grp-b-{i}.": ex.submit(generate, url, [5, 6], f"grp-b-{i}.", max_new_tokens=LONG,
+                                            ignore_eos=True) for i in range(MAX_RUNNING)}
+        wait_until(lambda: loads(url)["num_running_reqs"] == MAX_RUNNING, what="all slots running")
+        queued = [ex.submit(generate, url, [5, 6], f"grp-a-{i}.", max_new_tokens=LONG) for i in range(3)]
+        wait_until(lambda: loads(url)["num_waiting_reqs"] == 3, what="3 requests queued")
+        post(url, "/abort_request", {"rid": "grp-a-"})  # prefix: all three queued ones, no running one
+        for f in queued:
+            out = f.result(timeout=30)
+            assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"
+        assert (loads(url)["num_running_reqs"], loads(url)["num_waiting_reqs"]) == (MAX_RUNNING, 0)
+        post(url, "/abort_request", {"rid": "grp-b-1"})  # matches only grp-b-1.
+        one = running.pop("grp-b-1.").result(timeout=30)
+        assert one["meta_info"]["finish_reason"]["type"] == "abort" and one["output_ids"]
+        wait_until(lambda: loads(url)["num_running_reqs"] == MAX_RUNNING - 1, what="one slot freed")
+        post(url, "/abort_request", {"abort_all": True})
+        for f in running.values():
+            out = f.result(timeout=30)
+            assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < LONG
+
+
+def test_pause_abort_blocks_new_requests_until_continue(url):
+    with cf.ThreadPoolExecutor(3) as ex:
+        inflight = [ex.submit(generate, url, [5, 6], f"pa-{i}.", max_new_tokens=LONG, ignore_eos=True)
+                    for i in range(2)]
+        wait_until(lambda: loads(url)["num_running_reqs"] == 2, what="2 running")
+        r = post(url, "/pause_generation", {"mode": "abort"})
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        for f in inflight:  # answered (server side) before the pause call returned
+            assert f.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
+        blocked = ex.submit(generate, url, [5, 6], "pa-late.", max_new_tokens=5)
+        time.sleep(0.5)
+        assert not blocked.done() and loads(url)["num_waiting_reqs"] == 0
+        assert post(url, "/continue_generation", {}).json()["status"] == "ok"
+        assert blocked.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_keeps_requests_and_continue_finishes_them(url, mode):
+    prompt, n = [11, 12, 13], 200
+    reference = generate(url, prompt, max_new_tokens=n, temperature=0, ignore_eos=True)["output_ids"]
+    first, lines = first_chunk_stream(url, {"input_ids": prompt, "return_logprob": True,
+                                            "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                                "ignore_eos": True}})
+    assert first["meta_info"]["finish_reason"] is None
+    assert post(url, "/pause_generation", {"mode": mode}).status_code == 200
+    ld = loads(url)
+    assert (ld["num_running_reqs"], ld["num_waiting_reqs"]) == ((0, 1) if mode == "retract" else (1, 0))
+    before = loads(url)["num_used_tokens"]
+    time.sleep(0.3)
+    assert loads(url)["num_used_tokens"] == before  # nothing decodes while paused
+    assert post(url, "/continue_generation", {}).status_code == 200
+    out = last_chunk(lines)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
+    assert out["output_ids"] == reference  # recomputed (retract) or kept (in_place) KV: the same tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight updates
+
+def test_update_weights_from_disk(url, models, restore_weights):
+    paths, refs, _ = models
+    prompt = [5, 9, 13]
+    assert generate(url, prompt, max_new_tokens=20, temperature=0, ignore_eos=True)["output_ids"] == \
+        hf_greedy(refs["A"], prompt, 20)
+    v = version(url) + 1
+    r = post(url, "/update_weights_from_disk", {"model_path": paths["B"], "weight_version": str(v)})
+    assert r.status_code == 200 and r.json()["success"] is True and "num_paused_requests" in r.json()
+    out = generate(url, prompt, max_new_tokens=20, temperature=0, ignore_eos=True)
+    assert out["output_ids"] == hf_greedy(refs["B"], prompt, 20) != hf_greedy(refs["A"], prompt, 20)
+    assert out["meta_info"]["weight_version"] == str(v) == requests.get(url + "/model_info").json()["weight_version"]
+    r = post(url, "/update_weights_from_disk", {"model_path": paths["B"] + "-missing"})
+    assert r.status_code == 400 and r.json()["success"] is False
+
+
+def test_update_weights_over_gloo_group(url, models, restore_weights):
+    _, refs, _ = models
+    prompt = [6, 10, 14]
+    port = engine.free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "test_group", "backend": "gloo"}
+    with cf.ThreadPoolExecutor(1) as ex:
+        joined = ex.submit(post, url, "/init_weights_update_group", init)
+        pg = engine.init_weight_update_group("127.0.0.1", port, 0, 2, "test_group", "gloo", timeout_s=30)
+        assert joined.result(timeout=30).json()["success"] is True
+        named = list(refs["B"].state_dict().items())
+        v = version(url) + 1
+        body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "group_name": "test_group", "weight_version": str(v)}
+        done = ex.submit(post, url, "/update_weights_from_distributed", body)
+        engine.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
+        r = done.result(timeout=30)
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    out = generate(url, prompt, max_new_tokens=20, temperature=0, ignore_eos=True)
+    assert out["output_ids"] == hf_greedy(refs["B"], prompt, 20) != hf_greedy(refs["A"], prompt, 20)
+    assert out["meta_info"]["weight_version"] == str(v)
+    assert post(url, "/destroy_weights_update_group", {"group_name": "test_group"}).json()["success"] is True
+    r = post(url, "/update_weights_from_distributed", {**body, "weight_version": None})
+    assert r.status_code == 400 and "test_group" in r.json()["error"]["message"]
+
+
+def test_weight_versions_spans_after_in_place_update(url, models, restore_weights):
+    paths, refs, _ = models
+    n = 400
+    v0 = str(version(url))
+    first, lines = first_chunk_stream(url, {"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    v1 = str(int(v0) + 1)
+    r = post(url, "/update_weights_from_disk", {"model_path": paths["B"], "weight_version": v1})
+    assert r.json()["success"] is True and r.json()["num_paused_requests"] == 1
+    post(url, "/continue_generation", {})
+    m = last_chunk(lines)["meta_info"]
+    spans = m["weight_versions"]
+    assert [s["version"] for s in spans] == [v0, v1] and m["weight_version"] == v1
+    k = spans[0]["end"]
+    assert spans == [{"version": v0, "start": 0, "end": k}, {"version": v1, "start": k, "end": n}] and 0 < k < n
+
+
+def test_update_weight_version_flush_and_memory_release(url):
+    with cf.ThreadPoolExecutor(2) as ex:
+        fut = ex.submit(generate, url, [5], "uwv.", max_new_tokens=LONG, ignore_eos=True)
+        wait_until(lambda: loads(url)["num_running_reqs"] == 1, what="request running")
+        assert post(url, "/flush_cache").status_code == 400  # requests in flight
+        v = str(version(url) + 1)
+        r = post(url, "/update_weight_version", {"new_version": v})  # abort_all_requests defaults to true
+        assert r.json() == {"success": True, "message": f"Weight version updated to {v}.", "new_version": v}
+        assert fut.result(timeout=30)["meta_info"]["finish_reason"]["type"] == "abort"
+        assert post(url, "/flush_cache").status_code == 200
+        assert post(url, "/release_memory_occupation", {}).json()["success"] is True
+        blocked = ex.submit(generate, url, [5], max_new_tokens=3)
+        time.sleep(0.3)
+        assert not blocked.done() and requests.get(url + "/health_generate", timeout=30).status_code == 200
+        assert post(url, "/resume_memory_occupation", {}).json()["success"] is True
+        out = blocked.result(timeout=30)
+    assert out["meta_info"]["weight_version"] == v and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Robustness
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/generate", b"{not json", "JSON"),
+    ("/generate", b"[1, 2]", "JSON object"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 3}}, "input_ids"),
+    ("/generate", {"input_ids": "abc"}, "input_ids"),
+    ("/generate", {"input_ids": [1, 10 ** 9]}, "input_ids"),
+    ("/generate", {"input_ids": [1], "text": "a"}, "input_ids"),
+    ("/generate", {"input_ids": [1], "rid": 5}, "rid"),
+    ("/generate", {"input_ids": [1], "stream": "yes"}, "stream"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"tempreature": 1.0}}, "`tempreature`"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10 ** 6}}, "max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"regex": "a+"}}, "regex"),
+    ("/generate", {"input_ids": [[1], [2]]}, "input_ids"),
+    ("/pause_generation", b"", "JSON object"),
+    ("/pause_generation", {"mode": "later"}, "mode"),
+    ("/abort_request", {"rid": 3}, "rid"),
+    ("/update_weights_from_disk", {}, "model_path"),
+    ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"]}, "shapes"),
+    ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["floaty"], "shapes": [[1]]}, "dtypes"),
+    ("/init_weights_update_group", {"master_port": 1, "rank_offset": 1, "world_size": 2}, "master_address"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                    "world_size": 2, "backend": "nccl"}, "backend"),
+    ("/update_weight_version", {}, "new_version"),
+    ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
+])
+def test_malformed_requests_get_400_naming_the_field(url, path, body, field):
+    data = body if isinstance(body, bytes) else json.dumps(body)
+    r = requests.post(url + path, data=data, timeout=30)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"] if "error" in r.json() else r.json()["message"]
+    assert field in msg
+
+
+def test_200_concurrent_requests_with_random_aborts_and_pauses(url, models):
+    rng = random.Random(0)
+    n = 200
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def one(i):
+                body = {"input_ids": [rng.randrange(3, 60) for _ in range(rng.randint(1, 20))], "rid": f"stress-{i}.",
+                        "return_logprob": True, "stream": i % 10 == 0,
+                        "sampling_params": {"max_new_tokens": rng.randint(1, 60), "temperature": rng.random()}}
+                async with s.post(url + "/generate", json=body) as r:
+                    assert r.status == 200
+                    if not body["stream"]:
+                        return await r.json()
+                    chunks = [ln async for ln in r.content if ln.strip()]
+                    assert chunks[-1].strip() == b"data: [DONE]"
+                    return json.loads(chunks[-2][len(b"data: "):])
+
+            async def chaos():
+                for k in range(40):
+                    await asyncio.sleep(rng.random() * 0.03)
+                    if k % 10 == 5:
+                        mode = ["abort", "retract", "in_place"][k // 10 % 3]
+                        async with s.post(url + "/pause_generation", json={"mode": mode}) as r:
+                            assert r.status == 200
+                        await asyncio.sleep(0.05)
+                        async with s.post(url + "/continue_generation", json={}) as r:
+                            assert r.status == 200
+                    else:
+                        async with s.post(url + "/abort_request", json={"rid": f"stress-{rng.randrange(n)}."}) as r:
+                            assert r.status == 200
+
+            results = await asyncio.gather(*[one(i) for i in range(n)], chaos())
+            return results[:n]
+
+    outs = asyncio.run(run())
+    kinds = {o["meta_info"]["finish_reason"]["type"] for o in outs}
+    assert kinds <= {"length", "stop", "abort"} and "abort" in kinds and ("length" in kinds or "stop" in kinds)
+    for o in outs:
+        m = o["meta_info"]
+        assert len(o["output_ids"]) == m["completion_tokens"] == len(m["output_token_logprobs"])
+        assert sum(sp["end"] - sp["start"] for sp in m["weight_versions"]) == m["completion_tokens"]
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    wait_until(lambda: loads(url)["num_running_reqs"] + loads(url)["num_waiting_reqs"] == 0, what="engine idle")
+    prompt = [5, 6, 7]
+    assert generate(url, prompt, max_new_tokens=10, temperature=0, ignore_eos=True)["output_ids"] == \
+        hf_greedy(models[1]["A"], prompt, 10)
