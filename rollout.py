@@ -47,6 +47,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import copy
+import dataclasses
 import importlib
 import inspect
 import json
@@ -59,7 +61,7 @@ import time
 import uuid
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import aiohttp
@@ -738,7 +740,10 @@ class Rollout:
         self._groups[key] = _GroupRun(g, self.n)
         self._idle.clear()
         for i in range(self.n):
-            traj = g.partial[i] if g.partial else Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=ABORTED)
+            # A restored trajectory is copied (tensors are only ever replaced, metadata is deep-copied), so that an
+            # in-process buffer's restored lane never sees it change.
+            traj = (dataclasses.replace(g.partial[i], metadata=copy.deepcopy(g.partial[i].metadata)) if g.partial
+                    else Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=ABORTED))
             self._spawn(self._run_trajectory(g, traj))
 
     def next_rid(self, traj: Trajectory) -> str:

@@ -4,15 +4,23 @@ The Fleet unit tests use a tiny aiohttp fake where only HTTP behaviour matters (
 every producer test runs against engine.py serving the tiny model, started by the test.
 """
 import asyncio
+import contextlib
+import copy
+import json
 import threading
+import time
 import warnings
 
 import pytest
+import requests
 import torch
 from aiohttp import web
 
+import buffer
 import config
+import engine
 import rollout
+import tasks
 from buffer import Group, PromptGroup, Trajectory
 
 
@@ -20,7 +28,8 @@ from buffer import Group, PromptGroup, Trajectory
 # Pure parts: rids, response parsing, partial metrics, the concurrency knob
 
 def test_rids_are_never_prefixes_of_each_other():
-    rids = [rollout.make_rid("t", e, s, i, a) for e in (0, 1) for s in (1, 10, 11) for i in (0, 1, 10) for a in (0, 1, 10)]
+    rids = [rollout.make_rid("t", e, s, i, a)
+            for e in (0, 1) for s in (1, 10, 11) for i in (0, 1, 10) for a in (0, 1, 10)]
     assert len(set(rids)) == len(rids)
     assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
     prefix = rollout.trajectory_rid_prefix("t", 0, 1, 1)
@@ -238,3 +247,242 @@ def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():
             assert len(t.rollout_log_probs) == len(t.versions) == len(t.response_ids)
     restored = next(t for t in buf.results[1] if t.index == 0)
     assert restored.metadata["attempts"] == 1 and restored.metadata["restored"] == 1  # one request: the answer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The producer against engine.py serving the tiny model
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One engine.py for the module (the kill-and-restart test, last, replaces its process on the same port)."""
+    model = tasks.make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+    url, handle = engine.launch(model, max_running_requests=16, num_threads=1)
+    srv = {"url": url, "handle": handle, "model": model}
+    yield srv
+    srv["handle"].stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(server["model"])
+
+
+def make_cfg(url, *overrides):
+    """Fully-async, B=2 groups of N=2, short responses; `overrides` are a.b=c strings on top."""
+    return config.load_config(None, [
+        "colocate=false", "fully_async.enable=true", "fully_async.stale_steps=1", "data_source.num_prompts_per_step=2",
+        "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2", "data_source.num_prompts=64",
+        "rollout.sampling.max_new_tokens=12", f"rollout.servers=[{url}]", "rollout.pause_timeout_s=60",
+        *overrides])
+
+
+class RecordingBuffer:
+    """A PipelineServer that remembers (copies of) what the rollout hands to step_boundary."""
+
+    def __init__(self, inner):
+        self.inner, self.returned = inner, []
+
+    def step_boundary(self, returned):
+        self.returned.append(copy.deepcopy(returned))
+        return self.inner.step_boundary(returned)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def producer(cfg, tokenizer):
+    """A PipelineServer over the task's train prompts, a Fleet, a started Rollout; all stopped afterwards."""
+    buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")]))
+    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, tokenizer)
+    try:
+        ro.start()
+        yield buf, ro, sync
+    finally:
+        ro.stop()
+        sync.close()
+        buf.inner.close()
+
+
+def wait_until(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.01)
+
+
+def engine_load(url):
+    """(running, waiting, used KV columns) as the engine reports them in /v1/loads."""
+    load = requests.get(url + "/v1/loads", timeout=5).json()["loads"][0]
+    return load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"]
+
+
+def test_groups_end_to_end_with_shapes_versions_and_the_clamp(server, tokenizer):
+    cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=64")
+    with pytest.warns(UserWarning, match=r"\(64\) exceeds the inference fleet's concurrency \(16"):
+        ctx = producer(cfg, tokenizer)
+        buf, ro, sync = ctx.__enter__()
+    try:
+        assert ro.max_samples == 16 and ro.max_groups == 8
+        groups = buf.get(2, timeout=60)
+        pause = ro.pause()
+        metrics = ro.step_metrics()
+    finally:
+        ctx.__exit__(None, None, None)
+    eos = tokenizer.eos_token_id
+    for g in groups:
+        assert [t.index for t in g.trajectories] == [0, 1]
+        for t in g.trajectories:
+            T = len(t.response_ids)
+            assert torch.equal(t.prompt_ids, g.prompt.prompt_ids) and 1 <= T <= 12
+            assert t.rollout_log_probs.shape == t.versions.shape == t.loss_mask.shape == (T,)
+            assert bool((t.rollout_log_probs <= 0).all()) and bool(torch.isfinite(t.rollout_log_probs).all())
+            assert t.versions.tolist() == [0] * T and t.loss_mask.tolist() == [1] * T
+            assert (t.start_version, t.end_version) == (0, 0)
+            if t.status == "completed":
+                assert t.response_ids[-1] == eos
+            else:
+                assert t.status == "truncated" and T == 12
+            assert 0.0 <= t.reward <= 1.0 and t.metadata["attempts"] == 1
+    assert pause["timing/pause_delay"] > 0 and pause["rollout/partial_aborted_count"] == 0
+    assert metrics["rollout/trajectories_finished"] >= 4 and metrics["rollout/failed_count"] == 0
+    assert 1 <= metrics["rollout/response_length_mean"] <= metrics["rollout/response_length_max"] <= 12
+    assert metrics["rollout/max_concurrent_samples"] == 16 and metrics["rollout/generated_tokens_per_s"] > 0
+    assert rollout.partial_metrics(groups) == {"rollout/partial_ratio": 0.0, "rollout/partial_span_max": 0}
+
+
+def test_partial_pause_restores_and_finishes_across_a_weight_update(server, tokenizer):
+    cfg = make_cfg(server["url"], "rollout.partial=true", "rollout.mask_offpolicy_in_partial_rollout=true",
+                   "rollout.sampling.max_new_tokens=64")
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        # pause once some request is 8+ tokens into its response (prompts are at most 6 tokens long)
+        wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
+        pause = ro.pause()
+        partials = {t.prompt_id + (t.index,): t for t in buf.returned[-1]}
+        assert pause["rollout/partial_aborted_count"] == len(partials) > 0
+        assert pause["rollout/partial_restored_count"] > 0 and engine_load(server["url"])[:2] == (0, 0)
+        assert all(t.status == "aborted" and set(t.versions.tolist()) <= {0} for t in partials.values())
+        sync.update_weight_version(1)
+        buf.set_weight_version(1)
+        ro.resume(1)
+        spanning = []
+        for _ in range(4):  # the restored lane goes first, so its groups are among the next ones
+            for g in buf.get(1, timeout=60):
+                for t in g.trajectories:
+                    old = partials.get(t.prompt_id + (t.index,))
+                    if old is not None and len(old.response_ids) > 0:
+                        spanning.append((old, t, g))
+        ro.pause()
+    assert spanning, "no trajectory aborted mid-response came back"
+    for old, t, g in spanning:
+        k, T = len(old.response_ids), len(t.response_ids)
+        assert T > k and torch.equal(t.response_ids[:k], old.response_ids)
+        assert torch.equal(t.rollout_log_probs[:k], old.rollout_log_probs)
+        assert t.versions.tolist() == [0] * k + [1] * (T - k)
+        assert t.loss_mask.tolist() == [0] * k + [1] * (T - k)  # older tokens masked (the option is on)
+        assert (t.start_version, t.end_version) == (0, 1) and t.metadata["restored"] == 1
+        assert rollout.partial_metrics([g])["rollout/partial_span_max"] == 1
+
+
+def test_pause_without_partial_waits_for_everything_and_loses_nothing(server, tokenizer):
+    cfg = make_cfg(server["url"], "rollout.sampling.max_new_tokens=24")
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        wait_until(lambda: buf.stats()["R"] == 4, 60, "4 groups in flight")
+        consumed = buf.get(1, timeout=60)
+        pause = ro.pause()
+        stats, counts = buf.stats(), buf.step_metrics()
+        assert buf.returned == [[]]  # nothing aborted, nothing handed back
+        assert engine_load(server["url"])[:2] == (0, 0)
+        assert stats["R"] == 0 and stats["lane"] == 0 and stats["Q"] == counts["rollout/dispatched_groups"] - 1
+        assert counts["rollout/collected_groups"] == counts["rollout/dispatched_groups"]
+        assert counts["rollout/filter_drop"] == counts["rollout/late_drop"] == 0
+        assert pause["rollout/partial_restored_count"] == pause["rollout/partial_dropped_incomplete_count"] == 0
+        rest = buf.get(stats["Q"], timeout=5)
+    for g in consumed + rest:
+        assert all(t.status in ("completed", "truncated") for t in g.trajectories)
+
+
+def test_in_flight_never_exceeds_the_bound_as_the_engine_counts_it(server, tokenizer):
+    cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=5", "data_source.num_prompts_per_step=4",
+                   "fully_async.stale_steps=2", "rollout.sampling.max_new_tokens=16")
+    seen, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            running, waiting, _ = engine_load(server["url"])
+            seen.append(running + waiting)
+            time.sleep(0.005)
+
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            for _ in range(6):  # a trainer that consumes as fast as it can, so the capacity never binds
+                buf.get(1, timeout=60)
+        finally:
+            stop.set()
+            poller.join(10)
+        ro.pause()
+        metrics = ro.step_metrics()
+    # 5 samples // N=2 -> 2 groups -> at most 4 generating trajectories, though the capacity C=12 would allow more
+    assert max(seen) == 4 and seen.count(4) >= 3, f"engine-side in-flight counts: {sorted(set(seen))}"
+    assert metrics["rollout/in_flight_trajectories_max"] == 4 and metrics["rollout/max_concurrent_samples"] == 5
+
+
+def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
+    cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=4", "rollout.trajectory_timeout_s=1.5",
+                   "rollout.sampling.max_new_tokens=64")
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        wait_until(lambda: engine_load(server["url"])[0] == 4, 60, "4 requests running in the engine")
+        sync.pause("in_place")  # the engine keeps the requests but stops decoding them: they are stuck
+        try:
+            t0 = time.monotonic()
+            wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 30, "the rollout to abort the stuck requests")
+            waited = time.monotonic() - t0
+        finally:
+            sync.continue_()
+        groups = buf.get(2, timeout=60)  # and production goes on
+        ro.pause()
+        metrics, counts = ro.step_metrics(), buf.step_metrics()
+    assert 0.5 < waited < 5.0
+    assert metrics["rollout/timeout_count"] == 4 and metrics["rollout/failed_count"] >= 4
+    assert counts["rollout/filter_drop"] >= 2  # their groups were failed and filtered out, not trained on
+    assert all(t.status != "failed" for g in groups for t in g.trajectories)
+
+
+def test_standalone_generation_writes_jsonl_and_a_summary(server, tmp_path, capsys):
+    cfg_path = tmp_path / "standalone.yaml"
+    cfg_path.write_text(f"model:\n  path: {server['model']}\n")
+    out = tmp_path / "out.jsonl"
+    rollout.main(["--config", str(cfg_path), f"rollout.servers=[{server['url']}]",
+                  "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
+                  "rollout.sampling.max_new_tokens=8", "--limit", "3", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["data_index"], r["index"]) for r in rows] == [(i, j) for i in range(3) for j in range(2)]
+    assert all(r["status"] in ("completed", "truncated") and 1 <= r["response_length"] <= 8 for r in rows)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rollout_summary"]
+    assert summary["prompts"] == 3 and summary["trajectories"] == 6 and summary["failed"] == 0
+    assert summary["max_concurrent_samples"] == 16  # unset: the engine's max_running_requests
+
+
+def test_server_killed_and_restarted_mid_run_loses_no_group(server, tokenizer):
+    """Runs last: it replaces the module's engine process (same port, same URL)."""
+    cfg = make_cfg(server["url"], "rollout.retry_backoff_s=0.5", "rollout.max_retries=8",
+                   "rollout.sampling.max_new_tokens=24")
+    port = int(server["url"].rsplit(":", 1)[1])
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        wait_until(lambda: engine_load(server["url"])[0] >= 2, 60, "requests running in the engine")
+        server["handle"].stop()
+        server["url"], server["handle"] = engine.launch(server["model"], port=port, max_running_requests=16,
+                                                        num_threads=1)
+        got = [g for _ in range(4) for g in buf.get(1, timeout=120)]
+        ro.pause()
+        metrics, counts = ro.step_metrics(), buf.step_metrics()
+        stats = buf.stats()
+    assert metrics["rollout/retry_count"] > 0 and metrics["rollout/failed_count"] == 0
+    assert counts["rollout/collected_groups"] == counts["rollout/dispatched_groups"] == len(got) + stats["Q"]
+    assert counts["rollout/filter_drop"] == 0 and stats["R"] == 0
+    assert all(t.status in ("completed", "truncated") for g in got for t in g.trajectories)
