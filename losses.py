@@ -83,6 +83,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             logp[rs, ts] = target_s - chunk_lse
             if with_entropy:  # H = lse - sum_v p_v s_v with p = e / z
                 entropy[rs, ts] = chunk_lse - e.mul_(s).sum(-1) / z
+            del s, e  # free this chunk before the next one is allocated
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.save_for_backward(logits, targets, lse, *([entropy] if with_entropy else []))
         return (logp, entropy) if with_entropy else logp
@@ -103,6 +104,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 p = logp_all.exp()
                 d = logp_all.add_(ent[0][rs, ts].unsqueeze(-1)).mul_(p).mul_(-ge.unsqueeze(-1))  # ge * dH/ds
                 d.add_(p.mul_(-g.unsqueeze(-1)))
+                del p
                 zero = (g == 0) & (ge == 0)
             else:
                 d = logp_all.exp_().mul_(-g.unsqueeze(-1))
@@ -113,6 +115,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             # row cannot reach the model through 0 * NaN.
             d.masked_fill_(zero.unsqueeze(-1), 0.0)
             grad[rs, ts] = d
+            del logp_all, d  # free this chunk before the next one is allocated
         return grad, None, None, None, None
 
 
