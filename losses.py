@@ -126,8 +126,9 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, chunk_si
     logits [..., T, V] (any float dtype, e.g. bf16), targets [..., T] (valid token ids; put any id, e.g. 0, at
     padding) -> (logp [..., T] float32, entropy [..., T] float32 or None). Temperature convention: see
     `effective_temperature` (matches the engine's reported log-probs). Each chunk of `chunk_size` tokens is upcast
-    to float32 on its own, in forward and in backward, so peak memory is a few float32 chunks, not a full
-    float32 [T, V] copy (20K tokens x 150K vocab would be 12 GB). Differentiable once with respect to logits.
+    to float32 on its own, in forward and in backward, so the extra memory is one float32 chunk (two with entropy)
+    besides the gradient, not a full float32 [T, V] copy (20K tokens x 150K vocab would be 12 GB; see
+    bench/logprob_memory.py). Differentiable once with respect to logits.
     """
     if chunk_size <= 0:
         raise ValueError(f"token_logprobs chunk_size (trainer.logprob_chunk_tokens) must be > 0, got {chunk_size}")

@@ -138,6 +138,30 @@ def test_token_logprobs_leave_float32_logits_untouched_and_nan_rows_get_zero_gra
     assert torch.equal(logits.detach()[~before.isnan()], before[~before.isnan()])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chunked_logprobs_cuda_memory_and_values():
+    T, V, chunk = 4096, 32000, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(T, V, generator=g, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=g, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    logp, _ = losses.token_logprobs(logits, targets, 0.8, chunk_size=chunk)
+    logp.sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    grad_bytes, chunk_f32 = T * V * 2, chunk * V * 4
+    assert peak < grad_bytes + 2 * chunk_f32 + (64 << 20), peak  # a full float32 copy alone would be 2 * grad_bytes
+    grad = logits.grad.clone()
+    logits.grad = None
+    ref, _ = naive_logprobs(logits, targets, 0.8)
+    ref.sum().backward()
+    assert torch.allclose(logp, ref, atol=1e-4)
+    assert torch.allclose(grad.float(), logits.grad.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_token_logprobs_rejects_bad_arguments():
     with pytest.raises(ValueError, match="logprob_chunk_tokens"):
         losses.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 1.0, chunk_size=0)
@@ -529,14 +553,13 @@ def test_split_microbatches_sum_to_minibatch_loss(mode):
     splits = [[0, 3], [3, 4], [4, 8], [8, 12]]  # e.g. 2 ranks x 2 micro-batches of uneven sizes
     for seed in range(10):
         lp, old, ro, adv, mask = random_batch(seed, B=12, T=9, nonfinite=seed % 3 == 0)
-        parts = [(s, e) for s, e in splits]
-        D = sum(losses.loss_denominator(mask[s:e], mode, norm_len=16) for s, e in parts)  # the all-reduced sum
+        D = sum(losses.loss_denominator(mask[s:e], mode, norm_len=16) for s, e in splits)  # the all-reduced sum
         assert D == losses.loss_denominator(mask, mode, norm_len=16)
         full_x = lp.clone().requires_grad_()
         full, _ = losses.policy_loss(full_x, old, ro, adv, mask, a, D)
         full.backward()
         x = lp.clone().requires_grad_()
-        total = sum(losses.policy_loss(x[s:e], old[s:e], ro[s:e], adv[s:e], mask[s:e], a, D)[0] for s, e in parts)
+        total = sum(losses.policy_loss(x[s:e], old[s:e], ro[s:e], adv[s:e], mask[s:e], a, D)[0] for s, e in splits)
         total.backward()
         assert total.item() == pytest.approx(full.item(), rel=1e-6, abs=1e-7)
         assert torch.allclose(x.grad, full_x.grad, atol=1e-7)
