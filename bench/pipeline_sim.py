@@ -1,0 +1,569 @@
+"""bench/pipeline_sim.py: the project's scheduler on a simulated 16-GPU cluster, against the ideal overlap bound.
+
+What is real: the orchestration. Each configuration runs the project's own `buffer.PipelineServer` (+ the window
+strategies), `rollout.Rollout` and `rollout.Fleet` (HTTP, pause / abort / restore / resume) and the trainer's step
+loop `train.run_steps`, in one process (threads), exactly as train.py wires them minus the RPC hop.
+What is simulated: the inference fleet (bench/sim_server.py, one port per replica, requests progress by the latency
+model of ../shared/bench/spec_workload.md) and the training compute (`SimActor`: 760 response tokens/s per training
+GPU, weight update 10 s, colocate memory release 8 s + resume 8 s). Both run on a clock compressed `--compression`
+times, so a 500 s step takes 500 / compression s of wall time; the real code's own time is scaled up with it,
+and the per-phase table shows it ("overhead": step time the model does not account for).
+The workload numbers are a model calibrated to the spec's experiment, not a measurement; step times are simulated
+seconds.
+
+Efficiency = ideal / achieved step time (steady state, step 0 excluded), where the ideal is
+max(generated tokens / fleet peak throughput, trained tokens / training throughput + weight update).
+
+Run (about 8 minutes on 2 CPU cores; --quick: a small grid in well under a minute):
+    python bench/pipeline_sim.py [--quick] [--json out.json] [--png out.png] [--steps 9] [--compression 120]
+    python bench/pipeline_sim.py --only colocate,fifo-s1 --workload my_workload.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import requests  # noqa: E402
+
+import config  # noqa: E402
+import sim_server  # noqa: E402
+
+SIMULATION_NOTE = ("Simulated: the inference fleet (bench/sim_server.py) and the training compute run a latency "
+                   "model on a compressed clock; the orchestration (buffer, strategies, rollout producer, HTTP, "
+                   "pause/abort/restore, train.run_steps) is the project's own code. The workload numbers are a "
+                   "model calibrated to the spec (../shared/bench/spec_workload.md), not a measurement.")
+TOTAL_GPUS = 16
+# The spec's measured avg step excluding step 0 (section 5), for the side-by-side column.
+SPEC_EXCL0 = {"colocate": 578.63, "colocate+partial": 486.34, "nowin-s1": 451.74, "fifo-s1": 424.30,
+              "fifo-s2": 414.58}
+
+
+@dataclass
+class Setup:
+    """One configuration of the grid."""
+    name: str
+    label: str  # as printed in the table
+    section: str  # spec | concurrency | split
+    train_gpus: int
+    infer_gpus: int
+    colocate: bool = False
+    window: str = "windowed-fifo"
+    stale: float = 1.0
+    partial: bool = True
+    oversample: int = 0
+    max_concurrent: Optional[int] = None  # rollout.async_max_concurrent_samples
+
+    @property
+    def replicas(self) -> list[int]:
+        """GPUs per inference replica: TP=4 replicas where the GPUs allow, else TP=2 (spec_workload.md, 10:6)."""
+        size = 4 if self.infer_gpus % 4 == 0 else 2
+        return [size] * (self.infer_gpus // size)
+
+    @property
+    def resource(self) -> str:
+        return str(TOTAL_GPUS) if self.colocate else f"{self.train_gpus}:{self.infer_gpus}"
+
+
+def grid(quick: bool) -> list[Setup]:
+    fa = dict(train_gpus=8, infer_gpus=8)
+    spec = [
+        Setup("colocate", "colocate", "spec", 16, 16, colocate=True, partial=False),
+        Setup("colocate+partial", "colocate + partial (16 oversampled groups)", "spec", 16, 16, colocate=True,
+              oversample=16),
+        Setup("nowin-s1", "fully_async no-window, stale 1", "spec", window="no-window", **fa),
+        Setup("fifo-s1", "fully_async windowed-fifo, stale 1", "spec", **fa),
+        Setup("fifo-s2", "fully_async windowed-fifo, stale 2", "spec", stale=2.0, **fa),
+        Setup("gated-s1", "fully_async window-gated, stale 1", "spec", window="window-gated", **fa),
+    ]
+    conc = [Setup(f"fifo-s1-conc{c}", f"windowed-fifo, stale 1, async_max_concurrent_samples {c}", "concurrency",
+                  max_concurrent=c, **fa) for c in (128, 256, 512)]
+    split = [Setup(f"fifo-s1-{t}:{TOTAL_GPUS - t}", f"windowed-fifo, stale 1, split {t}:{TOTAL_GPUS - t}", "split",
+                   t, TOTAL_GPUS - t) for t in (6, 10, 12)]
+    if quick:
+        return [spec[0], spec[1], spec[3], conc[1], split[1]]
+    return spec + conc + split
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Simulated training compute
+
+class SimActor:
+    """The trainer's compute, simulated: what train.run_steps calls on its `actor`.
+
+    Training time is the trained response tokens / (tokens per s per GPU x GPUs); weight updates and colocate
+    memory release/resume are HTTP calls to the simulated fleet, whose handlers take the modeled time. Records
+    trained tokens and the staleness of every trained trajectory.
+    """
+
+    def __init__(self, wl: sim_server.Workload, fleet, train_gpus: int, compression: float, token_scale: int):
+        self.wl, self.fleet, self.gpus, self.k, self.scale = wl, fleet, train_gpus, compression, token_scale
+        self.version = 0
+        self.trained_tokens: list[float] = []  # per step
+        self.staleness: dict[int, int] = {}  # version lag -> trajectories
+        self.modeled: dict[str, float] = {}  # modeled sim seconds per phase, this step
+        self.spent: dict[str, float] = {}  # the same phases' wall time x compression, this step
+
+    def _spend(self, phase: str, sim_s: float, t0: float) -> None:
+        """Book `sim_s` modeled seconds and the wall time since t0 (in simulated seconds) to `phase`."""
+        self.modeled[phase] = self.modeled.get(phase, 0.0) + sim_s
+        self.spent[phase] = self.spent.get(phase, 0.0) + (time.monotonic() - t0) * self.k
+
+    def train_minibatch(self, groups, step: int) -> dict:
+        t0 = time.monotonic()
+        trajs = [t for g in groups for t in g.trajectories]
+        tokens = sum(int(t.response_ids.numel()) for t in trajs) * self.scale
+        sim_s = tokens / (self.wl.train_tokens_per_s_per_gpu * self.gpus)
+        time.sleep(sim_s / self.k)
+        while len(self.trained_tokens) <= step:
+            self.trained_tokens.append(0.0)
+        self.trained_tokens[step] += tokens
+        for t in trajs:
+            lag = self.version - (t.start_version if t.start_version >= 0 else self.version)
+            self.staleness[lag] = self.staleness.get(lag, 0) + 1
+        self._spend("train", sim_s, t0)
+        return {"sim/trained_tokens": float(tokens)}
+
+    def sync_weights(self, version: int) -> dict:
+        t0 = time.monotonic()
+        self.fleet.update_weights_from_disk("sim://weights", version)
+        self.version = version
+        self._spend("update", self.wl.update_weights_s, t0)
+        return {"timing/update_weights": time.monotonic() - t0}
+
+    def save_checkpoint(self, step: int, run_state) -> None:
+        return None  # checkpoints are not part of the spec's workload model
+
+    def release(self) -> None:
+        t0 = time.monotonic()
+        self.fleet.release_memory()
+        self._spend("release_resume", self.wl.release_s, t0)
+
+    def resume(self) -> None:
+        t0 = time.monotonic()
+        self.fleet.resume_memory()
+        self._spend("release_resume", self.wl.resume_s, t0)
+
+
+class Timed:
+    """Forwards every attribute of `obj`; the wall time of the named methods is added to `sink[name]`."""
+
+    def __init__(self, obj, methods: dict, sink: dict):
+        self._obj, self._methods, self._sink = obj, methods, sink
+
+    def __getattr__(self, name):
+        attr = getattr(self._obj, name)
+        phase = self._methods.get(name)
+        if phase is None:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.monotonic()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._sink[phase] = self._sink.get(phase, 0.0) + time.monotonic() - t0
+        return timed
+
+
+class StepLogger:
+    """Receives run_steps' per-step metrics; records step time, phases and the fleet's counters per step."""
+
+    def __init__(self, actor: SimActor, phases: dict, fleet_urls: list[str], compression: float):
+        self.actor, self.phases, self.urls, self.k = actor, phases, fleet_urls, compression
+        self.http = requests.Session()
+        self.rows: list[dict] = []
+
+    def fleet_stats(self) -> dict:
+        tot: dict = {}
+        for u in self.urls:
+            for k, v in self.http.get(u + "/sim_stats", timeout=30).json().items():
+                if isinstance(v, (int, float)):
+                    tot[k] = tot.get(k, 0.0) + v
+        return tot
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "step_s": float(metrics["timing/step"]) * self.k, "fleet": self.fleet_stats(),
+               "wall": {k: v * self.k for k, v in self.phases.items()}, "modeled": dict(self.actor.modeled),
+               "spent": dict(self.actor.spent)}
+        row["metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.phases.clear()
+        self.actor.modeled.clear()
+        self.actor.spent.clear()
+        self.rows.append(row)
+
+    __call__ = log
+
+    def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One configuration
+
+def make_cfg(s: Setup, wl: sim_server.Workload, urls: list[str], steps: int, token_scale: int, run_dir: str,
+             max_running: int):
+    d = {
+        "name": f"sim-{s.name}", "run_dir": run_dir, "colocate": s.colocate, "device": "cpu",
+        "data_source": {"task": "reverse_digits", "num_prompts_per_step": wl.num_prompts_per_step,
+                        "num_trajectories_per_prompt": wl.num_trajectories_per_prompt,
+                        "num_prompts": wl.num_prompts_per_step * (steps + 8), "shuffle": False},
+        "trainer": {"mini_batch_size": wl.mini_batch_size, "total_steps": steps, "save_freq": 0,
+                    "num_gpus_per_node": s.train_gpus},
+        "fully_async": {"enable": not s.colocate, "sliding_window": s.window if not s.colocate else "no-window",
+                        "stale_steps": s.stale if not s.colocate else 0.0},
+        "rollout": {"servers": urls, "launch": "none", "partial": s.partial,
+                    "mask_offpolicy_in_partial_rollout": s.partial,
+                    "sampling": {"max_new_tokens": wl.max_new_tokens // token_scale},
+                    "sampler": {"num_oversample": s.oversample},
+                    "sglang_args": {"max_running_requests": max_running},
+                    "async_max_concurrent_samples": s.max_concurrent,
+                    "trajectory_timeout_s": 3600.0, "pause_timeout_s": 300.0},
+        "buffer": {"get_timeout_s": 300.0},
+        "weight_sync": {"method": "disk"},
+    }
+    return config.validate(config.from_dict(d))
+
+
+def make_prompts(n: int, prompt_units: int) -> list[dict]:
+    """n distinct prompts of prompt_units tokens (digits of the index in base 90 over ids 10..99)."""
+    return [{"prompt_ids": [10 + (i // 90 ** j) % 90 for j in range(prompt_units)], "label": "0", "metadata": {}}
+            for i in range(n)]
+
+
+def start_fleet(s: Setup, args) -> tuple[subprocess.Popen, list[str]]:
+    cmd = [sys.executable, os.path.join(HERE, "sim_server.py"), "--replica-gpus", *map(str, s.replicas),
+           "--compression", str(args.compression), "--token-scale", str(args.token_scale),
+           "--eos-id", str(args.eos_id), "--filler-id", str(args.filler_id)]
+    if args.workload_path:
+        cmd += ["--workload", args.workload_path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("READY ") or proc.poll() is not None:
+            break
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"the simulated fleet did not report READY within 30 s (got {line!r})")
+    return proc, json.loads(line.split(" ", 1)[1])["urls"]
+
+
+def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
+    """Run one configuration: the real buffer, rollout and step loop against a fresh simulated fleet."""
+    import buffer
+    import rollout
+    import tasks
+    import train
+
+    proc, urls = start_fleet(s, args)
+    try:
+        _, max_running = wl.replica_capacity(s.replicas[0])
+        run_dir = tempfile.mkdtemp(prefix=f"pipeline_sim_{s.name.replace(':', '_')}_")
+        cfg = make_cfg(s, wl, urls, args.steps, args.token_scale, run_dir, max_running)
+        prompt_units = max(1, round(wl.prompt_tokens / args.token_scale))
+        prompts = make_prompts(cfg.data_sources[0].num_prompts, prompt_units)
+        phases: dict = {}
+        buf = buffer.PipelineServer(cfg, [prompts])
+        fleet = rollout.SyncFleet(rollout.Fleet.from_config(cfg))  # one event loop: the producer's and the actor's
+        ro = rollout.Rollout(cfg, buf, fleet, tasks.build_tokenizer())
+        actor = SimActor(wl, fleet, s.train_gpus, args.compression, args.token_scale)
+        logger = StepLogger(actor, phases, urls, args.compression)
+        t0 = time.monotonic()
+        try:
+            train.run_steps(cfg, actor, Timed(buf, {"get": "wait_data"}, phases),
+                            Timed(ro, {"pause": "pause", "resume": "resume_rollout"}, phases), logger, 0)
+        finally:
+            ro.stop()
+            fleet.close()
+            buf.close()
+        total = (time.monotonic() - t0) * args.compression
+        return summarize(s, wl, logger.rows, actor, total)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _child(s: Setup, args, wl, conn) -> None:
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    try:
+        conn.send({"ok": run_setup(s, args, wl)})
+    except BaseException as e:  # the parent reports it and goes on with the next configuration
+        import traceback
+        conn.send({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def run_isolated(s: Setup, args, wl) -> dict:
+    """Each configuration in a forked child: its threads and sockets end with it; imports are already paid."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(s, args, wl, child), daemon=True)
+    p.start()
+    child.close()
+    limit = 60 + args.steps * 3000 / args.compression
+    if not parent.poll(limit):
+        p.kill()
+        return {"error": f"configuration {s.name} did not finish within {limit:.0f} s of wall time"}
+    out = parent.recv()
+    p.join(10)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(s: Setup, wl: sim_server.Workload, rows: list[dict], actor: SimActor, total_s: float) -> dict:
+    steps = [r["step_s"] for r in rows]
+    steady = rows[1:] if len(rows) > 1 else rows
+    n = len(steady)
+    # fleet counters are cumulative: per-step deltas
+    fleet_prev = {"generated_tokens": 0.0}
+    gen_per_step = []
+    for r in rows:
+        gen_per_step.append(r["fleet"].get("generated_tokens", 0.0) - fleet_prev.get("generated_tokens", 0.0))
+        fleet_prev = r["fleet"]
+    peak = sum(wl.replica_peak_tokens_per_s(g) for g in s.replicas)
+    trained = actor.trained_tokens + [0.0] * (len(rows) - len(actor.trained_tokens))
+    gen_steady = _mean(gen_per_step[1:] if len(rows) > 1 else gen_per_step)
+    trained_steady = _mean(trained[1:len(rows)] if len(rows) > 1 else trained)
+    train_tput = wl.train_tokens_per_s_per_gpu * s.train_gpus
+    ideal = max(gen_steady / peak, trained_steady / train_tput + wl.update_weights_s)
+    avg_excl0 = _mean(r["step_s"] for r in steady)
+
+    def metric(name):
+        vals = [r["metrics"][name] for r in steady if name in r["metrics"]]
+        return _mean(vals) if vals else None
+
+    phase_names = ("train", "update", "release_resume")
+    modeled = {p: _mean(r["modeled"].get(p, 0.0) for r in steady) for p in phase_names}
+    waited = {p: _mean(r["wall"].get(p, 0.0) for r in steady) for p in ("wait_data", "pause", "resume_rollout")}
+    train_wall = modeled["train"]
+    overhead = avg_excl0 - sum(modeled.values()) - waited["wait_data"]
+    busy = _mean((rows[i]["fleet"]["busy_s"] - rows[i - 1]["fleet"]["busy_s"]) / len(s.replicas)
+                 for i in range(1, len(rows))) if len(rows) > 1 else float("nan")
+    return {
+        "name": s.name, "label": s.label, "section": s.section, "resource": s.resource,
+        "steps_s": steps, "avg_step_s": _mean(steps), "avg_step_excl0_s": avg_excl0,
+        "ideal_step_s": ideal, "efficiency": ideal / avg_excl0 if avg_excl0 else float("nan"),
+        "pipeline_buf_size": metric("rollout/pipeline_buf_size"),
+        "partial_ratio": metric("rollout/partial_ratio"),
+        "partial_restored": metric("rollout/partial_restored_count"),
+        "generated_tokens_per_step": gen_steady, "trained_tokens_per_step": trained_steady,
+        "fleet_peak_tokens_per_s": peak, "fleet_utilization": gen_steady / (peak * avg_excl0) if avg_excl0 else None,
+        "fleet_busy_frac": busy / avg_excl0 if avg_excl0 else None,
+        "phases_s": {"train": train_wall, "update_weights": modeled["update"],
+                     "release_resume": modeled["release_resume"], "wait_data": waited["wait_data"],
+                     "pause": waited["pause"], "overhead": overhead},
+        "staleness": {str(k): v for k, v in sorted(actor.staleness.items())},
+        "total_s": total_s,
+        "per_step": [{"step_s": r["step_s"], "wall": r["wall"], "modeled": r["modeled"], "spent": r["spent"],
+                      "metrics": {k: v for k, v in r["metrics"].items() if k.startswith(("timing/", "rollout/"))}}
+                     for r in rows],
+    }
+
+
+def add_speedups(results: list[dict]) -> None:
+    base = next((r for r in results if r["name"] == "colocate" and "error" not in r), None)
+    for r in results:
+        if "error" in r:
+            continue
+        r["speedup"] = base["avg_step_s"] / r["avg_step_s"] if base else None
+        r["speedup_excl0"] = base["avg_step_excl0_s"] / r["avg_step_excl0_s"] if base else None
+
+
+def _f(x, fmt="{:.1f}") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def markdown(results: list[dict]) -> str:
+    head = ("| config | resource | avg step (all) | speedup | avg step (excl. step 0) | speedup (excl. step 0) | "
+            "spec (excl. step 0) | ideal | efficiency | pipeline_buf_size | partial_ratio | partial_restored |")
+    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['label']} | - | failed: {r['error']} |" + " - |" * 9)
+            continue
+        lines.append(" | ".join([
+            f"| {r['label']}", r["resource"], _f(r["avg_step_s"]), _f(r.get("speedup"), "{:.2f}x"),
+            _f(r["avg_step_excl0_s"]), _f(r.get("speedup_excl0"), "{:.2f}x"), _f(SPEC_EXCL0.get(r["name"])),
+            _f(r["ideal_step_s"]), _f(r["efficiency"], "{:.2f}"), _f(r["pipeline_buf_size"]),
+            _f(r["partial_ratio"], "{:.3f}"), _f(r["partial_restored"], "{:.0f}")]) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(results: list[dict]) -> str:
+    head = ("| config | step (excl. 0) | train | weight update | release+resume | waiting for data | pause | "
+            "overhead | fleet busy | fleet tok/s vs peak | staleness (lag: share) |")
+    lines = [head, "|" + "|".join(["---"] * 11) + "|"]
+    for r in results:
+        if "error" in r:
+            continue
+        p = r["phases_s"]
+        total = sum(r["staleness"].values()) or 1
+        stale = ", ".join(f"{k}: {v / total:.2f}" for k, v in r["staleness"].items())
+        lines.append(" | ".join([
+            f"| {r['name']}", _f(r["avg_step_excl0_s"]), _f(p["train"]), _f(p["update_weights"]),
+            _f(p["release_resume"]), _f(p["wait_data"]), _f(p["pause"]), _f(p["overhead"]),
+            _f(r["fleet_busy_frac"], "{:.2f}"), _f(r["fleet_utilization"], "{:.2f}"), stale]) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in results if "error" not in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 6))
+    for r in ok:
+        a.plot(range(len(r["steps_s"])), r["steps_s"], marker="o", ms=3, label=r["name"])
+    a.set_xlabel("step")
+    a.set_ylabel("step time (simulated s)")
+    a.set_title("step time per step")
+    a.legend(fontsize=7)
+    lags = sorted({int(k) for r in ok for k in r["staleness"]})
+    left = [0.0] * len(ok)
+    for lag in lags:
+        shares = []
+        for r in ok:
+            tot = sum(r["staleness"].values()) or 1
+            shares.append(r["staleness"].get(str(lag), 0) / tot)
+        b.barh([r["name"] for r in ok], shares, left=left, label=f"lag {lag}")
+        left = [x + y for x, y in zip(left, shares)]
+    b.set_xlabel("share of trained trajectories")
+    b.set_title("staleness: trainer version - start version of the trajectory")
+    b.legend(fontsize=7)
+    fig.suptitle("pipeline_sim: simulated fleet and training, the project's own orchestration", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def acceptance(results: list[dict]) -> list[str]:
+    by = {r["name"]: r for r in results if "error" not in r}
+    out = []
+
+    def within(name, lo, hi):
+        r = by.get(name)
+        if r is None:
+            return
+        x = r["avg_step_excl0_s"]
+        ok = lo * 0.85 <= x <= hi * 1.15
+        out.append(f"calibration {name}: {x:.1f} s vs spec {lo:.1f}-{hi:.1f} s (+-15%): {'ok' if ok else 'MISSED'}")
+    within("colocate", 578.63, 578.63)
+    for n in ("nowin-s1", "fifo-s1", "fifo-s2"):
+        within(n, 414.58, 451.74)
+    if {"colocate", "colocate+partial"} <= by.keys():
+        c, cp = by["colocate"]["avg_step_excl0_s"], by["colocate+partial"]["avg_step_excl0_s"]
+        fa = [r for r in by.values() if r["section"] == "spec" and not r["name"].startswith("colocate")]
+        slowest = max(fa, key=lambda r: r["avg_step_excl0_s"]) if fa else None
+        ok = slowest is not None and slowest["avg_step_excl0_s"] < cp < c
+        out.append(f"ordering fully-async < colocate+partial < colocate: slowest fully-async "
+                   f"{_f(slowest and slowest['avg_step_excl0_s'])} s, colocate+partial {cp:.1f} s, colocate "
+                   f"{c:.1f} s: {'ok' if ok else 'MISSED'}")
+    for r in by.values():
+        if not r["name"].startswith("colocate"):
+            ok = r["efficiency"] >= 0.95
+            out.append(f"efficiency {r['name']}: {r['efficiency']:.3f} (target >= 0.95): {'ok' if ok else 'MISSED'}")
+    split = [r for r in by.values() if r["section"] == "split" or r["name"] == "fifo-s1"]
+    if split and "colocate" in by:
+        best = min(split, key=lambda r: r["avg_step_excl0_s"])
+        ok = best["speedup_excl0"] >= 1.6
+        out.append(f"best split: {best['resource']} ({best['name']}) at {best['speedup_excl0']:.2f}x colocate "
+                   f"(target >= 1.6x): {'ok' if ok else 'MISSED'}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small, fast grid (B=16, 3 steps): checks that it runs")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per configuration (default 9; quick 3)")
+    ap.add_argument("--compression", type=float, default=None,
+                    help="simulated seconds per wall second (default 120; quick 1000)")
+    ap.add_argument("--token-scale", type=int, default=32, help="model tokens per simulated output token")
+    ap.add_argument("--workload", dest="workload_path", default=None,
+                    help="YAML of sim_server.Workload fields (default: the spec workload)")
+    ap.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval in each run (0: keep)")
+    ap.add_argument("--only", default=None, help="comma-separated configuration names")
+    ap.add_argument("--json", dest="json_path", default=None, help="write one record per configuration here")
+    ap.add_argument("--png", default=None, help="step-time and staleness figure (default: next to --json, or "
+                                                "pipeline_sim.png in the working directory)")
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else 9)
+    args.compression = args.compression or (1000.0 if args.quick else 120.0)
+    wl = sim_server.load_workload(args.workload_path)
+    if args.quick:
+        wl = dataclasses.replace(wl, num_prompts_per_step=16, mini_batch_size=32)
+    import tasks
+    tok = tasks.build_tokenizer()
+    args.eos_id = tok.eos_token_id
+    args.filler_id = tok.convert_tokens_to_ids("7")
+    import buffer, rollout, train  # noqa: E401,F401  (imported before forking: each child starts warm)
+    setups = grid(args.quick)
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in {s.name for s in grid(False)}]
+        if unknown:
+            raise SystemExit(f"--only: unknown configuration(s) {unknown}; known: "
+                             f"{', '.join(s.name for s in grid(False))}")
+        setups = [s for s in grid(False) if s.name in names]
+    print(SIMULATION_NOTE, flush=True)
+    print(f"workload: B={wl.num_prompts_per_step} N={wl.num_trajectories_per_prompt} M={wl.mini_batch_size}, "
+          f"{args.steps} steps per configuration, clock compression {args.compression:g}x, "
+          f"1 simulated output token = {args.token_scale} model tokens", flush=True)
+    results = []
+    t0 = time.monotonic()
+    for s in setups:
+        t1 = time.monotonic()
+        r = run_isolated(s, args, wl)
+        r = r.get("ok", {**r, "name": s.name, "label": s.label, "section": s.section})
+        results.append(r)
+        status = r.get("error") or f"avg step {r['avg_step_s']:.1f} s (excl. 0: {r['avg_step_excl0_s']:.1f} s)"
+        print(f"  {s.name}: {status} [{time.monotonic() - t1:.0f} s wall]", flush=True)
+    add_speedups(results)
+    print()
+    print(markdown(results))
+    print()
+    print("Per-phase breakdown (simulated seconds per step, steady state; overhead = step time not accounted for "
+          "by modeled compute or waiting for data, i.e. the real code's own time on the trainer's critical path):")
+    print(phase_table(results))
+    print()
+    for line in acceptance(results):
+        print(line)
+    print(f"wall time: {time.monotonic() - t0:.0f} s")
+    png = args.png or (os.path.splitext(args.json_path)[0] + ".png" if args.json_path else "pipeline_sim.png")
+    plot(results, png)
+    print(f"figure: {png}")
+    if args.json_path:
+        keys = ("name", "avg_step_s", "avg_step_excl0_s", "speedup", "efficiency", "pipeline_buf_size",
+                "partial_ratio", "partial_restored")
+        with open(args.json_path, "w") as f:
+            json.dump([{**{k: r.get(k) for k in keys}, **{k: v for k, v in r.items() if k not in keys}}
+                       for r in results], f, indent=1)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
