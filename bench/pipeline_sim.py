@@ -293,7 +293,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
             fleet.close()
             buf.close()
         total = (time.monotonic() - t0) * args.compression
-        return summarize(s, wl, logger.rows, actor, total)
+        return summarize(s, wl, logger.rows, actor, total, args.compression)
     finally:
         proc.kill()
         proc.wait(timeout=10)
@@ -335,20 +335,16 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(s: Setup, wl: sim_server.Workload, rows: list[dict], actor: SimActor, total_s: float) -> dict:
+def summarize(s: Setup, wl: sim_server.Workload, rows: list[dict], actor: SimActor, total_s: float,
+              compression: float) -> dict:
+    """One configuration's record. Steady state = every step but step 0; fleet counters are cumulative."""
     steps = [r["step_s"] for r in rows]
     steady = rows[1:] if len(rows) > 1 else rows
-    n = len(steady)
-    # fleet counters are cumulative: per-step deltas
-    fleet_prev = {"generated_tokens": 0.0}
-    gen_per_step = []
-    for r in rows:
-        gen_per_step.append(r["fleet"].get("generated_tokens", 0.0) - fleet_prev.get("generated_tokens", 0.0))
-        fleet_prev = r["fleet"]
+    gen = [b["fleet"]["generated_tokens"] - a["fleet"]["generated_tokens"] for a, b in zip(rows, rows[1:])]
+    busy = [(b["fleet"]["busy_s"] - a["fleet"]["busy_s"]) / len(s.replicas) for a, b in zip(rows, rows[1:])]
+    trained = (actor.trained_tokens + [0.0] * len(rows))[:len(rows)]
+    gen_steady, trained_steady = _mean(gen), _mean(trained[1:] if len(rows) > 1 else trained)
     peak = sum(wl.replica_peak_tokens_per_s(g) for g in s.replicas)
-    trained = actor.trained_tokens + [0.0] * (len(rows) - len(actor.trained_tokens))
-    gen_steady = _mean(gen_per_step[1:] if len(rows) > 1 else gen_per_step)
-    trained_steady = _mean(trained[1:len(rows)] if len(rows) > 1 else trained)
     train_tput = wl.train_tokens_per_s_per_gpu * s.train_gpus
     ideal = max(gen_steady / peak, trained_steady / train_tput + wl.update_weights_s)
     avg_excl0 = _mean(r["step_s"] for r in steady)
@@ -357,28 +353,30 @@ def summarize(s: Setup, wl: sim_server.Workload, rows: list[dict], actor: SimAct
         vals = [r["metrics"][name] for r in steady if name in r["metrics"]]
         return _mean(vals) if vals else None
 
-    phase_names = ("train", "update", "release_resume")
-    modeled = {p: _mean(r["modeled"].get(p, 0.0) for r in steady) for p in phase_names}
-    waited = {p: _mean(r["wall"].get(p, 0.0) for r in steady) for p in ("wait_data", "pause", "resume_rollout")}
-    train_wall = modeled["train"]
-    overhead = avg_excl0 - sum(modeled.values()) - waited["wait_data"]
-    busy = _mean((rows[i]["fleet"]["busy_s"] - rows[i - 1]["fleet"]["busy_s"]) / len(s.replicas)
-                 for i in range(1, len(rows))) if len(rows) > 1 else float("nan")
+    modeled = {p: _mean(r["modeled"].get(p, 0.0) for r in steady) for p in ("train", "update", "release_resume")}
+    wait_data = _mean(r["metrics"].get("timing/rollout", 0.0) * compression for r in steady)
+    pause = _mean(r["wall"].get("pause", 0.0) for r in steady)
+    # The real code's own time on the trainer's critical path (pause, HTTP, metrics, thread hand-offs): wall
+    # seconds, so x compression in simulated time. At 1x it would cost overhead / compression.
+    overhead = avg_excl0 - sum(modeled.values()) - wait_data
+    step_1x = avg_excl0 - overhead * (1 - 1 / compression)
     return {
         "name": s.name, "label": s.label, "section": s.section, "resource": s.resource,
-        "steps_s": steps, "avg_step_s": _mean(steps), "avg_step_excl0_s": avg_excl0,
-        "ideal_step_s": ideal, "efficiency": ideal / avg_excl0 if avg_excl0 else float("nan"),
+        "steps_s": steps, "step0_s": steps[0], "avg_step_s": _mean(steps), "avg_step_excl0_s": avg_excl0,
+        "avg_step_100_equiv_s": (steps[0] + 99 * avg_excl0) / 100,
+        "ideal_step_s": ideal, "efficiency": ideal / avg_excl0,
         "pipeline_buf_size": metric("rollout/pipeline_buf_size"),
         "partial_ratio": metric("rollout/partial_ratio"),
         "partial_restored": metric("rollout/partial_restored_count"),
         "generated_tokens_per_step": gen_steady, "trained_tokens_per_step": trained_steady,
-        "fleet_peak_tokens_per_s": peak, "fleet_utilization": gen_steady / (peak * avg_excl0) if avg_excl0 else None,
-        "fleet_busy_frac": busy / avg_excl0 if avg_excl0 else None,
-        "phases_s": {"train": train_wall, "update_weights": modeled["update"],
-                     "release_resume": modeled["release_resume"], "wait_data": waited["wait_data"],
-                     "pause": waited["pause"], "overhead": overhead},
+        "fleet_peak_tokens_per_s": peak, "fleet_utilization": gen_steady / (peak * avg_excl0),
+        "fleet_busy_frac": _mean(busy) / avg_excl0,
+        "phases_s": {"train": modeled["train"], "update_weights": modeled["update"],
+                     "release_resume": modeled["release_resume"], "wait_data": wait_data, "pause": pause,
+                     "overhead": overhead},
+        "overhead_wall_ms": overhead / compression * 1000, "step_at_1x_s": step_1x, "efficiency_at_1x": ideal / step_1x,
         "staleness": {str(k): v for k, v in sorted(actor.staleness.items())},
-        "total_s": total_s,
+        "total_s": total_s, "compression": compression,
         "per_step": [{"step_s": r["step_s"], "wall": r["wall"], "modeled": r["modeled"], "spent": r["spent"],
                       "metrics": {k: v for k, v in r["metrics"].items() if k.startswith(("timing/", "rollout/"))}}
                      for r in rows],
@@ -399,15 +397,16 @@ def _f(x, fmt="{:.1f}") -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    head = ("| config | resource | avg step (all) | speedup | avg step (excl. step 0) | speedup (excl. step 0) | "
-            "spec (excl. step 0) | ideal | efficiency | pipeline_buf_size | partial_ratio | partial_restored |")
-    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
+    cols = ["config", "resource", "step 0", "avg step (all)", "speedup", "avg step (excl. step 0)",
+            "speedup (excl. step 0)", "spec (excl. step 0)", "ideal", "efficiency", "pipeline_buf_size",
+            "partial_ratio", "partial_restored"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['label']} | - | failed: {r['error']} |" + " - |" * 9)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " - |" * (len(cols) - 2))
             continue
-        lines.append(" | ".join([
-            f"| {r['label']}", r["resource"], _f(r["avg_step_s"]), _f(r.get("speedup"), "{:.2f}x"),
+        lines.append("| " + " | ".join([
+            r["label"], r["resource"], _f(r["step0_s"]), _f(r["avg_step_s"]), _f(r.get("speedup"), "{:.2f}x"),
             _f(r["avg_step_excl0_s"]), _f(r.get("speedup_excl0"), "{:.2f}x"), _f(SPEC_EXCL0.get(r["name"])),
             _f(r["ideal_step_s"]), _f(r["efficiency"], "{:.2f}"), _f(r["pipeline_buf_size"]),
             _f(r["partial_ratio"], "{:.3f}"), _f(r["partial_restored"], "{:.0f}")]) + " |")
@@ -415,19 +414,21 @@ def markdown(results: list[dict]) -> str:
 
 
 def phase_table(results: list[dict]) -> str:
-    head = ("| config | step (excl. 0) | train | weight update | release+resume | waiting for data | pause | "
-            "overhead | fleet busy | fleet tok/s vs peak | staleness (lag: share) |")
-    lines = [head, "|" + "|".join(["---"] * 11) + "|"]
+    cols = ["config", "step (excl. 0)", "train", "weight update", "release+resume", "waiting for data",
+            "overhead (of which pause)", "overhead, wall ms", "step with overhead at 1x", "efficiency at 1x",
+            "fleet busy", "fleet tokens vs peak", "staleness (lag: share)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
     for r in results:
         if "error" in r:
             continue
         p = r["phases_s"]
         total = sum(r["staleness"].values()) or 1
         stale = ", ".join(f"{k}: {v / total:.2f}" for k, v in r["staleness"].items())
-        lines.append(" | ".join([
-            f"| {r['name']}", _f(r["avg_step_excl0_s"]), _f(p["train"]), _f(p["update_weights"]),
-            _f(p["release_resume"]), _f(p["wait_data"]), _f(p["pause"]), _f(p["overhead"]),
-            _f(r["fleet_busy_frac"], "{:.2f}"), _f(r["fleet_utilization"], "{:.2f}"), stale]) + " |")
+        lines.append("| " + " | ".join([
+            r["name"], _f(r["avg_step_excl0_s"]), _f(p["train"]), _f(p["update_weights"]), _f(p["release_resume"]),
+            _f(p["wait_data"]), f"{_f(p['overhead'])} ({_f(p['pause'])})", _f(r["overhead_wall_ms"], "{:.0f}"),
+            _f(r["step_at_1x_s"]), _f(r["efficiency_at_1x"], "{:.2f}"), _f(r["fleet_busy_frac"], "{:.2f}"),
+            _f(r["fleet_utilization"], "{:.2f}"), stale]) + " |")
     return "\n".join(lines)
 
 
@@ -462,37 +463,36 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def acceptance(results: list[dict]) -> list[str]:
+    """The issue's acceptance checks, as measured; "at 1x" repeats each with the code's overhead at real time."""
     by = {r["name"]: r for r in results if "error" not in r}
     out = []
 
-    def within(name, lo, hi):
-        r = by.get(name)
-        if r is None:
-            return
-        x = r["avg_step_excl0_s"]
-        ok = lo * 0.85 <= x <= hi * 1.15
-        out.append(f"calibration {name}: {x:.1f} s vs spec {lo:.1f}-{hi:.1f} s (+-15%): {'ok' if ok else 'MISSED'}")
-    within("colocate", 578.63, 578.63)
-    for n in ("nowin-s1", "fifo-s1", "fifo-s2"):
-        within(n, 414.58, 451.74)
-    if {"colocate", "colocate+partial"} <= by.keys():
+    def verdict(ok: bool) -> str:
+        return "ok" if ok else "MISSED"
+
+    for name, lo, hi in [("colocate", 578.63, 578.63)] + [(n, 414.58, 451.74) for n in ("nowin-s1", "fifo-s1",
+                                                                                          "fifo-s2")]:
+        if name in by:
+            x, x1 = by[name]["avg_step_excl0_s"], by[name]["step_at_1x_s"]
+            out.append(f"calibration {name}: {x:.1f} s (at 1x {x1:.1f} s) vs spec {lo:.1f}-{hi:.1f} s +-15%: "
+                       f"{verdict(lo * 0.85 <= x <= hi * 1.15)}")
+    fa = [r for r in by.values() if r["section"] == "spec" and not r["name"].startswith("colocate")]
+    if {"colocate", "colocate+partial"} <= by.keys() and fa:
         c, cp = by["colocate"]["avg_step_excl0_s"], by["colocate+partial"]["avg_step_excl0_s"]
-        fa = [r for r in by.values() if r["section"] == "spec" and not r["name"].startswith("colocate")]
-        slowest = max(fa, key=lambda r: r["avg_step_excl0_s"]) if fa else None
-        ok = slowest is not None and slowest["avg_step_excl0_s"] < cp < c
-        out.append(f"ordering fully-async < colocate+partial < colocate: slowest fully-async "
-                   f"{_f(slowest and slowest['avg_step_excl0_s'])} s, colocate+partial {cp:.1f} s, colocate "
-                   f"{c:.1f} s: {'ok' if ok else 'MISSED'}")
+        slowest = max(fa, key=lambda r: r["avg_step_excl0_s"])
+        out.append(f"ordering fully-async < colocate+partial < colocate: slowest fully-async ({slowest['name']}) "
+                   f"{slowest['avg_step_excl0_s']:.1f} s, colocate+partial {cp:.1f} s, colocate {c:.1f} s: "
+                   f"{verdict(slowest['avg_step_excl0_s'] < cp < c)}")
     for r in by.values():
         if not r["name"].startswith("colocate"):
-            ok = r["efficiency"] >= 0.95
-            out.append(f"efficiency {r['name']}: {r['efficiency']:.3f} (target >= 0.95): {'ok' if ok else 'MISSED'}")
+            out.append(f"efficiency {r['name']}: {r['efficiency']:.3f} (at 1x {r['efficiency_at_1x']:.3f}), "
+                       f"target >= 0.95: {verdict(r['efficiency'] >= 0.95)}")
     split = [r for r in by.values() if r["section"] == "split" or r["name"] == "fifo-s1"]
-    if split and "colocate" in by:
+    if len(split) > 1 and "colocate" in by:
         best = min(split, key=lambda r: r["avg_step_excl0_s"])
-        ok = best["speedup_excl0"] >= 1.6
+        at1x = by["colocate"]["step_at_1x_s"] / best["step_at_1x_s"]
         out.append(f"best split: {best['resource']} ({best['name']}) at {best['speedup_excl0']:.2f}x colocate "
-                   f"(target >= 1.6x): {'ok' if ok else 'MISSED'}")
+                   f"(at 1x {at1x:.2f}x), target >= 1.6x: {verdict(best['speedup_excl0'] >= 1.6)}")
     return out
 
 
@@ -546,12 +546,18 @@ def main(argv=None) -> int:
     print()
     print(markdown(results))
     print()
-    print("Per-phase breakdown (simulated seconds per step, steady state; overhead = step time not accounted for "
-          "by modeled compute or waiting for data, i.e. the real code's own time on the trainer's critical path):")
+    print("Per-phase breakdown, simulated seconds per step, steady state. train / weight update / release+resume: "
+          "the modeled compute. waiting for data: the trainer blocked in buffer.get. overhead: the rest, i.e. the "
+          "project's own code on the trainer's critical path (pause = abort + collect + step_boundary, HTTP, "
+          "metrics, thread hand-offs); it runs in wall time, so the compressed clock multiplies it by the "
+          "compression. 'at 1x': the same step with that overhead at real time (measured - overhead x (1 - 1/k)).")
     print(phase_table(results))
     print()
-    for line in acceptance(results):
-        print(line)
+    if args.quick:
+        print("--quick: a smoke run (B=16, few steps, high compression); its figures are not the benchmark's.")
+    else:
+        for line in acceptance(results):
+            print(line)
     print(f"wall time: {time.monotonic() - t0:.0f} s")
     png = args.png or (os.path.splitext(args.json_path)[0] + ".png" if args.json_path else "pipeline_sim.png")
     plot(results, png)
