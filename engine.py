@@ -389,6 +389,56 @@ def _parse_dtype(name: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------------------
+
+def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
+    """One token per row of logits [B, V] under SamplingParams params[i]. Returns (logp [B, V], tokens [B]) where
+    logp = log_softmax(logits / temperature) in float32 is what the log-prob convention reports. banned[i] lists
+    token ids row i may not draw (min_new_tokens); generators[i] (or None) seeds row i's draw."""
+    logits = logits.float()
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    scores, raw = logp, logits
+    if any(banned):
+        scores, raw = scores.clone(), raw.clone()
+        for i, ids in enumerate(banned):
+            scores[i, ids] = float("-inf")
+            raw[i, ids] = float("-inf")
+    if all(p.greedy for p in params):
+        return logp, raw.argmax(-1)
+    if any(not p.greedy and (p.top_p < 1 or p.top_k > 0 or p.min_p > 0) for p in params):
+        scores = filter_scores(scores, params)
+    # inverse-CDF sampling: one uniform per row (on CPU far cheaper than a Gumbel draw per vocabulary entry)
+    cdf = scores.exp().cumsum(-1)
+    u = torch.rand(len(params), device=dev)
+    for i, g in enumerate(generators):  # seeded requests draw from their own generator: reproducible
+        if g is not None:
+            u[i] = torch.rand((), generator=g, device=dev)
+    # right=True: the first entry whose cdf exceeds u, so a token of probability 0 is never drawn
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    return logp, torch.where(greedy, raw.argmax(-1), drawn)
+
+
+def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
+    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf; greedy rows and
+    rows at the defaults are left alone."""
+    dev, vocab = scores.device, scores.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in params], device=dev)
+    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=dev)
+    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=dev)
+    s, idx = scores.sort(-1, descending=True)
+    probs = s.softmax(-1)
+    remove = torch.arange(vocab, device=dev)[None] >= top_k[:, None]
+    remove |= ((probs.cumsum(-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1)  # keep the token crossing top_p
+    remove |= probs < min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False
+    return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The model thread
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -562,33 +612,11 @@ class Scheduler:
     def _sample_and_append(self, reqs: list, logits: torch.Tensor) -> torch.Tensor:
         """Draw one token per row, append it (with its log-prob and weight version) to each request and finish
         the ones that hit a stop condition. Returns the drawn tokens (device tensor)."""
-        logits = logits.float()
-        dev = logits.device
-        sp = [r.sp for r in reqs]
-        temp = torch.tensor([p.temperature for p in sp], device=dev)
-        greedy = torch.tensor([p.greedy for p in sp], device=dev)
-        logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # the reported log-probs (module docstring)
-        scores, raw = logp, logits
-        banned = [(i, r.sp.stop_token_ids + ([] if r.sp.ignore_eos else self.eos_ids)) for i, r in enumerate(reqs)
-                  if len(r.output_ids) < r.sp.min_new_tokens]
-        if banned:  # SGLang's min_new_tokens: stop tokens cannot be drawn before min_new_tokens
-            scores, raw = scores.clone(), raw.clone()
-            for i, ids in banned:
-                scores[i, ids] = float("-inf")
-                raw[i, ids] = float("-inf")
-        if any(not p.greedy and (p.top_p < 1 or p.top_k > 0 or p.min_p > 0) for p in sp):
-            scores = self._filter(scores, sp)
-        if all(p.greedy for p in sp):
-            toks = raw.argmax(-1)
-        else:
-            noise = torch.empty_like(scores).exponential_()  # argmax(log p - log E), E ~ Exp(1), draws from p
-            for i, r in enumerate(reqs):
-                if r.generator is not None:
-                    noise[i].exponential_(generator=r.generator)
-            gumbel = -noise.clamp_min(torch.finfo(noise.dtype).tiny).log()  # clamp: a 0 draw must not give +inf
-            toks = torch.where(greedy, raw.argmax(-1), (scores + gumbel).argmax(-1))
+        banned = [r.sp.stop_token_ids + ([] if r.sp.ignore_eos else self.eos_ids)
+                  if len(r.output_ids) < r.sp.min_new_tokens else [] for r in reqs]
+        logp, toks = sample(logits, [r.sp for r in reqs], [r.generator for r in reqs], banned)
         chosen = logp.gather(1, toks[:, None])[:, 0]
-        host = torch.stack([toks.double(), chosen.double()]).cpu().tolist()
+        host = torch.stack([toks.double(), chosen.double()]).cpu().tolist()  # one device->host copy per step
         k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         if k:
             tv, ti = (t.cpu().tolist() for t in logp.topk(min(k, logp.shape[1]), dim=-1))
@@ -596,22 +624,6 @@ class Scheduler:
             top = list(zip(tv[i], ti[i]))[:r.top_logprobs_num] if k else None
             self._append(r, int(host[0][i]), host[1][i], top)
         return toks
-
-    @staticmethod
-    def _filter(scores: torch.Tensor, sp: list) -> torch.Tensor:
-        """top_k / top_p / min_p on the sampling distribution (greedy rows are left alone)."""
-        dev, vocab = scores.device, scores.shape[1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in sp], device=dev)
-        top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in sp], device=dev)
-        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in sp], device=dev)
-        s, idx = scores.sort(-1, descending=True)
-        probs = s.softmax(-1)
-        ranks = torch.arange(vocab, device=dev)[None]
-        remove = ranks >= top_k[:, None]
-        remove |= ((probs.cumsum(-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1)
-        remove |= probs < min_p[:, None] * probs[:, :1]
-        remove[:, 0] = False
-        return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
 
     def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list):
         """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""

@@ -242,6 +242,28 @@ def test_top_k_and_top_p_restrict_sampling(url):
         assert max(abs(x - y) for x, y in zip(got, want)) < 1e-5
 
 
+@pytest.mark.parametrize("sp,banned,support", [
+    ({}, [], [0.5, 0.3, 0.15, 0.05, 0.0]),
+    ({"temperature": 0.5}, [], [0.25 / 0.365, 0.09 / 0.365, 0.0225 / 0.365, 0.0025 / 0.365, 0.0]),
+    ({"top_p": 0.6}, [], [0.625, 0.375, 0, 0, 0]),  # the token crossing top_p is kept
+    ({"top_k": 2}, [], [0.625, 0.375, 0, 0, 0]),
+    ({"min_p": 0.4}, [], [0.625, 0.375, 0, 0, 0]),  # p >= 0.4 * max
+    ({}, [0], [0, 0.6, 0.3, 0.1, 0]),  # min_new_tokens ban
+])
+def test_sampler_draws_from_the_intended_distribution(sp, banned, support):
+    n = 20000
+    params = engine.parse_sampling_params(sp, 5)
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]).log().expand(n, 5)
+    logp, toks = engine.sample(logits, [params] * n, [None] * n, [banned] * n)
+    freq = torch.bincount(toks, minlength=5).double() / n
+    assert (freq - torch.tensor(support, dtype=torch.double)).abs().max() < 0.015
+    assert torch.allclose(logp[0], torch.log_softmax(logits[0] / params.temperature, -1))  # unaffected by filters
+    gens = [torch.Generator().manual_seed(i % 50) for i in range(100)]
+    again = [torch.Generator().manual_seed(i % 50) for i in range(100)]
+    a = engine.sample(logits[:100], [params] * 100, gens, [banned] * 100)[1]
+    assert torch.equal(a, engine.sample(logits[:100], [params] * 100, again, [banned] * 100)[1])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Aborts, queue, pauses
 

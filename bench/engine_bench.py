@@ -1,0 +1,109 @@
+"""bench/engine_bench.py: output tokens/s of engine.py at concurrency 1, 16 and 64, against sequential
+transformers `generate` calls on the same checkpoint.
+
+Models: "tiny" (tasks.make_tiny_model defaults: Qwen3, hidden 64, 2 layers) and "100m" (the same architecture at
+hidden 1024, 11 layers: ~104M parameters), both random-init. Every request samples at temperature 1 with
+ignore_eos, so all requests generate exactly --max-new-tokens tokens; the baseline samples too (top_k off) and
+counts the tokens it actually generated. The baseline runs before the engine starts, so they never share the CPU.
+Simplified: prompts are random token ids (8-32 tokens); the figures are wall-clock and depend on what else the
+machine runs (the load average is printed).
+
+Run:  .venv/bin/python bench/engine_bench.py [--models tiny,100m] [--device auto] [--max-new-tokens 64]
+"""
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engine  # noqa: E402
+import tasks  # noqa: E402
+
+MODELS = {"tiny": dict(hidden_size=64, num_layers=2), "100m": dict(hidden_size=1024, num_layers=11)}
+CONCURRENCY = (1, 16, 64)
+
+
+def prompts(n: int, vocab: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(8, 32))] for _ in range(n)]
+
+
+def sequential_generate(path: str, device: str, ps: list, max_new: int) -> float:
+    """Tokens/s of one transformers generate call per prompt, one after the other."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    kw = dict(max_new_tokens=max_new, do_sample=True, temperature=1.0, top_k=None, top_p=1.0, pad_token_id=0)
+    model.generate(torch.tensor([ps[0]], device=device), **{**kw, "max_new_tokens": 4})  # warm-up
+    tokens, t0 = 0, time.perf_counter()
+    for p in ps:
+        out = model.generate(torch.tensor([p], device=device), **kw)
+        tokens += out.shape[1] - len(p)
+    return tokens / (time.perf_counter() - t0)
+
+
+async def engine_rate(url: str, ps: list, concurrency: int, max_new: int) -> float:
+    """Tokens/s of len(ps) /generate calls with `concurrency` in flight at any time."""
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        async def one(p):
+            async with sem:
+                body = {"input_ids": p, "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0,
+                                                            "ignore_eos": True}, "return_logprob": True}
+                async with s.post(url + "/generate", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["meta_info"]["completion_tokens"]
+        await one(ps[0])  # warm-up
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*[one(p) for p in ps]))
+        return tokens / (time.perf_counter() - t0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,100m", help="comma list of: " + ", ".join(MODELS))
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (tiny; 100m uses half)")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per level = rounds * concurrency (min 8)")
+    ap.add_argument("--seq-prompts", type=int, default=8, help="prompts for the sequential baseline")
+    args = ap.parse_args()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    print(f"device {device}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            path = tasks.make_tiny_model(os.path.join(tmp, name), seed=0, **MODELS[name])
+            n_params = sum(t.numel() for t in load_file(os.path.join(path, "model.safetensors")).values())
+            max_new = args.max_new_tokens if name == "tiny" else args.max_new_tokens // 2
+            seq_n = args.seq_prompts if name == "tiny" else max(2, args.seq_prompts // 2)
+            vocab = len(tasks.build_tokenizer())
+            seq = sequential_generate(path, device, prompts(seq_n, vocab, 1), max_new)
+            url, handle = engine.launch(path, device=device, max_running_requests=max(CONCURRENCY))
+            try:
+                rates = {c: asyncio.run(engine_rate(url, prompts(max(8, args.rounds * c), vocab, c), c, max_new))
+                         for c in CONCURRENCY}
+            finally:
+                handle.stop()
+            rows.append((name, n_params, max_new, seq, rates))
+            print(f"{name}: {n_params / 1e6:.1f}M params, {max_new} new tokens/request: sequential generate "
+                  f"{seq:.0f} tok/s; engine " + ", ".join(f"c={c} {r:.0f} tok/s ({r / seq:.1f}x)"
+                                                         for c, r in rates.items()), flush=True)
+    print(f"\n| model | params | sequential generate tok/s | "
+          + " | ".join(f"engine c={c} tok/s (x seq)" for c in CONCURRENCY) + " |")
+    print("|---|---|---|" + "---|" * len(CONCURRENCY))
+    for name, n_params, _, seq, rates in rows:
+        print(f"| {name} | {n_params / 1e6:.1f}M | {seq:.0f} | "
+              + " | ".join(f"{r:.0f} ({r / seq:.1f}x)" for r in rates.values()) + " |")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
