@@ -543,14 +543,12 @@ class PipelineServer:
 
     def state_dict(self) -> dict:
         """Data-source cursor, weight version and every prompt not yet consumed: the restored lane (with partial
-        responses), groups in flight (with the partial they were dispatched with) and PipelineBuffer's groups (as
-        prompts, regenerated after a resume). Loading it replays them before any fresh prompt, so every prompt of
+        responses), groups in flight (with the trajectories already put, see _partial_now) and PipelineBuffer's
+        groups (as prompts, regenerated after a resume, as the spec says). Loading it replays them before any fresh prompt, so every prompt of
         an epoch is trained exactly once across a resume. Plain data + tensors (torch.save-able)."""
         with self._cond:
-            replay = list(self._in_flight.values())
-            for g in self.pbuf.groups():
-                pg = dataclasses.replace(g.prompt, partial=[])
-                replay.append(pg)
+            replay = [dataclasses.replace(pg, partial=self._partial_now(key, pg)) for key, pg in self._in_flight.items()]
+            replay += [dataclasses.replace(g.prompt, partial=[]) for g in self.pbuf.groups()]
             return {"format": 1, "weight_version": self.version, "data": self.data.state_dict(replay)}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -603,6 +601,15 @@ class PipelineServer:
             self._assembled.add(key)
             if all(s.status != ABORTED for s in self.queue.slots(key)):
                 self._complete.add(key)
+
+    def _partial_now(self, key: Key, pg: PromptGroup) -> list:
+        """An in-flight group as a restorable partial: the trajectories already put, else what it was dispatched
+        with, else an empty aborted one (which the rollout generates from scratch); [] when nothing exists yet."""
+        slots = self.queue.slots(key)
+        if all(s is None for s in slots):
+            return list(pg.partial)
+        return [s if s is not None else pg.partial[i] if pg.partial else
+                Trajectory(pg.epoch, pg.seq, i, pg.prompt_ids, status=ABORTED) for i, s in enumerate(slots)]
 
     def _too_stale(self, trajs: list) -> bool:
         return self.max_staleness is not None and any(
@@ -741,6 +748,9 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
         _SERVER = None
 
 
+_REMOTE_ERRORS = {"TimeoutError": TimeoutError, "ValueError": ValueError}  # kept as their type on the client
+
+
 class RemoteBuffer:
     """Client proxy of the buffer process: the PipelineServer methods, each one rpc_sync of _invoke.
 
@@ -752,7 +762,11 @@ class RemoteBuffer:
         self._get_timeout: Optional[float] = None  # the server's buffer.get_timeout_s, fetched on first use
 
     def _call(self, method: str, *args, wait: float = 0.0):
-        return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), timeout=self.timeout + wait)
+        try:
+            return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), timeout=self.timeout + wait)
+        except RuntimeError as e:  # torch RPC re-raises remote errors as RuntimeError("<Type>: On WorkerInfo...")
+            kind = _REMOTE_ERRORS.get(str(e).split(":", 1)[0], RuntimeError)
+            raise kind(f"buffer.{method} on RPC worker '{self.worker}' failed: {e}") from e
 
     def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list:
         return self._call("dispatch", max_groups, timeout, wait=timeout)

@@ -1,0 +1,541 @@
+"""buffer.py: data source, queues, collector, step boundary, checkpoints, threads and RPC.
+
+Run: python -m pytest -q tests/test_buffer.py   (property tests of the strategies live in test_strategies.py)
+"""
+import io
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import buffer
+import config
+from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, DataSource, PipelineBuffer, PipelineServer, Trajectory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers shared with test_strategies.py
+# ---------------------------------------------------------------------------------------------------------
+
+def make_cfg(B=4, N=2, stale=1.0, window="no-window", fully_async=True, overrides=(), sources=None):
+    data = {"colocate": not fully_async,
+            "fully_async": {"enable": fully_async, "sliding_window": window, "stale_steps": stale},
+            "data_source": {"num_prompts_per_step": B, "num_trajectories_per_prompt": N},
+            "trainer": {"mini_batch_size": N}}
+    if sources is not None:
+        data["data_sources"] = sources
+    data = config._merge(data, config.parse_overrides(list(overrides)))
+    return config.validate(config.from_dict(data))
+
+
+def make_prompts(n=20, sources=1):
+    return [[{"prompt_ids": [s, i, i + 1], "label": f"{s}-{i}", "metadata": {"row": i}} for i in range(n)]
+            for s in range(sources)]
+
+
+def make_server(B=4, N=2, stale=1.0, window="no-window", fully_async=True, overrides=(), n_prompts=20,
+                thread=False, sources=None):
+    cfg = make_cfg(B, N, stale, window, fully_async, overrides, sources)
+    return PipelineServer(cfg, make_prompts(n_prompts, len(cfg.data_sources)), collector_thread=thread)
+
+
+def traj(g, i, reward=None, status=COMPLETED, start=0, end=None, T=3):
+    """Trajectory i of group g; its response encodes (seq, i) so tests can check what arrives where."""
+    end = start if end is None else end
+    return Trajectory(g.epoch, g.seq, i, g.prompt_ids, response_ids=torch.tensor([g.seq, i] + [7] * (T - 2)),
+                      rollout_log_probs=torch.full((T,), -0.5), versions=torch.full((T,), end, dtype=torch.long),
+                      loss_mask=torch.ones(T, dtype=torch.long), reward=float(i if reward is None else reward),
+                      status=status, start_version=start, end_version=end)
+
+
+def finish(g, n, rewards=None, status=COMPLETED, version=0):
+    """What the rollout puts for group g: finished partial trajectories as they are, the others generated now."""
+    out = []
+    for i in range(n):
+        p = g.partial[i] if g.partial else None
+        if p is not None and p.status != ABORTED:
+            out.append(p)
+        else:
+            out.append(traj(g, i, None if rewards is None else rewards[i], status, start=version))
+    return out
+
+
+def aborted(g, i, start=0, end=0):
+    t = traj(g, i, status=ABORTED, start=start, end=end, T=2)
+    t.reward = 0.0
+    return t
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DataSource
+# ---------------------------------------------------------------------------------------------------------
+
+def test_data_source_epochs_are_seeded_permutations():
+    prompts = make_prompts(10)
+    a = DataSource(prompts, [1.0], [7], [True])
+    b = DataSource(prompts, [1.0], [7], [True])
+    ga = [a.pop() for _ in range(25)]
+    gb = [b.pop() for _ in range(25)]
+    assert [g.data_index for g in ga] == [g.data_index for g in gb]  # deterministic
+    assert [g.seq for g in ga] == list(range(25))  # monotonic, one per group
+    assert [g.epoch for g in ga] == [0] * 10 + [1] * 10 + [2] * 5
+    e0, e1 = [g.data_index for g in ga[:10]], [g.data_index for g in ga[10:20]]
+    assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1  # each row once per epoch, reshuffled
+    assert e0 != [g.data_index for g in [DataSource(prompts, [1.0], [8], [True]).pop() for _ in range(10)]]
+    plain = DataSource(prompts, [1.0], [7], [False])
+    assert [plain.pop().data_index for _ in range(10)] == list(range(10))
+    g = ga[3]
+    assert g.prompt_ids.tolist() == prompts[0][g.data_index]["prompt_ids"] and g.label == f"0-{g.data_index}"
+    with pytest.raises(ValueError, match=r"data_sources\[1\]"):
+        DataSource([prompts[0], []], [1.0, 1.0], [0, 0], [True, True])
+
+
+def test_data_source_mixes_sources_by_weight():
+    ds = DataSource(make_prompts(50, sources=3), [3.0, 1.0, 0.0001], [0, 1, 2], [True] * 3)
+    picks = [ds.pop().source for _ in range(400)]
+    assert picks.count(0) == 300 and picks.count(1) == 100 - picks.count(2) and picks.count(2) <= 1
+    assert picks[:4].count(0) == 3  # smooth round-robin: proportions hold in every window, not just on average
+
+
+def test_restored_lane_goes_first_oldest_first_and_keeps_its_prompt_id():
+    ds = DataSource(make_prompts(10), [1.0], [0], [True])
+    gs = [ds.pop() for _ in range(4)]
+    ds.restore([gs[2], gs[0]])
+    assert ds.peek_seq() == 0
+    assert [ds.pop().prompt_id for _ in range(3)] == [(0, 0), (0, 2), (0, 4)]
+
+
+def test_data_source_state_dict_resumes_the_same_order():
+    prompts = make_prompts(7)
+    a = DataSource(prompts, [1.0], [3], [True])
+    for _ in range(9):
+        a.pop()
+    sd = a.state_dict([])
+    b = DataSource(prompts, [1.0], [3], [True])
+    b.load_state_dict(sd)
+    assert [(g.epoch, g.seq, g.data_index) for g in (a.pop() for _ in range(10))] == \
+        [(g.epoch, g.seq, g.data_index) for g in (b.pop() for _ in range(10))]
+    with pytest.raises(ValueError, match="data_sources"):
+        DataSource(make_prompts(8), [1.0], [3], [True]).load_state_dict(sd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Queues, collector, filters, staleness
+# ---------------------------------------------------------------------------------------------------------
+
+def test_pipeline_buffer_is_bounded_and_hands_out_oldest_first():
+    srv = make_server()
+    gs = srv.dispatch()
+    pb = PipelineBuffer(max_groups=3)
+    for g in (gs[2], gs[0], gs[1]):
+        pb.put(buffer.Group(g, []))
+    with pytest.raises(RuntimeError, match="full"):
+        pb.put(buffer.Group(gs[3], []))
+    assert [g.prompt_id for g in pb.pop(2)] == [(0, 0), (0, 1)]
+
+
+def test_trajqueue_assembles_groups_and_counts_duplicates_and_late_arrivals():
+    srv = make_server(B=2, N=3, stale=0.0)
+    g0, g1 = srv.dispatch()
+    srv.put([traj(g0, 0), traj(g0, 2)])
+    st = srv.stats()
+    assert (st["R"], st["Q"], st["generating"], st["trajqueue_trajectories"]) == (2, 0, 2, 2)
+    srv.put([traj(g0, 0)])  # duplicate: ignored
+    srv.put([traj(g0, 1)])
+    assert srv.stats()["Q"] == 1
+    srv.put([traj(g0, 1)])  # its group is gone already: late
+    m = srv.step_metrics()
+    assert m["rollout/late_drop"] == 2 and m["rollout/collected_groups"] == 1
+    with pytest.raises(ValueError, match="num_trajectories_per_prompt"):
+        srv.put([traj(g1, 3)])
+    bad = traj(g1, 0)
+    bad.versions = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="versions"):
+        srv.put([bad])
+    bad = traj(g1, 0, status="done")
+    with pytest.raises(ValueError, match="status"):
+        srv.put([bad])
+
+
+def test_filters_drop_failed_and_equal_reward_groups_and_count_them():
+    srv = make_server(B=4, N=2, overrides=["rollout.filter=[failed, all_equal_reward]"])
+    gs = srv.dispatch()
+    srv.put(finish(gs[0], 2))  # rewards 0, 1: kept
+    srv.put([traj(gs[1], 0), traj(gs[1], 1, status=FAILED)])
+    srv.put(finish(gs[2], 2, rewards=[1.0, 1.0]))
+    srv.put(finish(gs[3], 2, status=TRUNCATED))  # truncated is a normal finish
+    m = srv.step_metrics()
+    assert m["rollout/filter_drop"] == 2 and m["rollout/collected_groups"] == 2
+    assert [g.prompt_id for g in srv.get(2, timeout=0)] == [(0, 0), (0, 3)]
+    keep_equal = make_server(B=1, N=2, stale=0.0)  # default filter: failed only
+    (g,) = keep_equal.dispatch()
+    keep_equal.put(finish(g, 2, rewards=[0.0, 0.0]))
+    assert keep_equal.stats()["Q"] == 1
+
+
+def test_max_weight_staleness_drops_at_collection_and_in_the_buffer():
+    srv = make_server(B=4, N=2, overrides=["rollout.max_weight_staleness=1"])
+    gs = srv.dispatch()
+    srv.set_weight_version(2)
+    srv.put([traj(gs[0], 0, start=0, end=2), traj(gs[0], 1, start=2)])  # 2 - 0 > 1: dropped
+    srv.put([traj(gs[1], 0, start=1, end=2), traj(gs[1], 1, start=2)])  # 2 - 1 = 1: kept
+    srv.put(finish(gs[2], 2, version=2))
+    assert srv.stats()["Q"] == 2 and srv.step_metrics()["rollout/staleness_drop"] == 1
+    srv.set_weight_version(3)  # gs[1] now has 3 - 1 = 2 > 1: leaves PipelineBuffer
+    assert srv.stats()["Q"] == 1 and srv.step_metrics()["rollout/staleness_drop"] == 1
+    with pytest.raises(ValueError, match="only grow"):
+        srv.set_weight_version(1)
+    never_started = make_server(B=1, N=1, stale=0.0, overrides=["rollout.max_weight_staleness=0"])
+    (g,) = never_started.dispatch()
+    never_started.set_weight_version(5)
+    never_started.put([traj(g, 0, status=FAILED, start=-1)])  # nothing generated: no staleness, the filter drops it
+    assert never_started.step_metrics()["rollout/filter_drop"] == 1
+
+
+def test_get_times_out_naming_what_is_missing_and_checks_k():
+    srv = make_server(B=4, N=2, window="windowed-fifo")
+    gs = srv.dispatch()
+    srv.put(finish(gs[0], 2))
+    srv.put(finish(gs[5], 2))  # 5 - 1 >= B: held in TrajQueue
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        srv.get(2, timeout=0.05)
+    assert time.monotonic() - t0 < 1.0
+    msg = str(err.value)
+    for part in ("wanted 2 groups", "1 buffered", "R=7", "6 still generating", "1 complete but held", "C=8",
+                 "buffer.get_timeout_s"):
+        assert part in msg, (part, msg)
+    with pytest.raises(ValueError, match="1..8"):
+        srv.get(9, timeout=0)
+    with pytest.raises(ValueError, match="1..8"):
+        srv.get(0, timeout=0)
+
+
+def test_consumed_groups_report_partial_ratio_span_and_staleness():
+    srv = make_server(B=2, N=2, stale=0.0)
+    g0, g1 = srv.dispatch()
+    srv.set_weight_version(3)
+    srv.put([traj(g0, 0, start=1, end=3), traj(g0, 1, start=3)])
+    srv.put([traj(g1, 0, start=2, end=3), traj(g1, 1, start=-1, status=FAILED)])  # dropped: failed
+    srv.get(1, timeout=0)
+    m = srv.step_metrics()
+    assert m["rollout/partial_ratio"] == 0.5 and m["rollout/partial_span_max"] == 2
+    assert m["rollout/staleness_max"] == 2 and m["rollout/staleness_mean"] == 1.0
+    assert m["rollout/consumed_groups"] == 1 and m["rollout/filter_drop"] == 1
+    assert "rollout/partial_ratio" not in srv.step_metrics()  # popped
+
+
+def test_step_metrics_show_every_bound():
+    srv = make_server(B=4, N=2, stale=1.5, overrides=["rollout.async_max_concurrent_samples=6"])
+    m = srv.step_metrics()
+    assert m["rollout/capacity"] == 10 and m["rollout/pipeline_buf_max"] == 10
+    assert m["rollout/trajqueue_max_groups"] == 10 and m["rollout/max_generating_groups"] == 3
+    assert m["rollout/pipeline_buf_size"] == 0 and m["rollout/in_flight_groups"] == 0
+    assert len(srv.dispatch()) == 3  # 6 // N = 3 groups generating at most
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Step boundary
+# ---------------------------------------------------------------------------------------------------------
+
+def test_step_boundary_restores_complete_groups_drops_incomplete_ones():
+    srv = make_server(B=2, N=3, stale=1.0)
+    g0, g1, g2, g3 = srv.dispatch()
+    srv.put(finish(g0, 3))  # collected, stays in PipelineBuffer
+    srv.put([traj(g1, 0)])  # g1: one finished + two aborted partials = complete -> restored
+    srv.put([traj(g2, 1)])  # g2: one finished + one aborted, one missing -> dropped
+    returned = [aborted(g1, 1), aborted(g1, 2), aborted(g2, 0)]  # g3: nothing came back -> requeued as it was
+    m = srv.step_boundary(returned)
+    assert m["rollout/partial_restored_count"] == 3 and m["rollout/partial_dropped_incomplete_count"] == 2
+    assert m["rollout/partial_dropped_incomplete_groups"] == 1 and m["rollout/requeued_unstarted_groups"] == 1
+    assert m["rollout/pipeline_buf_size"] == 1
+    st = srv.stats(keys=True)
+    assert st["R"] == 0 and st["trajqueue_trajectories"] == 0 and st["lane_keys"] == [(0, 1), (0, 3)]
+    r1, r3, fresh = srv.dispatch()  # lane first, then fresh prompts; C - Q = 3
+    assert (r1.prompt_id, r3.prompt_id, fresh.prompt_id) == ((0, 1), (0, 3), (0, 4))
+    assert [t.status for t in r1.partial] == [COMPLETED, ABORTED, ABORTED] and r3.partial == []
+    assert r1.partial[0].response_ids.tolist() == [1, 0, 7]
+    srv.put(finish(r1, 3, version=1))
+    (grp,) = [g for g in srv.get(2, timeout=0) if g.prompt_id == (0, 1)]
+    assert grp.trajectories[0].start_version == 0 and grp.trajectories[2].start_version == 1
+    srv.put(finish(fresh, 3))
+    srv.put([traj(g2, 0)])  # late: g2 was dropped
+    assert srv.step_metrics()["rollout/late_drop"] == 1
+
+
+def test_restored_group_whose_trajectories_all_finished_flows_through():
+    """windowed-fifo: a finished group held outside the window at the boundary is restored; the rollout returns
+    its trajectories as they are when it is dispatched again, and the trainer gets it."""
+    srv = make_server(B=2, N=2, stale=1.0, window="windowed-fifo")
+    gs = srv.dispatch()
+    srv.put(finish(gs[3], 2))  # 3 - 0 >= B: held
+    assert srv.stats()["held"] == 1
+    m = srv.step_boundary([aborted(g, i) for g in gs[:3] for i in range(2)])
+    assert m["rollout/restored_groups"] == 4 and m["rollout/partial_restored_count"] == 8
+    again = srv.dispatch()
+    assert [g.seq for g in again] == [0, 1, 2, 3] and all(t.status == COMPLETED for t in again[3].partial)
+    srv.put(finish(again[3], 2))  # returned as-is: still held (0 is uncompleted)
+    for g in again[:3]:
+        srv.put(finish(g, 2))
+    assert [g.prompt_id for g in srv.get(4, timeout=0)] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
+def test_synchronous_mode_tops_up_dropped_groups_and_mixes_sources():
+    srv = make_server(B=4, N=2, fully_async=False, overrides=["rollout.sampler.num_oversample=2",
+                                                             "rollout.filter=[failed, all_equal_reward]"],
+                      sources=[{"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2, "weight": 1.0},
+                               {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2, "weight": 1.0,
+                                "seed": 1}])
+    gs = srv.dispatch()
+    assert len(gs) == 6 and srv.dispatch() == []  # B + num_oversample
+    assert sorted(g.source for g in gs) == [0, 0, 0, 1, 1, 1]
+    srv.put(finish(gs[0], 2, rewards=[1.0, 1.0]))  # dropped by the filter: one more may go out
+    assert len(srv.dispatch()) == 1
+    for g in gs[1:5]:
+        srv.put(finish(g, 2))
+    srv.get(4, timeout=0)
+    assert srv.dispatch() == []  # consuming does not free a slot within the step
+    srv.step_boundary([aborted(gs[5], 0), aborted(gs[5], 1)])
+    assert len(srv.dispatch()) == 6  # new step: one restored (gs[5]), the lane first, five more
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+def test_state_dict_is_plain_data_for_torch_load_weights_only():
+    srv = make_server(B=2, N=2, stale=1.0)
+    gs = srv.dispatch()
+    srv.put(finish(gs[0], 2))
+    srv.put([traj(gs[1], 0)])
+    srv.step_boundary([aborted(gs[1], 1)])
+    srv.set_weight_version(4)
+    f = io.BytesIO()
+    torch.save(srv.state_dict(), f)
+    f.seek(0)
+    sd = torch.load(f, weights_only=True)
+    fresh = make_server(B=2, N=2, stale=1.0)
+    fresh.load_state_dict(sd)
+    st = fresh.stats(keys=True)
+    assert st["weight_version"] == 4 and st["lane_keys"] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    replayed = fresh.dispatch()
+    assert replayed[0].partial == [] and [t.status for t in replayed[1].partial] == [COMPLETED, ABORTED]
+    assert torch.equal(replayed[1].partial[0].response_ids, torch.tensor([1, 0, 7]))
+    with pytest.raises(RuntimeError, match="idle"):
+        fresh.load_state_dict(sd)
+    with pytest.raises(ValueError, match="format"):
+        make_server(B=2, N=2).load_state_dict({"format": 99})
+
+
+@pytest.mark.parametrize("window", ["no-window", "windowed-fifo"])
+def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window):
+    """Partial rollouts, a held group, leftovers in PipelineBuffer and a crash-resume in the middle of the epoch:
+    the trainer still sees each of the epoch's prompts exactly once."""
+    n_prompts, B, N = 24, 4, 2
+    rng = random.Random(0)
+    srv = make_server(B=B, N=N, stale=1.0, window=window, n_prompts=n_prompts)
+    trained, version = [], 0
+    groups, pending = {}, set()  # what "the rollout" holds: dispatched groups, and those not finished yet
+    for step in range(n_prompts // B + 3):
+        if step == 3:  # checkpoint after the step boundary, "crash", resume into a new process's buffer
+            sd = srv.state_dict()
+            srv = make_server(B=B, N=N, stale=1.0, window=window, n_prompts=n_prompts)
+            srv.load_state_dict(sd)
+        consumed = 0
+        while consumed < B:
+            for g in srv.dispatch():
+                groups[g.prompt_id] = g
+                pending.add(g.prompt_id)
+            for key in sorted(pending):
+                if rng.random() < 0.5:  # some finish within the step, the rest are cut by the pause
+                    srv.put(finish(groups[key], N, version=version))
+                    pending.discard(key)
+            take = min(B - consumed, srv.stats()["Q"])
+            if take == 0:  # nothing buffered yet: the oldest group finishes
+                key = min(pending)
+                srv.put(finish(groups[key], N, version=version))
+                pending.discard(key)
+                continue
+            trained += [(g.prompt.epoch, g.prompt.data_index) for g in srv.get(take, timeout=0)]
+            consumed += take
+        srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in range(N)])
+        pending.clear()
+        version += 1
+        srv.set_weight_version(version)
+    epoch0 = [idx for e, idx in trained if e == 0]
+    assert sorted(epoch0) == list(range(n_prompts))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Threads: producer, collector, consumer
+# ---------------------------------------------------------------------------------------------------------
+
+def test_producer_collector_consumer_threads_with_partial_pauses():
+    """A producer thread dispatches, three generator threads finish trajectories out of order and put them one by
+    one, the collector thread collects, and the main thread trains B groups per step, then pauses (aborting what
+    is still generating), runs the step boundary and bumps the weight version."""
+    B, N, steps = 8, 4, 6
+    srv = make_server(B=B, N=N, stale=1.0, window="windowed-fifo", n_prompts=40, thread=True)
+    lock = threading.Condition()
+    state = {"pausing": False, "stop": False, "busy": 0, "partials": [], "version": 0, "errors": [], "max_rq": 0}
+    work = []  # (group, index) waiting to be generated
+    rng = random.Random(1)
+
+    def producer():
+        try:
+            while True:
+                with lock:
+                    lock.wait_for(lambda: state["stop"] or not state["pausing"], timeout=5)
+                    if state["stop"]:
+                        return
+                    gs = srv.dispatch()
+                    work.extend((g, i) for g in gs for i in range(N))
+                    lock.notify_all()
+                if not gs:
+                    time.sleep(0.001)
+                st = srv.stats()
+                state["max_rq"] = max(state["max_rq"], st["R"] + st["Q"])
+        except BaseException as e:
+            state["errors"].append(e)
+
+    def generator():
+        try:
+            while True:
+                with lock:
+                    lock.wait_for(lambda: state["stop"] or work, timeout=5)
+                    if state["stop"]:
+                        return
+                    if not work:
+                        continue
+                    g, i = work.pop(rng.randrange(len(work)))  # out of order, like a real fleet
+                    state["busy"] += 1
+                time.sleep(rng.random() * 0.002)
+                with lock:
+                    if state["pausing"]:
+                        state["partials"].append(aborted(g, i))
+                    else:
+                        srv.put([finish(g, N, version=state["version"])[i]])
+                    state["busy"] -= 1
+                    lock.notify_all()
+        except BaseException as e:
+            state["errors"].append(e)
+
+    threads = [threading.Thread(target=producer)] + [threading.Thread(target=generator) for _ in range(3)]
+    for th in threads:
+        th.start()
+    got = []
+    try:
+        for step in range(steps):
+            for _ in range(B // 2):
+                got += srv.get(2, timeout=10)
+            with lock:  # pause: no more dispatch, queued work is aborted, running work comes back aborted
+                state["pausing"] = True
+                state["partials"] += [aborted(g, i) for g, i in work]
+                work.clear()
+                assert lock.wait_for(lambda: state["busy"] == 0, timeout=10)
+                partials, state["partials"] = state["partials"], []
+            srv.step_boundary(partials)
+            with lock:
+                state["version"] = step + 1
+                srv.set_weight_version(step + 1)
+                state["pausing"] = False
+                lock.notify_all()
+    finally:
+        with lock:
+            state["stop"] = True
+            lock.notify_all()
+        for th in threads:
+            th.join(timeout=10)
+        srv.close()
+    assert not state["errors"], state["errors"]
+    assert len(got) == steps * B
+    keys = [g.prompt_id for g in got]
+    assert len(set(keys)) == len(keys) and len({(g.prompt.epoch, g.prompt.data_index) for g in got}) == len(got)
+    for g in got:  # every trajectory arrived intact and in its place
+        assert [t.response_ids[:2].tolist() for t in g.trajectories] == [[g.prompt.seq, i] for i in range(N)]
+    assert 0 < state["max_rq"] <= srv.C
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RPC across processes
+# ---------------------------------------------------------------------------------------------------------
+
+RPC_B, RPC_N, RPC_STEPS, RPC_T = 4, 2, 3, 1024
+
+
+def _rpc_worker(rank, init, out_dir, cfg_dict):
+    """rank 0: the buffer process; rank 1: a producer ("rollout"); rank 2: a consumer ("trainer")."""
+    import torch.distributed.rpc as rpc
+    prompts = make_prompts(30)
+    if rank == 0:
+        buffer.serve(cfg_dict, init, 0, 3, prompts)
+        return
+    name = "rollout" if rank == 1 else "trainer"
+    buffer.init_rpc(name, rank, 3, init, timeout=30)
+    rb = buffer.RemoteBuffer("buffer", timeout=30)
+    result = {}
+    total = RPC_B * RPC_STEPS
+    if rank == 1:
+        sent = 0
+        while sent < total:
+            for g in rb.dispatch(total - sent, 0.2):
+                sent += 1
+                trajs = [traj(g, i, T=RPC_T) for i in range(RPC_N)]
+                rb.put(trajs)
+        result["sent"] = sent
+    else:
+        got = []
+        for _ in range(total // 2):
+            got += rb.get(2, 20)
+        result["keys"] = [list(g.prompt_id) for g in got]
+        result["intact"] = all(t.response_ids.numel() == RPC_T and t.response_ids[:2].tolist() == [g.prompt.seq, i]
+                               for g in got for i, t in enumerate(g.trajectories))
+        try:
+            rb.get(1, 0.2)
+        except TimeoutError as e:
+            result["timeout"] = str(e)
+        result["metrics"] = rb.step_metrics()
+        result["state_lane"] = len(rb.state_dict()["data"]["lane"])
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f)
+    rpc.shutdown()
+
+
+def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
+    import torch.multiprocessing as mp
+    cfg = make_cfg(B=RPC_B, N=RPC_N, stale=1.0, overrides=["buffer.rpc_timeout_s=30"])
+    t0 = time.monotonic()
+    mp.spawn(_rpc_worker, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path), config.to_dict(cfg)), nprocs=3,
+             join=True)
+    assert time.monotonic() - t0 < 20
+    rollout = json.load(open(tmp_path / "rollout.json"))
+    trainer = json.load(open(tmp_path / "trainer.json"))
+    assert rollout["sent"] == RPC_B * RPC_STEPS
+    keys = [tuple(k) for k in trainer["keys"]]
+    assert sorted(keys) == [(0, s) for s in range(RPC_B * RPC_STEPS)] and trainer["intact"]
+    assert "wanted 1 groups" in trainer["timeout"]  # the server's TimeoutError crosses the process boundary
+    assert trainer["metrics"]["rollout/consumed_groups"] == RPC_B * RPC_STEPS
+    assert trainer["state_lane"] == 0
+
+
+def test_rpc_start_up_times_out_naming_the_missing_workers():
+    code = ("import buffer\n"
+            f"buffer.init_rpc('trainer', 0, 3, 'tcp://127.0.0.1:{free_port()}', timeout=1.0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "TimeoutError" in proc.stderr and "not all 3 workers" in proc.stderr and "trainer" in proc.stderr

@@ -1,0 +1,369 @@
+"""strategies.py through buffer.PipelineServer: the spec's numbers and examples, the registry, and property tests
+that drive random dispatch / completion / pause / consume / resume schedules through every strategy.
+
+Run: python -m pytest -q tests/test_strategies.py
+"""
+import io
+import os
+import random
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import strategies
+from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Trajectory
+from strategies import PipelineView
+from test_buffer import aborted, finish, make_server, traj
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def view(B=4, C=8, R=0, Q=0, generating=None, consumed=0, next_seq=0, oldest_uncollected=None,
+         oldest_uncompleted=None):
+    return PipelineView(B, C, R, Q, R if generating is None else generating, consumed, next_seq, oldest_uncollected,
+                        oldest_uncompleted)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rules one question at a time
+# ---------------------------------------------------------------------------------------------------------
+
+def test_registry_holds_the_three_builtins_and_build_picks_by_mode():
+    assert {"no-window", "window-gated", "windowed-fifo"} <= set(strategies.REGISTRY)
+    assert type(strategies.build("windowed-fifo", 4, 8, fully_async=True)) is strategies.WindowedFifo
+    assert type(strategies.build("windowed-fifo", 4, 6, fully_async=False)) is strategies.Synchronous
+    with pytest.raises(ValueError, match="fully_async.sliding_window 'fifo'.*no-window, window-gated, windowed-fifo"):
+        strategies.build("fifo", 4, 8, fully_async=True)
+    with pytest.raises(TypeError, match="Strategy"):
+        strategies.register("not-a-strategy")(object)
+    with pytest.raises(ValueError, match="already registered"):
+        strategies.register("no-window")(type("Other", (strategies.Strategy,), {}))
+    with pytest.raises(ValueError, match="C >= B"):
+        strategies.NoWindow(4, 3)
+
+
+def test_no_window_dispatch_count_is_c_minus_r_minus_q():
+    s = strategies.NoWindow(B=64, C=128)
+    for R, Q in [(0, 0), (100, 20), (128, 0), (0, 128), (60, 70)]:
+        v, n = view(64, 128, R, Q), 0
+        while s.may_dispatch(v.next_seq, v):
+            v.R, v.next_seq, n = v.R + 1, v.next_seq + 1, n + 1
+        assert n == max(0, 128 - R - Q)
+    assert s.may_collect(10_000, view(oldest_uncompleted=0))
+
+
+def test_window_gated_needs_next_seq_within_c_of_the_oldest_uncollected():
+    s = strategies.WindowGated(B=64, C=128)
+    assert s.may_dispatch(127, view(64, 128, R=1, Q=0, oldest_uncollected=0))
+    assert not s.may_dispatch(128, view(64, 128, R=1, Q=0, oldest_uncollected=0))
+    assert s.may_dispatch(128, view(64, 128, R=1, Q=0, oldest_uncollected=1))
+    assert not s.may_dispatch(5, view(64, 128, R=100, Q=28, oldest_uncollected=0))  # capacity too
+    assert s.may_dispatch(3, view(64, 128, R=1, Q=0, oldest_uncollected=100))  # a restored old group is the oldest
+
+
+def test_windowed_fifo_collects_only_within_b_of_the_oldest_uncompleted():
+    s = strategies.WindowedFifo(B=64, C=128)
+    assert s.may_collect(63, view(64, 128, oldest_uncompleted=0))
+    assert not s.may_collect(64, view(64, 128, oldest_uncompleted=0))
+    assert s.may_collect(64, view(64, 128, oldest_uncompleted=1))
+    assert s.may_collect(500, view(64, 128, oldest_uncompleted=None))
+    assert not s.may_dispatch(0, view(64, 128, R=128, Q=0))
+
+
+def test_synchronous_counts_consumed_groups_until_the_step_boundary():
+    s = strategies.Synchronous(B=4, C=6)
+    assert s.may_dispatch(0, view(4, 6, R=2, Q=1, consumed=2))
+    assert not s.may_dispatch(0, view(4, 6, R=2, Q=1, consumed=3))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The spec's numbers and examples, end to end through PipelineServer
+# ---------------------------------------------------------------------------------------------------------
+
+def test_spec_capacity_b64_stale1_is_128_groups_in_flight_plus_buffered():
+    srv = make_server(B=64, N=8, stale=1.0, window="no-window", n_prompts=300)
+    gs = srv.dispatch()
+    assert srv.C == 128 and len(gs) == 128 and srv.dispatch() == []
+    for g in gs[:10]:
+        srv.put(finish(g, 8))
+    assert (srv.stats()["R"], srv.stats()["Q"]) == (118, 10) and srv.dispatch() == []  # R + Q = C
+    srv.get(10, timeout=0)
+    assert [g.seq for g in srv.dispatch()] == list(range(128, 138))  # max(0, C - R - Q) = 10
+    assert make_server(B=64, N=8, stale=2.0, n_prompts=300).C == 192
+
+
+def test_spec_windowed_fifo_holds_a_finished_group_outside_the_window_in_trajqueue():
+    srv = make_server(B=64, N=8, stale=1.0, window="windowed-fifo", n_prompts=300)
+    gs = srv.dispatch()
+    srv.put(finish(gs[64], 8))  # 64 - 0 >= B: finished first, but outside the window
+    st = srv.stats(keys=True)
+    assert st["held_keys"] == [(0, 64)] and st["Q"] == 0 and st["R"] == 128  # still counts in R and capacity
+    assert srv.step_metrics()["rollout/held_groups"] == 1
+    srv.put(finish(gs[63], 8))  # inside the window
+    assert srv.stats(keys=True)["buffered_keys"] == [(0, 63)]
+    srv.put(finish(gs[0], 8))  # the front slides to 1: 64 - 1 < B
+    st = srv.stats(keys=True)
+    assert st["buffered_keys"] == [(0, 0), (0, 63), (0, 64)] and st["held_keys"] == []
+    assert st["oldest_uncompleted"] == 1
+
+
+def test_spec_window_gated_stops_dispatch_behind_one_slow_group():
+    srv = make_server(B=64, N=8, stale=1.0, window="window-gated", n_prompts=400)
+    free = make_server(B=64, N=8, stale=1.0, window="no-window", n_prompts=400)
+    for s in (srv, free):
+        gs = s.dispatch()
+        for g in gs[1:]:  # everything but group 0 finishes and is trained on
+            s.put(finish(g, 8))
+        s.get(127, timeout=0)
+        assert (s.stats()["R"], s.stats()["Q"]) == (1, 0)
+    assert srv.dispatch() == []  # next_seq 128 - oldest uncollected 0 = C: the window cannot slide
+    assert len(free.dispatch()) == 127  # no-window fills the capacity
+    srv.put(finish(gs[0], 8))
+    assert [g.seq for g in srv.dispatch()][:2] == [128, 129] and srv.stats()["R"] == 127
+
+
+def test_async_max_concurrent_samples_caps_generating_groups():
+    # the requirement's example: N = 8 and 128 concurrent samples -> 16 groups in flight
+    srv = make_server(B=8, N=8, stale=3.0, overrides=["rollout.async_max_concurrent_samples=128"], n_prompts=100)
+    gs = srv.dispatch()
+    assert len(gs) == 16 and srv.C == 32
+    for g in gs[:4]:
+        srv.put(finish(g, 8))
+    assert len(srv.dispatch()) == 4  # collected groups stop counting; capacity alone would allow 16 more
+    srv.put(finish(gs[4], 8)[:7])  # 7 of 8 back: still generating
+    assert srv.dispatch() == []
+    unset = make_server(B=8, N=8, stale=3.0, n_prompts=100)
+    assert len(unset.dispatch()) == 32  # unset: the capacity rule alone
+    with pytest.raises(ValueError, match="async_max_concurrent_samples"):
+        from test_buffer import make_cfg
+        import buffer
+        cfg = make_cfg(B=8, N=8)
+        cfg.rollout.async_max_concurrent_samples = 4
+        buffer.PipelineServer(cfg, [[{"prompt_ids": [1]}]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A custom strategy: one class, one decorator line (the example of strategies.py's docstring and the README)
+# ---------------------------------------------------------------------------------------------------------
+
+def _example_code(text):
+    m = re.search(r"([ \t]*import strategies\n\n\s*@strategies\.register\(\"strict-fifo\"\).*?return [^\n]+\n)", text, re.S)
+    assert m, "the strict-fifo example is missing"
+    lines = m.group(1).splitlines()
+    indent = min(len(l) - len(l.lstrip()) for l in lines if l.strip())
+    return "\n".join(l[indent:] for l in lines)
+
+
+def test_custom_strategy_example_registers_and_runs():
+    code = _example_code(strategies.__doc__)
+    readme = os.path.join(ROOT, "README.md")
+    if os.path.exists(readme) and "strict-fifo" in open(readme).read():
+        assert _example_code(open(readme).read()) == code, "README's custom-strategy example drifted"
+    strategies.REGISTRY.pop("strict-fifo", None)
+    try:
+        exec(code, {})
+        srv = make_server(B=2, N=2, stale=1.0, window="strict-fifo")  # config.validate accepts the new name
+        gs = srv.dispatch()
+        srv.put(finish(gs[1], 2))
+        assert srv.stats()["held"] == 1  # 0 is not complete yet
+        srv.put(finish(gs[0], 2))
+        assert srv.stats(keys=True)["buffered_keys"] == [(0, 0), (0, 1)]
+    finally:
+        strategies.REGISTRY.pop("strict-fifo", None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Property tests: random schedules, every rule checked after every action
+# ---------------------------------------------------------------------------------------------------------
+
+class Driver:
+    """Plays rollout and trainer against one PipelineServer and checks the spec's rules after every action."""
+
+    def __init__(self, srv, window, max_staleness, filters):
+        self.srv, self.window, self.max_staleness, self.filters = srv, window, max_staleness, filters
+        self.N, self.B, self.C = srv.N, srv.B, srv.C
+        self.groups = {}  # key -> PromptGroup as dispatched (the rollout's copy)
+        self.todo = {}  # key -> indices not yet put
+        self.dispatched = set()  # every key ever dispatched
+        self.consumed = []  # keys in consumption order
+        self.dropped = 0  # groups counted dropped by the server
+        self.version = 0
+
+    # ---- actions ----
+    def dispatch(self, max_groups):
+        before = self.srv.stats()
+        gs = self.srv.dispatch(max_groups)
+        if max_groups is not None:
+            assert len(gs) <= max_groups
+        oldest = before["oldest_uncollected"]
+        for g in gs:
+            assert g.prompt_id not in self.todo, "a group in flight was dispatched again"
+            if self.window == "window-gated":  # spec 3.2, checked at the moment of each dispatch
+                assert g.seq - (g.seq if oldest is None else min(oldest, g.seq)) < self.C
+                oldest = g.seq if oldest is None else min(oldest, g.seq)
+            self.groups[g.prompt_id] = g
+            self.todo[g.prompt_id] = list(range(self.N))
+            self.dispatched.add(g.prompt_id)
+        return gs
+
+    def put(self, key, count, rng):
+        g, idx = self.groups[key], self.todo[key]
+        chosen = [idx.pop(rng.randrange(len(idx))) for _ in range(min(count, len(idx)))]
+        trajs = []
+        for i in chosen:
+            p = g.partial[i] if g.partial else None
+            if p is not None and p.status != ABORTED:
+                trajs.append(p)  # a restored finished trajectory comes back as it is
+                continue
+            status = rng.choice([COMPLETED] * 6 + [TRUNCATED, FAILED])
+            start = rng.randint(max(0, self.version - 2), self.version)
+            trajs.append(traj(g, i, reward=rng.choice([0.0, 1.0]), status=status, start=start,
+                              end=rng.randint(start, self.version)))
+        if not idx:
+            del self.todo[key]
+        before = set(self.srv.stats(keys=True)["buffered_keys"])
+        self.srv.put(trajs)
+        st = self.srv.stats(keys=True)
+        if self.window == "windowed-fifo":  # spec 3.3: collected only inside the window, held only outside
+            front = st["oldest_uncompleted"]
+            for k in set(st["buffered_keys"]) - before:
+                assert front is None or k[1] - front < self.B
+            for k in st["held_keys"]:
+                assert front is not None and k[1] - front >= self.B
+
+    def consume(self, k, rng):
+        st = self.srv.stats(keys=True)
+        if st["Q"] < k:
+            if rng.random() < 0.1:
+                with pytest.raises(TimeoutError, match=f"wanted {k} groups"):
+                    self.srv.get(k, timeout=0.001)
+            return
+        groups = self.srv.get(k, timeout=0)
+        assert [g.prompt_id for g in groups] == st["buffered_keys"][:k]  # oldest (epoch, seq) first
+        for g in groups:
+            assert [t.index for t in g.trajectories] == list(range(self.N))
+            assert all(t.prompt_id == g.prompt_id for t in g.trajectories)
+            if "failed" in self.filters:
+                assert all(t.status != FAILED for t in g.trajectories)
+            if "all_equal_reward" in self.filters:
+                assert len({t.reward for t in g.trajectories}) > 1
+            if self.max_staleness is not None:
+                assert all(t.start_version < 0 or self.version - t.start_version <= self.max_staleness
+                           for t in g.trajectories)
+        self.consumed += [g.prompt_id for g in groups]
+
+    def boundary(self, rng, partial=True):
+        returned = []
+        for key in sorted(self.todo):
+            if partial:  # abort: most come back, some get lost (-> incomplete groups)
+                returned += [aborted(self.groups[key], i) for i in self.todo[key] if rng.random() < 0.85]
+            else:  # rollout.partial=false: wait for everything in flight to finish
+                self.put(key, self.N, rng)
+        m = self.srv.step_boundary(returned)
+        self.dropped += m["rollout/partial_dropped_incomplete_groups"]
+        self.todo.clear()
+        st = self.srv.stats()
+        assert st["R"] == 0 and st["trajqueue_trajectories"] == 0 and st["held"] == 0
+
+    def bump_version(self):
+        self.version += 1
+        self.srv.set_weight_version(self.version)
+
+    # ---- invariants, after every action ----
+    def check(self):
+        st = self.srv.stats()
+        if self.window == "sync":
+            assert st["consumed_step"] + st["R"] + st["Q"] <= self.C
+        else:
+            assert st["R"] + st["Q"] <= self.C  # spec section 3, every strategy
+        if st["max_generating"] is not None:
+            assert st["generating"] <= st["max_generating"]
+        if self.window not in ("windowed-fifo",):
+            assert st["held"] == 0  # any complete group is collected at once
+        assert st["R"] == len(set(self.todo) | set(self.srv.stats(keys=True)["held_keys"]))
+        assert len(self.consumed) == len(set(self.consumed)), "a group was consumed twice"
+        m = self.srv.step_metrics()
+        self.dropped += m["rollout/filter_drop"] + m["rollout/staleness_drop"]
+
+    def drain(self, target):
+        """Canonical continuation: dispatch, finish everything in flight with clean rewards, consume it all, step
+        boundary; until `target` more groups were consumed. Returns the prompts consumed, in order."""
+        out = []
+        while len(out) < target:
+            self.dispatch(None)
+            for key in sorted(self.todo):
+                g = self.groups[key]
+                self.srv.put([p for p in finish(g, self.N, version=self.version)
+                              if p.index in self.todo[key]])
+            self.todo.clear()
+            q = self.srv.stats()["Q"]
+            if q:
+                got = self.srv.get(q, timeout=0)
+                self.consumed += [g.prompt_id for g in got]
+                out += [(g.prompt.source, g.prompt.epoch, g.prompt.seq, g.prompt.data_index) for g in got]
+            self.boundary(None, partial=False)
+            self.check()
+        return out[:target]
+
+
+WINDOWS = ["no-window", "window-gated", "windowed-fifo", "sync"]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_schedules_keep_every_rule(window, data):
+    draw = data.draw
+    B, N = draw(st.integers(1, 4), "B"), draw(st.integers(1, 3), "N")
+    stale = draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]), "stale")
+    over = []
+    cap = draw(st.one_of(st.none(), st.integers(N, 4 * N)), "cap")
+    if cap is not None:
+        over.append(f"rollout.async_max_concurrent_samples={cap}")
+    filters = ["failed"] + (["all_equal_reward"] if N > 1 and draw(st.booleans(), "equal") else [])
+    over.append(f"rollout.filter=[{', '.join(filters)}]")
+    max_staleness = draw(st.one_of(st.none(), st.integers(0, 2)), "max_staleness")
+    if max_staleness is not None:
+        over.append(f"rollout.max_weight_staleness={max_staleness}")
+    if window == "sync":
+        over.append(f"rollout.sampler.num_oversample={draw(st.integers(0, 3), 'oversample')}")
+    kw = dict(B=B, N=N, stale=stale, window="no-window" if window == "sync" else window,
+              fully_async=window != "sync", overrides=over, n_prompts=draw(st.integers(3, 12), "prompts"))
+    srv = make_server(**kw)
+    rng = random.Random(draw(st.integers(0, 2 ** 16), "seed"))
+    d = Driver(srv, window, max_staleness, filters)
+    # the schedule comes from a seeded generator (hypothesis shrinks the seed and the sizes): long, busy runs
+    n_actions = draw(st.integers(10, 150), "actions")
+    weights = {"dispatch": rng.uniform(0.3, 2), "put": rng.uniform(1, 4), "consume": rng.uniform(0.3, 2),
+               "boundary": rng.uniform(0, 0.3), "wait-boundary": rng.uniform(0, 0.15), "version": rng.uniform(0, 0.5)}
+    for a in rng.choices(list(weights), list(weights.values()), k=n_actions):
+        if a == "dispatch":
+            d.dispatch(rng.choice([None, None, 0, 1, 2]))
+        elif a == "put" and d.todo:
+            d.put(rng.choice(sorted(d.todo)), rng.choice([1, 1, N]), rng)
+        elif a == "consume":
+            d.consume(rng.randint(1, min(srv.C, 2 * B)), rng)
+        elif a in ("boundary", "wait-boundary"):
+            d.boundary(rng, partial=a == "boundary")
+        elif a == "version":
+            d.bump_version()
+        d.check()
+
+    # a state_dict at this random point, through torch.save, into a fresh buffer: the same future consumption
+    f = io.BytesIO()
+    torch.save(srv.state_dict(), f)
+    f.seek(0)
+    fresh = make_server(**kw)
+    fresh.load_state_dict(torch.load(f, weights_only=True))
+    twin = Driver(fresh, window, max_staleness, filters)
+    twin.version = d.version
+    target = 2 * srv.C
+    assert d.drain(target) == twin.drain(target)
+
+    # every dispatched group ended consumed, counted as dropped, or waiting in the restored lane
+    lane = set(srv.stats(keys=True)["lane_keys"])
+    assert not lane & set(d.consumed)
+    assert len(d.dispatched) == len(d.consumed) + d.dropped + len(lane)
