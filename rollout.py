@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -669,7 +670,7 @@ class Rollout:
         self.sync.run(self._resume(version), 30.0, "Rollout.resume")
 
     def step_metrics(self) -> dict:
-        """rollout/... metrics of the trajectories finished since the last call."""
+        """rollout/... metrics of the trajectories finished since the last call (rates over the wall time since)."""
         self._raise_error()
         return self.sync.run(self._step_metrics(), 30.0, "Rollout.step_metrics")
 
@@ -681,6 +682,8 @@ class Rollout:
 
     # ---- on the loop ----
     def _raise_error(self) -> None:
+        if not self._started:
+            raise RuntimeError("call Rollout.start() before pause(), resume() or step_metrics()")
         if self._error is not None:
             raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
 
@@ -694,7 +697,7 @@ class Rollout:
         self.max_samples = clamp_max_concurrent_samples(self.cfg.rollout.async_max_concurrent_samples, self.n,
                                                         await self.fleet.concurrency())
         self.max_groups = None if self.max_samples is None else self.max_samples // self.n
-        self.http_slots = asyncio.Semaphore(self.max_samples) if self.max_samples else _NoLimit()
+        self.http_slots = asyncio.Semaphore(self.max_samples) if self.max_samples else contextlib.nullcontext()
         self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._dispatch_lock = asyncio.Lock()
@@ -928,16 +931,6 @@ class Rollout:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-class _NoLimit:
-    """The HTTP-layer bound when rollout.async_max_concurrent_samples is unset: none."""
-
-    async def __aenter__(self):
-        return None
-
-    async def __aexit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
