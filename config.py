@@ -103,6 +103,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
+    rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
 
 
 @dataclass
@@ -172,6 +173,7 @@ class WeightSyncConfig:
     bucket_mb: int = 512  # tensors per /update_weights_from_distributed call, in MiB
     timeout_s: float = 600.0  # every weight-sync call and the broadcast group time out after this
     master_port: int = 29700  # port of the trainer-to-servers broadcast group
+    master_address: Optional[str] = None  # where servers reach trainer rank 0 (None: 127.0.0.1 if it launched them)
 
 
 @dataclass
