@@ -1,0 +1,1247 @@
+"""train.py: the RL trainer. FSDP2 policy training, driving the rollout producer, synchronous or fully-async.
+
+One `main()` reads top to bottom: config -> distributed init -> model -> FSDP2 -> optimizer -> inference servers,
+buffer and rollout processes -> `run_steps`, the step loop of ../shared/spec/fully_async_mode.md section 2:
+  fully-async (fully_async.enable=true): (B x N) // M training calls of M // N groups from the PipelineBuffer, then
+    pause the producer (abort or wait, cleanup), metrics, checkpoint every trainer.save_freq, weight sync (cache
+    flushed, version + 1), resume;
+  synchronous (false): wait for the step's B groups, pause, (colocate: the servers release their memory), train,
+    (resume memory), weight sync, resume.
+Rank 0 starts the inference servers (engine.py on CPU, SGLang on GPUs, or connects to rollout.servers /
+rollout.router_url), the buffer process (`python buffer.py`) and the rollout process (`python rollout.py --serve`),
+joins RPC as "trainer" and runs the loop; every other rank follows rank 0's commands (train its share of each
+mini-batch, gather weights for the sync, save checkpoints). Children log to run_dir/logs/ and are stopped on exit.
+
+Run (CPU, the tiny model on the reverse-digits task; learns in a few minutes):
+    torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
+    torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml fully_async.enable=false
+    python train.py plot runs/tiny                     # metrics.jsonl -> runs/tiny/metrics.png
+Multi-node (GPU), on each of the trainer nodes, with SGLang servers launched by rank 0 or already running:
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29400 \
+        train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
+
+Simplifications: one sequence per row (padded micro-batches, no packing); the model is a HF causal LM sharded by
+FSDP2 over its decoder layers (data parallel only, no tensor/pipeline/expert parallelism); GPU-only paths (nccl,
+bf16 compute, launching SGLang) are switched on by device=cuda / rollout.launch=sglang and untested on CPU.
+Log-prob convention (shared with engine.py and losses.py): log_softmax(logits / temperature) of the sampled token.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import datetime
+import faulthandler
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+import config as config_lib
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics: the spec's aggregation rule, and the one logging function of rank 0
+# ---------------------------------------------------------------------------------------------------------------
+
+def aggregate(records: list[dict]) -> dict:
+    """Per-call metrics -> one value per step, by name (spec section 4): timing/* summed, *_max max, *_min min,
+    everything else averaged over the calls that reported it."""
+    out: dict = {}
+    for key in dict.fromkeys(k for r in records for k in r):
+        vals = [float(r[key]) for r in records if key in r and isinstance(r[key], (int, float, torch.Tensor))]
+        if not vals:
+            continue
+        if key.startswith("timing/"):
+            out[key] = sum(vals)
+        elif key.endswith("_max"):
+            out[key] = max(vals)
+        elif key.endswith("_min"):
+            out[key] = min(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+def consumed_metrics(groups: list) -> dict:
+    """What one training call consumed (partial_ratio and staleness of it come from buffer.step_metrics)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    return {"train/reward_mean": sum(t.reward for t in trajs) / max(1, len(trajs)),
+            "train/response_length_mean": sum(len(t.response_ids) for t in trajs) / max(1, len(trajs))}
+
+
+class Logger:
+    """Rank 0's logging: a stdout line per step with progress, metrics.jsonl (one object per step, `step` key),
+    the resolved config beside it, and wandb when logging.wandb.enable.
+
+    On resume, lines of steps after the checkpoint are dropped, so metrics.jsonl is the history of the weights
+    being trained (a step whose checkpoint was lost is trained again and logged again).
+    """
+
+    def __init__(self, cfg, keep_until: int = -1):
+        self.cfg, self.total = cfg, cfg.trainer.total_steps
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        self.path = os.path.join(cfg.run_dir, "metrics.jsonl")
+        kept = []
+        if keep_until >= 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        self.t0, self.first_step = time.time(), None
+        self.wandb = None
+        if cfg.logging.wandb.enable:
+            import wandb
+
+            w = cfg.logging.wandb
+            self.wandb = wandb.init(project=w.project, name=w.name or os.path.basename(os.path.abspath(cfg.run_dir)),
+                                    mode=w.mode, dir=cfg.run_dir, config=config_lib.to_dict(cfg), resume="allow",
+                                    id=w.name or os.path.basename(os.path.abspath(cfg.run_dir)))
+
+    def log(self, step: int, metrics: dict) -> None:
+        metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self.first_step is None:
+            self.first_step = step
+        done = step - self.first_step + 1
+        eta = (time.time() - self.t0) / done * (self.total - step)
+        parts = [f"step {step}/{self.total} ({100 * step // max(1, self.total)}%)"]
+        for key, label, fmt in (("rollout/reward_mean", "reward", ".3f"), ("eval/reward_mean", "eval", ".3f"),
+                                ("rollout/pipeline_buf_size", "buf", ".0f"), ("rollout/partial_ratio", "partial",
+                                                                              ".2f"),
+                                ("train/grad_norm", "gnorm", ".3f"), ("timing/step", "step_s", ".2f"),
+                                ("perf/wait_ratio", "wait", ".2f")):
+            if isinstance(metrics.get(key), (int, float)):
+                parts.append(f"{label} {metrics[key]:{fmt}}")
+        parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+        print(" | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step loop (also driven by bench/pipeline_sim.py with simulated compute)
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
+              evaluate: Optional[Callable[[int], dict]] = None) -> None:
+    """Train steps start_step .. trainer.total_steps - 1; step i is logged as step i + 1 (the weights after it are
+    weight version i + 1; the initial weights are version 0).
+
+    actor:    train_minibatch(groups, step) -> dict (may include timing/process_traj, which is not training time),
+              sync_weights(version) -> dict | None, save_checkpoint(steps_done, run_state) -> None,
+              release() / resume() (colocate: the servers free / retake their memory around training).
+    buffer:   get(k, timeout) -> list[Group], step_metrics() -> dict, state_dict(), set_weight_version(v)
+              (buffer.PipelineServer or buffer.RemoteBuffer).
+    rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or RemoteRollout).
+    logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
+              in training order).
+    evaluate: optional fn(steps_done) -> dict, run every trainer.eval_freq steps and after the last one.
+    run_state given to save_checkpoint: {"step": steps done, "weight_version", "buffer": buffer.state_dict()}.
+    """
+    sync_mode = not cfg.fully_async.enable
+    gpc, total = cfg.groups_per_call, cfg.trainer.total_steps
+    rollout.start()  # idempotent; the producer starts filling the buffer with the current weights
+    for step in range(start_step, total):
+        t_step = time.perf_counter()
+        m: dict = {}
+        records: list[dict] = []  # one per training call, aggregated by the spec's naming rule
+
+        # ---- synchronous mode: the whole batch first, then the producer stops before training ----
+        if sync_mode:
+            t0 = time.perf_counter()
+            batch = buffer.get(cfg.B, timeout=cfg.buffer.get_timeout_s)
+            m["timing/rollout"] = time.perf_counter() - t0
+            m.update(rollout.pause())
+            if cfg.colocate:
+                m.update(actor.release() or {})
+
+        # ---- train: (B x N) // M calls of M // N groups; fully-async fetches each from the PipelineBuffer ----
+        prompt_ids = []
+        for call in range(cfg.calls_per_step):
+            rec = {}
+            if sync_mode:
+                groups = batch[call * gpc:(call + 1) * gpc]
+            else:
+                t0 = time.perf_counter()
+                groups = buffer.get(gpc, timeout=cfg.buffer.get_timeout_s)
+                rec["timing/rollout"] = time.perf_counter() - t0
+            rec.update(consumed_metrics(groups))
+            prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
+            t0 = time.perf_counter()
+            out = actor.train_minibatch(groups, step) or {}
+            rec["timing/train"] = time.perf_counter() - t0 - out.get("timing/process_traj", 0.0)
+            records.append({**out, **rec})
+        m.update(aggregate(records))
+
+        # ---- step boundary: stop the producer, clean up in-flight work, collect the step's rollout metrics ----
+        if not sync_mode:
+            m.update(rollout.pause())
+        elif cfg.colocate:
+            m.update(actor.resume() or {})
+        m.update(buffer.step_metrics())
+        m.update({k: v for k, v in rollout.step_metrics().items() if k not in m})
+
+        # ---- checkpoint (buffer state taken while paused: unconsumed prompts + restored lane are in it) ----
+        if (cfg.trainer.save_freq and (step + 1) % cfg.trainer.save_freq == 0) or step + 1 == total:
+            t0 = time.perf_counter()
+            actor.save_checkpoint(step + 1, {"step": step + 1, "weight_version": step + 1,
+                                             "buffer": buffer.state_dict()})
+            m["timing/save_ckpt"] = time.perf_counter() - t0
+
+        # ---- weight sync (servers flush their cache, serve version step + 1), then the producer resumes ----
+        t0 = time.perf_counter()
+        out = dict(actor.sync_weights(step + 1) or {})
+        m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
+        m.update(out)
+        buffer.set_weight_version(step + 1)
+        if step + 1 < total:
+            rollout.resume(step + 1)
+
+        # ---- step metrics; wait is everything outside the training block (inverse timer, spec section 4) ----
+        m["timing/step"] = time.perf_counter() - t_step
+        m["perf/wait_ratio"] = min(1.0, max(0.0, 1.0 - m.get("timing/train", 0.0) / max(m["timing/step"], 1e-9)))
+        if evaluate is not None and ((cfg.trainer.eval_freq and (step + 1) % cfg.trainer.eval_freq == 0)
+                                     or step + 1 == total):
+            m.update(evaluate(step + 1))
+        m["data/prompt_ids"] = prompt_ids
+        logger.log(step + 1, m)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, FSDP2, optimizer
+# ---------------------------------------------------------------------------------------------------------------
+
+def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> None:
+    """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
+    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def reshard(model) -> None:
+    """Free all-gathered parameters. Needed after a no-grad forward: the unresharded last layer and root would
+    otherwise keep stale full copies (and hide the sharded parameters) until the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def load_model(cfg, mesh, device: torch.device, rank: int):
+    """The HF causal LM at model.path, sharded: built on the meta device, FSDP2-wrapped, then rank 0's weights are
+    broadcast into the shards (one full copy in CPU memory, on rank 0 only)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gpu = device.type == "cuda"
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu else None, torch.float32 if gpu else None)
+    model.to_empty(device=device)
+    full, buffers = {}, [None]
+    if rank == 0:
+        ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+        full, buffers = ref.state_dict(), [{k: v.cpu() for k, v in ref.named_buffers()}]
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Non-persistent buffers (rotary inv_freq) are not in a state dict: copy rank 0's.
+    dist.broadcast_object_list(buffers, src=0, group=_ctrl_group())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[0][name])
+    return model, hf_config
+
+
+def build_optimizer(model, t):
+    """AdamW with linear warmup over trainer.warmup_steps optimizer updates, constant after."""
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    warm = t.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
+    return opt, sched
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mini-batches: sequences, balanced split over ranks, padded micro-batches
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_sequences(groups: list, cfg) -> list[dict]:
+    """Groups -> one dict per trajectory with its tokens, loss mask, rollout log-probs and GRPO advantage."""
+    import losses
+
+    out = []
+    for g in groups:
+        rewards = torch.tensor([[t.reward for t in g.trajectories]], dtype=torch.float32)
+        adv = losses.compute_advantages(rewards, cfg.algorithm.adv.std_normalize, cfg.algorithm.adv.eps)[0]
+        for t, a in zip(g.trajectories, adv.tolist()):
+            mask = t.loss_mask.long()
+            if cfg.rollout.mask_offpolicy_in_partial_rollout and mask.numel():
+                mask = losses.offpolicy_token_mask(t.versions[None], mask[None])[0]
+            out.append({"prompt": t.prompt_ids.long(), "response": t.response_ids.long(), "mask": mask,
+                        "rollout_lp": t.rollout_log_probs.float(), "adv": a})
+    return out
+
+
+def _length(s: dict) -> int:
+    return len(s["prompt"]) + len(s["response"])
+
+
+def split_balanced(seqs: list[dict], parts: int) -> list[list[dict]]:
+    """Longest-first greedy: each sequence to the part with the fewest tokens so far."""
+    shares, load = [[] for _ in range(parts)], [0] * parts
+    for s in sorted(seqs, key=_length, reverse=True):
+        i = load.index(min(load))
+        shares[i].append(s)
+        load[i] += _length(s)
+    return shares
+
+
+def plan_micro_batches(share: list[dict], max_tokens: int) -> list[list[dict]]:
+    """Consecutive (length-sorted) sequences while rows x longest row <= max_tokens (at least one row each)."""
+    out, cur = [], []
+    for s in sorted(share, key=_length, reverse=True):
+        if cur and (len(cur) + 1) * _length(cur[0]) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    return out + ([cur] if cur else [])
+
+
+DUMMY = {"prompt": torch.zeros(1, dtype=torch.long), "response": torch.zeros(1, dtype=torch.long),
+         "mask": torch.zeros(1, dtype=torch.long), "rollout_lp": torch.zeros(1), "adv": 0.0}
+
+
+def collate(seqs: list[dict], device) -> dict:
+    """Right-padded [b, L] inputs; the loss tensors live on the L - 1 target positions (position j predicts token
+    j + 1), so a response token at index P + t sits at position P + t - 1."""
+    L = max(_length(s) for s in seqs)
+    b = len(seqs)
+    ids, attn = torch.zeros(b, L, dtype=torch.long), torch.zeros(b, L, dtype=torch.long)
+    mask, rlp = torch.zeros(b, L - 1), torch.zeros(b, L - 1)
+    for i, s in enumerate(seqs):
+        P, T = len(s["prompt"]), len(s["response"])
+        ids[i, :P + T] = torch.cat([s["prompt"], s["response"]])
+        attn[i, :P + T] = 1
+        mask[i, P - 1:P - 1 + T] = s["mask"].float()
+        rlp[i, P - 1:P - 1 + T] = s["rollout_lp"]
+    adv = torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)
+    return {k: v.to(device) for k, v in dict(ids=ids, attn=attn, mask=mask, rollout_lp=rlp, adv=adv).items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The actor: the model side of run_steps. Rank 0 drives; the other ranks run the same methods from follow()
+# ---------------------------------------------------------------------------------------------------------------
+
+_CTRL = None
+
+
+def _ctrl_group():
+    """A gloo group for commands and Python objects (works next to nccl). Its timeout covers rank 0's longest
+    wait between two commands (data, pause, server start-up), since the other ranks wait in it meanwhile."""
+    return _CTRL
+
+
+class Actor:
+    """FSDP2 policy on every rank. Rank 0 calls the public methods; each first announces itself on the control
+    group, so the other ranks (in `follow`) run the same method with the same collectives."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, device, fleet=None):
+        self.cfg, self.model, self.opt, self.sched, self.device = cfg, model, optimizer, scheduler, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
+        self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
+        self.snapshot_step = -1
+        self.group = None  # weight-update broadcast group (distributed sync), made at the first sync
+        self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+
+    # ---- command channel ----
+    def _announce(self, cmd: str, arg=None) -> None:
+        if self.rank == 0 and self.world > 1:
+            dist.broadcast_object_list([cmd, arg], src=0, group=_ctrl_group())
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's commands until it says stop."""
+        while True:
+            msg = [None, None]
+            try:
+                dist.broadcast_object_list(msg, src=0, group=_ctrl_group())
+            except RuntimeError as e:
+                raise RuntimeError(f"rank {self.rank}: no command from trainer rank 0 within the control group's "
+                                   f"timeout (is rank 0 alive? see its log): {e}") from None
+            cmd, arg = msg
+            if cmd == "stop":
+                return
+            {"train": lambda a: self._train(None, *a), "sync": self._sync, "save": self._save,
+             "load": self._load, "export": self._export}[cmd](arg)
+
+    def stop(self) -> None:
+        self._announce("stop")
+
+    # ---- training ----
+    def train_minibatch(self, groups: list, step: int) -> dict:
+        t0 = time.perf_counter()
+        seqs = make_sequences(groups, self.cfg)
+        import losses
+
+        # The denominator of the loss aggregation over the WHOLE mini-batch (all ranks, all micro-batches), so
+        # the micro-batch losses sum to the mini-batch loss (losses.py, "Loss aggregation").
+        mode, norm = self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.sampling.max_new_tokens
+        denom = sum(losses.loss_denominator(s["mask"][None], mode, norm) for s in seqs if s["mask"].numel())
+        plans = [plan_micro_batches(sh, self.cfg.trainer.micro_batch_tokens)
+                 for sh in split_balanced(seqs, self.world)]
+        n_micro = max(len(p) for p in plans)  # FSDP collectives need the same number of forwards on every rank
+        plans = [p + [[DUMMY]] * (n_micro - len(p)) for p in plans]
+        self._announce("train", (step, denom))
+        out: list = [None]
+        if self.world > 1:
+            dist.scatter_object_list(out, plans, src=0, group=_ctrl_group())
+        else:
+            out = plans
+        process_s = time.perf_counter() - t0
+        metrics = self._train(out[0], step, denom)
+        metrics["timing/process_traj"] = process_s
+        metrics["train/loss_tokens"] = float(sum(s["mask"].sum() for s in seqs))
+        return metrics
+
+    def _train(self, plan, step: int, denom: float) -> dict:
+        import losses
+
+        if plan is None:  # a follower: receive this rank's micro-batches
+            out = [None]
+            dist.scatter_object_list(out, None, src=0, group=_ctrl_group())
+            plan = out[0]
+        cfg, t = self.cfg, self.cfg.trainer
+        temp = cfg.rollout.sampling.temperature
+        batches = [collate(mb, self.device) for mb in plan]
+        old = self._old_log_probs(batches, step)
+        self.model.train()
+        sums, weights, extremes = {}, {}, {}
+        for b, old_lp in zip(batches, old):
+            logits = self.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
+            logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], temp, t.logprob_chunk_tokens,
+                                              with_entropy=True)
+            loss, met = losses.policy_loss(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm,
+                                           denom, entropy=ent)
+            # FSDP averages gradients over ranks; the losses already sum to the mini-batch loss, so undo the mean.
+            (loss * self.world).backward()
+            n = float(b["mask"].sum())
+            for k, v in met.items():
+                v = float(v)
+                if k.endswith("_max") or k.endswith("_min"):
+                    if n > 0:
+                        extremes.setdefault(k, []).append(v)
+                elif k == "train/pg_loss":  # this micro-batch's share of the mini-batch loss: summed
+                    sums[k], weights[k] = sums.get(k, 0.0) + v, 1.0
+                elif n > 0:  # means over this micro-batch's tokens: token-weighted mean
+                    sums[k], weights[k] = sums.get(k, 0.0) + v * n, weights.get(k, 0.0) + n
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if math.isfinite(grad_norm):  # a NaN/inf gradient would poison the weights: skip the update
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (sums, weights, extremes), group=_ctrl_group())
+        out = {"train/grad_norm": grad_norm, "train/lr": self.sched.get_last_lr()[0],
+               "train/skipped_update": float(not math.isfinite(grad_norm))}
+        for k in dict.fromkeys(k for s, _, _ in parts for k in s):
+            tot = sum(s.get(k, 0.0) for s, _, _ in parts)
+            w = sum(wt.get(k, 0.0) for _, wt, _ in parts)
+            out[k] = tot if k == "train/pg_loss" else tot / max(w, 1e-9)
+        for k in dict.fromkeys(k for _, _, e in parts for k in e):
+            vals = [v for _, _, e in parts for v in e.get(k, [])]
+            out[k] = max(vals) if k.endswith("_max") else min(vals)
+        out["train/loss"] = out.get("train/pg_loss", 0.0)  # GRPO: no KL or entropy term
+        out.update(_memory_metrics(self.device))
+        return out
+
+    @torch.no_grad()
+    def _old_log_probs(self, batches: list[dict], step: int) -> list[torch.Tensor]:
+        """log pi_old per micro-batch: the step-start weights (spec section 2). At the step's first call they are
+        the live weights, and a copy of this rank's shards is kept; later calls swap that copy in, compute, and
+        swap back. trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
+        import losses
+
+        if self.cfg.trainer.use_rollout_log_probs:
+            return [b["rollout_lp"] for b in batches]
+        first = step != self.snapshot_step
+        if first and self.cfg.calls_per_step > 1:
+            reshard(self.model)
+            self.snapshot = [p.to_local().detach().clone() for p in self.model.parameters()]
+            self.snapshot_step = step
+        elif not first:
+            self._swap_snapshot()
+        self.model.eval()
+        out = []
+        for b in batches:
+            logits = self.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
+            out.append(losses.token_logprobs(logits, b["ids"][:, 1:], self.cfg.rollout.sampling.temperature,
+                                             self.cfg.trainer.logprob_chunk_tokens)[0])
+        reshard(self.model)
+        if not first:
+            self._swap_snapshot()
+        return out
+
+    def _swap_snapshot(self) -> None:
+        """Exchange the live local shards with the snapshot in place (one tensor's worth of extra memory)."""
+        reshard(self.model)
+        for p, s in zip(self.model.parameters(), self.snapshot):
+            live = p.to_local()
+            tmp = live.clone()
+            live.copy_(s)
+            s.copy_(tmp)
+
+    # ---- weights: full tensors gathered from the shards, parameter by parameter ----
+    def _full_params(self):
+        """Yields (name, full tensor) on every rank (all-gather per parameter; rank 0 uses them)."""
+        reshard(self.model)
+        push_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the servers' dtype
+        for name, p in self.model.named_parameters():
+            yield name, p.full_tensor().to(push_dtype)
+
+    def sync_weights(self, version: int) -> dict:
+        """Push the weights to every server as `version`: weight_sync.method distributed (bucketed
+        /update_weights_from_distributed + a broadcast from rank 0) or disk (safetensors + /update_weights_from_disk).
+        Every call has weight_sync.timeout_s; a failure stops the run with the server's message."""
+        if self.fleet is None:
+            return {}
+        t0 = time.perf_counter()
+        self._announce("sync", version)
+        self._sync(version)
+        return {"timing/update_weights": time.perf_counter() - t0}
+
+    def _sync(self, version: int) -> None:
+        if self.cfg.weight_sync.method == "disk":
+            path = os.path.join(self.cfg.run_dir, "sync_weights")
+            self._export(path)
+            if self.rank == 0:
+                self.fleet.update_weights_from_disk(os.path.abspath(path), version)
+            return
+        if self.rank == 0 and self.group is None:
+            self.group = self._init_weight_group()
+        limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
+        bucket, size = [], 0
+        for name, full in self._full_params():
+            if self.rank != 0:
+                continue
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            if size >= limit:
+                self._push_bucket(bucket, None)
+                bucket, size = [], 0
+        if self.rank == 0:
+            self._push_bucket(bucket, version)  # the last bucket carries the new version label
+
+    def _init_weight_group(self):
+        """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
+        a TCPStore hosted here, then the same process group SGLang's init_custom_process_group builds."""
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+        ws = self.cfg.weight_sync
+        ranks = self.fleet.engine_ranks()
+        world = 1 + sum(ranks)
+        addr = ws.master_address or ("127.0.0.1" if self.cfg.rollout.launch != "none" else
+                                     socket.gethostbyname(socket.gethostname()))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, WEIGHT_GROUP, backend)
+        timeout = datetime.timedelta(seconds=ws.timeout_s)
+        try:
+            store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout)
+            store = PrefixStore(WEIGHT_GROUP, store)
+            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=WEIGHT_GROUP,
+                                              timeout=timeout)
+        except Exception as e:
+            raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
+                               f"weight_sync.timeout_s={ws.timeout_s} s ({world - 1} server ranks expected): {e}; "
+                               f"server side: {_future_error(fut)}") from None
+        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        fut.result(ws.timeout_s)
+        return pg
+
+    def _push_bucket(self, bucket: list, version: Optional[int]) -> None:
+        """One /update_weights_from_distributed call per server while rank 0 broadcasts the same tensors."""
+        if not bucket:
+            if version is not None:
+                self.fleet.update_weight_version(version)
+            return
+        ws = self.cfg.weight_sync
+        fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
+                                [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                                [list(t.shape) for _, t in bucket], version, WEIGHT_GROUP)
+        deadline = time.monotonic() + ws.timeout_s
+        for name, t in bucket:
+            work = dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)
+            while not work.is_completed():  # poll: a server that answered with an error must not leave us hanging
+                if fut.done() and fut.exception() is not None:
+                    raise RuntimeError(f"weight sync failed while broadcasting {name}: {fut.exception()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"weight sync: broadcast of {name} not received by the servers within "
+                                       f"weight_sync.timeout_s={ws.timeout_s} s")
+                time.sleep(0.001)
+            work.wait()
+        try:
+            fut.result(max(1.0, deadline - time.monotonic()))
+        except Exception as e:
+            raise RuntimeError(f"weight sync: /update_weights_from_distributed failed: {e}") from None
+
+    def _export(self, path: str) -> None:
+        """The weights as an HF checkpoint directory (config, tokenizer and safetensors), written by rank 0."""
+        from safetensors.torch import save_file
+
+        state = {}
+        for name, full in self._full_params():
+            if self.rank == 0:
+                state[name] = full.to(getattr(torch, self.cfg.model.dtype)).cpu().contiguous()
+        if self.rank != 0:
+            return
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.cfg.model.path, tmp, ignore=shutil.ignore_patterns(
+            "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt"))
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+
+    def export_hf(self, path: str) -> None:
+        self._announce("export", path)
+        self._export(path)
+
+    # ---- checkpoints: torch.distributed.checkpoint (sharded model + optimizer) + run state ----
+    def save_checkpoint(self, steps_done: int, run_state: dict) -> None:
+        self._announce("save", (steps_done, run_state))
+        self._save((steps_done, run_state))
+
+    def _save(self, arg) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        steps_done, run_state = arg
+        path = os.path.join(self.ckpt_root, f"step_{steps_done:06d}")
+        tmp = path + ".tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier(group=_ctrl_group())
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        rng: list = [None] * self.world
+        dist.all_gather_object(rng, _rng_state(), group=_ctrl_group())
+        if self.rank == 0:
+            torch.save({**run_state, "scheduler": self.sched.state_dict(), "rng": rng},
+                       os.path.join(tmp, "run_state.pt"))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)  # a checkpoint directory without ".tmp" is complete
+        dist.barrier(group=_ctrl_group())
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Model, optimizer, scheduler and RNG from `path` on every rank; returns the run state."""
+        self._announce("load", path)
+        return self._load(path)
+
+    def _load(self, path: str) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        run_state = torch.load(os.path.join(path, "run_state.pt"), weights_only=False)
+        self.sched.load_state_dict(run_state["scheduler"])
+        _set_rng_state(run_state["rng"][self.rank] if self.rank < len(run_state["rng"]) else run_state["rng"][0])
+        return run_state
+
+    # ---- colocate: the servers give their memory to training and take it back ----
+    def release(self) -> dict:
+        t0 = time.perf_counter()
+        self.fleet.release_memory()
+        return {"timing/release_rollout": time.perf_counter() - t0}
+
+    def resume(self) -> dict:
+        t0 = time.perf_counter()
+        self.fleet.resume_memory()
+        return {"timing/resume_rollout": time.perf_counter() - t0}
+
+
+def _future_error(fut) -> str:
+    if not fut.done():
+        return "no answer yet"
+    return repr(fut.exception()) if fut.exception() is not None else "answered ok"
+
+
+def _memory_metrics(device: torch.device) -> dict:
+    """perf/train_memory_*_max in GiB: CUDA allocator peaks on GPU; on CPU the process's peak RSS for both."""
+    if device.type == "cuda":
+        return {"perf/train_memory_allocated_max": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                "perf/train_memory_reserved_max": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
+    return {"perf/train_memory_allocated_max": rss, "perf/train_memory_reserved_max": rss}
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest complete run_dir/checkpoints/step_* (being written ones end in .tmp), or None."""
+    done = [p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))
+            if not p.endswith(".tmp") and os.path.exists(os.path.join(p, "run_state.pt"))]
+    return max(done, default=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run_mode rollout-only / train-only: the same loop with a recording actor, or a replaying buffer
+# ---------------------------------------------------------------------------------------------------------------
+
+class RolloutRecorder:
+    """run_mode=rollout-only: no training; each call's groups are saved to run_dir/rollouts/ (for train-only) and
+    the servers' version label still advances every step, so staleness reads as it would when training."""
+
+    def __init__(self, cfg, fleet):
+        self.cfg, self.fleet = cfg, fleet
+        self.dir = os.path.join(cfg.run_dir, "rollouts")
+        os.makedirs(self.dir, exist_ok=True)
+        self.calls: dict = {}
+
+    def train_minibatch(self, groups, step):
+        call = self.calls[step] = self.calls.get(step, -1) + 1
+        torch.save(groups, os.path.join(self.dir, f"step_{step:06d}_{call:03d}.pt"))
+        return {}
+
+    def sync_weights(self, version):
+        self.fleet.update_weight_version(version)
+        return {}
+
+    def save_checkpoint(self, steps_done, run_state):
+        path = os.path.join(self.cfg.run_dir, "checkpoints", f"step_{steps_done:06d}")
+        os.makedirs(path, exist_ok=True)
+        torch.save({**run_state, "scheduler": {}, "rng": [_rng_state()]}, os.path.join(path, "run_state.pt"))
+
+    def release(self):
+        return {}
+
+    def resume(self):
+        return {}
+
+
+class ReplayBuffer:
+    """run_mode=train-only: the groups a rollout-only run saved, in order (trainer.rollout_dir)."""
+
+    def __init__(self, directory: str):
+        self.files = sorted(glob.glob(os.path.join(directory, "step_*.pt")))
+        if not self.files:
+            raise ValueError(f"trainer.rollout_dir '{directory}' holds no step_*.pt files; run run_mode=rollout-only "
+                             "first (it saves them in its run_dir/rollouts)")
+        self.pending: list = []
+        self.pos = 0
+
+    def get(self, k: int, timeout: float) -> list:
+        while len(self.pending) < k:
+            if self.pos >= len(self.files):
+                raise TimeoutError(f"train-only: wanted {k} groups but the saved rollouts are exhausted after "
+                                   f"{len(self.files)} files")
+            self.pending += torch.load(self.files[self.pos], weights_only=False)
+            self.pos += 1
+        out, self.pending = self.pending[:k], self.pending[k:]
+        return out
+
+    def step_metrics(self):
+        return {}
+
+    def set_weight_version(self, v):
+        pass
+
+    def state_dict(self):
+        return {"pos": self.pos, "pending": self.pending}
+
+    def load_state_dict(self, sd):
+        self.pos, self.pending = sd["pos"], sd["pending"]
+
+
+class NoRollout:
+    """run_mode=train-only: nothing generates."""
+
+    def start(self):
+        pass
+
+    def pause(self):
+        return {}
+
+    def resume(self, version):
+        pass
+
+    def step_metrics(self):
+        return {}
+
+    def stop(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rank 0's services: inference servers, buffer and rollout processes, RPC
+# ---------------------------------------------------------------------------------------------------------------
+
+_LIBC = ctypes.CDLL(None)  # loaded here, not in the forked child (no loader lock taken between fork and exec)
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the trainer dies, even by SIGKILL (Linux PR_SET_PDEATHSIG)."""
+    _LIBC.prctl(1, signal.SIGTERM)
+
+
+# torchrun's per-worker variables: a child process is not a trainer rank.
+TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Services:
+    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.procs: list = []  # (name, Popen, log path)
+        self.logs = os.path.join(cfg.run_dir, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.rpc_up = False
+        self.fleet = None  # rank 0's rollout.SyncFleet, closed last
+
+    def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
+        log = os.path.join(self.logs, f"{name}.log")
+        with open(log, "ab") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                 preexec_fn=_die_with_parent)
+        self.procs.append((name, p, log))
+        return p
+
+    def check_alive(self, waiting_for: str) -> None:
+        for name, p, log in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"the {name} process exited with code {p.returncode} while {waiting_for}; "
+                                   f"see {log}")
+
+    def launch_servers(self, version: int) -> list[str]:
+        """rollout.launch engine | sglang: num_servers servers on base_port + i; returns their URLs once healthy."""
+        r = self.cfg.rollout
+        urls = []
+        for i in range(r.num_servers):
+            port = r.base_port + i
+            with socket.socket() as s:  # a server already there would answer /health in place of ours
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    raise RuntimeError(f"port {port} (rollout.base_port + {i}) is already in use; choose another "
+                                       "rollout.base_port or stop what listens there")
+            env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
+            if r.server_gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in r.server_gpus[i])
+            if r.launch == "engine":
+                cmd = [sys.executable, os.path.join(ROOT, "engine.py"), "--model-path", self.cfg.model.path,
+                       "--port", str(port), "--host", "127.0.0.1", "--weight-version", str(version)]
+                if r.sglang_args.max_running_requests:
+                    cmd += ["--max-running-requests", str(r.sglang_args.max_running_requests)]
+            else:
+                a = r.sglang_args
+                cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
+                       "--port", str(port), "--host", "0.0.0.0", "--tp-size", str(a.tp_size),
+                       "--weight-version", str(version), "--dtype", "bfloat16"]
+                if a.max_running_requests:
+                    cmd += ["--max-running-requests", str(a.max_running_requests)]
+                if a.mem_fraction_static:
+                    cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
+                if self.cfg.colocate:
+                    cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
+            self.spawn(f"server_{i}", cmd, env)
+            urls.append(f"http://127.0.0.1:{port}")
+        self.wait_healthy(urls)
+        return urls
+
+    def wait_healthy(self, urls: list[str]) -> None:
+        import requests
+
+        deadline = time.monotonic() + self.cfg.rollout.startup_timeout_s
+        pending = list(urls)
+        while pending:
+            self.check_alive(f"waiting for {', '.join(pending)} to answer /health")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(pending[0] + "/health", timeout=5).status_code == 200:
+                    pending.pop(0)
+                    continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference servers {', '.join(pending)} not healthy after "
+                                   f"rollout.startup_timeout_s={self.cfg.rollout.startup_timeout_s} s; "
+                                   f"see {self.logs}/server_*.log")
+            time.sleep(0.5)
+
+    def start_rpc(self, resolved_config: str) -> None:
+        """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
+        from torch.distributed import rpc
+
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        # The served singletons must live in the importable modules (RPC pickles calls as buffer._invoke /
+        # rollout._invoke), not in a __main__ copy: so `import rollout; rollout.main()` rather than a script run.
+        for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
+                                            ("rollout", ["-c", "import sys, rollout; rollout.main(sys.argv[1:])",
+                                                         "--serve"])], start=1):
+            env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
+            self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
+                              "--rank", str(rank), "--world-size", "3"], env)
+        timeout = self.cfg.buffer.rpc_timeout_s
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=timeout)
+        # torchrun's agent store must not be used for RPC's own rendezvous: hide it during init_rpc only.
+        saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        errors: list = []
+
+        def join():
+            try:
+                rpc.init_rpc("trainer", rank=0, world_size=3, rpc_backend_options=opts)
+            except Exception as e:  # reported by the waiting loop below
+                errors.append(e)
+
+        th = threading.Thread(target=join, daemon=True)
+        th.start()
+        deadline = time.monotonic() + self.cfg.rollout.startup_timeout_s
+        try:
+            while th.is_alive():
+                self.check_alive("joining RPC as 'buffer' / 'rollout'")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"RPC workers 'buffer' and 'rollout' did not join within "
+                                       f"rollout.startup_timeout_s={self.cfg.rollout.startup_timeout_s} s; "
+                                       f"see {self.logs}/buffer.log and rollout.log")
+                th.join(0.2)
+        finally:
+            if saved is not None:
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+        if errors:
+            raise RuntimeError(f"joining RPC as 'trainer' failed: {errors[0]}")
+        self.rpc_up = True
+
+    def close(self, ok: bool) -> None:
+        """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s)."""
+        from torch.distributed import rpc
+
+        if self.fleet is not None:
+            with contextlib.suppress(Exception):
+                self.fleet.close()
+        if self.rpc_up:
+            try:
+                if ok:
+                    import rollout as rollout_lib
+
+                    rollout_lib.RemoteRollout("rollout", 60.0).stop()
+                rpc.shutdown(graceful=ok, timeout=60 if ok else 0)
+            except Exception as e:
+                print(f"[train] RPC shutdown: {e}", file=sys.stderr)
+                with contextlib.suppress(Exception):
+                    rpc.shutdown(graceful=False)
+        for name, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for name, p, log in reversed(self.procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation: greedy, on the held-out split, through the servers (the rollout function, so multi-turn works too)
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
+    import rollout as rollout_lib
+    import tasks
+
+    ecfg = copy.deepcopy(cfg)
+    ecfg.data_sources = [copy.deepcopy(cfg.data_sources[0])]
+    ecfg.data_sources[0].num_trajectories_per_prompt = 1
+    ecfg.rollout.sampling.temperature = 0.0  # greedy (below losses.GREEDY_TEMPERATURE)
+    ecfg.rollout.partial = False
+    ecfg.rollout.async_max_concurrent_samples = None
+    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval")
+
+    def evaluate(steps_done: int) -> dict:
+        t0 = time.perf_counter()
+        buf, summary = rollout_lib.generate_dataset(ecfg, prompts, fleet, tokenizer,
+                                                    cfg.rollout.trajectory_timeout_s + 60.0)
+        rewards = [t.reward for v in buf.results.values() for t in v]
+        return {"eval/reward_mean": sum(rewards) / max(1, len(rewards)),
+                "eval/exact_ratio": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+                "timing/eval": time.perf_counter() - t0}
+    return evaluate
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Start-up checks of train.py itself (config.validate covers the config's own rules)
+# ---------------------------------------------------------------------------------------------------------------
+
+def check_launch(cfg, world: int) -> None:
+    t, r = cfg.trainer, cfg.rollout
+    if cfg.run_mode != "rollout-only" and world != t.num_nodes * t.num_gpus_per_node:
+        raise ValueError(f"trainer.num_nodes x trainer.num_gpus_per_node ({t.num_nodes} x {t.num_gpus_per_node}) "
+                         f"must equal the number of trainer processes started ({world}); e.g. torchrun "
+                         f"--nproc_per_node {t.num_gpus_per_node}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+    if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
+        raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
+                         "model.make_tiny=true to create the tiny model there")
+    needs_servers = cfg.run_mode != "train-only"
+    if needs_servers and not r.servers and not r.router_url:
+        if r.launch == "none":
+            raise ValueError("rollout.launch=none needs rollout.servers or rollout.router_url (servers to connect to)")
+        if r.num_servers < 1:
+            raise ValueError(f"rollout.num_servers must be >= 1 when rollout.launch={r.launch}, got {r.num_servers}")
+        if r.server_gpus and len(r.server_gpus) != r.num_servers:
+            raise ValueError(f"rollout.server_gpus lists {len(r.server_gpus)} GPU sets but rollout.num_servers is "
+                             f"{r.num_servers}; give one list of GPU ids per server")
+        if r.launch == "sglang" and not r.server_gpus:
+            raise ValueError("rollout.launch=sglang needs rollout.server_gpus (GPU ids per server, e.g. "
+                             "[[0,1,2,3],[4,5,6,7]])")
+    if r.servers and r.router_url:
+        raise ValueError("give rollout.servers or rollout.router_url, not both")
+    if cfg.run_mode == "train-only":
+        d = t.rollout_dir or os.path.join(cfg.run_dir, "rollouts")
+        if not glob.glob(os.path.join(d, "step_*.pt")):
+            raise ValueError(f"run_mode=train-only needs trainer.rollout_dir with the step_*.pt files of a "
+                             f"rollout-only run; '{d}' has none")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    if argv and argv[0] == "plot":
+        return plot_main(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
+    args, overrides = parser.parse_known_args(argv)
+
+    # ---- config: every start-up check before anything starts; errors are one sentence ----
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = config_lib.load_config(args.config, overrides)
+        check_launch(cfg, world)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    import losses
+
+    warning = losses.offpolicy_warning(cfg)
+    if warning and rank == 0:
+        print(warning, file=sys.stderr, flush=True)
+
+    # ---- distributed init: gloo on CPU, nccl on GPU; a gloo control group for commands ----
+    global _CTRL
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-process group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    r, b = cfg.rollout, cfg.buffer
+    dist.init_process_group("nccl" if use_cuda else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
+    ctrl_s = b.get_timeout_s + r.pause_timeout_s + r.startup_timeout_s + cfg.weight_sync.timeout_s + 600
+    _CTRL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctrl_s))
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if rank == 0 and cfg.model.make_tiny and not os.path.isdir(cfg.model.path):
+        import tasks
+
+        tasks.make_tiny_model(cfg.model.path, cfg.model.tiny_hidden_size, cfg.model.tiny_num_layers, cfg.seed)
+    dist.barrier(group=_CTRL)
+
+    services, ok, actor, logger = None, False, None, None
+    try:
+        # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
+        if cfg.run_mode != "rollout-only":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (world,))
+            model, _ = load_model(cfg, mesh, device, rank)
+            opt, sched = build_optimizer(model, cfg.trainer)
+            actor = Actor(cfg, model, opt, sched, device)
+        elif rank != 0:
+            return
+
+        # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) for rank 0 ----
+        resume_path = None
+        if cfg.trainer.resume == "auto":
+            resume_path = latest_checkpoint(cfg.run_dir)
+        elif cfg.trainer.resume != "none":
+            resume_path = cfg.trainer.resume
+        if rank != 0:
+            actor.follow()  # also loads the checkpoint when rank 0 says so
+            ok = True
+            return
+        run_state = None
+        if resume_path:
+            run_state = actor.load_checkpoint(resume_path) if actor else \
+                torch.load(os.path.join(resume_path, "run_state.pt"), weights_only=False)
+            print(f"[train] resumed from {resume_path} at step {run_state['step']}", flush=True)
+        start_step = run_state["step"] if run_state else 0
+
+        # ---- services: servers, buffer + rollout processes, RPC (train-only needs none) ----
+        from transformers import AutoTokenizer
+
+        import rollout as rollout_lib
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        logger = Logger(cfg, keep_until=start_step if run_state else -1)
+        evaluate = None
+        if cfg.run_mode == "train-only":
+            buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
+            ro = NoRollout()
+        else:
+            import buffer as buffer_lib
+
+            services = Services(cfg)
+            if not r.servers and not r.router_url:
+                cfg.rollout.servers = services.launch_servers(start_step)
+            fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
+            fleet.wait_healthy(r.startup_timeout_s)
+            resolved = os.path.join(cfg.run_dir, "config.yaml")
+            with open(resolved, "w") as f:
+                import yaml
+
+                yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
+            services.start_rpc(resolved)
+            buf = buffer_lib.RemoteBuffer("buffer", b.rpc_timeout_s)
+            ro = rollout_lib.RemoteRollout("rollout", b.rpc_timeout_s)
+            if actor is None:
+                actor = RolloutRecorder(cfg, fleet)
+            else:
+                actor.fleet = fleet
+            evaluate = make_evaluator(cfg, fleet, tokenizer) if cfg.trainer.eval_freq else None
+        if run_state:
+            buf.load_state_dict(run_state["buffer"])
+        # The servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step.
+        t0 = time.perf_counter()
+        actor.sync_weights(start_step)
+        buf.set_weight_version(start_step)
+        print(f"[train] weights version {start_step} on the servers ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if evaluate is not None and start_step == 0:
+            logger.log(0, evaluate(0))
+
+        # ---- the loop ----
+        run_steps(cfg, actor, buf, ro, logger, start_step, evaluate)
+
+        # ---- final HF export ----
+        if cfg.trainer.export_hf and isinstance(actor, Actor):
+            actor.export_hf(os.path.join(cfg.run_dir, "hf"))
+            print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
+        ok = True
+    finally:
+        if rank == 0:
+            if isinstance(actor, Actor):
+                with contextlib.suppress(Exception):
+                    if ok:
+                        actor.stop()
+            if services is not None:
+                services.close(ok)
+            if logger is not None:
+                logger.close()
+        if ok:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# python train.py plot RUN_DIR [--out PNG]: reward, step-time breakdown, buffer size, staleness
+# ---------------------------------------------------------------------------------------------------------------
+
+def plot_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="train.py plot", description="metrics.jsonl of a run -> a PNG")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    a = p.parse_args(argv)
+    path = os.path.join(a.run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"error: {path} does not exist; give the run_dir of a run")
+    out = plot(path, a.out or os.path.join(a.run_dir, "metrics.png"))
+    print(f"wrote {out}")
+
+
+def plot(metrics_path: str, out: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    panels = [("reward", ["rollout/reward_mean", "train/reward_mean", "eval/reward_mean"]),
+              ("step time (s)", ["timing/step", "timing/train", "timing/rollout", "timing/pause_delay",
+                                 "timing/update_weights", "timing/save_ckpt"]),
+              ("buffer (groups)", ["rollout/pipeline_buf_size", "rollout/partial_restored_count",
+                                   "rollout/filter_drop"]),
+              ("staleness", ["rollout/partial_ratio", "rollout/partial_span_max", "rollout/staleness_mean",
+                             "perf/wait_ratio"])]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
+if __name__ == "__main__":
+    main()
