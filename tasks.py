@@ -18,11 +18,11 @@ r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
   "module:function"; `default_reward(task)` names each task's own.
 - `make_env(task, label, metadata)`: the tool environment of a multi-turn task (calc_tool).
 
-Simplifications: the tokenizer is one token per printable ASCII character (other characters fall back to their
-UTF-8 bytes), so it is lossless but long-winded on real text. A toy prompt belongs to the eval split when a hash
-of its text says so (1 in 8 of all possible prompts), so the splits are disjoint whatever their sizes; a dataset
-file's eval split is num_eval_prompts rows drawn by the seed. Math answers are compared as normalised strings
-first and with math-verify only when those differ.
+Simplifications: the tokenizer is one token per printable ASCII character; any other character becomes <|unk|>
+(a special token, so decoding drops it): round trips are exact on ASCII text only. A toy prompt belongs to the
+eval split when a hash of its text says so (1 in 8 of all possible prompts), so the splits are disjoint whatever
+their sizes; a dataset file's eval split is num_eval_prompts rows drawn by the seed. Math answers are compared as
+normalised strings first and with math-verify only when those differ.
 
 Run:
     python tasks.py make-tiny-model --out runs/tiny-model [--hidden-size 64 --num-layers 2 --seed 0]
@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 # targets with it too, so "stopped on eos" is the same event for raw and chat prompts.
 PAD, EOS, BOS_TURN, UNK = "<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|unk|>"
 SPECIAL_TOKENS = [PAD, EOS, BOS_TURN, UNK]
-# Every printable ASCII character is one token (\r, \x0b, \x0c are left to the byte fallback).
+# Every printable ASCII character is one token; anything else (\r, \x0b, \x0c, non-ASCII) is <|unk|>.
 CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
 
 # Qwen-style chat template: <|im_start|>role\ncontent<|im_end|>\n per message, then the assistant header.
@@ -58,17 +58,18 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer():
-    """A character-level PreTrainedTokenizerFast: specials, then one token per character, then 256 byte tokens.
+    """A character-level PreTrainedTokenizerFast: the special tokens, then one token per character.
 
-    A BPE model with no merges is exactly character-level; byte_fallback turns any other character into its
-    UTF-8 bytes (<0xNN> tokens), so encode/decode round-trips every string.
+    A BPE model with no merges is exactly character-level. The vocabulary is kept small on purpose: a random-init
+    model samples every token about equally at first, and with ~100 tokens RL still finds the digits and the eos
+    (with byte-fallback tokens, 357 in all, reverse_digits learned several times slower).
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + [f"<0x{b:02X}>" for b in range(256)])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK, byte_fallback=True))
-    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
                                  clean_up_tokenization_spaces=False)
@@ -198,8 +199,9 @@ _MISSING = object()
 
 
 def _field(row: dict, dotted: str):
+    """row["a"]["b"] for "a.b"; _MISSING when absent or null (parquet files fill other rows' columns with null)."""
     for key in dotted.split("."):
-        if not isinstance(row, dict) or key not in row:
+        if not isinstance(row, dict) or row.get(key) is None:
             return _MISSING
         row = row[key]
     return row
@@ -231,7 +233,7 @@ def _parse_row(row: Any, where: str) -> tuple[list[dict], str]:
     """(messages, label) of one dataset row; `where` ("FILE line N") starts every error message."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object with a prompt and an answer, got {type(row).__name__}")
-    name = next((f for f in PROMPT_FIELDS if f in row), None)
+    name = next((f for f in PROMPT_FIELDS if _field(row, f) is not _MISSING), None)
     if name is None:
         raise ValueError(f"{where}: no prompt field; accepted: {', '.join(PROMPT_FIELDS)}")
     value = row[name]

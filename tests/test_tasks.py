@@ -1,0 +1,266 @@
+"""tasks.py: the tiny model and its tokenizer, toy tasks and their splits, rewards, the tool env, dataset files."""
+import json
+import pickle
+import re
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import tasks
+from config import DataSourceConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tiny"))
+    tasks.main(["make-tiny-model", "--out", out])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return AutoTokenizer.from_pretrained(tiny)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tiny model and tokenizer
+
+def test_tiny_model_reloads_with_the_same_logits(tiny, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert type(model).__name__ == "Qwen3ForCausalLM" and 50_000 < n_params < 200_000
+    ids = torch.tensor([[5, 6, 7, 8, 9, 14]])
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(again(ids).logits, logits)
+    # Same seed, same weights; another seed, other weights.
+    same = AutoModelForCausalLM.from_pretrained(tasks.make_tiny_model(str(tmp_path / "same")))
+    other = AutoModelForCausalLM.from_pretrained(tasks.make_tiny_model(str(tmp_path / "other"), seed=1))
+    assert torch.equal(same(ids).logits, logits) and not torch.allclose(other(ids).logits, logits)
+
+
+def test_tiny_model_config_names_eos_and_pad(tiny, tok):
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.eos_token_id != tok.pad_token_id
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.config.pad_token_id == model.generation_config.pad_token_id == tok.pad_token_id
+    assert model.config.vocab_size == len(tok) == 101
+    with open(f"{tiny}/tokenizer_config.json") as f:
+        assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"  # loadable by transformers 4.x too
+
+
+def test_tokenizer_is_character_level_and_round_trips(tok):
+    text = "".join(tasks.CHARS) + " Answer: \\boxed{\\frac{1}{2}}\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    eos = tok.eos_token_id
+    assert tok.decode(tok("54321", add_special_tokens=False)["input_ids"] + [eos], skip_special_tokens=True) == "54321"
+    assert tok.decode(tok("a\u00e9b", add_special_tokens=False)["input_ids"]) == "a<|unk|>b"
+    assert tok.decode(tok("a\u00e9b", add_special_tokens=False)["input_ids"], skip_special_tokens=True) == "ab"
+
+
+def test_chat_template(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Toy tasks
+
+def _texts(tok, prompts):
+    return [tok.decode(p["prompt_ids"]) for p in prompts]
+
+
+def test_reverse_digits_prompts_are_deterministic_and_held_out(tok):
+    cfg = DataSourceConfig(task="reverse_digits", num_prompts=2000, num_eval_prompts=200, seed=3)
+    train, evals = tasks.load_prompts(cfg, tok, "train"), tasks.load_prompts(cfg, tok, "eval")
+    assert len(train) == 2000 and len(evals) == 200
+    assert tasks.load_prompts(cfg, tok, "train") == train
+    assert not set(_texts(tok, train)) & set(_texts(tok, evals))
+    for text, p in zip(_texts(tok, train), train):
+        assert text.endswith("=") and text[:-1].isdigit() and p["label"] == text[:-1][::-1]
+    assert {len(p["label"]) for p in train} == {1, 2, 3, 4, 5}  # variable response lengths
+    # The train split does not depend on the eval size; another seed gives other prompts.
+    bigger_eval = DataSourceConfig(task="reverse_digits", num_prompts=2000, num_eval_prompts=500, seed=3)
+    assert tasks.load_prompts(bigger_eval, tok, "train") == train
+    other = DataSourceConfig(task="reverse_digits", num_prompts=2000, num_eval_prompts=200, seed=4)
+    assert tasks.load_prompts(other, tok, "train") != train
+
+
+def test_calc_tool_prompts_are_held_out(tok):
+    cfg = DataSourceConfig(task="calc_tool", num_prompts=500, num_eval_prompts=50)
+    train, evals = tasks.load_prompts(cfg, tok, "train"), tasks.load_prompts(cfg, tok, "eval")
+    assert not set(_texts(tok, train)) & set(_texts(tok, evals))
+    for text, p in zip(_texts(tok, train), train):
+        a, op, b = re.fullmatch(r"(\d+)([+*])(\d+)=", text).groups()
+        assert p["label"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
+
+
+def test_unknown_task_and_split_are_named(tok):
+    with pytest.raises(ValueError, match="data_source.task 'sort'.*reverse_digits"):
+        tasks.load_prompts(DataSourceConfig(task="sort"), tok)
+    with pytest.raises(ValueError, match="split must be"):
+        tasks.load_prompts(DataSourceConfig(), tok, "test")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rewards
+
+@pytest.mark.parametrize("response,stopped,expected", [
+    ("54321", True, 1.0),  # exact and stopped on eos
+    ("54321", False, 5 / 6),  # right digits, cut off before the eos
+    ("543", True, 3 / 6),  # prefix
+    ("543219", True, 5 / 6),  # ran past the end
+    ("54021", True, 2 / 6),  # prefix up to the first wrong digit
+    ("", True, 0.0),
+    ("", False, 0.0),
+    ("9", True, 0.0),
+])
+def test_reverse_digits_reward(response, stopped, expected):
+    assert tasks.get_reward_fn("reverse_digits")(response, "54321", stopped) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("response,label,expected", [
+    ("so the result is \\boxed{\\dfrac{1}{2}}.", "\\frac12", 1.0),
+    ("work\nAnswer: 34", "34", 1.0),
+    ("Answer: $1,000$.", "1000", 1.0),
+    ("Answer: \\boxed{5}", "5", 1.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", 1.0),  # nested braces
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),  # equal only to math-verify
+    ("\\boxed{5} then Answer: 6", "5", 0.0),  # the later answer counts
+    ("Answer: 35", "34", 0.0),
+    ("the answer is 34", "34", 0.0),  # no Answer: line, no box
+    ("\\boxed{34", "34", 0.0),  # box cut off by truncation
+])
+def test_math_reward(response, label, expected):
+    assert tasks.get_reward_fn("math")(response, label, True) == expected
+
+
+def test_math_reward_works_off_the_main_thread():
+    # math-verify's timeouts need the main thread; rollouts may score in a worker thread.
+    result = []
+    thread = threading.Thread(target=lambda: result.append(tasks.math_reward("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True)))
+    thread.start()
+    thread.join(30)
+    assert result == [1.0]
+
+
+def test_reward_lookup_and_pickling():
+    for task, name in (("reverse_digits", "reverse_digits"), ("calc_tool", "calc_tool"), ("jsonl", "math"),
+                       ("parquet", "math")):
+        fn = tasks.get_reward_fn(tasks.default_reward(task))
+        assert tasks.default_reward(task) == name and pickle.loads(pickle.dumps(fn)) is fn
+    assert tasks.get_reward_fn("tasks:reverse_digits_reward") is tasks.reverse_digits_reward
+    with pytest.raises(ValueError, match="data_source.reward 'f1' is unknown"):
+        tasks.get_reward_fn("f1")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tool environment
+
+def test_calc_tool_turn_sequence():
+    env = tasks.make_env("calc_tool", "2183", {})
+    assert env.max_turns == 3
+    assert env.step("calc 37*59") == "=2183\n"
+    assert env.step("2183") is None  # a turn that is not a tool call is the answer
+    transcript = "calc 37*59" + "=2183\n" + "2183"
+    reward = tasks.get_reward_fn("calc_tool")
+    assert reward(transcript, "2183", True) == 1.0
+    assert reward(transcript, "2183", False) == pytest.approx(4 / 5)
+    assert reward("calc 37*59=2183\n21", "2183", True) == pytest.approx(2 / 5)
+    # Tool calls stop at max_turns: the third turn gets no observation even if it is a call.
+    env = tasks.make_env("calc_tool", "3", {})
+    assert env.step("calc 1+2") == "=3\n" and env.step(" calc 1+2 ") == "=3\n" and env.step("calc 1+2") is None
+    with pytest.raises(ValueError, match="data_source.task 'reverse_digits' has no tool environment"):
+        tasks.make_env("reverse_digits", "1", {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataset files
+
+ROWS = [
+    {"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+     "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(6)
+] + [
+    {"problem": "What is 1/2 of 1?", "solution": "Half of one is $\\boxed{\\frac{1}{2}}$."},
+    {"question": "Natalia sold 48 clips, then half as many. How many?", "answer": "48/2 = 24\n#### 72"},
+    {"prompt": "Plain string prompt", "answer": 7},
+]
+
+
+def _write_jsonl(path, rows, raw_lines=()):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def _check_dataset(tok, cfg):
+    train, evals = tasks.load_prompts(cfg, tok, "train"), tasks.load_prompts(cfg, tok, "eval")
+    assert len(train) == len(ROWS) - 3 and len(evals) == 3
+    assert tasks.load_prompts(cfg, tok, "train") == train
+    assert not {p["metadata"]["row"] for p in train} & {p["metadata"]["row"] for p in evals}
+    labels = {tok.decode(p["prompt_ids"]): p["label"] for p in train + evals}
+    assert labels["<|im_start|>user\nWhat is 3+3?<|im_end|>\n<|im_start|>assistant\n"] == "6"
+    assert labels["<|im_start|>user\nWhat is 1/2 of 1?<|im_end|>\n<|im_start|>assistant\n"] == "\\frac{1}{2}"
+    assert labels["<|im_start|>user\nNatalia sold 48 clips, then half as many. How many?<|im_end|>\n"
+                  "<|im_start|>assistant\n"] == "72"
+    assert labels["<|im_start|>user\nPlain string prompt<|im_end|>\n<|im_start|>assistant\n"] == "7"
+
+
+def test_jsonl_dataset(tok, tmp_path):
+    path = _write_jsonl(tmp_path / "math.jsonl", ROWS, raw_lines=[""])  # a blank line is skipped
+    _check_dataset(tok, DataSourceConfig(task="jsonl", path=path, num_eval_prompts=3, seed=1))
+    first = tasks.load_prompts(DataSourceConfig(task="jsonl", path=path, num_eval_prompts=1, seed=1), tok)[0]
+    assert first["metadata"]["row"] in (1, 2)  # 1-based line numbers, file order
+
+
+def test_parquet_dataset(tok, tmp_path):
+    path = str(tmp_path / "math.parquet")
+    # One schema for all rows: each row's missing columns are null, which counts as absent.
+    rows = ROWS[:7]
+    columns = ["data_source", "prompt", "reward_model", "problem", "solution"]
+    pq.write_table(pa.table({c: [row.get(c) for row in rows] for c in columns}), path)
+    cfg = DataSourceConfig(task="parquet", path=path, num_eval_prompts=2, seed=1)
+    train, evals = tasks.load_prompts(cfg, tok, "train"), tasks.load_prompts(cfg, tok, "eval")
+    assert len(train) == 5 and len(evals) == 2
+    assert sorted(p["label"] for p in train + evals) == sorted(["0", "2", "4", "6", "8", "10", "\\frac{1}{2}"])
+    assert sorted(p["metadata"]["row"] for p in train + evals) == list(range(7))
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": "hi", "answer": "1"', "line 3: not valid JSON"),
+    ('{"answer": "1"}', "line 3: no prompt field; accepted: prompt, problem, question"),
+    ('{"prompt": 5, "answer": "1"}', "line 3: field 'prompt' must be"),
+    ('{"prompt": [{"role": "user"}], "answer": "1"}', "line 3: field 'prompt' must be"),
+    ('{"prompt": "hi"}', "line 3: no ground-truth field"),
+    ('{"prompt": "hi", "reward_model": {"ground_truth": null}}', "line 3: no ground-truth field"),
+    ('{"prompt": "hi", "reward_model": {"ground_truth": [1]}}', "line 3: field 'reward_model.ground_truth' must be"),
+    ('[1, 2]', "line 3: a row must be an object"),
+])
+def test_malformed_jsonl_row_names_file_line_and_field(tok, tmp_path, line, message):
+    path = _write_jsonl(tmp_path / "bad.jsonl", ROWS[:2], raw_lines=[line])
+    with pytest.raises(ValueError) as err:
+        tasks.load_prompts(DataSourceConfig(task="jsonl", path=path, num_eval_prompts=1), tok)
+    assert str(err.value).startswith(f"{path} {message}")
+
+
+def test_malformed_parquet_row_and_bad_paths(tok, tmp_path):
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "", "answer": "2"}]), path)
+    with pytest.raises(ValueError, match=r"bad.parquet row 1 \(0-based\): field 'problem' must be"):
+        tasks.load_prompts(DataSourceConfig(task="parquet", path=path, num_eval_prompts=1), tok)
+    with pytest.raises(FileNotFoundError, match="data_source.path 'nope.jsonl' is not a file"):
+        tasks.load_prompts(DataSourceConfig(task="jsonl", path="nope.jsonl"), tok)
+    small = _write_jsonl(tmp_path / "small.jsonl", ROWS[:2])
+    with pytest.raises(ValueError, match="data_source.num_eval_prompts=64 leaves no training rows"):
+        tasks.load_prompts(DataSourceConfig(task="jsonl", path=small), tok)
