@@ -1,0 +1,396 @@
+"""train.py: the step loop's helpers, every start-up validation, the old-policy snapshot, weight sync fidelity
+(engine log-probs == trainer log-probs after a sync, both methods), SIGKILL + resume, and the spec's metrics.
+
+CPU only. The multi-process checks run this file as a script under torchrun (2 gloo ranks):
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_train.py snapshot '{...}'
+Run: .venv/bin/python -m pytest -q tests/test_train.py
+"""
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import config  # noqa: E402
+import train  # noqa: E402
+
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    import tasks
+
+    return tasks.make_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
+
+
+def _run_overrides(run_dir, model) -> list:
+    """tiny.yaml shrunk to one epoch of 32 prompts in 8 steps (B=4, N=4, M=8: 2 training calls per step)."""
+    return [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={_free_port()}",
+            f"weight_sync.master_port={_free_port()}", "data_source.num_prompts=32", "data_source.num_eval_prompts=8",
+            "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
+            "trainer.mini_batch_size=8", "trainer.total_steps=8", "trainer.save_freq=1", "trainer.eval_freq=4",
+            "buffer.get_timeout_s=120", "rollout.startup_timeout_s=120"]
+
+
+def _session_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_session_gone(pgid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _session_gone(pgid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _read_rows(run_dir) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure helpers
+
+def test_aggregate_follows_the_spec_naming_rule():
+    calls = [{"timing/train": 1.0, "train/is_max": 3.0, "train/is_min": 0.5, "train/pg_loss": 0.2},
+             {"timing/train": 2.0, "train/is_max": 5.0, "train/is_min": 0.1, "train/pg_loss": 0.4,
+              "perf/train_memory_allocated_max": 7.0}]
+    out = train.aggregate(calls)
+    assert out["timing/train"] == 3.0  # summed
+    assert out["train/is_max"] == 5.0 and out["perf/train_memory_allocated_max"] == 7.0  # max
+    assert out["train/is_min"] == 0.1  # min
+    assert out["train/pg_loss"] == pytest.approx(0.3)  # averaged
+
+
+def _seq(p, r, adv=1.0):
+    return {"prompt": torch.arange(p), "response": torch.arange(r) + 100, "mask": torch.ones(r, dtype=torch.long),
+            "rollout_lp": -torch.arange(r, dtype=torch.float32) - 1, "adv": adv}
+
+
+def test_split_balanced_by_tokens_and_micro_batches_fit():
+    seqs = [_seq(4, n) for n in (30, 2, 2, 2, 10, 9, 8, 7)]
+    shares = train.split_balanced(seqs, 2)
+    loads = [sum(train._length(s) for s in sh) for sh in shares]
+    assert sum(loads) == sum(train._length(s) for s in seqs) and abs(loads[0] - loads[1]) <= 8
+    for sh in shares:
+        plan = train.plan_micro_batches(sh, max_tokens=40)
+        assert sum(len(mb) for mb in plan) == len(sh)
+        for mb in plan:  # rows x longest row within the budget, unless a single row is longer
+            assert len(mb) == 1 or len(mb) * max(train._length(s) for s in mb) <= 40
+
+
+def test_collate_puts_response_tokens_on_their_predicting_positions():
+    b = train.collate([_seq(3, 2), _seq(2, 4, adv=-1.0)], torch.device("cpu"))
+    assert b["ids"].shape == (2, 6) and b["mask"].shape == (2, 5)
+    # sequence 0: prompt 0,1,2 then response 100,101: position 2 predicts 100, position 3 predicts 101
+    assert b["mask"][0].tolist() == [0, 0, 1, 1, 0]
+    assert b["ids"][0, 1:][b["mask"][0] > 0].tolist() == [100, 101]
+    assert b["rollout_lp"][0, 2:4].tolist() == [-1.0, -2.0]
+    assert b["ids"][1, 1:][b["mask"][1] > 0].tolist() == [100, 101, 102, 103]
+    assert b["attn"][0].tolist() == [1, 1, 1, 1, 1, 0] and b["adv"].tolist() == [1.0, -1.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Start-up validation through train.py: exit code 2 and the one-sentence message, before anything starts
+
+def _config_rules():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_config
+
+    return test_config.RULES
+
+
+TRAIN_RULES = [  # train.py's own checks (check_launch): (overrides, strings of the message)
+    (["trainer.num_gpus_per_node=2"], ["trainer.num_nodes x trainer.num_gpus_per_node", "(1)"]),
+    (["model.path=/nonexistent/model", "model.make_tiny=false"], ["model.path", "model.make_tiny"]),
+    (["rollout.launch=none"], ["rollout.launch=none", "rollout.servers"]),
+    (["rollout.num_servers=0"], ["rollout.num_servers"]),
+    (["rollout.num_servers=2", "rollout.server_gpus=[[0]]"], ["rollout.server_gpus", "rollout.num_servers"]),
+    (["rollout.launch=sglang"], ["rollout.launch=sglang", "rollout.server_gpus"]),
+    (["rollout.servers=[http://127.0.0.1:1]", "rollout.router_url=http://127.0.0.1:2"],
+     ["rollout.servers", "rollout.router_url"]),
+    (["run_mode=train-only", "fully_async.enable=false"], ["run_mode=train-only", "trainer.rollout_dir"]),
+]
+
+
+def _expect_exit(argv, fragments, capsys):
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert time.monotonic() - t0 < 5
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    for frag in fragments:
+        assert frag in lines[0], (frag, lines[0])
+
+
+def test_every_config_validation_exits_through_train_py(tmp_path, capsys):
+    rules = _config_rules()
+    assert len(rules) >= 40
+    for i, (overrides, base, fragments) in enumerate(rules):
+        cfg_path = tmp_path / f"rule{i}.yaml"
+        cfg_path.write_text(json.dumps(base or {}))  # JSON is YAML
+        _expect_exit(["--config", str(cfg_path), f"run_dir={tmp_path}/run{i}", *overrides], fragments, capsys)
+
+
+@pytest.mark.parametrize("overrides,fragments", TRAIN_RULES)
+def test_train_launch_checks_exit_with_one_sentence(tmp_path, capsys, overrides, fragments):
+    base = ["trainer.num_gpus_per_node=1", f"run_dir={tmp_path}/run", f"model.path={tmp_path}/model"]
+    _expect_exit(["--config", TINY, *base, *overrides], fragments, capsys)
+
+
+def test_validation_under_torchrun_exits_fast_and_leaves_no_process(tmp_path):
+    t0 = time.monotonic()
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, f"run_dir={tmp_path}/run",
+                          "fully_async.stale_steps=-1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert "error: fully_async.stale_steps must be >= 0, got -1.0" in err
+    assert time.monotonic() - t0 < 60
+    assert _wait_session_gone(p.pid)  # start_new_session=True: the run's processes share its process group
+
+
+def test_child_failing_at_start_stops_everything(tmp_path, tiny_model):
+    """The buffer process dies at start (a missing dataset file): the run fails naming its log, nothing is left."""
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(tmp_path / "run", tiny_model),
+                          "data_source.task=jsonl", f"data_source.path={tmp_path}/missing.jsonl"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode != 0
+    assert "the buffer process exited" in out and "buffer.log" in out
+    assert _wait_session_gone(p.pid), "processes of the failed run are still running"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-process checks: this file runs as a script under torchrun
+
+def _torchrun_self(mode: str, args: dict, timeout: float = 240) -> dict:
+    p = subprocess.run([*TORCHRUN, os.path.abspath(__file__), mode, json.dumps(args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
+    """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
+    live weights are back."""
+    r = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
+    assert r["old_vs_step_start"] < 1e-6
+    assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
+    assert r["live_after_vs_before"] < 1e-6
+
+
+def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_model):
+    r = _torchrun_self("sync", {"model": tiny_model, "run_dir": str(tmp_path), "port": _free_port(),
+                                "master_port": _free_port()})
+    for method in ("distributed", "disk"):
+        m = r[method]
+        assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
+        assert m["after_sync"] < 1e-4, m  # float32, same weights, same convention
+        assert m["tokens"] >= 4 and m["weight_version"] == m["version"]
+
+
+def _script_setup(args):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    train._CTRL = dist.new_group(backend="gloo")
+    rank = dist.get_rank()
+    cfg = config.load_config(TINY, [f"model.path={args['model']}", f"run_dir={args['run_dir']}", "trainer.lr=0.01",
+                                    f"rollout.base_port={args.get('port', 31000)}",
+                                    f"weight_sync.master_port={args.get('master_port', 29700)}"])
+    model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
+    opt, sched = train.build_optimizer(model, cfg.trainer)
+    return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
+
+
+@torch.no_grad()
+def _log_probs(actor, batch, temperature=1.0):
+    import losses
+
+    logits = actor.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
+    train.reshard(actor.model)
+    return losses.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
+
+
+def _snapshot_script(args):
+    import torch.distributed as dist
+
+    cfg, rank, actor = _script_setup(args)
+    g = torch.Generator().manual_seed(0)  # the same data on both ranks
+    seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g), "response": torch.randint(3, 90, (6,), generator=g),
+             "mask": torch.ones(6, dtype=torch.long), "rollout_lp": torch.full((6,), -2.0),
+             "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
+    first, second = train.collate(seqs[4:], torch.device("cpu")), seqs[:4]
+    step_start = _log_probs(actor, first)
+    actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
+    live = _log_probs(actor, first)
+    old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
+    after = _log_probs(actor, first)
+    if rank == 0:
+        print("RESULT " + json.dumps({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
+                                      "live_vs_step_start": float((live - step_start).abs().max()),
+                                      "live_after_vs_before": float((after - live).abs().max())}), flush=True)
+    dist.destroy_process_group()
+
+
+def _sync_script(args):
+    import requests
+    import torch.distributed as dist
+
+    import rollout as rollout_lib
+
+    cfg, rank, actor = _script_setup(args)
+    services = train.Services(cfg) if rank == 0 else None
+    results = {}
+    try:
+        if rank == 0:
+            urls = services.launch_servers(0)
+            actor.fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet(urls))
+        for version, method in ((1, "distributed"), (2, "disk")):
+            cfg.weight_sync.method = method
+            with torch.no_grad():  # move the trainer's weights away from the engine's
+                train.reshard(actor.model)
+                gen = torch.Generator().manual_seed(version * 10 + rank)
+                for p in actor.model.parameters():
+                    local = p.to_local()
+                    local.add_(torch.randn(local.shape, generator=gen) * 0.05)
+
+            def engine_vs_trainer():
+                msg = [None]
+                if rank == 0:
+                    out = requests.post(urls[0] + "/generate", timeout=60, json={
+                        "input_ids": [5, 6, 7, 8, 9], "return_logprob": True,
+                        "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}).json()
+                    msg = [{"ids": out["output_ids"], "lp": [x[0] for x in out["meta_info"]["output_token_logprobs"]],
+                            "version": out["meta_info"]["weight_version"]}]
+                dist.broadcast_object_list(msg, src=0, group=train._CTRL)
+                s = {"prompt": torch.tensor([5, 6, 7, 8, 9]), "response": torch.tensor(msg[0]["ids"]),
+                     "mask": torch.ones(len(msg[0]["ids"]), dtype=torch.long),
+                     "rollout_lp": torch.tensor(msg[0]["lp"]), "adv": 0.0}
+                b = train.collate([s], torch.device("cpu"))
+                ours = _log_probs(actor, b)
+                return float(((ours - b["rollout_lp"]) * b["mask"]).abs().max()), msg[0]
+
+            before, _ = engine_vs_trainer()
+            actor._sync(version)  # lockstep on both ranks (no command channel here)
+            after, msg = engine_vs_trainer()
+            results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
+                               "weight_version": msg["version"], "version": str(version)}
+        if rank == 0:
+            print("RESULT " + json.dumps(results), flush=True)
+    finally:
+        if services is not None:
+            services.close(ok=False)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: SIGKILL at a random point, resume=auto, then the whole epoch was trained exactly once
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory, tiny_model):
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    args = [*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model)]
+    seed = random.randrange(10 ** 6)
+    rng = random.Random(seed)
+    kill_after = rng.randint(1, 5)  # complete checkpoints to wait for, then a random extra delay
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    deadline = time.monotonic() + 240
+    while True:
+        ck = train.latest_checkpoint(str(run_dir))
+        if ck and int(ck.rsplit("_", 1)[1]) >= kill_after:
+            break
+        assert p.poll() is None and time.monotonic() < deadline, (seed, p.stdout.read()[-3000:] if p.poll() else "")
+        time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 1.5))
+    os.killpg(p.pid, signal.SIGKILL)
+    p.communicate(timeout=30)
+    assert _wait_session_gone(p.pid), "SIGKILL left processes of the run behind"
+    killed_at = int(train.latest_checkpoint(str(run_dir)).rsplit("_", 1)[1])
+    p2 = subprocess.run([*args, "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        start_new_session=True)
+    assert p2.returncode == 0, (seed, p2.stdout[-3000:] + p2.stderr[-5000:])
+    return {"run_dir": str(run_dir), "killed_at": killed_at, "seed": seed, "out": p2.stdout,
+            "rows": _read_rows(run_dir)}
+
+
+def test_resume_after_sigkill_trains_every_prompt_of_the_epoch_once(resumed_run):
+    r = resumed_run
+    assert f"at step {r['killed_at']}" in r["out"], r["seed"]
+    rows = [row for row in r["rows"] if row["step"] > 0]
+    assert [row["step"] for row in rows] == list(range(1, 9)), r["seed"]  # the step counter continues
+    trained = [tuple(pid) for row in rows for pid in row["data/prompt_ids"]]
+    assert sorted(trained) == [(0, i) for i in range(32)], (r["seed"], r["killed_at"], trained)
+    # the buffer's weight version during step i is i (each step's sync adds one), across both parts
+    assert [row["rollout/weight_version"] for row in rows] == list(range(8)), r["seed"]
+    state = torch.load(os.path.join(train.latest_checkpoint(r["run_dir"]), "run_state.pt"), weights_only=False)
+    assert state["step"] == 8 and state["weight_version"] == 8
+    assert os.path.exists(os.path.join(r["run_dir"], "hf", "model.safetensors"))
+
+
+SPEC_METRICS = [  # ../shared/spec/fully_async_mode.md section 4 (plus the training metrics it names)
+    "rollout/pipeline_buf_size", "rollout/filter_drop", "rollout/partial_ratio", "rollout/partial_span_max",
+    "rollout/partial_restored_count", "rollout/partial_dropped_incomplete_count", "timing/pause_delay",
+    "perf/wait_ratio", "timing/rollout", "timing/process_traj", "timing/train", "timing/step", "timing/save_ckpt",
+    "timing/update_weights", "train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/approx_kl",
+    "train/clip_ratio", "train/dual_clip_ratio", "train/nan_ratio", "train/is_mean", "train/is_max", "train/is_min",
+    "perf/train_memory_allocated_max", "perf/train_memory_reserved_max", "rollout/reward_mean"]
+
+
+def test_fully_async_run_reports_every_spec_metric_with_sane_values(resumed_run):
+    rows = [row for row in resumed_run["rows"] if row["step"] > 0]
+    missing = [k for k in SPEC_METRICS if not any(k in row for row in rows)]
+    assert not missing, missing
+    cap = int(4 * (1 + 1))
+    for row in rows:
+        assert 0.0 <= row["rollout/partial_ratio"] <= 1.0 and 0.0 <= row["perf/wait_ratio"] <= 1.0
+        assert 0 <= row["rollout/pipeline_buf_size"] <= cap and row["rollout/partial_span_max"] >= 0
+        assert row["timing/step"] >= row["timing/train"] > 0 and row["timing/rollout"] >= 0
+        assert math.isfinite(row["train/grad_norm"]) and row["train/nan_ratio"] == 0.0
+        assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and row["train/entropy"] > 0
+        assert row["train/is_min"] <= row["train/is_mean"] <= row["train/is_max"]
+        assert row["perf/train_memory_allocated_max"] > 0
+    evals = [row["eval/reward_mean"] for row in resumed_run["rows"] if "eval/reward_mean" in row]
+    assert evals and all(0.0 <= e <= 1.0 for e in evals)
+
+
+def test_plot_writes_a_png(resumed_run, tmp_path):
+    out = train.plot(os.path.join(resumed_run["run_dir"], "metrics.jsonl"), str(tmp_path / "m.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+if __name__ == "__main__":
+    {"snapshot": _snapshot_script, "sync": _sync_script}[sys.argv[1]](json.loads(sys.argv[2]))
