@@ -735,6 +735,7 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
     """
     import config  # light: stdlib + yaml
     global _SERVER
+    torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
     cfg = config.validate(config.from_dict(cfg_dict))
     if prompts_per_source is None:
         prompts_per_source = _load_prompts(cfg)
