@@ -10,8 +10,9 @@ Simplifications: one lock guards all state (every operation is O(groups in fligh
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
 
 Run the buffer process (train.py does this):  python buffer.py --config RESOLVED.yaml --rpc-init tcp://host:port
---rank R --world-size W. Tests: python -m pytest -q tests/test_buffer.py. Imports only the standard library and
-torch at module level (config/tasks/transformers are imported inside serve()).
+--rank R --world-size W. Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
+Imports only the standard library, torch and strategies.py (itself stdlib-only) at module level; config, tasks
+and transformers are imported inside serve().
 """
 from __future__ import annotations
 
@@ -325,7 +326,7 @@ class PipelineServer:
       trajectories), PipelineBuffer <= C groups, the restored lane <= C groups;
       generating groups <= rollout.async_max_concurrent_samples // N when that is set.
     With `collector_thread=False` the collection runs inside put() (deterministic; used by the property tests);
-    the rules are identical.
+    the rules are identical. `cfg` is a config.Config that passed config.validate (which checks these settings).
     """
 
     def __init__(self, cfg, prompts_per_source: list, collector_thread: bool = True):
@@ -336,13 +337,7 @@ class PipelineServer:
         self.fully_async = cfg.fully_async.enable
         self.C = cfg.capacity if self.fully_async else self.B + cfg.rollout.sampler.num_oversample
         cap = cfg.rollout.async_max_concurrent_samples
-        if cap is not None and cap < self.N:
-            raise ValueError(f"rollout.async_max_concurrent_samples ({cap}) must be >= "
-                             f"data_source.num_trajectories_per_prompt ({self.N}), otherwise no group can be in flight")
         self.max_generating = None if cap is None else cap // self.N  # groups still generating (spec: value // N)
-        for f in cfg.rollout.filter:
-            if f not in ("failed", "all_equal_reward"):
-                raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
         self.filters = tuple(cfg.rollout.filter)
         self.max_staleness = cfg.rollout.max_weight_staleness  # None: no per-trajectory bound
         self.get_timeout = float(cfg.buffer.get_timeout_s)
@@ -387,8 +382,10 @@ class PipelineServer:
                 view.R += 1
                 view.generating += 1
                 view.next_seq = self.data.next_seq
-                view.oldest_uncollected = pg.seq if view.oldest_uncollected is None else min(view.oldest_uncollected, pg.seq)
-                view.oldest_uncompleted = pg.seq if view.oldest_uncompleted is None else min(view.oldest_uncompleted, pg.seq)
+                view.oldest_uncollected = min(pg.seq, pg.seq if view.oldest_uncollected is None
+                                              else view.oldest_uncollected)
+                view.oldest_uncompleted = min(pg.seq, pg.seq if view.oldest_uncompleted is None
+                                              else view.oldest_uncompleted)
                 out.append(pg)
             self._counts["dispatched"] += len(out)
             return out
@@ -486,7 +483,8 @@ class PipelineServer:
         """The rollout now generates with weights `v`; buffered groups beyond rollout.max_weight_staleness go."""
         with self._cond:
             if v < self.version:
-                raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is {self.version}")
+                raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is "
+                                 f"{self.version}")
             self.version = int(v)
             if self.max_staleness is not None:
                 stale = self.pbuf.remove_if(lambda g: self._too_stale(g.trajectories))
@@ -544,10 +542,12 @@ class PipelineServer:
     def state_dict(self) -> dict:
         """Data-source cursor, weight version and every prompt not yet consumed: the restored lane (with partial
         responses), groups in flight (with the trajectories already put, see _partial_now) and PipelineBuffer's
-        groups (as prompts, regenerated after a resume, as the spec says). Loading it replays them before any fresh prompt, so every prompt of
-        an epoch is trained exactly once across a resume. Plain data + tensors (torch.save-able)."""
+        groups (as prompts, regenerated after a resume, as the spec says). Loading it replays them before any
+        fresh prompt, so every prompt of an epoch is trained exactly once across a resume. Plain data + tensors
+        (torch.save-able, torch.load(weights_only=True)-able)."""
         with self._cond:
-            replay = [dataclasses.replace(pg, partial=self._partial_now(key, pg)) for key, pg in self._in_flight.items()]
+            replay = [dataclasses.replace(pg, partial=self._partial_now(key, pg))
+                      for key, pg in self._in_flight.items()]
             replay += [dataclasses.replace(g.prompt, partial=[]) for g in self.pbuf.groups()]
             return {"format": 1, "weight_version": self.version, "data": self.data.state_dict(replay)}
 
@@ -813,5 +813,6 @@ def main(argv: Optional[list] = None) -> None:
 
 
 if __name__ == "__main__":
-    import buffer  # serve from the importable module: RPC pickles calls as buffer._invoke, so the singleton must live there
+    import buffer  # RPC pickles calls as buffer._invoke: the singleton must live in the importable module
+
     buffer.main()

@@ -137,12 +137,8 @@ def test_async_max_concurrent_samples_caps_generating_groups():
     assert srv.dispatch() == []
     unset = make_server(B=8, N=8, stale=3.0, n_prompts=100)
     assert len(unset.dispatch()) == 32  # unset: the capacity rule alone
-    with pytest.raises(ValueError, match="async_max_concurrent_samples"):
-        from test_buffer import make_cfg
-        import buffer
-        cfg = make_cfg(B=8, N=8)
-        cfg.rollout.async_max_concurrent_samples = 4
-        buffer.PipelineServer(cfg, [[{"prompt_ids": [1]}]])
+    odd = make_server(B=8, N=8, stale=3.0, overrides=["rollout.async_max_concurrent_samples=20"], n_prompts=100)
+    assert len(odd.dispatch()) == 2  # 20 // 8: whole groups only
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -150,7 +146,8 @@ def test_async_max_concurrent_samples_caps_generating_groups():
 # ---------------------------------------------------------------------------------------------------------
 
 def _example_code(text):
-    m = re.search(r"([ \t]*import strategies\n\n\s*@strategies\.register\(\"strict-fifo\"\).*?return [^\n]+\n)", text, re.S)
+    m = re.search(r"([ \t]*import strategies\n\n\s*@strategies\.register\(\"strict-fifo\"\).*?return [^\n]+\n)",
+                  text, re.S)
     assert m, "the strict-fifo example is missing"
     lines = m.group(1).splitlines()
     indent = min(len(l) - len(l.lstrip()) for l in lines if l.strip())
