@@ -24,6 +24,10 @@ prefilled slab in and leave by compacting rows, and leading all-padding columns 
 --max-running-requests run; the rest wait in a FIFO queue (/v1/loads shows both). The HTTP side (aiohttp) only
 parses, validates and formats, so it stays responsive while the model computes.
 
+/abort_request matches rids by prefix, as SGLang's scheduler does ("" matches nothing unless abort_all); note that
+real SGLang's HTTP layer forwards an abort only when the given rid is itself a live request, so clients that must
+work on both abort by exact rid or with abort_all.
+
 Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache only checks
 that no request is in flight; no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
 or custom logit processors: those fields are accepted at their defaults and rejected with HTTP 400 otherwise;
@@ -58,6 +62,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from aiohttp import web
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 log = logging.getLogger("engine")
 
@@ -234,9 +240,6 @@ def abort_reason(message: str, status_code: Optional[int] = None, err_type: Opti
 # ----------------------------------------------------------------------------------------------------------------
 # KV cache: one left-padded slab per layer
 # ----------------------------------------------------------------------------------------------------------------
-
-from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
-
 
 class _SlabLayer(DynamicLayer):
     """One layer's K/V in a preallocated [B, H, capacity, D] buffer. Appending a step writes into the slab
@@ -458,9 +461,9 @@ class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
-                 weight_version: str, dist_timeout: float):
+                 weight_version: str):
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.max_running, self.max_prefill_tokens, self.dist_timeout = max_running, max_prefill_tokens, dist_timeout
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.weight_version = weight_version
         cfg = model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
@@ -478,6 +481,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: collections.deque = collections.deque()
         self.running: list = []  # row i of self.kv belongs to running[i]
+        self.prefilling: list = []  # admitted, being prefilled (neither waiting nor running yet)
         self.kv: Optional[KVBatch] = None
         self.paused: Optional[str] = None  # None | abort | retract | in_place
         self.released: set = set()
@@ -503,34 +507,35 @@ class Scheduler:
     def _busy(self) -> bool:
         return bool(self.running or self.waiting) and self.paused is None and not self.released
 
+    def _run_calls(self):
+        """Run the queued control calls; when there is nothing to decode, wait (up to 1 s) for the first one."""
+        block = not self._busy()
+        while True:
+            try:
+                fn, fut = self.inbox.get(timeout=1.0) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
     def _loop(self):
         tick_t, tick_n = time.perf_counter(), 0
         with torch.inference_mode():
             while not self._stop:
-                try:  # wait for work when idle, only peek when requests are decoding
-                    item = self.inbox.get_nowait() if self._busy() else self.inbox.get(timeout=1.0)
-                except queue.Empty:
-                    item = None
-                while item is not None:
-                    fn, fut = item
-                    try:
-                        fut.set_result(fn())
-                    except Exception as e:  # noqa: BLE001 - handed to the caller
-                        fut.set_exception(e)
-                    try:
-                        item = self.inbox.get_nowait()
-                    except queue.Empty:
-                        item = None
+                self._run_calls()
                 if not self._busy():
                     continue
                 try:
                     self._step()
                 except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-                    log.exception("model step failed; aborting the running requests")
-                    for req in self.running + list(self.waiting):
-                        self._finish(req, abort_reason(f"engine error: {e}", 500, "InternalServerError"))
-                    self.running, self.kv = [], None
-                    self.waiting.clear()
+                    log.exception("model step failed; aborting the requests in it")
+                    for req in self.running + self.prefilling:
+                        if req.finish is None:
+                            self._finish(req, abort_reason(f"engine error: {e}", 500, "InternalServerError"))
+                    self.running, self.prefilling, self.kv = [], [], None
                 now = time.perf_counter()
                 if now - tick_t > 2.0:
                     self.throughput = (self.generated_tokens - tick_n) / (now - tick_t)
@@ -559,6 +564,7 @@ class Scheduler:
                 break
             new.append(self.waiting.popleft())
             tokens += n
+        self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
         width = max(map(len, seqs))
         ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
@@ -583,6 +589,7 @@ class Scheduler:
             if i not in live:  # max_new_tokens 0 (or a retracted request already at its limit)
                 self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
         if not live:
+            self.prefilling = []
             return
         sel = torch.tensor(live, device=self.device)
         toks = self._sample_and_append([new[i] for i in live], logits[sel, -1])
@@ -592,6 +599,7 @@ class Scheduler:
         parts = [(self.kv, list(range(len(self.running))))] if self.kv is not None else []
         self.kv = KVBatch.combine(parts + [(kv, keep)])
         self.running += [new[i] for i in keep]
+        self.prefilling = []
 
     def _decode(self):
         kv = self.kv
@@ -754,9 +762,6 @@ class Scheduler:
 # ----------------------------------------------------------------------------------------------------------------
 # HTTP server
 # ----------------------------------------------------------------------------------------------------------------
-
-from aiohttp import web  # noqa: E402
-
 
 class Gate:
     """Who may start a /generate: SGLang's pause flag (new requests wait while paused) plus its model-update
@@ -1252,13 +1257,14 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests, args.max_prefill_tokens,
-                      str(args.weight_version), args.dist_timeout)
+                      str(args.weight_version))
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d)", args.model_path, args.host,
              args.port, device, args.max_running_requests)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request (as SGLang)
     web.run_app(server.app, host=args.host, port=args.port, handler_cancellation=True, print=None,
-                access_log=None)
+                access_log=None, shutdown_timeout=3.0)
 
 
 if __name__ == "__main__":
