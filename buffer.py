@@ -349,8 +349,7 @@ class PipelineServer:
         self.pbuf = PipelineBuffer(max_groups=self.C)
         self.version = 0  # current weight version (set_weight_version)
         self._in_flight: dict = {}  # key -> PromptGroup: dispatched, not yet collected (R)
-        self._assembled: set = set()  # in-flight keys with all N trajectories in TrajQueue (not generating)
-        self._complete: set = set()  # assembled keys with no aborted trajectory: candidates for collection
+        self._complete: set = set()  # in-flight keys with all N trajectories in TrajQueue: not generating
         self._consumed_step = 0  # groups handed out since the last step boundary
         self._counts: Counter = Counter()  # popped by step_metrics()
         self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
@@ -394,10 +393,13 @@ class PipelineServer:
         """Finished (completed / truncated / failed) trajectories into TrajQueue; the collector takes it from there.
 
         Trajectories of groups no longer in flight (dropped or restored at a step boundary) and duplicates are
-        ignored and counted in rollout/late_drop.
+        ignored and counted in rollout/late_drop. Aborted ones belong to step_boundary().
         """
         for t in trajs:
             _check_trajectory(t, self.N)
+            if t.status == ABORTED:
+                raise ValueError(f"trajectory {t.prompt_id}#{t.index} is aborted; put() takes finished trajectories "
+                                 "(completed, truncated, failed), aborted ones go to step_boundary()")
         with self._cond:
             for t in trajs:
                 self._add_locked(t)
@@ -420,7 +422,7 @@ class PipelineServer:
         with self._cond:
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
             for t in returned:
-                self._add_locked(t)
+                self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
             restored, dropped_trajs, dropped_groups, untouched = [], 0, 0, 0
             for key in sorted(self._in_flight):
                 pg = self._in_flight[key]
@@ -439,7 +441,6 @@ class PipelineServer:
                 raise RuntimeError(f"TrajQueue still holds {len(self.queue)} groups after the step boundary")
             self.data.restore(restored)
             self._in_flight.clear()
-            self._assembled.clear()
             self._complete.clear()
             self.strategy.reset()
             self._consumed_step = 0
@@ -583,7 +584,7 @@ class PipelineServer:
         seqs = [k[1] for k in self._in_flight]
         return strategies.PipelineView(
             B=self.B, C=self.C, R=len(self._in_flight), Q=len(self.pbuf),
-            generating=len(self._in_flight) - len(self._assembled), consumed=self._consumed_step,
+            generating=len(self._in_flight) - len(self._complete), consumed=self._consumed_step,
             next_seq=self.data.next_seq, oldest_uncollected=min(seqs, default=None),
             oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None))
 
@@ -598,9 +599,7 @@ class PipelineServer:
             self._counts["late_drop"] += 1
             return
         if self.queue.is_assembled(key):
-            self._assembled.add(key)
-            if all(s.status != ABORTED for s in self.queue.slots(key)):
-                self._complete.add(key)
+            self._complete.add(key)
 
     def _partial_now(self, key: Key, pg: PromptGroup) -> list:
         """An in-flight group as a restorable partial: the trajectories already put, else what it was dispatched
@@ -627,7 +626,6 @@ class PipelineServer:
                 moved = True
                 pg = self._in_flight.pop(key)
                 trajs = self.queue.pop(key)
-                self._assembled.discard(key)
                 self._complete.discard(key)
                 pg.partial = []  # the trajectories now live in the Group
                 view.R -= 1

@@ -170,6 +170,8 @@ def test_trajqueue_assembles_groups_and_counts_duplicates_and_late_arrivals():
     bad = traj(g1, 0, status="done")
     with pytest.raises(ValueError, match="status"):
         srv.put([bad])
+    with pytest.raises(ValueError, match="step_boundary"):
+        srv.put([aborted(g1, 0)])
 
 
 def test_filters_drop_failed_and_equal_reward_groups_and_count_them():
