@@ -1,9 +1,11 @@
 """bench/rollout_bench.py: does the producer keep engine.py saturated, and what does it cost per trajectory?
 
 Starts engine.py (the tiny model unless --model-path or --url), a PipelineServer (fully-async, no-window) and the
-Rollout, plus a trainer stand-in that takes B groups, pauses, bumps the weight version and resumes, with no training
-in between, so only the producer and the engine set the pace. A poller reads the engine's /v1/loads every few ms
-while the producer is dispatching (between resume and pause).
+Rollout. After one warm-up step, a trainer stand-in takes groups as fast as they are buffered (no training), so
+the producer dispatches all the time and only it and the engine set the pace; a poller reads the engine's /v1/loads
+every few ms meanwhile. The --seconds are cut into --steps segments, each ended by a step boundary taken while the
+producer is busy (pause, bump the weight version, resume), which measures timing/pause_delay; the poller does not
+sample during the boundaries.
 
 Printed figures:
 - engine occupancy: the engine's running + waiting requests over S = rollout.async_max_concurrent_samples (mean, and
@@ -20,7 +22,7 @@ Printed figures:
 
 Run:
     python bench/rollout_bench.py [--seconds 20] [--concurrency 32] [--n 8] [--b 8] [--max-new-tokens 32]
-                                  [--partial] [--url http://127.0.0.1:30000 --model-path DIR]
+                                  [--steps 3] [--partial] [--url http://127.0.0.1:30000 --model-path DIR]
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ import tasks  # noqa: E402
 
 def poll_loads(url: str, ro: rollout.Rollout, dispatching: threading.Event, stop: threading.Event, out: list,
                cpu: list):
-    """(engine running + waiting, producer in flight) samples, taken only while the producer is dispatching;
-    appends this thread's own CPU time to `cpu` when it ends (subtracted from the producer's)."""
+    """(engine running + waiting, producer in flight) samples while `dispatching`, until `stop`; then appends this
+    thread's own CPU time to `cpu` (subtracted from the producer's)."""
     session = requests.Session()
     while not stop.is_set():
         if not dispatching.wait(0.1):
@@ -60,7 +62,8 @@ def poll_loads(url: str, ro: rollout.Rollout, dispatching: threading.Event, stop
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=20.0, help="measured run time (after one warm-up step)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured time of continuous dispatch (after warm-up)")
+    ap.add_argument("--steps", type=int, default=4, help="step boundaries (pause, version bump, resume) in --seconds")
     ap.add_argument("--concurrency", type=int, default=32, help="rollout.async_max_concurrent_samples S")
     ap.add_argument("--n", type=int, default=8, help="N trajectories per group")
     ap.add_argument("--b", type=int, default=8, help="B groups per step (the trainer stand-in pauses after B)")
@@ -91,30 +94,30 @@ def main(argv=None) -> None:
     samples, poller_cpu, dispatching, stop = [], [], threading.Event(), threading.Event()
     poller = threading.Thread(target=poll_loads, args=(url, ro, dispatching, stop, samples, poller_cpu), daemon=True)
     loop_cpu = lambda: sync.run(_thread_time(), 10.0, "reading the loop thread's CPU time")  # noqa: E731
+    version, pauses = 0, []
+
+    def boundary() -> float:
+        nonlocal version
+        dispatching.clear()
+        pause = ro.pause()["timing/pause_delay"]
+        version += 1
+        sync.update_weight_version(version)
+        buf.set_weight_version(version)
+        ro.resume(version)
+        return pause
+
     try:
         ro.start()
-        version = 0
-
-        def step(measure: bool) -> dict:
-            nonlocal version
-            if measure:
-                dispatching.set()
-            buf.get(cfg.B, timeout=300)  # the trainer stand-in: one step's groups, no training
-            dispatching.clear()
-            pause = ro.pause()
-            version += 1
-            sync.update_weight_version(version)
-            buf.set_weight_version(version)
-            ro.resume(version)
-            return pause
-
-        step(False)  # warm-up: the first fill of the pipeline
+        buf.get(cfg.B, timeout=300)  # warm-up: the first fill of the pipeline
+        boundary()
         ro.step_metrics()
         poller.start()
         t0, cpu0, main0, loop0 = time.monotonic(), time.process_time(), time.thread_time(), loop_cpu()
-        pauses = []
-        while time.monotonic() - t0 < args.seconds:
-            pauses.append(step(True)["timing/pause_delay"])
+        for k in range(1, args.steps + 1):
+            dispatching.set()
+            while time.monotonic() - t0 < args.seconds * k / args.steps:
+                buf.get(1, timeout=300)  # the trainer stand-in: groups as fast as they come, no training
+            pauses.append(boundary())
         stop.set()
         dispatching.set()
         poller.join(10)
@@ -134,7 +137,7 @@ def main(argv=None) -> None:
     engine_counts = [e for e, _ in samples]
     ratios = [e / p for e, p in samples if p > 0]
     out = {
-        "S": S, "N": args.n, "B": args.b, "steps": len(pauses), "wall_s": round(wall, 2), "trajectories": trajs,
+        "S": S, "N": args.n, "B": args.b, "wall_s": round(wall, 2), "trajectories": trajs,
         "engine_occupancy_mean": round(sum(engine_counts) / max(1, len(samples)) / S, 3),
         "engine_at_S_share": round(sum(e >= S for e in engine_counts) / max(1, len(samples)), 3),
         "engine_busy_share": round(sum(e > 0 for e in engine_counts) / max(1, len(samples)), 3),
@@ -145,15 +148,17 @@ def main(argv=None) -> None:
         "producer_cpu_ms_per_traj": round(1e3 * cpu / max(1, trajs), 3),
         "trajectories_per_s": round(trajs / wall, 2),
         "generated_tokens_per_s": round(m["rollout/generated_tokens_per_s"], 1),
-        "pause_delay_mean_s": round(sum(pauses) / max(1, len(pauses)), 4),
+        "pause_delay_mean_s": round(sum(pauses) / max(1, len(pauses)), 4), "partial": args.partial,
     }
-    print(f"engine occupancy (running+waiting)/S while dispatching: mean {out['engine_occupancy_mean']:.3f}, "
+    print(f"engine occupancy (running+waiting)/S: mean {out['engine_occupancy_mean']:.3f}, "
           f"at S {out['engine_at_S_share']:.1%} of samples, any work {out['engine_busy_share']:.1%}")
     print(f"hand-off (engine count / producer in flight): mean {out['handoff_mean']:.3f}, "
           f"equal in {out['handoff_equal_share']:.1%} of {len(samples)} samples")
     print(f"producer CPU per trajectory: event-loop thread {out['loop_cpu_ms_per_traj']:.2f} ms, producer threads "
           f"{out['producer_cpu_ms_per_traj']:.2f} ms ({trajs} trajectories, {out['trajectories_per_s']} /s, "
-          f"{out['generated_tokens_per_s']} tokens/s, pause delay {out['pause_delay_mean_s']} s)")
+          f"{out['generated_tokens_per_s']} tokens/s)")
+    print(f"timing/pause_delay over {len(pauses)} step boundaries (rollout.partial={args.partial}): mean "
+          f"{out['pause_delay_mean_s']} s")
     print(json.dumps({"rollout_bench": out}))
 
 
