@@ -681,12 +681,11 @@ class Scheduler:
         return their partial output; queued ones "Abort in waiting queue". Returns how many were aborted."""
         def hit(r):
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
-        n = 0
-        for r in [r for r in self.waiting if hit(r)]:
-            self.waiting.remove(r)
+        queued = [r for r in self.waiting if hit(r)]
+        self.waiting = collections.deque(r for r in self.waiting if not hit(r))
+        for r in queued:
             self._finish(r, abort_reason("Abort in waiting queue"))
-            n += 1
-        keep = []
+        n, keep = len(queued), []
         for i, r in enumerate(self.running):
             if hit(r):
                 self._finish(r, abort_reason("Aborted"))
