@@ -13,7 +13,7 @@ Wall and CPU seconds are both printed: on a shared, loaded machine the wall time
 (of the calling process plus the buffer process) is what this sequential path costs on dedicated cores.
 Target (issue 2): the buffer's cost per training step under 0.5 s.
 
-Run: python bench/buffer_bench.py [--tokens 1024 20480] [--groups 128] [--no-rpc]
+Run: python bench/buffer_bench.py [--tokens 1024 20480] [--groups 128] [--repeats 3] [--no-rpc]   (~1 minute)
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -97,7 +98,7 @@ def wait_buffered(buf, k: int) -> None:
         time.sleep(0.01)
 
 
-def bench_in_process(T: int, groups: int) -> dict:
+def bench_in_process(T: int, groups: int, repeats: int) -> dict:
     with buffer.PipelineServer(make_cfg(), make_prompts()) as srv:
         prod = Producer(srv, T)
         th = threading.Thread(target=prod.run, args=(groups,))
@@ -107,14 +108,16 @@ def bench_in_process(T: int, groups: int) -> dict:
         th.join()
         wall = time.perf_counter() - t0
         srv.step_boundary([])
-        c0 = time.process_time()
-        put_s = prod.run(B)
-        wait_buffered(srv, B)
-        put_cpu = time.process_time() - c0
-        c0 = time.process_time()
-        trainer_s = trainer_step(srv, 1)
-    return {"traj_per_s": groups * N / wall, "put_s": put_s, "put_cpu": put_cpu, "trainer_s": trainer_s,
-            "trainer_cpu": time.process_time() - c0}
+        out: dict = {"traj_per_s": [groups * N / wall]}
+        for step in range(repeats):
+            c0 = time.process_time()
+            out.setdefault("put_s", []).append(prod.run(B))
+            wait_buffered(srv, B)
+            out.setdefault("put_cpu", []).append(time.process_time() - c0)
+            c0 = time.process_time()
+            out.setdefault("trainer_s", []).append(trainer_step(srv, step + 1))
+            out.setdefault("trainer_cpu", []).append(time.process_time() - c0)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 # ---- over RPC: three processes ----
@@ -128,7 +131,7 @@ def _cpu(fn, *args) -> tuple:
     return out, time.process_time() - c0 + rpc.rpc_sync("buffer", time.process_time) - b0
 
 
-def _rpc_main(rank: int, init: str, T: int, groups: int, barrier, results) -> None:
+def _rpc_main(rank: int, init: str, T: int, groups: int, repeats: int, barrier, results) -> None:
     torch.set_num_threads(1)
     cfg = make_cfg()
     if rank == 0:
@@ -142,60 +145,65 @@ def _rpc_main(rank: int, init: str, T: int, groups: int, barrier, results) -> No
         prod = Producer(rb, T)
         barrier.wait()
         prod.run(groups)  # throughput phase, concurrently with the trainer's gets
-        barrier.wait()  # the trainer ran the step boundary
-        put_s, put_cpu = _cpu(prod.run, B)  # one step's worth of puts
-        results.put({"put_s": put_s, "put_cpu": put_cpu})
-        barrier.wait()
+        for step in range(repeats):
+            barrier.wait()  # the trainer ran the step boundary
+            put_s, put_cpu = _cpu(prod.run, B)  # one step's worth of puts
+            results.put({"put_s": put_s, "put_cpu": put_cpu})
+            barrier.wait()
     else:
         barrier.wait()
         t0 = time.perf_counter()
         consume(rb, groups)
         results.put({"traj_per_s": groups * N / (time.perf_counter() - t0)})
         rb.step_boundary([])
-        barrier.wait()
-        barrier.wait()
-        wait_buffered(rb, B)
-        trainer_s, trainer_cpu = _cpu(trainer_step, rb, 1)
-        results.put({"trainer_s": trainer_s, "trainer_cpu": trainer_cpu})
+        for step in range(repeats):
+            barrier.wait()
+            barrier.wait()
+            wait_buffered(rb, B)
+            trainer_s, trainer_cpu = _cpu(trainer_step, rb, step + 1)
+            results.put({"trainer_s": trainer_s, "trainer_cpu": trainer_cpu})
     rpc.shutdown()
 
 
-def bench_rpc(T: int, groups: int) -> dict:
+def bench_rpc(T: int, groups: int, repeats: int) -> dict:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    procs = [ctx.Process(target=_rpc_main, args=(r, init, T, groups, barrier, results)) for r in range(3)]
+    procs = [ctx.Process(target=_rpc_main, args=(r, init, T, groups, repeats, barrier, results)) for r in range(3)]
     for p in procs:
         p.start()
-    out = {}
+    out: dict = {}
     try:
-        for _ in range(3):
-            out.update(results.get(timeout=600))
+        for _ in range(1 + 2 * repeats):
+            for k, v in results.get(timeout=600).items():
+                out.setdefault(k, []).append(v)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    return out
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 20480], help="response tokens per trajectory")
     ap.add_argument("--groups", type=int, default=128, help="groups through the buffer in the throughput phase")
+    ap.add_argument("--repeats", type=int, default=3, help="steps measured per setting (the median is printed)")
     ap.add_argument("--no-rpc", action="store_true", help="skip the three-process RPC measurements")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"buffer_bench: B={B} N={N} M={M} stale_steps={STALE}, prompts {PROMPT_TOKENS} tokens, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+          f"{os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}), torch {torch.__version__}; "
+          f"per-step figures are the median of {args.repeats} steps")
     rows = []
     for T in args.tokens:
         modes = [("in-process", bench_in_process)] + ([] if args.no_rpc else [("rpc", bench_rpc)])
         for mode, fn in modes:
-            r = fn(T, args.groups)
+            r = fn(T, args.groups, args.repeats)
             r.update(mode=mode, tokens=T, mb_per_step=B * N * (T * 28 + PROMPT_TOKENS * 8) / 2 ** 20)
             rows.append(r)
             cpu = r["trainer_cpu"] + r["put_cpu"]
