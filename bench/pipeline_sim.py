@@ -301,6 +301,10 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
 
 
 def _child(s: Setup, args, wl, conn) -> None:
+    import torch
+    # As in the buffer process (buffer.py): the in-process buffer and rollout only do small tensor copies, which
+    # intra-op threads would make contend for the cores the simulated fleet needs.
+    torch.set_num_threads(1)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     try:

@@ -8,8 +8,11 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -36,9 +39,79 @@ def test_workload_model_matches_the_spec_numbers():
     assert math.isclose(sum(wl.response_length(f"p{g}", 0, 0)[1] for g in range(2000)) / 2000, 0.009, abs_tol=0.008)
 
 
+def test_workload_yaml_overrides_and_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "wl.yaml"
+    path.write_text("v0: 120.0\nmax_running: 128\n")
+    wl = sim_server.load_workload(str(path))
+    assert (wl.v0, wl.max_running, wl.c_half) == (120.0, 128, 96.0)
+    path.write_text("v_zero: 1\n")
+    with pytest.raises(ValueError, match="v_zero"):
+        sim_server.load_workload(str(path))
+
+
 def test_rid_parsing():
     assert sim_server.parse_rid("ab12cd34-0-17-5-2.") == (0, 5)
     assert sim_server.parse_rid("ab12cd34-3-17-5-0.") == (3, 5)
+
+
+@pytest.fixture
+def sim_fleet():
+    """One simulated TP=4 replica at 1000x (a 20K-token response alone takes 0.2 s of wall time)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "sim_server.py"), "--replica-gpus", "4",
+                             "--compression", "1000", "--token-scale", "32"], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("READY "), line
+    yield json.loads(line.split(" ", 1)[1])["urls"][0]
+    proc.kill()
+    proc.wait(10)
+
+
+def _generate(url, rid, max_new=640, prompt=(10, 11, 12, 13, 14, 15), extra=()):
+    body = {"input_ids": list(prompt) + list(extra), "rid": rid, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0}}
+    return requests.post(url + "/generate", json=body, timeout=60).json()
+
+
+def test_sim_server_lengths_abort_and_versions(sim_fleet):
+    wl = sim_server.Workload()
+    key = ",".join(map(str, (10, 11, 12, 13, 14, 15)))  # 200 prompt tokens / 32 = 6 served tokens of prompt
+    length, clamped = wl.response_length(key, 0, 2)
+    out = _generate(sim_fleet, "t-0-5-2-0.")
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) == round(length / 32)
+    assert meta["finish_reason"]["type"] == ("length" if clamped else "stop")
+    assert [lp[1] for lp in meta["output_token_logprobs"]] == out["output_ids"]
+    # alone, a request decodes at v0 = 95 tokens/s of simulated time (wall jitter only adds)
+    assert meta["e2e_latency"] >= 0.95 * round(length / 32) * 32 / 95
+    # a continuation (prompt + partial response) finishes the same target: only the rest is generated
+    rest = _generate(sim_fleet, "t-0-5-2-1.", extra=out["output_ids"][:3])["meta_info"]["completion_tokens"]
+    assert rest == round(length / 32) - 3
+
+    # abort by rid prefix returns the partial output with finish_reason abort (20480 tokens: 0.2 s alone)
+    long = next(p for p in ((20, 21, 22, 23, i, j) for i in range(10, 100) for j in range(10, 100))
+                if wl.response_length(",".join(map(str, p)), 0, 7)[1])
+    res = {}
+    th = threading.Thread(target=lambda: res.update(_generate(sim_fleet, "t-0-9-7-0.", max_new=640, prompt=long)))
+    th.start()
+    time.sleep(0.05)
+    requests.post(sim_fleet + "/abort_request", json={"rid": "t-0-9-"}, timeout=10)
+    th.join(10)
+    assert res["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < res["meta_info"]["completion_tokens"] < 640
+
+    # in-place pause, new weights, continue: the response carries both versions as spans
+    th = threading.Thread(target=lambda: res.update(_generate(sim_fleet, "t-0-9-7-1.", max_new=640, prompt=long)))
+    th.start()
+    time.sleep(0.03)
+    requests.post(sim_fleet + "/pause_generation", json={"mode": "in_place"}, timeout=10)
+    requests.post(sim_fleet + "/update_weights_from_disk", json={"model_path": "x", "weight_version": "4"},
+                  timeout=10)
+    requests.post(sim_fleet + "/continue_generation", json={}, timeout=10)
+    th.join(10)
+    spans = res["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["0", "4"] and spans[0]["end"] == spans[1]["start"] > 0
+    assert spans[-1]["end"] == res["meta_info"]["completion_tokens"] and res["meta_info"]["weight_version"] == "4"
+    assert requests.get(sim_fleet + "/server_info", timeout=10).json()["max_running_requests"] == 256
 
 
 def test_quick_run_emits_every_column(tmp_path):
