@@ -503,6 +503,8 @@ class RolloutContext:
             gen = parse_generate_response(out)
             _extend(traj, gen.ids, gen.log_probs, gen.versions, 1)
             r.stats["generated_tokens"] += len(gen.ids)
+            if gen.versions and r.version is not None and gen.versions[-1] < r.version:
+                r.old_version_response(gen.versions[-1])
             traj.metadata["finish_reason"] = gen.finish_reason
             status_code = gen.finish_reason.get("status_code") if isinstance(gen.finish_reason, dict) else None
             if (gen.finish == "abort" and not self._active.stop.is_set() and not (status_code and status_code < 500)
@@ -589,7 +591,7 @@ def partial_metrics(groups) -> dict:
 def _new_stats() -> dict:
     return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
-            "in_flight_max": 0, "in_flight_area": 0.0}
+            "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -629,7 +631,8 @@ class Rollout:
         self.n = cfg.N
         self.max_samples: Optional[int] = None  # effective async_max_concurrent_samples, set by start()
         self.max_groups: Optional[int] = None  # max_samples // N
-        self.version: Optional[int] = None  # the last resume(version)
+        self.version: Optional[int] = None  # the last resume(version): the weights every server should now serve
+        self._version_warned = False
         self.http_slots: Any = None
         self.stats = _new_stats()
         self._groups: dict[tuple[int, int], _GroupRun] = {}
@@ -665,7 +668,7 @@ class Rollout:
         return out
 
     def resume(self, version: int) -> None:
-        """Dispatch again; `version` is the weight version the servers now serve (recorded for metrics)."""
+        """Dispatch again; `version` is the weight version the servers now serve (older responses are counted)."""
         self._raise_error()
         self.sync.run(self._resume(version), 30.0, "Rollout.resume")
 
@@ -748,6 +751,15 @@ class Rollout:
             traj = (dataclasses.replace(g.partial[i], metadata=copy.deepcopy(g.partial[i].metadata)) if g.partial
                     else Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=ABORTED))
             self._spawn(self._run_trajectory(g, traj))
+
+    def old_version_response(self, version: int) -> None:
+        """A server answered with weights older than resume(version): it missed a weight update (e.g. it restarted
+        with its initial weights). The tokens keep their true version; this is counted and warned about once."""
+        self.stats["old_version_responses"] += 1
+        if not self._version_warned:
+            self._version_warned = True
+            log.warning("a server generated with weight version %d after resume(%d): it missed a weight update; "
+                        "counted in rollout/old_version_responses", version, self.version)
 
     def next_rid(self, traj: Trajectory) -> str:
         attempt = traj.metadata.get("attempts", 0)
@@ -895,7 +907,7 @@ class Rollout:
                     f"{len(self._groups)} groups not yet put to the buffer") from None
 
     async def _resume(self, version: int) -> None:
-        self.version = version
+        self.version, self._version_warned = version, False
         self._dispatching = self._error is None
         self._wake.set()
 
@@ -916,12 +928,11 @@ class Rollout:
             "rollout/in_flight_trajectories_max": s["in_flight_max"],
             "rollout/in_flight_trajectories_mean": s["in_flight_area"] / elapsed,
             "rollout/generated_tokens_per_s": s["generated_tokens"] / elapsed,
+            "rollout/old_version_responses": s["old_version_responses"],
         }
         self._retries_seen = self.fleet.retries
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
-        if self.version is not None:
-            out["rollout/weight_version"] = self.version
         return out
 
     async def _stop(self) -> None:

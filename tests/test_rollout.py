@@ -376,6 +376,7 @@ def test_partial_pause_restores_and_finishes_across_a_weight_update(server, toke
                     if old is not None and len(old.response_ids) > 0:
                         spanning.append((old, t, g))
         ro.pause()
+        assert ro.step_metrics()["rollout/old_version_responses"] == 0
     assert spanning, "no trajectory aborted mid-response came back"
     for old, t, g in spanning:
         k, T = len(old.response_ids), len(t.response_ids)
@@ -474,6 +475,8 @@ def test_server_killed_and_restarted_mid_run_loses_no_group(server, tokenizer):
                    "rollout.sampling.max_new_tokens=24")
     port = int(server["url"].rsplit(":", 1)[1])
     with producer(cfg, tokenizer) as (buf, ro, sync):
+        sync.update_weight_version(1)
+        ro.resume(1)  # the restarted server will come back with its initial weights, version 0
         wait_until(lambda: engine_load(server["url"])[0] >= 2, 60, "requests running in the engine")
         server["handle"].stop()
         server["url"], server["handle"] = engine.launch(server["model"], port=port, max_running_requests=16,
@@ -483,6 +486,7 @@ def test_server_killed_and_restarted_mid_run_loses_no_group(server, tokenizer):
         metrics, counts = ro.step_metrics(), buf.step_metrics()
         stats = buf.stats()
     assert metrics["rollout/retry_count"] > 0 and metrics["rollout/failed_count"] == 0
+    assert metrics["rollout/old_version_responses"] > 0  # the restarted server missed the update: counted, warned
     assert counts["rollout/collected_groups"] == counts["rollout/dispatched_groups"] == len(got) + stats["Q"]
     assert counts["rollout/filter_drop"] == 0 and stats["R"] == 0
     assert all(t.status in ("completed", "truncated") for g in got for t in g.trajectories)
