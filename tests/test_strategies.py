@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import strategies
-from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Trajectory
+from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED
 from strategies import PipelineView
 from test_buffer import aborted, finish, make_server, traj
 
