@@ -439,8 +439,19 @@ def validate(cfg: Config) -> Config:
     _positive(r.sampling.temperature, "rollout.sampling.temperature")
     if not 0 < r.sampling.top_p <= 1:
         raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {r.sampling.top_p}")
-    for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s"):
+    for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
+                "retry_backoff_s", "reward_workers"):
         _positive(getattr(r, key), f"rollout.{key}")
+    if r.max_retries < 0:
+        raise ValueError(f"rollout.max_retries must be >= 0, got {r.max_retries}")
+    if r.router_max_concurrent_requests is not None:
+        _positive(r.router_max_concurrent_requests, "rollout.router_max_concurrent_requests")
+    if r.reward_pool not in ("thread", "process"):
+        raise ValueError(f"rollout.reward_pool must be thread or process, got '{r.reward_pool}'")
+    for i, ds in enumerate(cfg.data_sources[1:], start=1):
+        if ds.num_trajectories_per_prompt != N:
+            raise ValueError(f"data_sources[{i}].num_trajectories_per_prompt ({ds.num_trajectories_per_prompt}) must "
+                             f"equal data_sources[0].num_trajectories_per_prompt ({N}): groups of one step share N")
     a = cfg.algorithm
     if a.m2po.enable and cfg.trainer.use_rollout_log_probs:
         raise ValueError("algorithm.m2po.enable=true cannot be combined with trainer.use_rollout_log_probs=true: "

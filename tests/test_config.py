@@ -3,6 +3,7 @@
 Run: python -m pytest -q tests/test_config.py
 """
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -203,3 +204,20 @@ def test_data_sources_list_for_synchronous_mixing():
     config.validate(cfg)  # several sources are fine in synchronous mode
     assert [d.weight for d in cfg.data_sources] == [3.0, 1.0]
     assert cfg.B == cfg.data_sources[0].num_prompts_per_step
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.retry_backoff_s=0", "rollout.retry_backoff_s"),
+    ("rollout.reward_workers=0", "rollout.reward_workers"),
+    ("rollout.max_retries=-1", "rollout.max_retries"),
+    ("rollout.router_max_concurrent_requests=0", "rollout.router_max_concurrent_requests"),
+    ("rollout.reward_pool=fork", "rollout.reward_pool"),
+])
+def test_rollout_client_settings_are_validated(override, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        config.load_config(None, [override])
+
+
+def test_data_sources_must_share_n():
+    with pytest.raises(ValueError, match=r"data_sources\[1\]\.num_trajectories_per_prompt"):
+        config.load_config(None, ["data_sources=[{num_trajectories_per_prompt: 8}, {num_trajectories_per_prompt: 4}]"])
