@@ -937,11 +937,9 @@ class Server:
                 await resp.write(f"data: {json.dumps(out)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             return resp
-        except asyncio.CancelledError:  # the client went away: free its slot, as SGLang does
-            if r.finish is None:
-                self.sched.call(lambda: self.sched.abort(r.rid, exact=True))
-            raise
         finally:
+            if r.finish is None:  # the client went away (cancelled handler, reset stream): free its slot, as SGLang
+                self.sched.call(lambda: self.sched.abort(r.rid, exact=True))
             await self.gate.leave()
 
     # -- control endpoints ------------------------------------------------------------------------------------

@@ -281,6 +281,20 @@ def test_abort_running_request_returns_partial_output(url):
     assert m["weight_versions"][-1]["end"] == m["completion_tokens"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_frees_the_slot(url, stream):
+    body = {"input_ids": [5, 6], "stream": stream, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    if stream:  # read one chunk, then hang up
+        r = requests.post(url + "/generate", data=json.dumps(body), stream=True, timeout=30)
+        next(r.iter_lines())
+        r.close()
+    else:  # give up waiting while it runs
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(url + "/generate", data=json.dumps(body), timeout=(5, 0.3))
+    # 4000 tokens take several seconds; the abandoned request is aborted long before
+    wait_until(lambda: loads(url)["num_running_reqs"] == 0, timeout=3, what="the abandoned request aborted")
+
+
 def test_queue_prefix_abort_and_abort_all(url):
     with cf.ThreadPoolExecutor(MAX_RUNNING + 3) as ex:
         running = {f"grp-b-{i}.": ex.submit(generate, url, [5, 6], f"grp-b-{i}.", max_new_tokens=LONG,
