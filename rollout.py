@@ -611,13 +611,7 @@ class Rollout:
     """
 
     def __init__(self, cfg, buffer, fleet, tokenizer):
-        r = cfg.rollout
-        if r.reward_pool not in ("thread", "process"):
-            raise ValueError(f"rollout.reward_pool must be thread or process, got '{r.reward_pool}'")
-        if r.reward_workers <= 0:
-            raise ValueError(f"rollout.reward_workers must be > 0, got {r.reward_workers}")
-        if r.retry_backoff_s < 0:
-            raise ValueError(f"rollout.retry_backoff_s must be >= 0, got {r.retry_backoff_s}")
+        r = cfg.rollout  # validated by config.validate (load_config, serve)
         self.cfg, self.buffer, self.tokenizer = cfg, buffer, tokenizer
         self.sync = fleet if isinstance(fleet, SyncFleet) else SyncFleet(fleet)
         self.fleet = self.sync.fleet
@@ -996,7 +990,7 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int) -> N
 
     import buffer as buffer_mod
 
-    cfg = config_lib.from_dict(cfg_dict)
+    cfg = config_lib.validate(config_lib.from_dict(cfg_dict))
     _READY_TIMEOUT_S[0] = cfg.rollout.startup_timeout_s
     buffer_mod.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
     sync = SyncFleet(Fleet.from_config(cfg))
