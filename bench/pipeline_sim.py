@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -129,7 +130,11 @@ class SimActor:
         trajs = [t for g in groups for t in g.trajectories]
         tokens = sum(int(t.response_ids.numel()) for t in trajs) * self.scale
         sim_s = tokens / (self.wl.train_tokens_per_s_per_gpu * self.gpus)
-        time.sleep(sim_s / self.k)
+        # Automatic GC is off in a run (see _child): the young generations are collected here, inside the simulated
+        # compute, as the rollout's collections in its own process would not stall the trainer. (A run is short
+        # enough to leave the long-lived generation alone.)
+        gc.collect(1)
+        time.sleep(max(0.0, sim_s / self.k - (time.monotonic() - t0)))
         while len(self.trained_tokens) <= step:
             self.trained_tokens.append(0.0)
         self.trained_tokens[step] += tokens
@@ -305,6 +310,9 @@ def _child(s: Setup, args, wl, conn) -> None:
     # As in the buffer process (buffer.py): the in-process buffer and rollout only do small tensor copies, which
     # intra-op threads would make contend for the cores the simulated fleet needs.
     torch.set_num_threads(1)
+    # In-process threads share one interpreter: a full collection (~0.1-0.4 s here) would stall the trainer's
+    # thread too and be multiplied by the compression. SimActor.train_minibatch collects instead.
+    gc.disable()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     try:
@@ -319,6 +327,10 @@ def _child(s: Setup, args, wl, conn) -> None:
 def run_isolated(s: Setup, args, wl) -> dict:
     """Each configuration in a forked child: its threads and sockets end with it; imports are already paid."""
     ctx = mp.get_context("fork")
+    # The imports (torch, transformers, matplotlib) leave millions of objects that every full collection in the
+    # child would walk: 0.3-0.4 s stalls of all threads, x compression on the simulated clock. Freeze them.
+    gc.collect()
+    gc.freeze()
     parent, child = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_child, args=(s, args, wl, child), daemon=True)
     p.start()
