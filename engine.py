@@ -846,17 +846,14 @@ class Server:
         post("/abort_request", self.abort_request)
         post("/pause_generation", self.pause_generation)
         post("/continue_generation", self.continue_generation)
-        for path in ("/flush_cache",):
-            get(path, self.flush_cache)
-            post(path, self.flush_cache)
         post("/update_weights_from_disk", self.update_weights_from_disk)
         post("/init_weights_update_group", self.init_weights_update_group)
         post("/destroy_weights_update_group", self.destroy_weights_update_group)
         post("/update_weights_from_distributed", self.update_weights_from_distributed)
         post("/update_weights_from_tensor", self.update_weights_from_tensor)
         post("/update_weight_version", self.update_weight_version)
-        for path, fn in (("/release_memory_occupation", self.release_memory), ("/resume_memory_occupation",
-                                                                                 self.resume_memory)):
+        for path, fn in (("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
+                         ("/resume_memory_occupation", self.resume_memory)):
             get(path, fn)
             post(path, fn)
         for path, fn in (("/model_info", self.model_info), ("/get_model_info", self.model_info),

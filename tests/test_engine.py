@@ -136,6 +136,8 @@ def test_generate_response_fields(url, models):
                                                                for lp, _, s in lps)
     assert m["input_token_logprobs"] == []
     assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
+    none = generate(url, [5], max_new_tokens=0)
+    assert none["output_ids"] == [] and none["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     # rid echoed; text input tokenized like the tokenizer; prompt log-probs and top log-probs when asked
     r = post(url, "/generate", {"text": "12+3=", "rid": "fields-1.", "return_logprob": True, "logprob_start_len": 0,
                                 "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
