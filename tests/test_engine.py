@@ -527,3 +527,24 @@ def test_200_concurrent_requests_with_random_aborts_and_pauses(url, models):
     prompt = [5, 6, 7]
     assert generate(url, prompt, max_new_tokens=10, temperature=0, ignore_eos=True)["output_ids"] == \
         hf_greedy(models[1]["A"], prompt, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_gpu_matches_transformers(models):
+    paths, refs, _ = models
+    url, handle = engine.launch(paths["A"], device="cuda", dtype="float32")
+    try:
+        prompts = [[5, 6, 7], list(range(20, 31))]
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: generate(url, p, max_new_tokens=16, temperature=0.8, ignore_eos=True),
+                               prompts))
+        for p, o in zip(prompts, outs):  # CPU float32 reference; GPU kernels differ in rounding only
+            ids = torch.tensor([p + o["output_ids"]])
+            with torch.no_grad():
+                ref = torch.log_softmax(refs["A"](ids).logits.float()[0, len(p) - 1:-1] / 0.8, -1)
+            want = ref.gather(1, ids[0, len(p):, None])[:, 0]
+            got = torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+            assert (got - want).abs().max() < 1e-3
+    finally:
+        handle.stop()
