@@ -317,6 +317,21 @@ def _check_trajectory(t: Trajectory, n: int) -> None:
                              f"but response_ids has {T}; every per-token field needs one entry per response token")
 
 
+def consumed_metrics(versions: list) -> dict:
+    """Spec section 4 metrics over the trajectories the trainer consumed in a step, from their
+    (start_version, end_version, trainer_version_when_consumed) triples: `rollout/partial_ratio` is the share whose
+    first and last generated tokens came from different weight versions, `rollout/partial_span_max` the largest
+    end - start span; staleness is trainer version - start version. Trajectories with no generated token (start -1)
+    count as not partial and carry no staleness."""
+    started = [(s, e, cur) for s, e, cur in versions if s >= 0]
+    spans = [e - s for s, e, _ in started]
+    stale = [cur - s for s, _, cur in started]
+    return {"rollout/partial_ratio": sum(x != 0 for x in spans) / max(1, len(versions)),
+            "rollout/partial_span_max": max(spans, default=0),
+            "rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            "rollout/staleness_max": max(stale, default=0)}
+
+
 class PipelineServer:
     """The buffer process's object: the rollout calls dispatch/put/step_boundary, the trainer get/step_metrics.
 
@@ -493,6 +508,13 @@ class PipelineServer:
             self._cond.notify_all()
 
     # ---- metrics, checkpoints ----
+    def set_max_concurrent_samples(self, value: int) -> None:
+        """The rollout's effective rollout.async_max_concurrent_samples after its clamp to the fleet's concurrency
+        (rollout.py knows the fleet); generating groups are then capped at value // N."""
+        with self._cond:
+            self.max_generating = int(value) // self.N
+            self._cond.notify_all()
+
     def step_metrics(self) -> dict:
         """This step's counters (popped) and the current sizes and bounds, as `rollout/...` metrics."""
         with self._cond:
@@ -512,13 +534,7 @@ class PipelineServer:
                       "rollout/trajqueue_max_groups": self.queue.max_groups,
                       "rollout/max_generating_groups": self.C if self.max_generating is None else self.max_generating})
             if self._consumed_trajs:
-                started = [(s, e, cur) for s, e, cur in self._consumed_trajs if s >= 0]
-                spans = [e - s for s, e, _ in started]
-                stale = [cur - s for s, _, cur in started]
-                m["rollout/partial_ratio"] = sum(x != 0 for x in spans) / len(self._consumed_trajs)
-                m["rollout/partial_span_max"] = max(spans, default=0)
-                m["rollout/staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
-                m["rollout/staleness_max"] = max(stale, default=0)
+                m.update(consumed_metrics(self._consumed_trajs))
             self._counts.clear()
             self._consumed_trajs = []
             self._boundary = {}
@@ -785,6 +801,9 @@ class RemoteBuffer:
 
     def set_weight_version(self, v: int) -> None:
         return self._call("set_weight_version", v)
+
+    def set_max_concurrent_samples(self, value: int) -> None:
+        return self._call("set_max_concurrent_samples", value)
 
     def step_metrics(self) -> dict:
         return self._call("step_metrics")

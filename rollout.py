@@ -578,16 +578,6 @@ def resolve_rollout_function(name: str) -> Callable:
 # ---------------------------------------------------------------------------------------------------------------
 # Metrics
 
-def partial_metrics(groups) -> dict:
-    """rollout/partial_ratio and rollout/partial_span_max over the trajectories the trainer consumed this step
-    (spec section 4): the share whose first and last generated tokens have different weight versions, and the
-    largest end - start version span. Trajectories with no generated token count as not partial."""
-    trajs = [t for g in groups for t in g.trajectories]
-    spans = [t.end_version - t.start_version if t.start_version >= 0 else 0 for t in trajs]
-    return {"rollout/partial_ratio": sum(s != 0 for s in spans) / max(1, len(spans)),
-            "rollout/partial_span_max": max(spans, default=0)}
-
-
 def _new_stats() -> dict:
     return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
@@ -694,6 +684,8 @@ class Rollout:
         self.max_samples = clamp_max_concurrent_samples(self.cfg.rollout.async_max_concurrent_samples, self.n,
                                                         await self.fleet.concurrency())
         self.max_groups = None if self.max_samples is None else self.max_samples // self.n
+        if self.max_samples is not None:  # the buffer enforces (and reports) the clamped cap, not the configured one
+            await asyncio.to_thread(self.buffer.set_max_concurrent_samples, self.max_samples)
         self.http_slots = asyncio.Semaphore(self.max_samples) if self.max_samples else contextlib.nullcontext()
         self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._idle.set()
@@ -1041,6 +1033,9 @@ class DatasetBuffer:
 
     def step_boundary(self, returned: list[Trajectory]) -> dict:
         return {}
+
+    def set_max_concurrent_samples(self, value: int) -> None:
+        """Nothing to do: the producer's own free-slot count already bounds what is dispatched from here."""
 
 
 def generate_dataset(cfg, prompts: list[dict], sync: SyncFleet, tokenizer, progress_timeout_s: float

@@ -21,7 +21,7 @@ import config
 import engine
 import rollout
 import tasks
-from buffer import Group, PromptGroup, Trajectory
+from buffer import Trajectory
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -58,14 +58,6 @@ def test_parse_response_versions_from_spans_and_finish():
     bad["meta_info"]["output_token_logprobs"] = bad["meta_info"]["output_token_logprobs"][:1]
     with pytest.raises(ValueError, match="return_logprob"):
         rollout.parse_generate_response(bad)
-
-
-def test_partial_metrics_over_consumed_trajectories():
-    def traj(start, end):
-        return Trajectory(0, 0, 0, torch.tensor([1]), start_version=start, end_version=end)
-    prompt = PromptGroup(0, 0, 0, torch.tensor([1]))
-    groups = [Group(prompt, [traj(0, 0), traj(0, 2)]), Group(prompt, [traj(1, 2), traj(-1, -1)])]
-    assert rollout.partial_metrics(groups) == {"rollout/partial_ratio": 0.5, "rollout/partial_span_max": 2}
 
 
 def test_concurrency_knob_clamps_with_warning_and_rejects_bad_values():
@@ -327,6 +319,7 @@ def test_groups_end_to_end_with_shapes_versions_and_the_clamp(server, tokenizer)
         buf, ro, sync = ctx.__enter__()
     try:
         assert ro.max_samples == 16 and ro.max_groups == 8
+        assert buf.stats()["max_generating"] == 8  # the buffer enforces the clamped cap, not the configured 64 // 2
         groups = buf.get(2, timeout=60)
         pause = ro.pause()
         metrics = ro.step_metrics()
@@ -351,7 +344,8 @@ def test_groups_end_to_end_with_shapes_versions_and_the_clamp(server, tokenizer)
     assert metrics["rollout/trajectories_finished"] >= 4 and metrics["rollout/failed_count"] == 0
     assert 1 <= metrics["rollout/response_length_mean"] <= metrics["rollout/response_length_max"] <= 12
     assert metrics["rollout/max_concurrent_samples"] == 16 and metrics["rollout/generated_tokens_per_s"] > 0
-    assert rollout.partial_metrics(groups) == {"rollout/partial_ratio": 0.0, "rollout/partial_span_max": 0}
+    spans = [t.end_version - t.start_version for g in groups for t in g.trajectories]
+    assert spans == [0] * len(spans)  # no weight update happened: no trajectory is partial
 
 
 def test_partial_pause_restores_and_finishes_across_a_weight_update(server, tokenizer):
@@ -385,7 +379,7 @@ def test_partial_pause_restores_and_finishes_across_a_weight_update(server, toke
         assert t.versions.tolist() == [0] * k + [1] * (T - k)
         assert t.loss_mask.tolist() == [0] * k + [1] * (T - k)  # older tokens masked (the option is on)
         assert (t.start_version, t.end_version) == (0, 1) and t.metadata["restored"] == 1
-        assert rollout.partial_metrics([g])["rollout/partial_span_max"] == 1
+        assert buffer.consumed_metrics([(t.start_version, t.end_version, 1)])["rollout/partial_span_max"] == 1
 
 
 def test_pause_without_partial_waits_for_everything_and_loses_nothing(server, tokenizer):
