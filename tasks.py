@@ -61,8 +61,9 @@ def build_tokenizer():
     """A character-level PreTrainedTokenizerFast: the special tokens, then one token per character.
 
     A BPE model with no merges is exactly character-level. The vocabulary is kept small on purpose: a random-init
-    model samples every token about equally at first, and with ~100 tokens RL still finds the digits and the eos
-    (with byte-fallback tokens, 357 in all, reverse_digits learned several times slower).
+    model samples every token about equally at first, so RL finds the digits sooner the fewer tokens there are
+    (reverse_digits, GRPO 16x8, lr 1e-3: mean reward 0.27 after 300 steps with these 101 tokens, 0.07 with 256
+    byte-fallback tokens added).
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
