@@ -1233,7 +1233,9 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on GPU")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads; default 1 on CPU (the engine shares the CPU with the trainer, and\n"
+                        "oversubscribed OpenMP threads made it ~10x slower in engine_bench), torch's on GPU")
     p.add_argument("--wait-timeout", type=float, default=1800.0,
                    help="longest a request waits for /continue_generation or a weight update (s)")
     p.add_argument("--dist-timeout", type=float, default=300.0, help="timeout of weight-update group collectives (s)")
@@ -1244,9 +1246,9 @@ def main(argv=None):
                     ("--max-prefill-tokens", args.max_prefill_tokens)):
         if v < 1:
             p.error(f"{name} must be >= 1, got {v}")
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.num_threads or device.type == "cpu":
+        torch.set_num_threads(args.num_threads or 1)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)

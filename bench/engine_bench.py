@@ -4,7 +4,8 @@ transformers `generate` calls on the same checkpoint.
 Models: "tiny" (tasks.make_tiny_model defaults: Qwen3, hidden 64, 2 layers) and "100m" (the same architecture at
 hidden 1024, 11 layers: ~104M parameters), both random-init. Every request samples at temperature 1 with
 ignore_eos, so all requests generate exactly --max-new-tokens tokens; the baseline samples too (top_k off) and
-counts the tokens it actually generated. The baseline runs before the engine starts, so they never share the CPU.
+counts the tokens it actually generated. The baseline runs before the engine starts, so they never share the CPU,
+and both use --threads torch threads (default 1, engine.py's CPU default).
 Simplified: prompts are random token ids (8-32 tokens). Wall-clock figures depend on what else the machine runs,
 so each figure also comes as tokens per CPU-second (the CPU time the baseline / the engine process used, from
 /proc), which stays meaningful on a shared machine; the load average is printed.
@@ -81,11 +82,10 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (tiny; 100m uses half)")
     ap.add_argument("--rounds", type=int, default=2, help="requests per level = rounds * concurrency (min 8)")
     ap.add_argument("--seq-prompts", type=int, default=8, help="prompts for the sequential baseline")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of baseline and engine (default torch's)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the baseline and the engine")
     args = ap.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     print(f"device {device}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}",
           flush=True)
     rows = []

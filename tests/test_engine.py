@@ -53,8 +53,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(models):
     paths, _, _ = models
-    url, handle = engine.launch(paths["A"], max_running_requests=MAX_RUNNING, num_threads=1, dist_timeout=60,
-                                wait_timeout=60)
+    url, handle = engine.launch(paths["A"], max_running_requests=MAX_RUNNING, dist_timeout=60, wait_timeout=60)
     yield url
     alive = handle.proc.poll() is None
     handle.stop()
