@@ -101,13 +101,18 @@ def _is_num(v) -> bool:
 
 
 def _field(body: dict, name: str, default, check: Callable[[Any], bool], expected: str, where: str = ""):
-    """body[name] (or default when absent/None-able); BadRequest naming the field when `check` fails."""
+    """body[name], or `default` when absent (null is accepted when the default is null); BadRequest naming the
+    field when `check` fails."""
     v = body.get(name, default)
     if v is None and default is None:
         return None
     if not check(v):
         raise BadRequest(f"field `{where}{name}` must be {expected}, got {json.dumps(v)[:80]}")
     return v
+
+
+def _flag(body: dict, name: str, default: bool, where: str = "") -> bool:
+    return _field(body, name, default, lambda v: isinstance(v, bool), "true or false", where)
 
 
 @dataclass
@@ -151,9 +156,10 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     min_p = g("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")
     stop = g("stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
              "a string or a list of strings")
-    stop_ids = g("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
-                 "a list of integers")
-    flags = {name: g(name, lambda v: isinstance(v, bool), "true or false")
+    stop_ids = g("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) and 0 <= t < vocab_size
+                                                                          for t in v),
+                 f"a list of token ids in [0, {vocab_size})")
+    flags = {name: _flag(sp, name, SAMPLING_DEFAULTS[name], "sampling_params.")
              for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")}
     min_new = g("min_new_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     seed = g("sampling_seed", _is_int, "an integer")
@@ -221,13 +227,12 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int) -> 
                          f"tokens exceeds the model's context length {context_len}")
     req = Req(
         rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp,
-        return_logprob=_field(body, "return_logprob", False, lambda v: isinstance(v, bool), "true or false"),
+        return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1,
                                  "an integer >= -1"),
-        return_text_in_logprobs=_field(body, "return_text_in_logprobs", False, lambda v: isinstance(v, bool),
-                                       "true or false"),
-        stream=_field(body, "stream", False, lambda v: isinstance(v, bool), "true or false"))
+        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False),
+        stream=_flag(body, "stream", False))
     if req.logprob_start_len >= len(ids):
         raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
     return req
@@ -369,7 +374,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    except Exception as e:  # noqa: BLE001 - re-raised with what did not arrive
+    except Exception as e:  # re-raised with what did not arrive
         raise RuntimeError(f"weight-update group {group_name!r} (rank {rank} of {world_size}, {backend}) at "
                            f"{master_address}:{master_port} did not form within {timeout_s}s: {e}") from e
 
@@ -518,7 +523,7 @@ class Scheduler:
             block = False
             try:
                 fut.set_result(fn())
-            except Exception as e:  # noqa: BLE001 - handed to the caller
+            except Exception as e:  # handed to the caller
                 fut.set_exception(e)
 
     def _loop(self):
@@ -530,7 +535,7 @@ class Scheduler:
                     continue
                 try:
                     self._step()
-                except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                except Exception as e:  # fail the batch, keep serving
                     log.exception("model step failed; aborting the requests in it")
                     for req in self.running + self.prefilling:
                         if req.finish is None:
@@ -774,7 +779,7 @@ class Gate:
     async def _wait(self, pred, timeout: float, what: str):
         try:
             await asyncio.wait_for(self.cond.wait_for(pred), timeout)
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # (an alias of TimeoutError only from Python 3.11)
             raise TimeoutError(f"{what} did not happen within {timeout}s (--wait-timeout)") from None
 
     async def enter(self, timeout: float):
@@ -943,7 +948,7 @@ class Server:
     async def abort_request(self, request):
         body = await _body(request, required=False)
         rid = _field(body, "rid", "", lambda v: isinstance(v, str), "a string")
-        abort_all = _field(body, "abort_all", False, lambda v: isinstance(v, bool), "true or false")
+        abort_all = _flag(body, "abort_all", False)
         await self._run(lambda: self.sched.abort(rid, abort_all))
         return web.Response(status=200)
 
@@ -959,7 +964,7 @@ class Server:
 
     async def continue_generation(self, request):
         body = await _body(request, required=False)
-        _field(body, "torch_empty_cache", True, lambda v: isinstance(v, bool), "true or false")
+        _flag(body, "torch_empty_cache", True)
         await self._run(self.sched.resume_generation)
         await self.gate.set_paused(False)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
@@ -981,8 +986,8 @@ class Server:
         if path is None:
             raise BadRequest("field `model_path` is required")
         _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
-        abort_all = _field(body, "abort_all_requests", False, lambda v: isinstance(v, bool), "true or false")
-        _field(body, "flush_cache", True, lambda v: isinstance(v, bool), "true or false")
+        abort_all = _flag(body, "abort_all_requests", False)
+        _flag(body, "flush_cache", True)
         version = self._version_field(body)
         if not Path(path).is_dir():
             return web.json_response({"success": False, "message": f"model_path {path} is not a directory",
@@ -992,7 +997,7 @@ class Server:
         async with self.gate.exclusive(self.args.wait_timeout):
             try:
                 kept = await self._run(lambda: self.sched.load_from_disk(path, version, self.args.dtype))
-            except Exception as e:  # noqa: BLE001 - reported to the caller
+            except Exception as e:  # reported to the caller
                 return web.json_response({"success": False, "message": f"loading {path} failed: {e}",
                                           "num_paused_requests": 0}, status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}."
@@ -1042,15 +1047,15 @@ class Server:
                             ("shapes", lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v))):
             if name not in body:
                 raise BadRequest(f"field `{name}` is required")
-            lists[name] = _field(body, name, None, lambda v: isinstance(v, list) and all(map(check, v)),
+            lists[name] = _field(body, name, None, lambda v, check=check: isinstance(v, list) and all(map(check, v)),
                                  "a list of " + ("strings" if name != "shapes" else "shapes (lists of ints)"))
         if not len(lists["names"]) == len(lists["dtypes"]) == len(lists["shapes"]):
             raise BadRequest("fields `names`, `dtypes` and `shapes` must have the same length")
         dtypes = [_parse_dtype(d) for d in lists["dtypes"]]
         group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
         _field(body, "load_format", None, lambda v: False, "null (the only supported load_format)")
-        _field(body, "flush_cache", True, lambda v: isinstance(v, bool), "true or false")
-        abort_all = _field(body, "abort_all_requests", False, lambda v: isinstance(v, bool), "true or false")
+        _flag(body, "flush_cache", True)
+        abort_all = _flag(body, "abort_all_requests", False)
         version = self._version_field(body)
         if group not in self.sched.groups:
             raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
@@ -1078,7 +1083,7 @@ class Server:
                    "a string")
         if v is None:
             raise BadRequest("field `new_version` is required")
-        abort_all = _field(body, "abort_all_requests", True, lambda x: isinstance(x, bool), "true or false")
+        abort_all = _flag(body, "abort_all_requests", True)
         await self._run(lambda: self.sched.set_version(str(v), abort_all))
         return web.json_response({"success": True, "message": f"Weight version updated to {v}.",
                                   "new_version": str(v)})
@@ -1211,10 +1216,9 @@ def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
         if proc.poll() is not None:
             raise RuntimeError(f"engine for {model_path} exited with code {proc.returncode} before answering "
                                f"/health; log {log_path}:\n{handle.log_tail()}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return url, handle
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            if resp.status == 200:
+                return url, handle
         time.sleep(0.2)
     handle.stop()
     raise TimeoutError(f"engine for {model_path} did not answer {url}/health within {timeout}s; log {log_path}:\n"

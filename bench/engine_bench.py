@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engine  # noqa: E402
+import engine  # noqa: E402 (after the sys.path line)
 import tasks  # noqa: E402
 
 MODELS = {"tiny": dict(hidden_size=64, num_layers=2), "100m": dict(hidden_size=1024, num_layers=11)}

@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures as cf
 import json
 import random
-import threading
 import time
 
 import aiohttp
@@ -400,14 +399,13 @@ def test_update_weights_over_gloo_group(url, models, restore_weights):
 
 
 def test_weight_versions_spans_after_in_place_update(url, models, restore_weights):
-    paths, refs, _ = models
     n = 400
     v0 = str(version(url))
-    first, lines = first_chunk_stream(url, {"input_ids": [5, 6], "sampling_params": {
+    _, lines = first_chunk_stream(url, {"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
     assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
     v1 = str(int(v0) + 1)
-    r = post(url, "/update_weights_from_disk", {"model_path": paths["B"], "weight_version": v1})
+    r = post(url, "/update_weights_from_disk", {"model_path": models[0]["B"], "weight_version": v1})
     assert r.json()["success"] is True and r.json()["num_paused_requests"] == 1
     post(url, "/continue_generation", {})
     m = last_chunk(lines)["meta_info"]
