@@ -457,10 +457,13 @@ def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency
 
 @dataclass
 class _Active:
-    """A trajectory being generated: the event that stops it (pause or timeout) and whether it timed out."""
+    """A trajectory being generated: the event that stops it (pause or timeout), whether it timed out, and the rid
+    of its live request. Aborts name that exact rid: real SGLang drops an /abort_request whose rid is not a live
+    request (its prefix matching happens only behind that check), so a prefix alone would abort nothing there."""
     prefix: str
     stop: asyncio.Event
     timed_out: bool = False
+    rid: Optional[str] = None
 
 
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
@@ -750,7 +753,11 @@ class Rollout:
     def next_rid(self, traj: Trajectory) -> str:
         attempt = traj.metadata.get("attempts", 0)
         traj.metadata["attempts"] = attempt + 1
-        return make_rid(self.run_tag, traj.epoch, traj.seq, traj.index, attempt)
+        rid = make_rid(self.run_tag, traj.epoch, traj.seq, traj.index, attempt)
+        active = self._active.get(trajectory_rid_prefix(self.run_tag, traj.epoch, traj.seq, traj.index))
+        if active is not None:
+            active.rid = rid
+        return rid
 
     def _count_in_flight(self, delta: int) -> None:
         now = time.monotonic()
@@ -811,7 +818,8 @@ class Rollout:
     def _on_timeout(self, active: _Active) -> None:
         active.timed_out = True
         active.stop.set()
-        self._spawn(self.fleet.abort(active.prefix))
+        if active.rid is not None:
+            self._spawn(self.fleet.abort(active.rid))
 
     async def _score(self, g: PromptGroup, traj: Trajectory) -> None:
         text = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
@@ -870,7 +878,7 @@ class Rollout:
                 active.stop.set()
             wait_s = 0.05
             while not self._idle.is_set():  # abort again until all came back: a request may reach a server late
-                await self.fleet.abort(self.run_tag + "-")
+                await self._abort_active()
                 await self._wait_idle(min(wait_s, max(0.0, deadline - time.monotonic())), deadline)
                 wait_s = min(2 * wait_s, 1.0)
         else:
@@ -921,10 +929,14 @@ class Rollout:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out
 
+    async def _abort_active(self) -> None:
+        """Abort every live request of this producer, each by its exact rid on every worker."""
+        await asyncio.gather(*[self.fleet.abort(a.rid) for a in list(self._active.values()) if a.rid is not None])
+
     async def _stop(self) -> None:
         self._dispatching = False
         if self._active:
-            await self.fleet.abort(self.run_tag + "-")
+            await self._abort_active()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
