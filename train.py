@@ -105,6 +105,7 @@ class Logger:
         with open(self.path, "w") as f:
             f.writelines(kept)
         self.t0, self.first_step = time.time(), None
+        self.start = time.time()
         self.wandb = None
         if cfg.logging.wandb.enable:
             import wandb
@@ -120,9 +121,9 @@ class Logger:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
-        if self.first_step is None:
-            self.first_step = step
-        done = step - self.first_step + 1
+        if self.first_step is None or step <= self.first_step:  # the ETA counts from the first training step
+            self.first_step, self.t0 = step, time.time()
+        done = max(1, step - self.first_step)
         eta = (time.time() - self.t0) / done * (self.total - step)
         parts = [f"step {step}/{self.total} ({100 * step // max(1, self.total)}%)"]
         for key, label, fmt in (("rollout/reward_mean", "reward", ".3f"), ("eval/reward_mean", "eval", ".3f"),
@@ -132,7 +133,8 @@ class Logger:
                                 ("perf/wait_ratio", "wait", ".2f")):
             if isinstance(metrics.get(key), (int, float)):
                 parts.append(f"{label} {metrics[key]:{fmt}}")
-        parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+        el = time.time() - self.start
+        parts.append(f"elapsed {int(el // 60)}m{int(el % 60):02d}s eta {int(eta // 60)}m{int(eta % 60):02d}s")
         print(" | ".join(parts), flush=True)
 
     def close(self) -> None:
@@ -296,7 +298,7 @@ def build_optimizer(model, t):
 # ---------------------------------------------------------------------------------------------------------------
 
 def make_sequences(groups: list, cfg) -> list[dict]:
-    """Groups -> one dict per trajectory with its tokens, loss mask, rollout log-probs and GRPO advantage."""
+    """Groups -> one dict per trajectory (plain lists: cheap to sort, split and collate) with its GRPO advantage."""
     import losses
 
     out = []
@@ -304,11 +306,9 @@ def make_sequences(groups: list, cfg) -> list[dict]:
         rewards = torch.tensor([[t.reward for t in g.trajectories]], dtype=torch.float32)
         adv = losses.compute_advantages(rewards, cfg.algorithm.adv.std_normalize, cfg.algorithm.adv.eps)[0]
         for t, a in zip(g.trajectories, adv.tolist()):
-            mask = t.loss_mask.long()
-            if cfg.rollout.mask_offpolicy_in_partial_rollout and mask.numel():
-                mask = losses.offpolicy_token_mask(t.versions[None], mask[None])[0]
-            out.append({"prompt": t.prompt_ids.long(), "response": t.response_ids.long(), "mask": mask,
-                        "rollout_lp": t.rollout_log_probs.float(), "adv": a})
+            out.append({"prompt": t.prompt_ids.tolist(), "response": t.response_ids.tolist(),
+                        "mask": t.loss_mask.tolist(), "rollout_lp": t.rollout_log_probs.tolist(),
+                        "versions": t.versions.tolist(), "adv": a})
     return out
 
 
@@ -337,25 +337,32 @@ def plan_micro_batches(share: list[dict], max_tokens: int) -> list[list[dict]]:
     return out + ([cur] if cur else [])
 
 
-DUMMY = {"prompt": torch.zeros(1, dtype=torch.long), "response": torch.zeros(1, dtype=torch.long),
-         "mask": torch.zeros(1, dtype=torch.long), "rollout_lp": torch.zeros(1), "adv": 0.0}
+# A placeholder row for a rank with fewer micro-batches than another: a real forward/backward, loss exactly 0.
+DUMMY = {"prompt": [0], "response": [0], "mask": [0], "rollout_lp": [0.0], "versions": [0], "adv": 0.0}
 
 
-def collate(seqs: list[dict], device) -> dict:
+def collate(seqs: list[dict], mask_offpolicy: bool = False) -> dict:
     """Right-padded [b, L] inputs; the loss tensors live on the L - 1 target positions (position j predicts token
-    j + 1), so a response token at index P + t sits at position P + t - 1."""
+    j + 1), so a response token at index P + t sits at position P + t - 1. mask_offpolicy: loss mask 0 on tokens
+    older than their trajectory's newest version (rollout.mask_offpolicy_in_partial_rollout)."""
+    import losses
+
     L = max(_length(s) for s in seqs)
     b = len(seqs)
     ids, attn = torch.zeros(b, L, dtype=torch.long), torch.zeros(b, L, dtype=torch.long)
-    mask, rlp = torch.zeros(b, L - 1), torch.zeros(b, L - 1)
+    mask, rlp, ver = torch.zeros(b, L - 1), torch.zeros(b, L - 1), torch.zeros(b, L - 1, dtype=torch.long)
     for i, s in enumerate(seqs):
         P, T = len(s["prompt"]), len(s["response"])
-        ids[i, :P + T] = torch.cat([s["prompt"], s["response"]])
+        ids[i, :P + T] = torch.tensor(s["prompt"] + s["response"])
         attn[i, :P + T] = 1
-        mask[i, P - 1:P - 1 + T] = s["mask"].float()
-        rlp[i, P - 1:P - 1 + T] = s["rollout_lp"]
-    adv = torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)
-    return {k: v.to(device) for k, v in dict(ids=ids, attn=attn, mask=mask, rollout_lp=rlp, adv=adv).items()}
+        if T:
+            mask[i, P - 1:P - 1 + T] = torch.tensor(s["mask"], dtype=torch.float32)
+            rlp[i, P - 1:P - 1 + T] = torch.tensor(s["rollout_lp"])
+            ver[i, P - 1:P - 1 + T] = torch.tensor(s["versions"])
+    if mask_offpolicy:
+        mask = losses.offpolicy_token_mask(ver, mask)
+    return {"ids": ids, "attn": attn, "mask": mask, "rollout_lp": rlp,
+            "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -410,17 +417,19 @@ class Actor:
     # ---- training ----
     def train_minibatch(self, groups: list, step: int) -> dict:
         t0 = time.perf_counter()
-        seqs = make_sequences(groups, self.cfg)
         import losses
 
+        cfg = self.cfg
+        seqs = make_sequences(groups, cfg)
+        plans = [[collate(mb, cfg.rollout.mask_offpolicy_in_partial_rollout)
+                  for mb in plan_micro_batches(share, cfg.trainer.micro_batch_tokens)]
+                 for share in split_balanced(seqs, self.world)]
+        n_micro = max(len(p) for p in plans)  # FSDP collectives need the same number of forwards on every rank
+        plans = [p + [collate([DUMMY])] * (n_micro - len(p)) for p in plans]
         # The denominator of the loss aggregation over the WHOLE mini-batch (all ranks, all micro-batches), so
         # the micro-batch losses sum to the mini-batch loss (losses.py, "Loss aggregation").
-        mode, norm = self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.sampling.max_new_tokens
-        denom = sum(losses.loss_denominator(s["mask"][None], mode, norm) for s in seqs if s["mask"].numel())
-        plans = [plan_micro_batches(sh, self.cfg.trainer.micro_batch_tokens)
-                 for sh in split_balanced(seqs, self.world)]
-        n_micro = max(len(p) for p in plans)  # FSDP collectives need the same number of forwards on every rank
-        plans = [p + [[DUMMY]] * (n_micro - len(p)) for p in plans]
+        mode, norm = cfg.algorithm.loss_agg_mode, cfg.rollout.sampling.max_new_tokens
+        denom = sum(losses.loss_denominator(mb["mask"], mode, norm) for p in plans for mb in p)
         self._announce("train", (step, denom))
         out: list = [None]
         if self.world > 1:
@@ -430,7 +439,7 @@ class Actor:
         process_s = time.perf_counter() - t0
         metrics = self._train(out[0], step, denom)
         metrics["timing/process_traj"] = process_s
-        metrics["train/loss_tokens"] = float(sum(s["mask"].sum() for s in seqs))
+        metrics["train/loss_tokens"] = float(sum(mb["mask"].sum() for p in plans for mb in p))
         return metrics
 
     def _train(self, plan, step: int, denom: float) -> dict:
@@ -442,7 +451,7 @@ class Actor:
             plan = out[0]
         cfg, t = self.cfg, self.cfg.trainer
         temp = cfg.rollout.sampling.temperature
-        batches = [collate(mb, self.device) for mb in plan]
+        batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in plan]
         old = self._old_log_probs(batches, step)
         self.model.train()
         sums, weights, extremes = {}, {}, {}

@@ -87,9 +87,9 @@ def test_aggregate_follows_the_spec_naming_rule():
     assert out["train/pg_loss"] == pytest.approx(0.3)  # averaged
 
 
-def _seq(p, r, adv=1.0):
-    return {"prompt": torch.arange(p), "response": torch.arange(r) + 100, "mask": torch.ones(r, dtype=torch.long),
-            "rollout_lp": -torch.arange(r, dtype=torch.float32) - 1, "adv": adv}
+def _seq(p, r, adv=1.0, versions=None):
+    return {"prompt": list(range(p)), "response": [100 + i for i in range(r)], "mask": [1] * r,
+            "rollout_lp": [-1.0 - i for i in range(r)], "versions": versions or [0] * r, "adv": adv}
 
 
 def test_split_balanced_by_tokens_and_micro_batches_fit():
@@ -105,7 +105,7 @@ def test_split_balanced_by_tokens_and_micro_batches_fit():
 
 
 def test_collate_puts_response_tokens_on_their_predicting_positions():
-    b = train.collate([_seq(3, 2), _seq(2, 4, adv=-1.0)], torch.device("cpu"))
+    b = train.collate([_seq(3, 2), _seq(2, 4, adv=-1.0)])
     assert b["ids"].shape == (2, 6) and b["mask"].shape == (2, 5)
     # sequence 0: prompt 0,1,2 then response 100,101: position 2 predicts 100, position 3 predicts 101
     assert b["mask"][0].tolist() == [0, 0, 1, 1, 0]
@@ -113,6 +113,9 @@ def test_collate_puts_response_tokens_on_their_predicting_positions():
     assert b["rollout_lp"][0, 2:4].tolist() == [-1.0, -2.0]
     assert b["ids"][1, 1:][b["mask"][1] > 0].tolist() == [100, 101, 102, 103]
     assert b["attn"][0].tolist() == [1, 1, 1, 1, 1, 0] and b["adv"].tolist() == [1.0, -1.0]
+    # a restored partial trajectory: tokens of version 3 before the newest version 4 leave the loss
+    m = train.collate([_seq(2, 4, versions=[3, 3, 4, 4])], mask_offpolicy=True)["mask"]
+    assert m[0].tolist() == [0, 0, 0, 1, 1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,10 +251,10 @@ def _snapshot_script(args):
 
     cfg, rank, actor = _script_setup(args)
     g = torch.Generator().manual_seed(0)  # the same data on both ranks
-    seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g), "response": torch.randint(3, 90, (6,), generator=g),
-             "mask": torch.ones(6, dtype=torch.long), "rollout_lp": torch.full((6,), -2.0),
-             "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
-    first, second = train.collate(seqs[4:], torch.device("cpu")), seqs[:4]
+    seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
+             "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6, "rollout_lp": [-2.0] * 6,
+             "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
+    first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
     step_start = _log_probs(actor, first)
     actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
     live = _log_probs(actor, first)
@@ -295,10 +298,9 @@ def _sync_script(args):
                     msg = [{"ids": out["output_ids"], "lp": [x[0] for x in out["meta_info"]["output_token_logprobs"]],
                             "version": out["meta_info"]["weight_version"]}]
                 dist.broadcast_object_list(msg, src=0, group=train._CTRL)
-                s = {"prompt": torch.tensor([5, 6, 7, 8, 9]), "response": torch.tensor(msg[0]["ids"]),
-                     "mask": torch.ones(len(msg[0]["ids"]), dtype=torch.long),
-                     "rollout_lp": torch.tensor(msg[0]["lp"]), "adv": 0.0}
-                b = train.collate([s], torch.device("cpu"))
+                s = {"prompt": [5, 6, 7, 8, 9], "response": msg[0]["ids"], "mask": [1] * len(msg[0]["ids"]),
+                     "rollout_lp": msg[0]["lp"], "versions": [0] * len(msg[0]["ids"]), "adv": 0.0}
+                b = train.collate([s])
                 ours = _log_probs(actor, b)
                 return float(((ours - b["rollout_lp"]) * b["mask"]).abs().max()), msg[0]
 
