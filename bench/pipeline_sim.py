@@ -585,7 +585,9 @@ def main(argv=None) -> int:
     print(SIMULATION_NOTE, flush=True)
     print(f"workload: B={wl.num_prompts_per_step} N={wl.num_trajectories_per_prompt} M={wl.mini_batch_size}, "
           f"{args.steps} steps per configuration, clock compression {args.compression:g}x, "
-          f"1 simulated output token = {args.token_scale} model tokens", flush=True)
+          f"1 simulated output token = {args.token_scale} model tokens; machine load average at start "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (the real code's time, x compression, grows with it)",
+          flush=True)
     t0 = time.monotonic()
     if args.overhead_check:
         overhead_check(setups, args, wl)
@@ -609,7 +611,7 @@ def main(argv=None) -> int:
     else:
         for line in acceptance(results):
             print(line)
-    print(f"wall time: {time.monotonic() - t0:.0f} s")
+    print(f"wall time: {time.monotonic() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
     png = args.png or (os.path.splitext(args.json_path)[0] + ".png" if args.json_path else
                        os.path.join("runs", "pipeline_sim.png"))
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
