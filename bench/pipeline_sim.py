@@ -455,8 +455,11 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     ok = [r for r in results if "error" not in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(15, 6))
-    for r in ok:
-        a.plot(range(len(r["steps_s"])), r["steps_s"], marker="o", ms=3, label=r["name"])
+    colors = plt.get_cmap("tab20").colors
+    styles = {"spec": "-", "concurrency": "--", "split": ":"}
+    for i, r in enumerate(ok):
+        a.plot(range(len(r["steps_s"])), r["steps_s"], marker="o", ms=3, label=r["name"], color=colors[i % 20],
+               linestyle=styles.get(r["section"], "-"), linewidth=2.5 if r["name"] == "colocate" else 1.3)
     a.set_xlabel("step")
     a.set_ylabel("step time (simulated s)")
     a.set_title("step time per step")
