@@ -2,21 +2,27 @@
 
 What is real: the orchestration. Each configuration runs the project's own `buffer.PipelineServer` (+ the window
 strategies), `rollout.Rollout` and `rollout.Fleet` (HTTP, pause / abort / restore / resume) and the trainer's step
-loop `train.run_steps`, in one process (threads), exactly as train.py wires them minus the RPC hop.
+loop `train.run_steps`, as threads of one process forked after the imports (train.py puts them in separate
+processes joined by RPC; here there is no RPC hop).
 What is simulated: the inference fleet (bench/sim_server.py, one port per replica, requests progress by the latency
 model of ../shared/bench/spec_workload.md) and the training compute (`SimActor`: 760 response tokens/s per training
 GPU, weight update 10 s, colocate memory release 8 s + resume 8 s). Both run on a clock compressed `--compression`
-times, so a 500 s step takes 500 / compression s of wall time; the real code's own time is scaled up with it,
-and the per-phase table shows it ("overhead": step time the model does not account for).
+times, so a 500 s step takes 500 / compression s of wall time; the real code's own time is scaled up with it, and
+the per-phase table shows it ("overhead"; `--overhead-check` measures it from runs at two compressions).
 The workload numbers are a model calibrated to the spec's experiment, not a measurement; step times are simulated
 seconds.
 
 Efficiency = ideal / achieved step time (steady state, step 0 excluded), where the ideal is
 max(generated tokens / fleet peak throughput, trained tokens / training throughput + weight update).
 
-Run (about 8 minutes on 2 CPU cores; --quick: a small grid in well under a minute):
+Simplifications of the harness: automatic garbage collection is off in each run and young objects are collected
+inside the simulated training time (full collections of the shared interpreter stalled every thread, x compression);
+torch uses one intra-op thread, as in the buffer process.
+
+Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid in well under a minute):
     python bench/pipeline_sim.py [--quick] [--json out.json] [--png out.png] [--steps 9] [--compression 120]
     python bench/pipeline_sim.py --only colocate,fifo-s1 --workload my_workload.yaml
+    python bench/pipeline_sim.py --overhead-check --only colocate,fifo-s2
 """
 from __future__ import annotations
 
@@ -634,6 +640,7 @@ def main(argv=None) -> int:
     if args.json_path:
         keys = ("name", "avg_step_s", "avg_step_excl0_s", "speedup", "efficiency", "pipeline_buf_size",
                 "partial_ratio", "partial_restored")
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
         with open(args.json_path, "w") as f:
             json.dump([{**{k: r.get(k) for k in keys}, **{k: v for k, v in r.items() if k not in keys}}
                        for r in results], f, indent=1)
