@@ -579,8 +579,7 @@ class Actor:
         ws = self.cfg.weight_sync
         ranks = self.fleet.engine_ranks()
         world = 1 + sum(ranks)
-        addr = ws.master_address or ("127.0.0.1" if self.cfg.rollout.launch != "none" else
-                                     socket.gethostbyname(socket.gethostname()))
+        addr = ws.master_address  # set by main(): 127.0.0.1 for servers rank 0 launched, else this host's IP
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, WEIGHT_GROUP, backend)
         timeout = datetime.timedelta(seconds=ws.timeout_s)
@@ -1155,8 +1154,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             import buffer as buffer_lib
 
             services = Services(cfg)
-            if not r.servers and not r.router_url:
+            launched = not r.servers and not r.router_url
+            if launched:
                 cfg.rollout.servers = services.launch_servers(start_step)
+            if cfg.weight_sync.master_address is None:  # where the servers reach this process's broadcast group
+                cfg.weight_sync.master_address = "127.0.0.1" if launched else \
+                    socket.gethostbyname(socket.gethostname())
             fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
             fleet.wait_healthy(r.startup_timeout_s)
             resolved = os.path.join(cfg.run_dir, "config.yaml")

@@ -231,7 +231,8 @@ def _script_setup(args):
     rank = dist.get_rank()
     cfg = config.load_config(TINY, [f"model.path={args['model']}", f"run_dir={args['run_dir']}", "trainer.lr=0.01",
                                     f"rollout.base_port={args.get('port', 31000)}",
-                                    f"weight_sync.master_port={args.get('master_port', 29700)}"])
+                                    f"weight_sync.master_port={args.get('master_port', 29700)}",
+                                    "weight_sync.master_address=127.0.0.1"])
     model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
     opt, sched = train.build_optimizer(model, cfg.trainer)
     return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
