@@ -327,7 +327,7 @@ def resumed_run(tmp_path_factory, tiny_model):
     args = [*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model)]
     seed = random.randrange(10 ** 6)
     rng = random.Random(seed)
-    kill_after = rng.randint(1, 5)  # complete checkpoints to wait for, then a random extra delay
+    kill_after = rng.randint(1, 4)  # complete checkpoints to wait for, then a random extra delay (< 4 steps)
     p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     deadline = time.monotonic() + 240
@@ -337,9 +337,10 @@ def resumed_run(tmp_path_factory, tiny_model):
             break
         assert p.poll() is None and time.monotonic() < deadline, (seed, p.stdout.read()[-3000:] if p.poll() else "")
         time.sleep(0.1)
-    time.sleep(rng.uniform(0.0, 1.5))
+    time.sleep(rng.uniform(0.0, 0.5))
     os.killpg(p.pid, signal.SIGKILL)
     p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL, (seed, "the run ended before it was killed")
     assert _wait_session_gone(p.pid), "SIGKILL left processes of the run behind"
     killed_at = int(train.latest_checkpoint(str(run_dir)).rsplit("_", 1)[1])
     p2 = subprocess.run([*args, "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300,
