@@ -1130,4 +1130,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import rollout  # RPC pickles calls as rollout._invoke: the served singleton must live in the importable module
+
+    rollout.main()

@@ -79,7 +79,7 @@ def aggregate(records: list[dict]) -> dict:
     return out
 
 
-def consumed_metrics(groups: list) -> dict:
+def trained_group_metrics(groups: list) -> dict:
     """What one training call consumed (partial_ratio and staleness of it come from buffer.step_metrics)."""
     trajs = [t for g in groups for t in g.trajectories]
     return {"train/reward_mean": sum(t.reward for t in trajs) / max(1, len(trajs)),
@@ -189,7 +189,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 t0 = time.perf_counter()
                 groups = buffer.get(gpc, timeout=cfg.buffer.get_timeout_s)
                 rec["timing/rollout"] = time.perf_counter() - t0
-            rec.update(consumed_metrics(groups))
+            rec.update(trained_group_metrics(groups))
             prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
             t0 = time.perf_counter()
             out = actor.train_minibatch(groups, step) or {}
@@ -929,11 +929,8 @@ class Services:
         from torch.distributed import rpc
 
         init = f"tcp://127.0.0.1:{_free_port()}"
-        # The served singletons must live in the importable modules (RPC pickles calls as buffer._invoke /
-        # rollout._invoke), not in a __main__ copy: so `import rollout; rollout.main()` rather than a script run.
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
-                                            ("rollout", ["-c", "import sys, rollout; rollout.main(sys.argv[1:])",
-                                                         "--serve"])], start=1):
+                                            ("rollout", [os.path.join(ROOT, "rollout.py"), "--serve"])], start=1):
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
             self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
                               "--rank", str(rank), "--world-size", "3"], env)
