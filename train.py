@@ -12,7 +12,7 @@ rollout.router_url), the buffer process (`python buffer.py`) and the rollout pro
 joins RPC as "trainer" and runs the loop; every other rank follows rank 0's commands (train its share of each
 mini-batch, gather weights for the sync, save checkpoints). Children log to run_dir/logs/ and are stopped on exit.
 
-Run (CPU, the tiny model on the reverse-digits task; learns in a few minutes):
+Run (CPU, the tiny model on the reverse-digits task; reward rises from 0 to ~0.45 in 400 steps, ~8-10 min):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml fully_async.enable=false
     python train.py plot runs/tiny                     # metrics.jsonl -> runs/tiny/metrics.png
