@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.rpc as rpc
@@ -687,14 +687,18 @@ def _invoke(method: str, *args):
 
 
 def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float,
-             num_worker_threads: int = 32) -> None:
+             num_worker_threads: int = 32, startup_timeout: Optional[float] = None,
+             while_waiting: Optional[Callable[[], None]] = None, hint: str = "") -> None:
     """rpc.init_rpc with a start-up timeout (a worker that never shows up fails the run instead of hanging it).
 
-    Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes the tcp:// rendezvous look for torchrun's store; it is
-    removed from the environment around this call only.
+    `timeout` is every later RPC's timeout and, unless `startup_timeout` is given, the start-up's too.
+    `while_waiting` is called about every 0.2 s during start-up (the trainer checks there that its children are
+    still alive); `hint` is appended to the timeout message. Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes the
+    tcp:// rendezvous look for torchrun's store; it is removed from the environment around this call only.
     """
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
                                            num_worker_threads=num_worker_threads)
+    startup_timeout = timeout if startup_timeout is None else startup_timeout
     saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     errors: list = []
 
@@ -707,14 +711,18 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: f
     try:
         th = threading.Thread(target=run, name=f"init_rpc-{name}", daemon=True)
         th.start()
-        th.join(timeout)
+        deadline = time.monotonic() + startup_timeout
+        while th.is_alive() and time.monotonic() < deadline:
+            if while_waiting is not None:
+                while_waiting()
+            th.join(min(0.2, max(0.0, deadline - time.monotonic())))
     finally:
         if saved is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
     if th.is_alive():
-        raise TimeoutError(f"RPC start-up: worker '{name}' (rank {rank}) waited {timeout:.0f}s at {init_method} and "
-                           f"not all {world_size} workers (trainer, buffer, rollout) joined; check that each process "
-                           "started with the same --rpc-init and --world-size")
+        raise TimeoutError(f"RPC start-up: worker '{name}' (rank {rank}) waited {startup_timeout:.0f}s at "
+                           f"{init_method} and not all {world_size} workers (trainer, buffer, rollout) joined; check "
+                           f"that each process started with the same --rpc-init and --world-size{hint}")
     if errors:
         raise RuntimeError(f"RPC start-up of worker '{name}' (rank {rank} of {world_size}) at {init_method} "
                            f"failed: {errors[0]}") from errors[0]

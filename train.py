@@ -43,7 +43,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Callable, Optional
 
@@ -926,7 +925,7 @@ class Services:
 
     def start_rpc(self, resolved_config: str) -> None:
         """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
-        from torch.distributed import rpc
+        import buffer as buffer_lib
 
         init = f"tcp://127.0.0.1:{_free_port()}"
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
@@ -934,34 +933,12 @@ class Services:
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
             self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
                               "--rank", str(rank), "--world-size", "3"], env)
-        timeout = self.cfg.buffer.rpc_timeout_s
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=timeout)
-        # torchrun's agent store must not be used for RPC's own rendezvous: hide it during init_rpc only.
-        saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        errors: list = []
-
-        def join():
-            try:
-                rpc.init_rpc("trainer", rank=0, world_size=3, rpc_backend_options=opts)
-            except Exception as e:  # reported by the waiting loop below
-                errors.append(e)
-
-        th = threading.Thread(target=join, daemon=True)
-        th.start()
-        deadline = time.monotonic() + self.cfg.rollout.startup_timeout_s
-        try:
-            while th.is_alive():
-                self.check_alive("joining RPC as 'buffer' / 'rollout'")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"RPC workers 'buffer' and 'rollout' did not join within "
-                                       f"rollout.startup_timeout_s={self.cfg.rollout.startup_timeout_s} s; "
-                                       f"see {self.logs}/buffer.log and rollout.log")
-                th.join(0.2)
-        finally:
-            if saved is not None:
-                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
-        if errors:
-            raise RuntimeError(f"joining RPC as 'trainer' failed: {errors[0]}")
+        startup = self.cfg.rollout.startup_timeout_s
+        buffer_lib.init_rpc("trainer", 0, 3, init, self.cfg.buffer.rpc_timeout_s, num_worker_threads=16,
+                            startup_timeout=startup,
+                            while_waiting=lambda: self.check_alive("joining RPC as 'buffer' / 'rollout'"),
+                            hint=f" (rollout.startup_timeout_s={startup} s; see {self.logs}/buffer.log and "
+                                 "rollout.log)")
         self.rpc_up = True
 
     def close(self, ok: bool) -> None:
