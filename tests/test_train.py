@@ -315,6 +315,7 @@ def _sync_script(args):
     finally:
         if services is not None:
             services.close(ok=False)
+    dist.barrier()  # both ranks tear their groups down together, after rank 0 stopped the engine
     dist.destroy_process_group()
 
 
