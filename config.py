@@ -25,9 +25,10 @@ import yaml
 @dataclass
 class ModelConfig:
     path: str = "runs/tiny-model"  # HF checkpoint directory (config.json, safetensors, tokenizer)
-    make_tiny: bool = False  # create the tiny random-init model at `path` when it does not exist yet
+    make_tiny: bool = False  # create the tiny model at `path` when it does not exist yet (tasks.make_tiny_model)
     tiny_hidden_size: int = 64  # width of the tiny model made by `make_tiny`
     tiny_num_layers: int = 2  # decoder layers of the tiny model
+    tiny_pretrain_steps: int = 300  # supervised steps of the tiny base on its task's pretraining task (0 = random)
     dtype: str = "float32"  # training parameter dtype on GPU mixed precision: float32 | bfloat16
     activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
 
@@ -385,6 +386,8 @@ def validate(cfg: Config) -> Config:
         _positive(ds.num_trajectories_per_prompt, f"data_sources[{i}].num_trajectories_per_prompt")
         _positive(ds.weight, f"data_sources[{i}].weight")
     _positive(M, "trainer.mini_batch_size")
+    if cfg.model.tiny_pretrain_steps < 0:
+        raise ValueError(f"model.tiny_pretrain_steps must be >= 0, got {cfg.model.tiny_pretrain_steps}")
     if (B * N) % M != 0:
         raise ValueError(
             f"data_source.num_prompts_per_step x data_source.num_trajectories_per_prompt ({B} x {N} = {B * N}) "

@@ -1,8 +1,9 @@
 r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
 
-- `make_tiny_model(out_dir)`: a random-init Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2
-  layers) with a character-level tokenizer built with the `tokenizers` library, saved with `save_pretrained`
-  (safetensors) so that AutoModelForCausalLM / AutoTokenizer and any engine load the directory.
+- `make_tiny_model(out_dir)`: a Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2 layers) with
+  a character-level tokenizer built with the `tokenizers` library, random init and optionally `pretrain`ed on a
+  toy task (PRETRAIN_TASK_OF: each RL task's base), saved with `save_pretrained` (safetensors) so that
+  AutoModelForCausalLM / AutoTokenizer and any engine load the directory.
 - `load_prompts(ds_cfg, tokenizer, split)`: the prompts of one config.DataSourceConfig, deterministic from its seed,
   with a held-out "eval" split disjoint from "train". Tasks (data_source.task):
     reverse_digits  prompt "12345=" (1-5 digits), target "54321" then eos. Raw text, no chat template.
@@ -25,7 +26,8 @@ their sizes; a dataset file's eval split is num_eval_prompts rows drawn by the s
 normalised strings first and with math-verify only when those differ.
 
 Run:
-    python tasks.py make-tiny-model --out runs/tiny-model [--hidden-size 64 --num-layers 2 --seed 0]
+    python tasks.py make-tiny-model --out runs/tiny-base [--hidden-size 64 --num-layers 2 --seed 0]
+                                    [--pretrain-task copy_digits --pretrain-steps 300]
     python tasks.py show --task reverse_digits [--path FILE] [--split eval] [-n 5]   # print some prompts
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ import json
 import os
 import random
 import re
+import shutil
 import string
 import threading
 import zlib
@@ -78,8 +81,14 @@ def build_tokenizer():
     return hf
 
 
-def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
-    """Write a random-init Qwen3ForCausalLM + character tokenizer to `out_dir`; returns `out_dir`."""
+def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                    pretrain_task: Optional[str] = None, pretrain_steps: int = 0) -> str:
+    """Write a Qwen3ForCausalLM + character tokenizer to `out_dir`; returns `out_dir`.
+
+    Random init, then (pretrain_steps > 0) `pretrain_steps` supervised steps on the toy task `pretrain_task`
+    (PRETRAIN_TASKS), with the loss curve written to `out_dir/pretrain.json`. Training happens in a temporary
+    directory renamed into place at the end, so an interrupted run never leaves a half-made model at `out_dir`.
+    """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -106,18 +115,90 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.pad_token_id)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    record = pretrain(model, tokenizer, pretrain_task, pretrain_steps, seed) if pretrain_steps > 0 else None
+    tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
     # transformers 5 writes its own class name, which the transformers 4.x that SGLang pins cannot resolve; the
     # 4.x name loads in both.
-    path = os.path.join(out_dir, "tokenizer_config.json")
+    path = os.path.join(tmp, "tokenizer_config.json")
     with open(path) as f:
         tok_cfg = json.load(f)
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     with open(path, "w") as f:
         json.dump(tok_cfg, f, indent=2)
+    if record is not None:
+        with open(os.path.join(tmp, "pretrain.json"), "w") as f:
+            json.dump(record, f, indent=1)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Supervised pretraining of the tiny base. Real RL post-training starts from a model that knows the format of its
+# answers; from random init the reverse_digits policy never samples a whole answer, never sees the reward of
+# stopping, and plateaus near 0.45 with eos probability collapsed. Each RL task's base is therefore trained on a
+# *different* task over the same format, so that RL still has to learn the task itself:
+#   reverse_digits <- copy_digits: "4711=" -> "4711" eos. Teaches digits, answer length and stopping, not the
+#                     reversal: greedy reverse_digits reward of the base is ~0.26 (1-digit prompts, palindromes and
+#                     first digits that happen to match).
+#   calc_tool      <- calc_call:   "37*59=" -> "calc 37*59" eos, the tool-call turn alone. Teaches the call syntax;
+#                     reading the tool's answer back and stopping after it is left to RL.
+
+def _copy_digits_example(rng: random.Random) -> tuple[str, str]:
+    digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(1, 5)))
+    return f"{digits}=", digits
+
+
+def _calc_call_example(rng: random.Random) -> tuple[str, str]:
+    text, _ = _calc_tool_example(rng)
+    return text, f"calc {text[:-1]}"
+
+
+PRETRAIN_TASKS = {"copy_digits": _copy_digits_example, "calc_call": _calc_call_example}
+PRETRAIN_TASK_OF = {"reverse_digits": "copy_digits", "calc_tool": "calc_call"}  # the base of each RL task
+PRETRAIN_BATCH, PRETRAIN_LR = 64, 3e-3
+
+
+def pretrain(model, tokenizer, task: str, steps: int, seed: int = 0) -> dict:
+    """`steps` Adam steps of next-token cross-entropy on the response tokens ("answer" + eos) of `task`, batches
+    of PRETRAIN_BATCH examples; returns {"task", "steps", "loss": [per step], "seconds"}."""
+    import time
+
+    import torch
+
+    if task not in PRETRAIN_TASKS:
+        raise ValueError(f"pretraining task '{task}' is unknown; accepted: {', '.join(PRETRAIN_TASKS)}")
+    rng = random.Random(f"pretrain:{task}:{seed}")
+    opt = torch.optim.Adam(model.parameters(), lr=PRETRAIN_LR)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    losses, t0 = [], time.perf_counter()
+    model.train()
+    for _ in range(steps):
+        rows, masks = [], []
+        for _ in range(PRETRAIN_BATCH):
+            prompt, answer = PRETRAIN_TASKS[task](rng)
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+            rows.append(p + a)
+            masks.append([0] * len(p) + [1] * len(a))
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        attn = (torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(round(loss.item(), 5))
+    model.eval()
+    return {"task": task, "steps": steps, "batch": PRETRAIN_BATCH, "lr": PRETRAIN_LR, "loss": losses,
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,11 +501,14 @@ def get_reward_fn(name: str) -> Callable[[str, Any, bool], float]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3 + character tokenizer")
+    p = sub.add_parser("make-tiny-model", help="write a tiny Qwen3 + character tokenizer (optionally pretrained)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrain-task", default=None, choices=sorted(PRETRAIN_TASKS),
+                   help="supervised pretraining task of the base (default: random init)")
+    p.add_argument("--pretrain-steps", type=int, default=300, help="steps of --pretrain-task")
     p = sub.add_parser("show", help="print some prompts and labels of a task")
     p.add_argument("--task", default="reverse_digits", help=f"one of {', '.join(DEFAULT_REWARDS)}")
     p.add_argument("--path", default=None, help="dataset file for jsonl / parquet")
@@ -433,8 +517,9 @@ def main(argv=None):
     p.add_argument("-n", type=int, default=5)
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
-        out = make_tiny_model(args.out, args.hidden_size, args.num_layers, args.seed)
-        print(f"wrote tiny model to {out}")
+        steps = args.pretrain_steps if args.pretrain_task else 0
+        out = make_tiny_model(args.out, args.hidden_size, args.num_layers, args.seed, args.pretrain_task, steps)
+        print(f"wrote tiny model to {out}" + (f" ({steps} steps of {args.pretrain_task})" if steps else ""))
     elif args.task in TOY_TASKS:
         for text, label in toy_examples(args.task, args.n, args.seed, args.split):
             print(f"{text!r} -> {label!r}")

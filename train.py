@@ -85,24 +85,40 @@ def trained_group_metrics(groups: list) -> dict:
             "train/response_length_mean": sum(len(t.response_ids) for t in trajs) / max(1, len(trajs))}
 
 
+SAMPLES_PER_STEP = 4  # trained trajectories written to samples/train.jsonl per step (one per group)
+
+
+def sample_records(groups: list, per_group: Optional[int] = None) -> list[dict]:
+    """Plain records of the trajectories (the first per_group of each group) for samples/*.jsonl: token ids,
+    reward, label, per-token weight versions and loss mask, status."""
+    return [{"prompt_ids": t.prompt_ids.tolist(), "response_ids": t.response_ids.tolist(), "reward": t.reward,
+             "label": g.prompt.label, "versions": t.versions.tolist(), "loss_mask": t.loss_mask.tolist(),
+             "status": t.status} for g in groups for t in g.trajectories[:per_group]]
+
+
 class Logger:
     """Rank 0's logging: a stdout line per step with progress, metrics.jsonl (one object per step, `step` key),
-    the resolved config beside it, and wandb when logging.wandb.enable.
+    the resolved config beside it, and wandb when logging.wandb.enable. What the model writes goes to
+    run_dir/samples/: `step_NNNNNN.jsonl` (every greedy eval response after NNNNNN steps) and `train.jsonl` (a few
+    trained trajectories per step, with per-token weight versions); with wandb, the same as tables.
 
     On resume, lines of steps after the checkpoint are dropped, so metrics.jsonl is the history of the weights
     being trained (a step whose checkpoint was lost is trained again and logged again).
     """
 
-    def __init__(self, cfg, keep_until: int = -1):
-        self.cfg, self.total = cfg, cfg.trainer.total_steps
-        os.makedirs(cfg.run_dir, exist_ok=True)
+    def __init__(self, cfg, keep_until: int = -1, tokenizer=None):
+        self.cfg, self.total, self.tokenizer = cfg, cfg.trainer.total_steps, tokenizer
+        self.samples_dir = os.path.join(cfg.run_dir, "samples")
+        os.makedirs(self.samples_dir, exist_ok=True)
         self.path = os.path.join(cfg.run_dir, "metrics.jsonl")
-        kept = []
-        if keep_until >= 0 and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        self.train_samples = os.path.join(self.samples_dir, "train.jsonl")
+        for path in (self.path, self.train_samples):  # a resumed run keeps the history of the weights it trains
+            kept = []
+            if keep_until >= 0 and os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+            with open(path, "w") as f:
+                f.writelines(kept)
         self.t0, self.first_step = time.time(), None
         self.start = time.time()
         self.wandb = None
@@ -114,7 +130,28 @@ class Logger:
                                     mode=w.mode, dir=cfg.run_dir, config=config_lib.to_dict(cfg), resume="allow",
                                     id=w.name or os.path.basename(os.path.abspath(cfg.run_dir)))
 
+    def samples(self, step: int, records: list[dict], eval_: bool) -> None:
+        """Decoded records -> samples/step_NNNNNN.jsonl (eval_) or one line each in samples/train.jsonl."""
+        if not records or self.tokenizer is None:
+            return
+        rows = [{"step": step, "prompt": self.tokenizer.decode(r["prompt_ids"]),
+                 "response": self.tokenizer.decode(r["response_ids"]), "reward": r["reward"], "label": r["label"],
+                 **({} if eval_ else {"versions": r["versions"], "loss_mask": r["loss_mask"],
+                                      "status": r["status"]})} for r in records]
+        path = os.path.join(self.samples_dir, f"step_{step:06d}.jsonl") if eval_ else self.train_samples
+        with open(path, "w" if eval_ else "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.wandb is not None:
+            import wandb
+
+            cols = list(rows[0])
+            self.wandb.log({"samples/eval" if eval_ else "samples/train": wandb.Table(
+                columns=cols, data=[[json.dumps(r[c]) if isinstance(r[c], list) else r[c] for c in cols]
+                                    for r in rows])}, step=step)
+
     def log(self, step: int, metrics: dict) -> None:
+        self.samples(step, metrics.pop("data/samples", None), eval_=False)
+        self.samples(step, metrics.pop("data/eval_samples", None), eval_=True)
         metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
@@ -157,7 +194,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
               (buffer.PipelineServer or buffer.RemoteBuffer).
     rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or RemoteRollout).
     logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
-              in training order).
+              in training order) and "data/samples" (sample_records of a few trained trajectories).
     evaluate: optional fn(steps_done) -> dict, run every trainer.eval_freq steps and after the last one.
     run_state given to save_checkpoint: {"step": steps done, "weight_version", "buffer": buffer.state_dict()}.
     """
@@ -179,7 +216,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 m.update(actor.release() or {})
 
         # ---- train: (B x N) // M calls of M // N groups; fully-async fetches each from the PipelineBuffer ----
-        prompt_ids = []
+        prompt_ids, samples = [], []
         for call in range(cfg.calls_per_step):
             rec = {}
             if sync_mode:
@@ -190,6 +227,8 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 rec["timing/rollout"] = time.perf_counter() - t0
             rec.update(trained_group_metrics(groups))
             prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
+            if len(samples) < SAMPLES_PER_STEP:
+                samples += sample_records(groups[:SAMPLES_PER_STEP - len(samples)], per_group=1)
             t0 = time.perf_counter()
             out = actor.train_minibatch(groups, step) or {}
             rec["timing/train"] = time.perf_counter() - t0 - out.get("timing/process_traj", 0.0)
@@ -226,7 +265,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         if evaluate is not None and ((cfg.trainer.eval_freq and (step + 1) % cfg.trainer.eval_freq == 0)
                                      or step + 1 == total):
             m.update(evaluate(step + 1))
-        m["data/prompt_ids"] = prompt_ids
+        m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
         logger.log(step + 1, m)
 
 
@@ -975,8 +1014,11 @@ class Services:
 # ---------------------------------------------------------------------------------------------------------------
 
 def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
+    """evaluate(steps_done) -> eval/reward_mean, eval/exact_ratio (reward >= 1), timing/eval and data/eval_samples
+    (every response, for samples/step_NNNNNN.jsonl): greedy, one response per held-out prompt."""
     import rollout as rollout_lib
     import tasks
+    from buffer import Group
 
     ecfg = copy.deepcopy(cfg)
     ecfg.data_sources = [copy.deepcopy(cfg.data_sources[0])]
@@ -990,10 +1032,11 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
         t0 = time.perf_counter()
         buf, summary = rollout_lib.generate_dataset(ecfg, prompts, fleet, tokenizer,
                                                     cfg.rollout.trajectory_timeout_s + 60.0)
-        rewards = [t.reward for v in buf.results.values() for t in v]
+        groups = [Group(buf.prompts[seq], trajs) for seq, trajs in sorted(buf.results.items())]
+        rewards = [t.reward for g in groups for t in g.trajectories]
         return {"eval/reward_mean": sum(rewards) / max(1, len(rewards)),
                 "eval/exact_ratio": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
-                "timing/eval": time.perf_counter() - t0}
+                "timing/eval": time.perf_counter() - t0, "data/eval_samples": sample_records(groups)}
     return evaluate
 
 
@@ -1009,6 +1052,13 @@ def check_launch(cfg, world: int) -> None:
                          f"--nproc_per_node {t.num_gpus_per_node}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+    if cfg.model.make_tiny and cfg.model.tiny_pretrain_steps > 0:
+        import tasks
+
+        if cfg.data_sources[0].task not in tasks.PRETRAIN_TASK_OF:
+            raise ValueError(f"model.tiny_pretrain_steps={cfg.model.tiny_pretrain_steps} needs a toy task with a "
+                             f"pretraining task ({', '.join(tasks.PRETRAIN_TASK_OF)}), not data_source.task "
+                             f"'{cfg.data_sources[0].task}'; set model.tiny_pretrain_steps=0")
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
         raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
                          "model.make_tiny=true to create the tiny model there")
@@ -1080,7 +1130,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if rank == 0 and cfg.model.make_tiny and not os.path.isdir(cfg.model.path):
         import tasks
 
-        tasks.make_tiny_model(cfg.model.path, cfg.model.tiny_hidden_size, cfg.model.tiny_num_layers, cfg.seed)
+        m = cfg.model
+        print(f"[train] making the tiny model at {m.path} ({m.tiny_pretrain_steps} pretraining steps)", flush=True)
+        tasks.make_tiny_model(m.path, m.tiny_hidden_size, m.tiny_num_layers, cfg.seed,
+                              tasks.PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps)
     dist.barrier(group=_CTRL)
 
     services, ok, actor, logger = None, False, None, None
@@ -1119,7 +1172,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         import rollout as rollout_lib
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        logger = Logger(cfg, keep_until=start_step if run_state else -1)
+        logger = Logger(cfg, keep_until=start_step if run_state else -1, tokenizer=tokenizer)
         evaluate = None
         if cfg.run_mode == "train-only":
             buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
@@ -1183,7 +1236,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# python train.py plot RUN_DIR [--out PNG]: reward, step-time breakdown, buffer size, staleness
+# python train.py plot RUN_DIR [--out PNG]: reward, eval, step-time breakdown, buffer, recycling, staleness
 # ---------------------------------------------------------------------------------------------------------------
 
 def plot_main(argv: list[str]) -> None:
@@ -1198,6 +1251,21 @@ def plot_main(argv: list[str]) -> None:
     print(f"wrote {out}")
 
 
+# One quantity per panel (its unit on the y axis). A metric logged on fewer than half of the steps (eval,
+# checkpoints, recycling at the boundary) is drawn as points: a line between them would invent values.
+PLOT_PANELS = [
+    ("reward", ["rollout/reward_mean", "train/reward_mean", "eval/reward_mean"]),
+    ("eval exact answers (fraction)", ["eval/exact_ratio"]),
+    ("seconds per step", ["timing/step", "timing/train", "timing/rollout", "timing/pause_delay",
+                          "timing/update_weights", "timing/save_ckpt", "timing/eval"]),
+    ("prompt groups", ["rollout/pipeline_buf_size", "rollout/filter_drop", "rollout/restored_groups"]),
+    ("trajectories at the step boundary", ["rollout/partial_restored_count",
+                                           "rollout/partial_dropped_incomplete_count"]),
+    ("weight versions behind", ["rollout/staleness_mean", "rollout/staleness_max", "rollout/partial_span_max"]),
+    ("fraction", ["rollout/partial_ratio", "perf/wait_ratio"]),
+]
+
+
 def plot(metrics_path: str, out: str) -> str:
     import matplotlib
 
@@ -1206,25 +1274,27 @@ def plot(metrics_path: str, out: str) -> str:
 
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    panels = [("reward", ["rollout/reward_mean", "train/reward_mean", "eval/reward_mean"]),
-              ("step time (s)", ["timing/step", "timing/train", "timing/rollout", "timing/pause_delay",
-                                 "timing/update_weights", "timing/save_ckpt"]),
-              ("buffer (groups)", ["rollout/pipeline_buf_size", "rollout/partial_restored_count",
-                                   "rollout/filter_drop"]),
-              ("staleness", ["rollout/partial_ratio", "rollout/partial_span_max", "rollout/staleness_mean",
-                             "perf/wait_ratio"])]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = [(t, [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]) for t, keys in PLOT_PANELS]
+    panels = [(t, keys) for t, keys in panels if keys]
+    cols = 2
+    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(12, 3.2 * ((len(panels) + 1) // cols)),
+                             squeeze=False)
     for ax, (title, keys) in zip(axes.flat, panels):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
-            if pts:
-                ax.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None)
-        ax.set_title(title)
+            if 2 * len(pts) < len(rows):
+                ax.plot(*zip(*pts), label=k, linestyle="none", marker="o", markersize=3)
+            else:
+                ax.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None, linewidth=1)
+        ax.set_ylabel(title)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+    plt.close(fig)
     return out
 
 

@@ -65,6 +65,34 @@ def test_tokenizer_is_character_level_and_round_trips(tok):
     assert tok.decode(tok("a\u00e9b", add_special_tokens=False)["input_ids"], skip_special_tokens=True) == "ab"
 
 
+def _greedy_exact(model, tok, examples) -> float:
+    hits = 0
+    for text, label in examples:
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        hits += out[:len(label) + 1] == tok(label, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return hits / len(examples)
+
+
+def test_pretrained_base_knows_its_pretraining_task_and_not_the_rl_task(tmp_path):
+    out = tasks.main(["make-tiny-model", "--out", str(tmp_path / "base"), "--pretrain-task", "copy_digits",
+                      "--pretrain-steps", "200"]) or str(tmp_path / "base")
+    with open(f"{out}/pretrain.json") as f:
+        rec = json.load(f)
+    assert rec["task"] == "copy_digits" and rec["steps"] == len(rec["loss"]) == 200
+    assert rec["loss"][-1] < 0.2 * rec["loss"][0]
+    assert not any(p.name.startswith("base.tmp") for p in tmp_path.iterdir())  # made in a temp dir, renamed
+    model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    reverse = tasks.toy_examples("reverse_digits", 32, 0, "eval")
+    copy = [(text, text[:-1]) for text, _ in reverse]
+    # It copies; it reverses only where copying is reversing (1 digit, palindromes): RL has the task to learn.
+    assert _greedy_exact(model, tok, copy) > 0.6
+    assert _greedy_exact(model, tok, reverse) < 0.45
+    assert tasks.PRETRAIN_TASK_OF["reverse_digits"] == "copy_digits"
+    text, answer = tasks.PRETRAIN_TASKS["calc_call"](__import__("random").Random(0))
+    assert answer == f"calc {text[:-1]}" and tasks.CalcToolEnv().step(answer) is not None  # a valid tool call
+
+
 def test_chat_template(tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
