@@ -220,6 +220,8 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_mod
         assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
         assert m["after_sync"] < 1e-4, m  # float32, same weights, same convention
         assert m["tokens"] >= 4 and m["weight_version"] == m["version"]
+    import engine  # the trainer fails fast with the server's message, not after weight_sync.timeout_s (600 s)
+    assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
 def _script_setup(args):
@@ -310,7 +312,14 @@ def _sync_script(args):
             after, msg = engine_vs_trainer()
             results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
                                "weight_version": msg["version"], "version": str(version)}
-        if rank == 0:
+        if rank == 0:  # a bucket pushed outside a session: the server refuses it without joining the broadcast
+            t0 = time.monotonic()
+            try:
+                name, param = next(iter(actor.model.named_parameters()))  # (full_tensor would be a collective)
+                actor._push_bucket([(name, torch.zeros(param.shape))], 3)
+                results["no_session"] = {"error": None}
+            except RuntimeError as e:
+                results["no_session"] = {"error": str(e), "seconds": time.monotonic() - t0}
             print("RESULT " + json.dumps(results), flush=True)
     finally:
         if services is not None:
