@@ -506,7 +506,7 @@ def test_pause_without_partial_waits_for_everything_and_loses_nothing(server, to
 
 def test_in_flight_never_exceeds_the_bound_as_the_engine_counts_it(server, tokenizer):
     cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=5", "data_source.num_prompts_per_step=4",
-                   "fully_async.stale_steps=2", "rollout.sampling.max_new_tokens=48")
+                   "fully_async.stale_steps=2", "rollout.sampling.max_new_tokens=200")
     seen, stop = [], threading.Event()
 
     def poll():
@@ -527,7 +527,9 @@ def test_in_flight_never_exceeds_the_bound_as_the_engine_counts_it(server, token
         ro.pause()
         metrics = ro.step_metrics()
     # 5 samples // N=2 -> 2 groups -> at most 4 generating trajectories, though the capacity C=12 would allow more
-    assert max(seen) == 4 and seen.count(4) >= 3, f"engine-side in-flight counts: {sorted(set(seen))}"
+    # reached, never exceeded (how often all 4 run at once is luck: a group is re-dispatched only when both of its
+    # trajectories ended, and the other group's may have ended one by then)
+    assert max(seen) == 4, f"engine-side in-flight counts: {sorted(set(seen))}"
     assert metrics["rollout/in_flight_trajectories_max"] == 4 and metrics["rollout/max_concurrent_samples"] == 5
 
 
