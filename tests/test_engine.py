@@ -329,7 +329,7 @@ def test_pause_abort_blocks_new_requests_until_continue(url):
         assert r.status_code == 200 and r.json()["status"] == "ok"
         for f in inflight:  # answered (server side) before the pause call returned
             assert f.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
-        blocked = ex.submit(generate, url, [5, 6], "pa-late.", max_new_tokens=5)
+        blocked = ex.submit(generate, url, [5, 6], "pa-late.", max_new_tokens=5, ignore_eos=True)
         time.sleep(0.5)
         assert not blocked.done() and loads(url)["num_waiting_reqs"] == 0
         assert post(url, "/continue_generation", {}).json()["status"] == "ok"
