@@ -22,16 +22,16 @@
 - `serve` / `RemoteRollout`: the rollout process (RPC worker "rollout") and the trainer's proxy of it.
 - Standalone: generate and score a dataset against running servers, without training (JSONL + a summary line).
 
-Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP
-layer counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in
-flight (the producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all
-of its N trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once; a semaphore
-of S requests at the HTTP layer backs this for custom rollout functions. S above the fleet's concurrency (the sum of
-the servers' max_running_requests, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming
-both numbers. A server's concurrency is the limit it enforces, `internal_states[i]["effective_max_running_requests_per_dp"]`
-of /server_info (times the DP size over the entries), else the `--max-running-requests` flag it reports; when
-neither is known a warning says that S is not clamped. Set S above the global batch B x N; otherwise the capacity C already bounds generation and S is
-redundant. Unset, only the strategy's capacity C bounds the groups in flight.
+Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP layer
+counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in flight (the
+producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all of its N
+trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once; a semaphore of S requests
+at the HTTP layer backs this for custom rollout functions. S above the fleet's concurrency (the sum of the servers'
+limits, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming both numbers. A server's limit
+is the one it enforces, `internal_states[i]["effective_max_running_requests_per_dp"]` of /server_info (times the DP size
+over the entries), else the `--max-running-requests` flag it reports; when neither is known a warning says that S is not
+clamped. Set S above the global batch B x N; otherwise the capacity C already bounds generation and S is redundant.
+Unset, only the strategy's capacity C bounds the groups in flight.
 
 Rids are f"{run_tag}-{epoch}-{seq}-{index}-{attempt}." (`attempt` counts every request of a trajectory: turns,
 retries, continuations); the trailing dot keeps any rid from being a prefix of another, since SGLang aborts by

@@ -301,7 +301,8 @@ def test_queue_prefix_abort_and_abort_all(url):
         running = {f"grp-b-{i}.": ex.submit(generate, url, [5, 6], f"grp-b-{i}.", max_new_tokens=LONG,
                                             ignore_eos=True) for i in range(MAX_RUNNING)}
         wait_until(lambda: loads(url)["num_running_reqs"] == MAX_RUNNING, what="all slots running")
-        queued = [ex.submit(generate, url, [5, 6], rid, max_new_tokens=LONG) for rid in ("grp-a1", "grp-a10", "grp-a11")]
+        queued = [ex.submit(generate, url, [5, 6], rid, max_new_tokens=LONG)
+                  for rid in ("grp-a1", "grp-a10", "grp-a11")]
         wait_until(lambda: loads(url)["num_waiting_reqs"] == 3, what="3 requests queued")
         post(url, "/abort_request", {"rid": "grp-a"})  # not a live rid: SGLang's HTTP layer drops it
         assert loads(url)["num_waiting_reqs"] == 3
