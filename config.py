@@ -124,6 +124,8 @@ class SGLangArgs:
     max_running_requests: Optional[int] = None  # per-server concurrency limit passed to each server we launch
     mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static for servers we launch
     tp_size: int = 1  # SGLang --tp-size for servers we launch
+    host: str = "127.0.0.1"  # --host of servers we launch (their weight-loading endpoints have no other guard)
+    api_key: Optional[str] = None  # --api-key of servers we launch; every client call sends it as a Bearer token
 
 
 @dataclass

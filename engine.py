@@ -5,7 +5,7 @@ pause/continue, weight updates from disk or over a torch.distributed group, weig
 loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this engine on a laptop.
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
-                        [--device auto] [--dtype auto] [--host 127.0.0.1]
+                        [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY]
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = engine.init_weight_update_group(addr, port, 0, world_size,
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed.
@@ -24,9 +24,15 @@ prefilled slab in and leave by compacting rows, and leading all-padding columns 
 --max-running-requests run; the rest wait in a FIFO queue (/v1/loads shows both). The HTTP side (aiohttp) only
 parses, validates and formats, so it stays responsive while the model computes.
 
-/abort_request matches rids by prefix, as SGLang's scheduler does ("" matches nothing unless abort_all); note that
-real SGLang's HTTP layer forwards an abort only when the given rid is itself a live request, so clients that must
-work on both abort by exact rid or with abort_all.
+Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts"): /abort_request is
+forwarded only when its rid is itself a registered request and only once per rid (`abort_sent`); the scheduler then
+aborts every request whose rid starts with it. A request is registered before it waits at the pause gate and is
+dispatched to the model thread after it (--dispatch-delay-s widens that window for tests), so an abort landing in
+between is lost, as in SGLang; `/pause_generation {"mode": "abort"}` repeats abort-all until no request holds the
+lock. /update_weights_from_distributed answers 400 outside /begin_weight_update ... /end_weight_update, before
+joining the broadcast. With --api-key every path but /health* and /metrics needs `Authorization: Bearer KEY` (401).
+/server_info reports `version` (SGLANG_VERSION, or --report-version) and the enforced limit in
+`internal_states[0]["effective_max_running_requests_per_dp"]`; its top-level `max_running_requests` is the raw flag.
 
 Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache only checks
 that no request is in flight; no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
@@ -69,6 +75,12 @@ log = logging.getLogger("engine")
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (SGLang's _SAMPLING_EPS)
 KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
+SGLANG_VERSION = "0.5.23"  # the SGLang release whose HTTP API this engine serves (/server_info "version")
+DEFAULT_MAX_RUNNING = 64  # requests decoded together when --max-running-requests is not given (SGLang sizes it
+# from the KV pool; it reports it as effective_max_running_requests_per_dp either way)
+PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
+SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
+                    "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
 
 # SGLang's sampling_params fields and defaults (srt/sampling/sampling_params.py). Every key is validated below.
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -197,6 +209,7 @@ class Req:
     finish: Optional[dict] = None  # SGLang finish_reason once finished
     finished_at: float = 0.0
     num_retractions: int = 0
+    abort_sent: bool = False  # an /abort_request for this rid was forwarded (SGLang ignores repeats)
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
 
@@ -845,7 +858,9 @@ class Server:
         self.args, self.sched, self.tokenizer = args, sched, tokenizer
         self.gate = Gate()
         self.ready = False
-        self.app = web.Application(client_max_size=1 << 30, middlewares=[self._errors])
+        self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
+        self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.app = web.Application(client_max_size=1 << 30, middlewares=[self._auth, self._errors])
         post, get = self.app.router.add_post, self.app.router.add_get
         post("/generate", self.generate)
         post("/abort_request", self.abort_request)
@@ -854,6 +869,8 @@ class Server:
         post("/update_weights_from_disk", self.update_weights_from_disk)
         post("/init_weights_update_group", self.init_weights_update_group)
         post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        post("/begin_weight_update", self.begin_weight_update)
+        post("/end_weight_update", self.end_weight_update)
         post("/update_weights_from_distributed", self.update_weights_from_distributed)
         post("/update_weights_from_tensor", self.update_weights_from_tensor)
         post("/update_weight_version", self.update_weight_version)
@@ -875,6 +892,15 @@ class Server:
     async def _on_shutdown(self, app):
         self.ready = False
         await asyncio.get_running_loop().run_in_executor(None, self.sched.stop)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        """SGLang's --api-key check: every path but /health* and /metrics needs the bearer token."""
+        key = self.args.api_key
+        if (key and request.method != "OPTIONS" and not request.path.startswith(("/health", "/metrics"))
+                and request.headers.get("Authorization") != f"Bearer {key}"):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -921,34 +947,49 @@ class Server:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         r.notify = lambda n, final: loop.call_soon_threadsafe(updates.put_nowait, (n, final))
-        await self.gate.enter(self.args.wait_timeout)
+        self.live[r.rid] = r  # registered before the pause gate, as SGLang's tokenizer manager does
         try:
-            self.sched.call(lambda: self.sched.add(r))
-            if not r.stream:
-                while not (await updates.get())[1]:
-                    pass
-                return web.json_response(self._output(r, len(r.output_ids), True))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            final = False
-            while not final:
-                n, final = await updates.get()
-                while not final and not updates.empty():  # coalesce when the client reads slower than we decode
-                    n, final = updates.get_nowait()
-                out = self._output(r, len(r.output_ids) if final else n, final)
-                await resp.write(f"data: {json.dumps(out)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            await self.gate.enter(self.args.wait_timeout)
+            try:
+                if self.args.dispatch_delay_s:  # SGLang tokenizes and sends here: an abort now finds nothing
+                    await asyncio.sleep(self.args.dispatch_delay_s)
+                self.sched.call(lambda: self.sched.add(r))
+                return await self._respond(request, r, updates)
+            finally:
+                if r.finish is None:  # the client went away (cancelled handler, reset stream): free its slot
+                    self.sched.call(lambda: self.sched.abort(r.rid, exact=True))
+                await self.gate.leave()
         finally:
-            if r.finish is None:  # the client went away (cancelled handler, reset stream): free its slot, as SGLang
-                self.sched.call(lambda: self.sched.abort(r.rid, exact=True))
-            await self.gate.leave()
+            if self.live.get(r.rid) is r:
+                del self.live[r.rid]
+
+    async def _respond(self, request: web.Request, r: Req, updates: asyncio.Queue) -> web.StreamResponse:
+        if not r.stream:
+            while not (await updates.get())[1]:
+                pass
+            return web.json_response(self._output(r, len(r.output_ids), True))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        final = False
+        while not final:
+            n, final = await updates.get()
+            while not final and not updates.empty():  # coalesce when the client reads slower than we decode
+                n, final = updates.get_nowait()
+            out = self._output(r, len(r.output_ids) if final else n, final)
+            await resp.write(f"data: {json.dumps(out)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     # -- control endpoints ------------------------------------------------------------------------------------
     async def abort_request(self, request):
         body = await _body(request, required=False)
         rid = _field(body, "rid", "", lambda v: isinstance(v, str), "a string")
         abort_all = _flag(body, "abort_all", False)
+        if not abort_all:  # SGLang's HTTP layer: only a registered rid, only once (then prefix-matched)
+            r = self.live.get(rid)
+            if r is None or r.abort_sent:
+                return web.Response(status=200)
+            r.abort_sent = True
         await self._run(lambda: self.sched.abort(rid, abort_all))
         return web.Response(status=200)
 
@@ -957,9 +998,18 @@ class Server:
         mode = _field(body, "mode", "abort", lambda v: v in ("abort", "retract", "in_place"),
                       "one of abort, retract, in_place")
         await self.gate.set_paused(True)
-        await self._run(lambda: self.sched.pause(mode))
-        if mode == "abort":  # SGLang returns once the aborted requests have been answered
-            await self.gate.drained(self.args.wait_timeout)
+        deadline = time.monotonic() + self.args.wait_timeout
+        while True:
+            await self._run(lambda: self.sched.pause(mode))
+            if mode != "abort":
+                break
+            try:  # abort again until no request holds the lock: one dispatched after the last abort-all is caught
+                await self.gate.drained(PAUSE_ABORT_POLL_S)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"pause_generation: in-flight /generate requests were not answered within "
+                                       f"{self.args.wait_timeout}s (--wait-timeout)") from None
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request):
@@ -1040,6 +1090,23 @@ class Server:
             entry[0].shutdown()
         return web.json_response({"success": True, "message": f"Succeeded to destroy group {group!r}."})
 
+    async def begin_weight_update(self, request):
+        body = await _body(request)
+        _field(body, "selector", "all", lambda v: isinstance(v, str), "a string")
+        if self.session_open:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                      "call end_weight_update() first"}, status=400)
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request):
+        await _body(request)
+        if not self.session_open:
+            return web.json_response({"success": False, "message": "no weight-update session is open; call "
+                                      "begin_weight_update() first"}, status=400)
+        self.session_open = False
+        return web.json_response({"success": True, "message": "Success"})
+
     async def update_weights_from_distributed(self, request):
         body = await _body(request)
         lists = {}
@@ -1054,11 +1121,13 @@ class Server:
         dtypes = [_parse_dtype(d) for d in lists["dtypes"]]
         group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
         _field(body, "load_format", None, lambda v: False, "null (the only supported load_format)")
-        _flag(body, "flush_cache", True)
+        flush = _flag(body, "flush_cache", True)
         abort_all = _flag(body, "abort_all_requests", False)
         version = self._version_field(body)
         if group not in self.sched.groups:
             raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
+        if not self.session_open:  # refused before joining the broadcast: a client that broadcasts anyway hangs
+            return web.json_response({"success": False, "message": SESSION_REQUIRED}, status=400)
         pg, device = self.sched.groups[group]
         if abort_all:
             await self._run(lambda: self.sched.abort(abort_all=True))
@@ -1069,6 +1138,9 @@ class Server:
                 await self._run(lambda: self.sched.load_tensors(list(zip(lists["names"], tensors)), version))
             except (BadRequest, TimeoutError, RuntimeError) as e:
                 return web.json_response({"success": False, "message": str(e)}, status=400)
+        if flush and not await self._run(self.sched.flush_cache):  # SGLang fails the call when the flush is refused
+            return web.json_response({"success": False, "message": "the weights were updated but flush_cache was "
+                                      "refused: requests are still running or waiting"}, status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update {len(tensors)} parameters."
                                   + (f" Weight version updated to {version}." if version else "")})
 
@@ -1113,10 +1185,12 @@ class Server:
             "architectures": getattr(cfg, "architectures", None)})
 
     async def server_info(self, request):
-        info = {k: v for k, v in vars(self.args).items()}
-        info.update({"version": "engine.py", "tp_size": 1, "dp_size": 1, "device": str(self.sched.device), "weight_version":
-                     self.sched.weight_version, "context_length": self.sched.context_len,
-                     "internal_states": [{"last_gen_throughput": self.sched.throughput}]})
+        info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}
+        info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1,
+                     "device": str(self.sched.device), "weight_version": self.sched.weight_version,
+                     "context_length": self.sched.context_len,
+                     "internal_states": [{"last_gen_throughput": self.sched.throughput,
+                                          "effective_max_running_requests_per_dp": self.sched.max_running}]})
         return web.json_response(info)
 
     async def health(self, request):
@@ -1230,8 +1304,11 @@ def main(argv=None):
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, weights, tokenizer)")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not on /health*), as SGLang")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together; the rest queue")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help=f"requests decoded together; the rest queue (default {DEFAULT_MAX_RUNNING}; /server_info\n"
+                        "reports the flag as given, null when absent, and the limit in internal_states)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
     p.add_argument("--weight-version", default="0", help="weight_version reported until an update changes it")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
@@ -1243,12 +1320,17 @@ def main(argv=None):
     p.add_argument("--wait-timeout", type=float, default=1800.0,
                    help="longest a request waits for /continue_generation or a weight update (s)")
     p.add_argument("--dist-timeout", type=float, default=300.0, help="timeout of weight-update group collectives (s)")
+    p.add_argument("--dispatch-delay-s", type=float, default=0.0,
+                   help="tests: seconds a registered request waits before reaching the model thread (SGLang's\n"
+                        "tokenize-and-send window, where an /abort_request for it is lost)")
+    p.add_argument("--report-version", default=SGLANG_VERSION,
+                   help="tests: the sglang version /server_info reports (clients refuse unsupported ones)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     for name, v in (("--max-running-requests", args.max_running_requests),
                     ("--max-prefill-tokens", args.max_prefill_tokens)):
-        if v < 1:
+        if v is not None and v < 1:
             p.error(f"{name} must be >= 1, got {v}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if args.num_threads or device.type == "cpu":
@@ -1256,12 +1338,12 @@ def main(argv=None):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)
-    sched = Scheduler(model, tokenizer, device, args.max_running_requests, args.max_prefill_tokens,
-                      str(args.weight_version))
+    sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
+                      args.max_prefill_tokens, str(args.weight_version))
     sched.thread.start()
     server = Server(args, sched, tokenizer)
-    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d)", args.model_path, args.host,
-             args.port, device, args.max_running_requests)
+    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",
+             args.model_path, args.host, args.port, device, sched.max_running, args.report_version)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request (as SGLang)
     web.run_app(server.app, host=args.host, port=args.port, handler_cancellation=True, print=None,
                 access_log=None, shutdown_timeout=3.0)

@@ -3,27 +3,35 @@
 - `Fleet`: one asyncio HTTP client for the inference fleet, either a list of server URLs or an sglang-router URL
   (its workers are listed with GET /workers). `/generate` goes to the least-loaded server (or to the router), with
   retries and exponential backoff on connection errors and 5xx. Control calls (abort, pause/continue, flush, weight
-  updates, memory release) fan out to every worker, because a router forwards none of them. `SyncFleet` runs a
-  Fleet on its own event-loop thread, so synchronous code (the trainer, tests) can call it too.
+  updates, memory release) fan out to every worker, because a router forwards none of them. Every call carries
+  `Authorization: Bearer <rollout.sglang_args.api_key>` when one is set. At start-up `wait_healthy` also checks each
+  server's sglang version (SUPPORTED_SGLANG_VERSIONS). `SyncFleet` runs a Fleet on its own event-loop thread, so
+  synchronous code (the trainer, tests) can call it too.
 - `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
   asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function
   (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
-  `pause()` stops dispatch and then either aborts everything in flight (rollout.partial=true; the partial
-  trajectories go to `buffer.step_boundary`) or waits for it; `resume(version)` restarts dispatch. A restored group
+  `pause()` stops dispatch and then either stops everything in flight (rollout.partial=true: `/pause_generation
+  {"mode": "abort"}` on every worker, which also blocks new requests; the partial trajectories go to
+  `buffer.step_boundary`) or waits for it; `resume(version)` continues the paused servers (so the weight update in
+  between ran on idle, paused servers) and restarts dispatch. Aborts by exact rid remain for single trajectories
+  (`rollout.trajectory_timeout_s`, stop); they cannot stop a whole fleet reliably, since SGLang drops an abort
+  that lands before its request reached the scheduler and ignores a repeat. A restored group
   continues from its partial responses (prompt + partial tokens as input, the remaining max_new_tokens); its finished
   trajectories are put back as they are. `rollout.trajectory_timeout_s` aborts a request that runs too long and
   marks its trajectory failed.
 - `serve` / `RemoteRollout`: the rollout process (RPC worker "rollout") and the trainer's proxy of it.
 - Standalone: generate and score a dataset against running servers, without training (JSONL + a summary line).
 
-Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP
-layer counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in
-flight (the producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all
-of its N trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once; a semaphore
-of S requests at the HTTP layer backs this for custom rollout functions. S above the fleet's concurrency (the sum of
-the servers' max_running_requests, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming
-both numbers. Set S above the global batch B x N; otherwise the capacity C already bounds generation and S is
-redundant. Unset, only the strategy's capacity C bounds the groups in flight.
+Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP layer
+counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in flight (the
+producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all of its N
+trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once; a semaphore of S requests
+at the HTTP layer backs this for custom rollout functions. S above the fleet's concurrency (the sum of the servers'
+limits, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming both numbers. A server's limit
+is the one it enforces, `internal_states[i]["effective_max_running_requests_per_dp"]` of /server_info (times the DP size
+over the entries), else the `--max-running-requests` flag it reports; when neither is known a warning says that S is not
+clamped. Set S above the global batch B x N; otherwise the capacity C already bounds generation and S is redundant.
+Unset, only the strategy's capacity C bounds the groups in flight.
 
 Rids are f"{run_tag}-{epoch}-{seq}-{index}-{attempt}." (`attempt` counts every request of a trajectory: turns,
 retries, continuations); the trailing dot keeps any rid from being a prefix of another, since SGLang aborts by
@@ -78,7 +86,9 @@ CONNECT_TIMEOUT_S = 10.0  # TCP connect timeout of every HTTP call (a dead serve
 MAX_BACKOFF_S = 30.0  # cap of the doubling /generate retry delay
 ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
 DISPATCH_WAIT_S = 0.05  # buffer.dispatch waits up to this long for the strategy to allow a group (bounds pause delay)
+PAUSE_GRACE_S = 2.0  # after /pause_generation returned, the aborted responses still on their way arrive within this
 STATUS_OF_FINISH = {"stop": COMPLETED, "length": TRUNCATED, "abort": ABORTED}
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)  # /server_info "version" of the servers whose HTTP API this file speaks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,7 +165,8 @@ class Fleet:
 
     def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
                  request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0, max_retries: int = 5,
-                 retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None):
+                 retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None,
+                 api_key: Optional[str] = None):
         if bool(urls) == bool(router_url):
             raise ValueError("the fleet needs either rollout.servers (a list of URLs) or rollout.router_url, "
                              f"not both and not neither; got servers={urls!r}, router_url={router_url!r}")
@@ -164,6 +175,7 @@ class Fleet:
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
         self.router_max_concurrent_requests = router_max_concurrent_requests
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
         self.requests_in_flight = 0  # our /generate requests in flight, all servers together
         self.retries = 0  # /generate retries since the Fleet was made
@@ -174,11 +186,12 @@ class Fleet:
         r = cfg.rollout
         return cls(r.servers, r.router_url, request_timeout_s=r.request_timeout_s,
                    control_timeout_s=cfg.weight_sync.timeout_s, max_retries=r.max_retries,
-                   retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests)
+                   retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests,
+                   api_key=r.sglang_args.api_key)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # limit=0: our own bounds (semaphore, groups) decide the concurrency, not aiohttp's
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
         return self._session
 
     async def close(self) -> None:
@@ -297,8 +310,8 @@ class Fleet:
             log.warning("abort of rids '%s' failed: %s", rid_prefix, e)
         return len(errors)
 
-    async def pause(self, mode: str = "abort") -> list:
-        return await self._fan_out("POST", "/pause_generation", {"mode": mode})
+    async def pause(self, mode: str = "abort", timeout_s: Optional[float] = None) -> list:
+        return await self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout_s)
 
     async def continue_(self) -> list:
         return await self._fan_out("POST", "/continue_generation", {})
@@ -329,13 +342,22 @@ class Fleet:
         return list(await asyncio.gather(*[self._call(u, "POST", "/init_weights_update_group",
                                                       {**body, "rank_offset": off}) for u, off in zip(urls, offsets)]))
 
+    async def begin_weight_update(self) -> list:
+        """Open the weight-update session on every worker: 0.5.23 refuses /update_weights_from_distributed outside
+        one (HTTP 400, without joining the broadcast)."""
+        return await self._fan_out("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self, timeout_s: Optional[float] = None) -> list:
+        return await self._fan_out("POST", "/end_weight_update", {}, timeout_s)
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list:
         return await self._fan_out("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: Optional[int] = None, group_name: str = "weight_update_group",
                                               flush_cache: bool = True) -> list:
-        """Every worker receives these tensors from the group's broadcast (the trainer broadcasts meanwhile)."""
+        """Every worker receives these tensors from the group's broadcast (the trainer broadcasts meanwhile), inside
+        a begin_weight_update ... end_weight_update session. flush_cache=true fails the call while requests run."""
         return await self._fan_out("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
             "weight_version": None if version is None else str(version)})
@@ -365,7 +387,8 @@ class Fleet:
         return {u: not isinstance(r, Exception) for u, r in zip(urls, results)}
 
     async def wait_healthy(self, timeout_s: float) -> None:
-        """Wait until every worker answers /health; TimeoutError naming the ones that did not."""
+        """Wait until every worker answers /health, then check their sglang versions (check_versions); TimeoutError
+        naming the ones that did not answer."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -373,21 +396,59 @@ class Fleet:
             except FleetError as e:  # a router that is still starting
                 down = [f"{self.router_url} ({e})"]
             if not down:
-                return
+                return await self.check_versions()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"inference servers not healthy after rollout.startup_timeout_s={timeout_s} s: "
                                    f"{', '.join(down)}")
             await asyncio.sleep(0.5)
 
+    async def check_versions(self) -> None:
+        """FleetError naming every worker whose sglang version is not in SUPPORTED_SGLANG_VERSIONS (0.5.2 and older
+        have no /server_info: their /get_server_info names the version)."""
+        async def version(url: str) -> str:
+            try:
+                return str((await self._call(url, "GET", "/server_info")).get("version"))
+            except FleetError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                with contextlib.suppress(FleetError, AttributeError):
+                    return f"{(await self._call(url, 'GET', '/get_server_info')).get('version')} (no /server_info)"
+                return "unknown (no /server_info)"
+        urls = await self.workers()
+        versions = await asyncio.gather(*[version(u) for u in urls])
+        bad = [f"{u} runs sglang {v}" for u, v in zip(urls, versions) if v not in SUPPORTED_SGLANG_VERSIONS]
+        if bad:
+            raise FleetError(f"{'; '.join(bad)}: this project speaks the HTTP API of sglang "
+                             f"{' or '.join(SUPPORTED_SGLANG_VERSIONS)} only (requirements-gpu.txt pins it)")
+
     async def concurrency(self) -> Optional[int]:
-        """The fleet's concurrency: sum of the workers' max_running_requests (/server_info), capped by
-        rollout.router_max_concurrent_requests; None when no server reports it and no router limit is set."""
-        limits = [info.get("max_running_requests") for info in await self.server_infos()]
-        total = sum(limits) if limits and all(isinstance(x, int) and x > 0 for x in limits) else None
+        """The fleet's concurrency: sum of the workers' enforced limits (server_concurrency of /server_info), capped
+        by rollout.router_max_concurrent_requests; None (with a warning) when a server reports none and no router
+        limit is set."""
+        urls, infos = await self.workers(), await self.server_infos()
+        limits = [server_concurrency(info) for info in infos]
+        total = sum(limits) if limits and None not in limits else None
+        if total is None:
+            unknown = [u for u, x in zip(urls, limits) if x is None]
+            warnings.warn(f"{', '.join(unknown)} report no concurrency limit in /server_info (neither internal_states"
+                          "[].effective_max_running_requests_per_dp nor max_running_requests), so "
+                          "rollout.async_max_concurrent_samples is not clamped to the fleet's", stacklevel=2)
         router = self.router_max_concurrent_requests if self.router_url else None
         if router is not None and router > 0:
             return router if total is None else min(total, router)
         return total
+
+
+def server_concurrency(info: dict) -> Optional[int]:
+    """The requests one server runs at once: the limit it enforces (sum of internal_states' per-DP-rank
+    effective_max_running_requests_per_dp, scaled to dp_size entries), else its raw --max-running-requests flag;
+    None when it reports neither."""
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    per_dp = [s.get("effective_max_running_requests_per_dp") for s in states]
+    if per_dp and all(isinstance(x, int) and x > 0 for x in per_dp):
+        return sum(per_dp) * int(info.get("dp_size") or len(per_dp)) // len(per_dp)
+    flag = info.get("max_running_requests")
+    return flag if isinstance(flag, int) and flag > 0 else None
 
 
 class SyncFleet:
@@ -457,13 +518,28 @@ def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency
 
 @dataclass
 class _Active:
-    """A trajectory being generated: the event that stops it (pause or timeout), whether it timed out, and the rid
-    of its live request. Aborts name that exact rid: real SGLang drops an /abort_request whose rid is not a live
-    request (its prefix matching happens only behind that check), so a prefix alone would abort nothing there."""
+    """A trajectory being generated: the event that stops it (pause or timeout), the one that gives up its HTTP call
+    (`drop`: the servers are paused and it is not among their requests), whether it timed out, and the rid of its
+    live request. Aborts name that exact rid: real SGLang drops an /abort_request whose rid is not a live request
+    (its prefix matching happens only behind that check), so a prefix alone would abort nothing there."""
     prefix: str
     stop: asyncio.Event
+    drop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     timed_out: bool = False
     rid: Optional[str] = None
+
+
+async def _unless(event: asyncio.Event, coro) -> Any:
+    """coro's result, or None once `event` is set first (coro is then cancelled: its HTTP connection closes)."""
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+    return None if task.cancelled() else task.result()
 
 
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
@@ -499,8 +575,9 @@ class RolloutContext:
             payload = {"input_ids": traj.prompt_ids.tolist() + traj.response_ids.tolist(), "return_logprob": True,
                        "sampling_params": {**r.sampling_params, "max_new_tokens": budget}}
             async with r.http_slots:
-                out = await r.fleet.generate(payload, lambda: r.next_rid(traj), self._active.stop)
-            if out is None:  # stopped before a server took the request
+                out = await _unless(self._active.drop,
+                                    r.fleet.generate(payload, lambda: r.next_rid(traj), self._active.stop))
+            if out is None:  # stopped before a server took the request, or dropped while the servers are paused
                 traj.status = ABORTED
                 return "abort"
             gen = parse_generate_response(out)
@@ -628,6 +705,7 @@ class Rollout:
         self._partials: list[Trajectory] = []
         self._dispatching = False
         self._stopping = False  # pausing with rollout.partial=true: new and running trajectories stop
+        self._servers_paused = False  # our /pause_generation holds the servers until resume() or stop()
         self._error: Optional[BaseException] = None
         self._tasks: set = set()
         self._started = False
@@ -876,11 +954,16 @@ class Rollout:
             self._stopping = True
             for active in self._active.values():
                 active.stop.set()
-            wait_s = 0.05
-            while not self._idle.is_set():  # abort again until all came back: a request may reach a server late
-                await self._abort_active()
-                await self._wait_idle(min(wait_s, max(0.0, deadline - time.monotonic())), deadline)
-                wait_s = min(2 * wait_s, 1.0)
+            # The servers block new requests and abort all of theirs (repeatedly, until none holds the lock), so
+            # every request they registered comes back with its partial output; aborts by rid could miss some.
+            self._servers_paused = True
+            await self.fleet.pause("abort", max(1.0, deadline - time.monotonic()))
+            try:
+                await asyncio.wait_for(self._idle.wait(), PAUSE_GRACE_S)
+            except asyncio.TimeoutError:  # what is still out waits at a server's pause gate and generated nothing
+                for active in self._active.values():
+                    active.drop.set()
+                await self._wait_idle(max(0.0, deadline - time.monotonic()), deadline)
         else:
             await self._wait_idle(max(0.0, deadline - time.monotonic()), deadline)
         partials, self._partials = self._partials, []
@@ -901,6 +984,9 @@ class Rollout:
                     f"{len(self._groups)} groups not yet put to the buffer") from None
 
     async def _resume(self, version: int) -> None:
+        if self._servers_paused:  # after the weight update, which ran on the paused (idle) servers
+            await self.fleet.continue_()
+            self._servers_paused = False
         self.version, self._version_warned = version, False
         self._dispatching = self._error is None
         self._wake.set()
@@ -937,6 +1023,12 @@ class Rollout:
         self._dispatching = False
         if self._active:
             await self._abort_active()
+        if self._servers_paused:  # leave no server paused behind us
+            try:
+                await self.fleet.continue_()
+                self._servers_paused = False
+            except FleetError as e:
+                log.warning("continuing the paused servers at stop failed: %s", e)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

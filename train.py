@@ -53,6 +53,7 @@ import config as config_lib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
+SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -596,18 +597,28 @@ class Actor:
             return
         if self.rank == 0 and self.group is None:
             self.group = self._init_weight_group()
-        limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
-        bucket, size = [], 0
-        for name, full in self._full_params():
-            if self.rank != 0:
-                continue
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-            if size >= limit:
-                self._push_bucket(bucket, None)
-                bucket, size = [], 0
+        if self.rank == 0:  # SGLang 0.5.23 refuses distributed updates outside a begin/end session
+            self.fleet.begin_weight_update()
+        try:
+            limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
+            bucket, size = [], 0
+            for name, full in self._full_params():
+                if self.rank != 0:
+                    continue
+                bucket.append((name, full))
+                size += full.numel() * full.element_size()
+                if size >= limit:
+                    self._push_bucket(bucket, None)
+                    bucket, size = [], 0
+            if self.rank == 0:
+                self._push_bucket(bucket, version)  # the last bucket carries the version label and the flush
+        except BaseException:
+            if self.rank == 0:  # close the session, briefly (a server may be stuck), then report the bucket's error
+                with contextlib.suppress(Exception):
+                    self.fleet.end_weight_update(SESSION_END_TIMEOUT_S)
+            raise
         if self.rank == 0:
-            self._push_bucket(bucket, version)  # the last bucket carries the new version label
+            self.fleet.end_weight_update()
 
     def _init_weight_group(self):
         """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
@@ -643,7 +654,8 @@ class Actor:
         ws = self.cfg.weight_sync
         fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
                                 [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                                [list(t.shape) for _, t in bucket], version, WEIGHT_GROUP)
+                                [list(t.shape) for _, t in bucket], version, WEIGHT_GROUP,
+                                flush_cache=version is not None)  # a flush per bucket would be wasted work
         deadline = time.monotonic() + ws.timeout_s
         for name, t in bucket:
             work = dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)
@@ -924,24 +936,25 @@ class Services:
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
             if r.server_gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in r.server_gpus[i])
+            a = r.sglang_args
             if r.launch == "engine":
                 cmd = [sys.executable, os.path.join(ROOT, "engine.py"), "--model-path", self.cfg.model.path,
-                       "--port", str(port), "--host", "127.0.0.1", "--weight-version", str(version)]
-                if r.sglang_args.max_running_requests:
-                    cmd += ["--max-running-requests", str(r.sglang_args.max_running_requests)]
+                       "--port", str(port), "--host", a.host, "--weight-version", str(version)]
             else:
-                a = r.sglang_args
                 cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
-                       "--port", str(port), "--host", "0.0.0.0", "--tp-size", str(a.tp_size),
+                       "--port", str(port), "--host", a.host, "--tp-size", str(a.tp_size),
                        "--weight-version", str(version), "--dtype", "bfloat16"]
-                if a.max_running_requests:
-                    cmd += ["--max-running-requests", str(a.max_running_requests)]
+            if a.max_running_requests:
+                cmd += ["--max-running-requests", str(a.max_running_requests)]
+            if a.api_key:
+                cmd += ["--api-key", a.api_key]
+            if r.launch == "sglang":
                 if a.mem_fraction_static:
                     cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
                 if self.cfg.colocate:
                     cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
             self.spawn(f"server_{i}", cmd, env)
-            urls.append(f"http://127.0.0.1:{port}")
+            urls.append(f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '::') else a.host}:{port}")
         self.wait_healthy(urls)
         return urls
 
@@ -1030,6 +1043,7 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
 
     def evaluate(steps_done: int) -> dict:
         t0 = time.perf_counter()
+        fleet.continue_()  # the last step's pause (rollout.partial) leaves the servers paused: eval would wait
         buf, summary = rollout_lib.generate_dataset(ecfg, prompts, fleet, tokenizer,
                                                     cfg.rollout.trajectory_timeout_s + 60.0)
         groups = [Group(buf.prompts[seq], trajs) for seq, trajs in sorted(buf.results.items())]

@@ -183,7 +183,8 @@ def test_info_endpoints(url, models):
     assert info["model_path"] == models[0]["A"] and info["is_generation"] is True
     assert isinstance(info["weight_version"], str)
     s = requests.get(url + "/server_info", timeout=10).json()
-    assert s["max_running_requests"] == MAX_RUNNING and s["tp_size"] == 1
+    assert s["max_running_requests"] == MAX_RUNNING and s["tp_size"] == 1 and s["version"] == engine.SGLANG_VERSION
+    assert s["internal_states"][0]["effective_max_running_requests_per_dp"] == MAX_RUNNING
     ld = loads(url)
     assert {"num_running_reqs", "num_waiting_reqs"} <= set(ld) and ld["num_running_reqs"] == 0
     assert post(url, "/flush_cache").status_code == 200
@@ -300,14 +301,17 @@ def test_queue_prefix_abort_and_abort_all(url):
         running = {f"grp-b-{i}.": ex.submit(generate, url, [5, 6], f"grp-b-{i}.", max_new_tokens=LONG,
                                             ignore_eos=True) for i in range(MAX_RUNNING)}
         wait_until(lambda: loads(url)["num_running_reqs"] == MAX_RUNNING, what="all slots running")
-        queued = [ex.submit(generate, url, [5, 6], f"grp-a-{i}.", max_new_tokens=LONG) for i in range(3)]
+        queued = [ex.submit(generate, url, [5, 6], rid, max_new_tokens=LONG)
+                  for rid in ("grp-a1", "grp-a10", "grp-a11")]
         wait_until(lambda: loads(url)["num_waiting_reqs"] == 3, what="3 requests queued")
-        post(url, "/abort_request", {"rid": "grp-a-"})  # prefix: all three queued ones, no running one
+        post(url, "/abort_request", {"rid": "grp-a"})  # not a live rid: SGLang's HTTP layer drops it
+        assert loads(url)["num_waiting_reqs"] == 3
+        post(url, "/abort_request", {"rid": "grp-a1"})  # a live rid, then matched as a prefix: all three queued ones
         for f in queued:
             out = f.result(timeout=30)
             assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue"
         assert (loads(url)["num_running_reqs"], loads(url)["num_waiting_reqs"]) == (MAX_RUNNING, 0)
-        post(url, "/abort_request", {"rid": "grp-b-1"})  # matches only grp-b-1.
+        post(url, "/abort_request", {"rid": "grp-b-1."})  # matches only grp-b-1.
         one = running.pop("grp-b-1.").result(timeout=30)
         assert one["meta_info"]["finish_reason"]["type"] == "abort" and one["output_ids"]
         wait_until(lambda: loads(url)["num_running_reqs"] == MAX_RUNNING - 1, what="one slot freed")
@@ -326,7 +330,7 @@ def test_pause_abort_blocks_new_requests_until_continue(url):
         assert r.status_code == 200 and r.json()["status"] == "ok"
         for f in inflight:  # answered (server side) before the pause call returned
             assert f.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
-        blocked = ex.submit(generate, url, [5, 6], "pa-late.", max_new_tokens=5)
+        blocked = ex.submit(generate, url, [5, 6], "pa-late.", max_new_tokens=5, ignore_eos=True)
         time.sleep(0.5)
         assert not blocked.done() and loads(url)["num_waiting_reqs"] == 0
         assert post(url, "/continue_generation", {}).json()["status"] == "ok"
@@ -386,9 +390,16 @@ def test_update_weights_over_gloo_group(url, models, restore_weights):
         v = version(url) + 1
         body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
                 "shapes": [list(t.shape) for _, t in named], "group_name": "test_group", "weight_version": str(v)}
+        t0 = time.monotonic()  # outside a session: refused at once, without joining the broadcast (as 0.5.23)
+        r = post(url, "/update_weights_from_distributed", body)
+        assert r.status_code == 400 and r.json() == {"success": False, "message": engine.SESSION_REQUIRED}
+        assert time.monotonic() - t0 < 5 and post(url, "/end_weight_update", {}).status_code == 400
+        assert post(url, "/begin_weight_update", {}).json() == {"success": True, "message": "Success"}
+        assert post(url, "/begin_weight_update", {}).status_code == 400  # one session at a time
         done = ex.submit(post, url, "/update_weights_from_distributed", body)
         engine.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
         r = done.result(timeout=30)
+        assert post(url, "/end_weight_update", {}).json()["success"] is True
     assert r.status_code == 200 and r.json()["success"] is True, r.text
     out = generate(url, prompt, max_new_tokens=20, temperature=0, ignore_eos=True)
     assert out["output_ids"] == hf_greedy(refs["B"], prompt, 20) != hf_greedy(refs["A"], prompt, 20)
@@ -432,6 +443,54 @@ def test_update_weight_version_flush_and_memory_release(url):
         assert post(url, "/resume_memory_occupation", {}).json()["success"] is True
         out = blocked.result(timeout=30)
     assert out["meta_info"]["weight_version"] == v and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Strict like SGLang 0.5.23: lost and repeated aborts, pause-abort's repeated abort-all, the API key
+
+def test_lost_abort_is_not_repeated_and_pause_abort_still_stops_everything(models):
+    """--dispatch-delay-s 1: a request is registered 1 s before it reaches the model thread. An abort in that window
+    is lost and a second one for the same rid is ignored (it keeps running), while /pause_generation abort returns
+    within seconds with it, a queued one and one still registering all answered. Without the key: 401."""
+    key = {"Authorization": "Bearer k3y"}
+    url, handle = engine.launch(models[0]["A"], max_running_requests=1, dispatch_delay_s=1.0, api_key="k3y")
+    try:
+        assert requests.get(url + "/health", timeout=10).status_code == 200  # exempt, as in SGLang
+        assert requests.get(url + "/server_info", timeout=10).status_code == 401
+        assert post(url, "/generate", {"input_ids": [5]}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert requests.get(url + "/server_info", headers=key, timeout=10).json()["max_running_requests"] == 1
+
+        def gen(rid):
+            r = post(url, "/generate", {"input_ids": [5, 6], "rid": rid, "sampling_params": {
+                "max_new_tokens": LONG, "ignore_eos": True}}, headers=key)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def load():
+            ld = requests.get(url + "/v1/loads", headers=key, timeout=10).json()["loads"][0]
+            return ld["num_running_reqs"], ld["num_waiting_reqs"]
+        with cf.ThreadPoolExecutor(3) as ex:
+            running = ex.submit(gen, "lost.")
+            time.sleep(0.3)  # registered, not dispatched
+            assert post(url, "/abort_request", {"rid": "lost."}, headers=key).status_code == 200
+            wait_until(lambda: load() == (1, 0), what="the request running despite its abort")
+            post(url, "/abort_request", {"rid": "lost."}, headers=key)  # a repeat: ignored
+            queued = ex.submit(gen, "queued.")
+            wait_until(lambda: load() == (1, 1), what="a second request queued")
+            registering = ex.submit(gen, "registering.")
+            time.sleep(0.3)
+            assert load() == (1, 1) and not running.done()
+            t0 = time.monotonic()
+            assert post(url, "/pause_generation", {"mode": "abort"}, headers=key).status_code == 200
+            took = time.monotonic() - t0
+            outs = {rid: f.result(timeout=5) for rid, f in (("lost.", running), ("queued.", queued),
+                                                             ("registering.", registering))}
+        assert 0.5 < took < 5, took  # the registering request was caught by a repeated abort-all
+        assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs.values())
+        assert outs["lost."]["output_ids"] and outs["queued."]["output_ids"] == []
+        assert post(url, "/continue_generation", {}, headers=key).status_code == 200
+    finally:
+        handle.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -220,6 +220,8 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_mod
         assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
         assert m["after_sync"] < 1e-4, m  # float32, same weights, same convention
         assert m["tokens"] >= 4 and m["weight_version"] == m["version"]
+    import engine  # the trainer fails fast with the server's message, not after weight_sync.timeout_s (600 s)
+    assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
 def _script_setup(args):
@@ -310,13 +312,65 @@ def _sync_script(args):
             after, msg = engine_vs_trainer()
             results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
                                "weight_version": msg["version"], "version": str(version)}
-        if rank == 0:
+        if rank == 0:  # a bucket pushed outside a session: the server refuses it without joining the broadcast
+            t0 = time.monotonic()
+            try:
+                name, param = next(iter(actor.model.named_parameters()))  # (full_tensor would be a collective)
+                actor._push_bucket([(name, torch.zeros(param.shape))], 3)
+                results["no_session"] = {"error": None}
+            except RuntimeError as e:
+                results["no_session"] = {"error": str(e), "seconds": time.monotonic() - t0}
             print("RESULT " + json.dumps(results), flush=True)
     finally:
         if services is not None:
             services.close(ok=False)
     dist.barrier()  # both ranks tear their groups down together, after rank 0 stopped the engine
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real sglang-router (requirements-dev.txt) in front of two engine.py servers
+
+def test_fully_async_run_through_sglang_router_updates_every_worker(tmp_path, tiny_model):
+    """The router forwards /generate and lists its workers (GET /workers); pauses, weight-update sessions and
+    broadcasts go to each worker. After 3 steps both report weight version 3."""
+    import requests
+
+    import engine
+
+    pytest.importorskip("sglang_router")
+    servers = [engine.launch(tiny_model, num_threads=1) for _ in range(2)]
+    port = _free_port()
+    router = subprocess.Popen([PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                               "--worker-urls", *[u for u, _ in servers], "--policy", "round_robin",
+                               "--log-level", "warn"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        router_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, router.stdout.read()[-3000:]
+            try:
+                if len(requests.get(router_url + "/workers", timeout=2).json()["workers"]) == 2:
+                    break
+            except (requests.RequestException, ValueError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "the router did not list both workers within 60 s"
+            time.sleep(0.2)
+        run_dir = tmp_path / "run"
+        p = subprocess.run([PY, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
+                            "trainer.num_gpus_per_node=1", "trainer.total_steps=3", "trainer.eval_freq=0",
+                            "trainer.save_freq=0", "trainer.export_hf=false", f"rollout.router_url={router_url}",
+                            "weight_sync.master_address=127.0.0.1"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=180, start_new_session=True)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        assert [row["step"] for row in _read_rows(run_dir)] == [1, 2, 3]
+        assert [requests.get(u + "/model_info", timeout=5).json()["weight_version"] for u, _ in servers] == ["3", "3"]
+    finally:
+        router.terminate()
+        router.wait(15)
+        for _, handle in servers:
+            handle.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------
