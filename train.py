@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+import buffer as buffer_lib
 import config as config_lib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -664,10 +665,7 @@ class Actor:
         rng: list = [None] * self.world
         dist.all_gather_object(rng, _rng_state(), group=_ctrl_group())
         if self.rank == 0:
-            torch.save({**run_state, "scheduler": self.sched.state_dict(), "rng": rng},
-                       os.path.join(tmp, "run_state.pt"))
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)  # a checkpoint directory without ".tmp" is complete
+            _commit_checkpoint(tmp, path, {**run_state, "scheduler": self.sched.state_dict(), "rng": rng})
         dist.barrier(group=_ctrl_group())
 
     def load_checkpoint(self, path: str) -> dict:
@@ -683,7 +681,7 @@ class Actor:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        run_state = torch.load(os.path.join(path, "run_state.pt"), weights_only=False)
+        run_state = load_run_state(path)
         self.sched.load_state_dict(run_state["scheduler"])
         _set_rng_state(run_state["rng"][self.rank] if self.rank < len(run_state["rng"]) else run_state["rng"][0])
         return run_state
@@ -729,11 +727,64 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def _commit_checkpoint(tmp: str, path: str, run_state: dict) -> None:
+    """Write run_state.pt into the finished directory `tmp` and rename it to `path`, each step on disk before the
+    next (DCP fsyncs its own files): after a crash at any point, a directory without ".tmp" is complete."""
+    with open(os.path.join(tmp, "run_state.pt"), "wb") as f:
+        torch.save(run_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+
+
+def load_run_state(path: str) -> dict:
+    """run_state.pt of a checkpoint directory: plain data only (weights_only=True: loading runs no code)."""
+    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why the checkpoint directory `path` would not load, or None: run_state.pt unreadable, or the DCP shards
+    (when there are any; rollout-only checkpoints have none) without their metadata or shorter than it says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        load_run_state(path)
+    except Exception as e:
+        return f"run_state.pt does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not glob.glob(os.path.join(path, "*.distcp")) and not os.path.exists(os.path.join(path, ".metadata")):
+        return None
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:
+        return f"its DCP .metadata does not load: {type(e).__name__}: {e}"
+    need: dict = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else None
+        if have is None or have < size:
+            return f"shard {name} has {have or 0} bytes, its metadata expects {size}"
+    return None
+
+
 def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete run_dir/checkpoints/step_* (being written ones end in .tmp), or None."""
-    done = [p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))
-            if not p.endswith(".tmp") and os.path.exists(os.path.join(p, "run_state.pt"))]
-    return max(done, default=None)
+    """The newest run_dir/checkpoints/step_* that loads (being written ones end in .tmp), or None. Newer ones
+    that do not load are skipped with a warning naming each and why."""
+    done = sorted((p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) if not p.endswith(".tmp")),
+                  reverse=True)
+    for path in done:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        print(f"[train] warning: skipping checkpoint {path}: {problem}; trying the previous one", file=sys.stderr,
+              flush=True)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -752,7 +803,8 @@ class RolloutRecorder:
 
     def train_minibatch(self, groups, step):
         call = self.calls[step] = self.calls.get(step, -1) + 1
-        torch.save(groups, os.path.join(self.dir, f"step_{step:06d}_{call:03d}.pt"))
+        torch.save([buffer_lib.group_to_dict(g) for g in groups],
+                   os.path.join(self.dir, f"step_{step:06d}_{call:03d}.pt"))
         return {}
 
     def sync_weights(self, version):
@@ -761,8 +813,9 @@ class RolloutRecorder:
 
     def save_checkpoint(self, steps_done, run_state):
         path = os.path.join(self.cfg.run_dir, "checkpoints", f"step_{steps_done:06d}")
-        os.makedirs(path, exist_ok=True)
-        torch.save({**run_state, "scheduler": {}, "rng": [_rng_state()]}, os.path.join(path, "run_state.pt"))
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        os.makedirs(path + ".tmp")
+        _commit_checkpoint(path + ".tmp", path, {**run_state, "scheduler": {}, "rng": [_rng_state()]})
 
     def release(self):
         return {}
@@ -787,7 +840,12 @@ class ReplayBuffer:
             if self.pos >= len(self.files):
                 raise TimeoutError(f"train-only: wanted {k} groups but the saved rollouts are exhausted after "
                                    f"{len(self.files)} files")
-            self.pending += torch.load(self.files[self.pos], weights_only=False)
+            try:
+                saved = torch.load(self.files[self.pos], weights_only=True)
+            except Exception as e:
+                raise ValueError(f"saved rollouts {self.files[self.pos]} do not load ({type(e).__name__}: {e}); "
+                                 "they are written by run_mode=rollout-only") from None
+            self.pending += [buffer_lib.group_from_dict(d) for d in saved]
             self.pos += 1
         out, self.pending = self.pending[:k], self.pending[k:]
         return out
@@ -799,10 +857,10 @@ class ReplayBuffer:
         pass
 
     def state_dict(self):
-        return {"pos": self.pos, "pending": self.pending}
+        return {"pos": self.pos, "pending": [buffer_lib.group_to_dict(g) for g in self.pending]}
 
     def load_state_dict(self, sd):
-        self.pos, self.pending = sd["pos"], sd["pending"]
+        self.pos, self.pending = sd["pos"], [buffer_lib.group_from_dict(d) for d in sd["pending"]]
 
 
 class NoRollout:
@@ -925,8 +983,6 @@ class Services:
 
     def start_rpc(self, resolved_config: str) -> None:
         """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
-        import buffer as buffer_lib
-
         init = f"tcp://127.0.0.1:{_free_port()}"
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
                                             ("rollout", [os.path.join(ROOT, "rollout.py"), "--serve"])], start=1):
@@ -1033,6 +1089,22 @@ def check_launch(cfg, world: int) -> None:
                              f"rollout-only run; '{d}' has none")
 
 
+def check_inputs(cfg) -> None:
+    """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
+    row only after the servers started), and a checkpoint given as trainer.resume loads."""
+    import tasks
+
+    if cfg.run_mode != "train-only":
+        for ds in cfg.data_sources:
+            tasks.check_data_source(ds)
+            tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
+    if cfg.trainer.resume not in ("none", "auto"):
+        problem = checkpoint_problem(cfg.trainer.resume)
+        if problem is not None:
+            raise ValueError(f"trainer.resume checkpoint '{cfg.trainer.resume}' does not load: {problem}; give "
+                             "another checkpoint directory, auto or none")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------
@@ -1051,7 +1123,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         cfg = config_lib.load_config(args.config, overrides)
         check_launch(cfg, world)
-    except ValueError as e:
+        if rank == 0:
+            check_inputs(cfg)
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     import losses
@@ -1097,19 +1171,18 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) for rank 0 ----
+        if rank != 0:
+            actor.follow()  # also loads the checkpoint rank 0 chose when it says so
+            ok = True
+            return
         resume_path = None
         if cfg.trainer.resume == "auto":
             resume_path = latest_checkpoint(cfg.run_dir)
         elif cfg.trainer.resume != "none":
             resume_path = cfg.trainer.resume
-        if rank != 0:
-            actor.follow()  # also loads the checkpoint when rank 0 says so
-            ok = True
-            return
         run_state = None
         if resume_path:
-            run_state = actor.load_checkpoint(resume_path) if actor else \
-                torch.load(os.path.join(resume_path, "run_state.pt"), weights_only=False)
+            run_state = actor.load_checkpoint(resume_path) if actor else load_run_state(resume_path)
             print(f"[train] resumed from {resume_path} at step {run_state['step']}", flush=True)
         start_step = run_state["step"] if run_state else 0
 
@@ -1125,8 +1198,6 @@ def main(argv: Optional[list[str]] = None) -> None:
             buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
             ro = NoRollout()
         else:
-            import buffer as buffer_lib
-
             services = Services(cfg)
             launched = not r.servers and not r.router_url
             if launched:
