@@ -3,7 +3,8 @@
 - `Fleet`: one asyncio HTTP client for the inference fleet, either a list of server URLs or an sglang-router URL
   (its workers are listed with GET /workers). `/generate` goes to the least-loaded server (or to the router), with
   retries and exponential backoff on connection errors and 5xx. Control calls (abort, pause/continue, flush, weight
-  updates, memory release) fan out to every worker, because a router forwards none of them. `SyncFleet` runs a
+  updates, memory release) fan out to every worker, because a router forwards none of them. Aborts to a worker that
+  does not answer back off (doubling) and are reported once per server per pause, with their count. `SyncFleet` runs a
   Fleet on its own event-loop thread, so synchronous code (the trainer, tests) can call it too.
 - `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
   asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function
@@ -167,6 +168,8 @@ class Fleet:
         self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
         self.requests_in_flight = 0  # our /generate requests in flight, all servers together
         self.retries = 0  # /generate retries since the Fleet was made
+        self._abort_down: dict[str, list] = {}  # url -> [consecutive failures, time of the last, retry after]
+        self.abort_failures: dict[str, list] = {}  # url -> [failed aborts, last error], see take_abort_failures
         self._session: Optional[aiohttp.ClientSession] = None
 
     @classmethod
@@ -286,16 +289,33 @@ class Fleet:
         return list(await asyncio.gather(*[self._call(u, method, path, body, timeout_s) for u in urls]))
 
     async def abort(self, rid_prefix: str = "", abort_all: bool = False) -> int:
-        """Abort matching requests on every worker; returns how many workers could not be reached (logged only:
-        their requests are gone with them)."""
+        """Abort matching requests on every worker; returns how many workers were not reached. A worker whose abort
+        failed (dead, or stalled past CONNECT_TIMEOUT_S) is skipped for rollout.retry_backoff_s, doubling with each
+        consecutive failure up to MAX_BACKOFF_S, so a pause's repeated aborts do not pile up on it. Failures are
+        counted, not logged: the caller reports them once (take_abort_failures)."""
         urls = await self.workers()
+        now = time.monotonic()
+        live = [u for u in urls if self._abort_down.get(u, [0, 0.0, 0.0])[2] <= now]
         results = await asyncio.gather(*[self._call(u, "POST", "/abort_request",
                                                     {"rid": rid_prefix, "abort_all": abort_all}, CONNECT_TIMEOUT_S)
-                                         for u in urls], return_exceptions=True)
-        errors = [r for r in results if isinstance(r, Exception)]
-        for e in errors:
-            log.warning("abort of rids '%s' failed: %s", rid_prefix, e)
-        return len(errors)
+                                         for u in live], return_exceptions=True)
+        for u, r in zip(live, results):
+            if not isinstance(r, Exception):
+                self._abort_down.pop(u, None)
+                continue
+            down = self._abort_down.setdefault(u, [0, 0.0, 0.0])
+            if now >= down[1]:  # started after the last known failure: a new one (concurrent calls count once)
+                down[0] += 1
+            down[1] = time.monotonic()
+            down[2] = down[1] + min(self.retry_backoff_s * 2 ** (down[0] - 1), MAX_BACKOFF_S)
+            count = self.abort_failures.setdefault(u, [0, ""])
+            count[0], count[1] = count[0] + 1, str(r)
+        return len(urls) - sum(not isinstance(r, Exception) for r in results)
+
+    def take_abort_failures(self) -> dict[str, list]:
+        """url -> [failed aborts, last error] since the last call (and reset)."""
+        out, self.abort_failures = self.abort_failures, {}
+        return out
 
     async def pause(self, mode: str = "abort") -> list:
         return await self._fan_out("POST", "/pause_generation", {"mode": mode})
@@ -883,6 +903,9 @@ class Rollout:
                 wait_s = min(2 * wait_s, 1.0)
         else:
             await self._wait_idle(max(0.0, deadline - time.monotonic()), deadline)
+        for url, (n, error) in self.fleet.take_abort_failures().items():  # one line per server, not one per abort
+            log.warning("%d aborts to %s failed since the last pause (retried with backoff); last error: %s",
+                        n, url, error)
         partials, self._partials = self._partials, []
         self._stopping = False
         metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials) or {})

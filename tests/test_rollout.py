@@ -182,6 +182,47 @@ def test_fleet_fans_control_calls_out_to_router_workers():
         rollout.Fleet(["http://a"], router_url="http://b")
 
 
+def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypatch, caplog):
+    """A server that stops answering (SIGSTOP) gets a few aborts with doubling gaps, not one per call; the good
+    server gets every abort; failures are counted per server for one warning per pause."""
+    monkeypatch.setattr(rollout, "CONNECT_TIMEOUT_S", 0.2)
+    seen = {0: 0, 1: 0}
+
+    def routes(i):
+        async def abort(request):
+            seen[i] += 1
+            if i == 0:
+                await asyncio.sleep(2)  # far past the abort timeout (and short, so closing the server is quick)
+            return web.json_response({})
+        return [("POST", "/abort_request", abort)]
+
+    servers = FakeServers(2, routes)
+    sync = rollout.SyncFleet(rollout.Fleet(servers.urls, retry_backoff_s=0.1))
+
+    async def many_aborts(duration):
+        calls, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < duration:
+            await asyncio.gather(*[sync.fleet.abort(f"r{calls}-{j}.") for j in range(8)])  # 8 at once, as a pause
+            calls += 8
+            await asyncio.sleep(0.02)
+        return calls
+
+    try:
+        with caplog.at_level("WARNING", logger="rollout"):
+            calls = sync.run(many_aborts(1.6))
+        assert seen[1] == calls > 40
+        # 8 concurrent failures count as one: retried after 0.1, 0.2, 0.4 s (+0.2 s timeouts) -> 4 rounds of 8
+        assert 2 * 8 <= seen[0] <= 5 * 8, seen
+        failures = sync.take_abort_failures()
+        assert list(failures) == [servers.urls[0]] and failures[servers.urls[0]][0] == seen[0]
+        assert "did not answer within 0.2 s" in failures[servers.urls[0]][1]
+        assert sync.take_abort_failures() == {}
+        assert not [r for r in caplog.records if "abort" in r.getMessage()]  # the producer's pause reports them
+    finally:
+        sync.close()
+        servers.close()
+
+
 def test_rollout_function_names():
     assert rollout.resolve_rollout_function("single_turn") is rollout.single_turn
     assert rollout.resolve_rollout_function("rollout:multi_turn_tool") is rollout.multi_turn_tool
