@@ -43,14 +43,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
-import torch
-import torch.distributed as dist
+# torch's C++ warnings, above all the RPC agent's "eof" the moment a child dies, would print before the root-cause
+# error rank 0 reports (Services); C++ errors still print. TORCH_CPP_LOG_LEVEL=WARNING shows them.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import buffer as buffer_lib
-import config as config_lib
+import torch  # noqa: E402  (after the log level, which torch reads when it loads)
+import torch.distributed as dist  # noqa: E402
+
+import buffer as buffer_lib  # noqa: E402
+import config as config_lib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
@@ -402,9 +407,10 @@ class Actor:
             msg = [None, None]
             try:
                 dist.broadcast_object_list(msg, src=0, group=_ctrl_group())
-            except RuntimeError as e:
-                raise RuntimeError(f"rank {self.rank}: no command from trainer rank 0 within the control group's "
-                                   f"timeout (is rank 0 alive? see its log): {e}") from None
+            except RuntimeError as e:  # rank 0 failed (its own error says why) or hung; one line, no traceback
+                print(f"[train] rank {self.rank}: lost trainer rank 0 (no command within the control group's "
+                      f"timeout, or it exited): {str(e).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+                sys.exit(1)
             cmd, arg = msg
             if cmd == "stop":
                 return
@@ -905,30 +911,83 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ChildExited(RuntimeError):
+    """A child of rank 0 exited: the message is the root-cause report (Services.report)."""
+
+
+WATCH_S = 0.2  # how often rank 0's watcher looks at its children
+GRACE_S = 3.0  # after a child died: how long the main thread has to fail on its own before the watcher stops the run
+
+
 class Services:
-    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC."""
+    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC.
+
+    Root cause first: when a child exits, the run's error is Services.report (the child, its exit code or signal,
+    its log and the log's last lines), not the RPC or socket error that its death causes elsewhere. A watcher
+    thread stops the run (exit code 1) GRACE_S after a child died if the main thread is blocked (e.g. waiting
+    for groups from a producer that is gone) rather than failing on its own."""
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.procs: list = []  # (name, Popen, log path)
+        self.procs: dict = {}  # name -> (Popen, log path), in start order
         self.logs = os.path.join(cfg.run_dir, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rpc_up = False
         self.fleet = None  # rank 0's rollout.SyncFleet, closed last
+        self.closing = threading.Event()
+        self._reported = threading.Lock()
 
     def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
         log = os.path.join(self.logs, f"{name}.log")
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                  preexec_fn=_die_with_parent)
-        self.procs.append((name, p, log))
+        self.procs[name] = (p, log)
         return p
 
+    def exited(self) -> list[str]:
+        return [name for name, (p, _) in self.procs.items() if p.poll() is not None]
+
+    def report(self, name: str, tail: int = 15) -> str:
+        """One line naming the child, how it ended and its log, then the log's last `tail` lines."""
+        p, log = self.procs[name]
+        rc = p.returncode
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        with contextlib.suppress(OSError), open(log, errors="replace") as f:
+            lines = f.readlines()[-tail:]
+            return f"the {name} process (pid {p.pid}) {how}; its log {log} ends with:\n" + "".join(
+                f"  | {line}" for line in lines).rstrip("\n")
+        return f"the {name} process (pid {p.pid}) {how}; its log {log} could not be read"
+
+    def root_cause(self, wait_s: float) -> Optional[str]:
+        """The report of a child that exited, waiting up to wait_s for one (its death and the error it causes
+        elsewhere arrive in either order); None if every child is running."""
+        deadline = time.monotonic() + wait_s
+        while not self.exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = self.exited()
+        return self.report(dead[0]) if dead else None
+
     def check_alive(self, waiting_for: str) -> None:
-        for name, p, log in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"the {name} process exited with code {p.returncode} while {waiting_for}; "
-                                   f"see {log}")
+        dead = self.exited()
+        if dead:
+            raise ChildExited(f"{self.report(dead[0])}\n(while {waiting_for})")
+
+    def print_error_once(self, message: str) -> bool:
+        """Print `error: message` to stderr unless the watcher or the main thread already did."""
+        if not self._reported.acquire(blocking=False):
+            return False
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return True
+
+    def watch(self) -> None:
+        """Start the watcher thread (see the class doc)."""
+        def loop():
+            while not self.closing.wait(WATCH_S):
+                dead = self.exited()
+                if dead and not self.closing.wait(GRACE_S) and self.print_error_once(self.report(dead[0])):
+                    os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
+        threading.Thread(target=loop, name="child-watcher", daemon=True).start()
 
     def launch_servers(self, version: int) -> list[str]:
         """rollout.launch engine | sglang: num_servers servers on base_port + i; returns their URLs once healthy."""
@@ -1001,6 +1060,7 @@ class Services:
         """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s)."""
         from torch.distributed import rpc
 
+        self.closing.set()
         if self.fleet is not None:
             with contextlib.suppress(Exception):
                 self.fleet.close()
@@ -1015,10 +1075,10 @@ class Services:
                 print(f"[train] RPC shutdown: {e}", file=sys.stderr)
                 with contextlib.suppress(Exception):
                     rpc.shutdown(graceful=False)
-        for name, p, _ in reversed(self.procs):
+        for p, _ in reversed(self.procs.values()):
             if p.poll() is None:
                 p.terminate()
-        for name, p, log in reversed(self.procs):
+        for p, _ in reversed(self.procs.values()):
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
@@ -1157,7 +1217,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         tasks.make_tiny_model(cfg.model.path, cfg.model.tiny_hidden_size, cfg.model.tiny_num_layers, cfg.seed)
     dist.barrier(group=_CTRL)
 
-    services, ok, actor, logger = None, False, None, None
+    services, ok, failed, actor, logger = None, False, False, None, None
     try:
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
@@ -1213,6 +1273,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
                 yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
             services.start_rpc(resolved)
+            services.watch()
             buf = buffer_lib.RemoteBuffer("buffer", b.rpc_timeout_s)
             ro = rollout_lib.RemoteRollout("rollout", b.rpc_timeout_s)
             if actor is None:
@@ -1238,6 +1299,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             actor.export_hf(os.path.join(cfg.run_dir, "hf"))
             print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
         ok = True
+    except Exception as e:
+        # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
+        cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
+        if cause is None:
+            raise
+        services.print_error_once(cause)
+        failed = True
     finally:
         if rank == 0:
             if isinstance(actor, Actor):
@@ -1251,6 +1319,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if ok:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ CPU only. The multi-process checks run this file as a script under torchrun (2 g
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_train.py snapshot '{...}'
 Run: .venv/bin/python -m pytest -q tests/test_train.py
 """
+import contextlib
 import json
 import math
 import os
@@ -300,6 +301,49 @@ def test_bad_dataset_under_torchrun_stops_every_rank_before_servers(tmp_path, ti
     assert time.monotonic() - t0 < 60
     assert not os.path.exists(tmp_path / "run" / "logs")
     assert _wait_session_gone(p.pid), "processes of the failed run are still running"
+
+
+def _pids(*fragments) -> list:
+    """Processes whose command line contains every fragment (a run's children: its run_dir is in their args)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if all(frag in cmd for frag in fragments):
+                out.append(int(pid))
+    return sorted(out)
+
+
+def _wait_steps(run_dir, steps: int, p, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
+               len([r for r in _read_rows(run_dir) if r["step"] > 0]) >= steps):
+        assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:] if p.poll() else "timeout"
+        time.sleep(0.1)
+
+
+def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model):
+    """The buffer process is SIGKILLed mid-run: within 10 s the run stops, and its error names the process, the
+    signal and the log, before any RPC / tensorpipe message or traceback."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
+                          "trainer.eval_freq=0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    _wait_steps(str(run_dir), 2, p)
+    [pid] = _pids("buffer.py", str(run_dir))
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert p.returncode == 1
+    head = f"error: the buffer process (pid {pid}) was killed by SIGKILL; its log {run_dir}/logs/buffer.log ends with:"
+    assert head in err, err[-3000:]
+    first = err.index(head)
+    for noise in ("tensorpipe", "Traceback", "eof"):
+        assert noise not in err[:first], err[:first][-2000:]
+    assert err[first:].splitlines()[1].startswith("  | ")  # the log's last lines follow
+    assert _wait_session_gone(p.pid)
 
 
 # ---------------------------------------------------------------------------------------------------------------
