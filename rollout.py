@@ -77,6 +77,7 @@ log = logging.getLogger("rollout")
 
 CONNECT_TIMEOUT_S = 10.0  # TCP connect timeout of every HTTP call (a dead server is a retry, not a long wait)
 MAX_BACKOFF_S = 30.0  # cap of the doubling /generate retry delay
+PROBE_MAX_S = 5.0  # cap of the doubling /health probe delay of a server out of rotation (how soon it is back)
 ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
 DISPATCH_WAIT_S = 0.05  # buffer.dispatch waits up to this long for the strategy to allow a group (bounds pause delay)
 STATUS_OF_FINISH = {"stop": COMPLETED, "length": TRUNCATED, "abort": ABORTED}
@@ -156,7 +157,8 @@ class Fleet:
 
     def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
                  request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0, max_retries: int = 5,
-                 retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None):
+                 retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None,
+                 startup_timeout_s: float = 300.0):
         if bool(urls) == bool(router_url):
             raise ValueError("the fleet needs either rollout.servers (a list of URLs) or rollout.router_url, "
                              f"not both and not neither; got servers={urls!r}, router_url={router_url!r}")
@@ -164,6 +166,10 @@ class Fleet:
         self.router_url = router_url.rstrip("/") if router_url else None
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+        self.startup_timeout_s = startup_timeout_s  # longest /generate waits for a server while every one is down
+        self.down: dict[str, str] = {}  # url -> error: servers out of /generate rotation, probed until they answer
+        self.down_events = 0  # times a server left the rotation since the Fleet was made
+        self._probes: set = set()
         self.router_max_concurrent_requests = router_max_concurrent_requests
         self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
         self.requests_in_flight = 0  # our /generate requests in flight, all servers together
@@ -177,7 +183,8 @@ class Fleet:
         r = cfg.rollout
         return cls(r.servers, r.router_url, request_timeout_s=r.request_timeout_s,
                    control_timeout_s=cfg.weight_sync.timeout_s, max_retries=r.max_retries,
-                   retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests)
+                   retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests,
+                   startup_timeout_s=r.startup_timeout_s)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # limit=0: our own bounds (semaphore, groups) decide the concurrency, not aiohttp's
@@ -185,31 +192,74 @@ class Fleet:
         return self._session
 
     async def close(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     # ---- /generate ----
-    def _pick(self, avoid: Optional[str]) -> str:
-        """The server with the fewest of our requests in flight (not `avoid`, the one that just failed, if others)."""
-        candidates = [u for u in self.urls if u != avoid] or self.urls
-        return min(candidates, key=lambda u: self.in_flight[u])
+    async def _pick(self, avoid: Optional[str], stop: Optional[asyncio.Event]) -> Optional[str]:
+        """The server in rotation with the fewest of our requests in flight (not `avoid`, the one that just failed,
+        if others). While every server is down it waits for one to come back (None if `stop` is set meanwhile);
+        FleetError after rollout.startup_timeout_s."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            up = [u for u in self.urls if u not in self.down]
+            if up:
+                return min([u for u in up if u != avoid] or up, key=lambda u: self.in_flight[u])
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() > deadline:
+                raise FleetError(f"no inference server answered for rollout.startup_timeout_s="
+                                 f"{self.startup_timeout_s} s: " + "; ".join(f"{u}: {e}" for u, e in self.down.items()))
+            await asyncio.sleep(0.05)
+
+    def _mark_down(self, url: str, error: str) -> None:
+        """Take a server that does not answer out of rotation; a probe puts it back once /health answers."""
+        if url in self.down:
+            return
+        self.down[url] = error
+        self.down_events += 1
+        log.warning("inference server %s does not answer (%s): out of rotation until /health answers", url, error)
+        task = asyncio.ensure_future(self._probe(url))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, url: str) -> None:
+        delay = self.retry_backoff_s
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self._call(url, "GET", "/health", None, CONNECT_TIMEOUT_S)
+            except FleetError as e:
+                self.down[url] = str(e)
+                delay = min(2 * delay, PROBE_MAX_S)
+                continue
+            del self.down[url]
+            log.warning("inference server %s answers again: back in rotation", url)
+            return
 
     async def generate(self, payload: dict, next_rid: Optional[Callable[[], str]] = None,
                        stop: Optional[asyncio.Event] = None) -> Optional[dict]:
         """POST /generate with retries; returns the response JSON, or None if `stop` was set before a server took it.
 
         `next_rid()` gives the rid of each attempt. Connection errors and 5xx are retried (on another server when
-        there is one) after rollout.retry_backoff_s, doubling; HTTP 4xx and the request timeout are not.
+        there is one) after rollout.retry_backoff_s, doubling; HTTP 4xx and the request timeout are not. A server
+        that cannot be reached (refused, reset, or gone mid-answer) is no retry: it leaves the rotation (_mark_down)
+        and the request goes to another server, or waits for one (_pick).
         """
         last_error = ""
         avoid = None
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while attempt <= self.max_retries:
             if stop is not None and stop.is_set():
+                return None
+            url = self.router_url or await self._pick(avoid, stop)
+            if url is None:
                 return None
             if next_rid is not None:
                 payload["rid"] = next_rid()
-            url = self.router_url or self._pick(avoid)
             self.requests_in_flight += 1
             if url in self.in_flight:
                 self.in_flight[url] += 1
@@ -222,24 +272,32 @@ class Fleet:
                     if resp.status < 500:
                         raise FleetError(f"{url}/generate answered HTTP {resp.status}: {body}")
                     last_error = f"{url}/generate answered HTTP {resp.status}: {body}"
-            except aiohttp.ServerTimeoutError as e:  # connect or socket timeout: the server is not there
-                last_error = f"{url}/generate: {e!r}"
-            except asyncio.TimeoutError:
-                raise FleetError(f"{url}/generate did not answer within rollout.request_timeout_s="
-                                 f"{self.request_timeout_s} s") from None
+            except asyncio.TimeoutError as e:
+                if not isinstance(e, aiohttp.ServerTimeoutError):
+                    raise FleetError(f"{url}/generate did not answer within rollout.request_timeout_s="
+                                     f"{self.request_timeout_s} s") from None
+                last_error = f"{url}/generate: {e!r}"  # connect or socket timeout: the server is not there
+                lost = True
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 last_error = f"{url}/generate: {e!r}"
+                lost = True
+            else:
+                lost = False
             finally:
                 self.requests_in_flight -= 1
                 if url in self.in_flight:
                     self.in_flight[url] -= 1
             avoid = url
+            if lost and not self.router_url:
+                self._mark_down(url, last_error)
+                continue
             if attempt == self.max_retries:
                 break
+            attempt += 1
             self.retries += 1
-            delay = min(self.retry_backoff_s * 2 ** attempt, MAX_BACKOFF_S) * (1 + 0.25 * random.random())
+            delay = min(self.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) * (1 + 0.25 * random.random())
             log.warning("retrying /generate in %.1f s (retry %d of rollout.max_retries=%d): %s",
-                        delay, attempt + 1, self.max_retries, last_error)
+                        delay, attempt, self.max_retries, last_error)
             if stop is None:
                 await asyncio.sleep(delay)
             else:
@@ -652,7 +710,7 @@ class Rollout:
         self._tasks: set = set()
         self._started = False
         self._in_flight_t = time.monotonic()
-        self._retries_seen = 0
+        self._retries_seen = self._down_seen = 0
         if r.reward_pool == "process":
             self._pool = concurrent.futures.ProcessPoolExecutor(r.reward_workers,
                                                                 mp_context=multiprocessing.get_context("spawn"))
@@ -942,12 +1000,13 @@ class Rollout:
             "rollout/failed_count": s["failed"],
             "rollout/timeout_count": s["timeouts"],
             "rollout/retry_count": self.fleet.retries - self._retries_seen,
+            "rollout/server_down_count": self.fleet.down_events - self._down_seen,
             "rollout/in_flight_trajectories_max": s["in_flight_max"],
             "rollout/in_flight_trajectories_mean": s["in_flight_area"] / elapsed,
             "rollout/generated_tokens_per_s": s["generated_tokens"] / elapsed,
             "rollout/old_version_responses": s["old_version_responses"],
         }
-        self._retries_seen = self.fleet.retries
+        self._retries_seen, self._down_seen = self.fleet.retries, self.fleet.down_events
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out

@@ -394,6 +394,9 @@ class Actor:
         self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
         self.snapshot_step = -1
         self.group = None  # weight-update broadcast group (distributed sync), made at the first sync
+        self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
+        self.store = None  # the TCPStore the group forms on, hosted here for the whole run
+        self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
 
     # ---- command channel ----
@@ -547,35 +550,79 @@ class Actor:
     def sync_weights(self, version: int) -> dict:
         """Push the weights to every server as `version`: weight_sync.method distributed (bucketed
         /update_weights_from_distributed + a broadcast from rank 0) or disk (safetensors + /update_weights_from_disk).
-        Every call has weight_sync.timeout_s; a failure stops the run with the server's message."""
+        Every call has weight_sync.timeout_s. Servers rank 0 launched are replaceable (Services.watch relaunches a
+        dead one): the weight-update group is re-created with the new server first, and a sync that fails because
+        a server died is retried once after its relaunch; any other failure stops the run with the server's
+        message."""
         if self.fleet is None:
             return {}
         t0 = time.perf_counter()
-        self._announce("sync", version)
-        self._sync(version)
-        return {"timing/update_weights": time.perf_counter() - t0}
+        for attempt in (1, 2):
+            if self.services is not None and self.services.take_replaced():
+                self._drop_weight_group()
+            self._announce("sync", version)
+            try:
+                self._sync(version)
+                break
+            except Exception as e:
+                if attempt == 2 or self.services is None or not self.services.server_died(GRACE_S):
+                    raise
+                print(f"[train] warning: weight sync of version {version} failed ({str(e).splitlines()[0]}); a "
+                      "server died: retrying once it is relaunched", file=sys.stderr, flush=True)
+        out = {"timing/update_weights": time.perf_counter() - t0}
+        if self.services is not None:
+            out["rollout/server_restarts"] = self.services.server_restarts
+        return out
 
     def _sync(self, version: int) -> None:
+        """Every rank gathers every parameter; rank 0 pushes. A push that fails on rank 0 stops the pushing, not
+        the gathering (the other ranks are in the same collectives), and is raised at the end."""
         if self.cfg.weight_sync.method == "disk":
             path = os.path.join(self.cfg.run_dir, "sync_weights")
             self._export(path)
             if self.rank == 0:
                 self.fleet.update_weights_from_disk(os.path.abspath(path), version)
             return
+        error = None
+
+        def push(bucket, version):
+            nonlocal error
+            try:
+                self._push_bucket(bucket, version)
+            except Exception as e:
+                error = e
         if self.rank == 0 and self.group is None:
-            self.group = self._init_weight_group()
+            try:
+                self.group = self._init_weight_group()
+            except Exception as e:
+                error = e
         limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
         bucket, size = [], 0
         for name, full in self._full_params():
-            if self.rank != 0:
+            if self.rank != 0 or error is not None:
                 continue
             bucket.append((name, full))
             size += full.numel() * full.element_size()
             if size >= limit:
-                self._push_bucket(bucket, None)
+                push(bucket, None)
                 bucket, size = [], 0
-        if self.rank == 0:
-            self._push_bucket(bucket, version)  # the last bucket carries the new version label
+        if self.rank == 0 and error is None:
+            push(bucket, version)  # the last bucket carries the new version label
+        if error is not None:
+            raise error
+
+    def _drop_weight_group(self) -> None:
+        """Leave the weight-update group (a server in it was replaced); the next _sync forms a new one with every
+        server, under a new name on the same TCPStore. The surviving servers leave it too; a relaunched one has
+        none (its error is expected)."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.fleet.destroy_weights_update_group(self.group_name)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
+        self.generation += 1
+        self.group_name = f"{WEIGHT_GROUP}_{self.generation}"
 
     def _init_weight_group(self):
         """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
@@ -587,12 +634,14 @@ class Actor:
         world = 1 + sum(ranks)
         addr = ws.master_address  # set by main(): 127.0.0.1 for servers rank 0 launched, else this host's IP
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, WEIGHT_GROUP, backend)
+        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, self.group_name, backend)
         timeout = datetime.timedelta(seconds=ws.timeout_s)
         try:
-            store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout)
-            store = PrefixStore(WEIGHT_GROUP, store)
-            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=WEIGHT_GROUP,
+            if self.store is None:
+                self.store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout,
+                                           wait_for_workers=False)
+            store = PrefixStore(self.group_name, self.store)
+            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=self.group_name,
                                               timeout=timeout)
         except Exception as e:
             raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
@@ -611,7 +660,7 @@ class Actor:
         ws = self.cfg.weight_sync
         fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
                                 [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                                [list(t.shape) for _, t in bucket], version, WEIGHT_GROUP)
+                                [list(t.shape) for _, t in bucket], version, self.group_name)
         deadline = time.monotonic() + ws.timeout_s
         for name, t in bucket:
             work = dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)
@@ -936,6 +985,10 @@ class Services:
         self.fleet = None  # rank 0's rollout.SyncFleet, closed last
         self.closing = threading.Event()
         self._reported = threading.Lock()
+        self.servers: dict = {}  # name -> (command, env, URL) of each server launched here: relaunched if it dies
+        self.relaunching: set = set()
+        self.replaced: set = set()  # relaunched since the weight-update group last formed (Actor.sync_weights)
+        self.server_restarts = 0
 
     def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
         log = os.path.join(self.logs, f"{name}.log")
@@ -954,7 +1007,7 @@ class Services:
         rc = p.returncode
         how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
         with contextlib.suppress(OSError), open(log, errors="replace") as f:
-            lines = f.readlines()[-tail:]
+            lines = f.readlines()[-tail:] if tail else []
             return f"the {name} process (pid {p.pid}) {how}; its log {log} ends with:\n" + "".join(
                 f"  | {line}" for line in lines).rstrip("\n")
         return f"the {name} process (pid {p.pid}) {how}; its log {log} could not be read"
@@ -985,6 +1038,14 @@ class Services:
         def loop():
             while not self.closing.wait(WATCH_S):
                 dead = self.exited()
+                try:
+                    for name in dead:
+                        if name in self.servers:
+                            self.relaunch(name)
+                    dead = [n for n in dead if n not in self.servers]
+                except Exception as e:  # the relaunched server did not come up: no replacement, stop the run
+                    if not self.closing.is_set() and self.print_error_once(f"relaunching a server failed: {e}"):
+                        os._exit(1)
                 if dead and not self.closing.wait(GRACE_S) and self.print_error_once(self.report(dead[0])):
                     os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
         threading.Thread(target=loop, name="child-watcher", daemon=True).start()
@@ -1020,8 +1081,44 @@ class Services:
                     cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
             self.spawn(f"server_{i}", cmd, env)
             urls.append(f"http://127.0.0.1:{port}")
+            self.servers[f"server_{i}"] = (cmd, env, urls[-1])
         self.wait_healthy(urls)
         return urls
+
+    def relaunch(self, name: str) -> None:
+        """Start a dead launched server again on its port and wait for /health (the watcher thread). It serves
+        model.path's weights, which are weight version 0, until the next sync gives it the current ones."""
+        cmd, env, url = self.servers[name]
+        at = cmd.index("--weight-version") + 1
+        print(f"[train] warning: {self.report(name, tail=0).split(';')[0]}; relaunching it on {url}",
+              file=sys.stderr, flush=True)
+        self.relaunching.add(name)
+        self.spawn(name, [*cmd[:at], "0", *cmd[at + 1:]], env)
+        self.server_restarts += 1
+        self.wait_healthy([url])
+        self.replaced.add(name)
+        self.relaunching.discard(name)
+        print(f"[train] {name} is back on {url} (restart {self.server_restarts} of the run)", file=sys.stderr,
+              flush=True)
+
+    def take_replaced(self) -> bool:
+        """Whether a server was relaunched since the last call: the weight-update group must be re-created. Waits
+        for relaunches in progress (bounded by the watcher's wait_healthy)."""
+        while self.relaunching or (set(self.exited()) & set(self.servers)):
+            if self.closing.wait(0.1):
+                break
+        out = bool(self.replaced)
+        self.replaced.clear()
+        return out
+
+    def server_died(self, wait_s: float) -> bool:
+        """Whether a launched server died (and is being, or was, relaunched), waiting up to wait_s to see it."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.relaunching or self.replaced or (set(self.exited()) & set(self.servers)):
+                return True
+            time.sleep(0.05)
+        return False
 
     def wait_healthy(self, urls: list[str]) -> None:
         import requests
@@ -1279,7 +1376,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             if actor is None:
                 actor = RolloutRecorder(cfg, fleet)
             else:
-                actor.fleet = fleet
+                actor.fleet, actor.services = fleet, services
             evaluate = make_evaluator(cfg, fleet, tokenizer) if cfg.trainer.eval_freq else None
         if run_state:
             buf.load_state_dict(run_state["buffer"])

@@ -82,22 +82,22 @@ def test_concurrency_knob_clamps_with_warning_and_rejects_bad_values():
 class FakeServers:
     """aiohttp apps on free ports in a background loop; `routes(i)` gives server i's (method, path, handler)s."""
 
-    def __init__(self, count, routes):
+    def __init__(self, count, routes, port=0):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.runners, self.urls = [], []
         for i in range(count):
-            url, runner = asyncio.run_coroutine_threadsafe(self._start(routes(i)), self.loop).result(10)
+            url, runner = asyncio.run_coroutine_threadsafe(self._start(routes(i), port), self.loop).result(10)
             self.urls.append(url)
             self.runners.append(runner)
 
-    async def _start(self, routes):
+    async def _start(self, routes, port):
         app = web.Application()
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner
 
@@ -107,7 +107,7 @@ class FakeServers:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def test_fleet_retries_5xx_and_connection_errors_but_not_4xx():
+def test_fleet_retries_5xx_not_4xx_and_takes_unreachable_servers_out_of_rotation():
     calls = []
 
     async def generate(request):
@@ -126,18 +126,54 @@ def test_fleet_retries_5xx_and_connection_errors_but_not_4xx():
         rids = iter(f"r{i}." for i in range(100))
         out = sync.generate({"input_ids": [1]}, lambda: next(rids))
         assert out["output_ids"] == [7]
-        # a retry goes to the other server: dead, live (503), dead, live (503), dead, live (ok), each a new rid
+        # dead (refused: out of rotation, not a retry), live (503), live (503), live (ok), each a new rid
         assert len(calls) == 3 and len(set(calls)) == 3
-        assert sync.fleet.retries == 5 and sync.fleet.requests_in_flight == 0
+        assert sync.fleet.retries == 2 and sync.fleet.requests_in_flight == 0
+        assert list(sync.fleet.down) == [dead] and "ConnectionRefused" in sync.fleet.down[dead]
         with pytest.raises(rollout.FleetError, match="HTTP 400"):
             sync.generate({"input_ids": [0]}, lambda: next(rids))
-        only_dead = rollout.SyncFleet(rollout.Fleet([dead], retry_backoff_s=0.01, max_retries=2))
-        with pytest.raises(rollout.FleetError, match="after rollout.max_retries=2 retries"):
+        assert len(calls) == 4  # the 400 is not retried
+        only_dead = rollout.SyncFleet(rollout.Fleet([dead], retry_backoff_s=0.01, startup_timeout_s=0.3))
+        t0 = time.monotonic()
+        with pytest.raises(rollout.FleetError, match=r"no inference server answered for "
+                                                     r"rollout.startup_timeout_s=0.3 s: http://127.0.0.1:9: "):
             only_dead.generate({"input_ids": [1]})
+        assert time.monotonic() - t0 < 2
         only_dead.close()
     finally:
         sync.close()
         servers.close()
+
+
+def test_generate_waits_for_a_server_to_come_back_and_stop_ends_the_wait():
+    """The only server dies (here: is not there yet); a request waits, and is served once /health answers."""
+    port = engine.free_port()
+    url = f"http://127.0.0.1:{port}"
+    sync = rollout.SyncFleet(rollout.Fleet([url], retry_backoff_s=0.05, startup_timeout_s=30))
+
+    async def ok(request):
+        return web.json_response(_response([7], "0"))
+
+    servers = None
+    try:
+        pending = sync.submit("generate", {"input_ids": [1]})
+        time.sleep(0.5)
+        assert not pending.done() and url in sync.fleet.down
+        servers = FakeServers(1, lambda i: [("POST", "/generate", ok), ("GET", "/health", ok)], port=port)
+        assert pending.result(10)["output_ids"] == [7]
+        assert sync.fleet.down == {} and sync.fleet.retries == 0
+        servers.close()
+        servers = None
+        stop = asyncio.Event()
+        pending = sync.submit("generate", {"input_ids": [1]}, None, stop)
+        time.sleep(0.3)
+        assert not pending.done()
+        sync.loop.call_soon_threadsafe(stop.set)  # a pause: the waiting request gives up, to be restored later
+        assert pending.result(5) is None
+    finally:
+        sync.close()
+        if servers is not None:
+            servers.close()
 
 
 def test_fleet_fans_control_calls_out_to_router_workers():
@@ -520,7 +556,8 @@ def test_server_killed_and_restarted_mid_run_loses_no_group(server, tokenizer):
         ro.pause()
         metrics, counts = ro.step_metrics(), buf.step_metrics()
         stats = buf.stats()
-    assert metrics["rollout/retry_count"] > 0 and metrics["rollout/failed_count"] == 0
+    # the dead server left the rotation (not a retry) and came back; nothing failed
+    assert metrics["rollout/server_down_count"] >= 1 and metrics["rollout/failed_count"] == 0
     assert metrics["rollout/old_version_responses"] > 0  # the restarted server missed the update: counted, warned
     assert counts["rollout/collected_groups"] == counts["rollout/dispatched_groups"] == len(got) + stats["Q"]
     assert counts["rollout/filter_drop"] == 0 and stats["R"] == 0

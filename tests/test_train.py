@@ -346,6 +346,29 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
     assert _wait_session_gone(p.pid)
 
 
+def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tmp_path, tiny_model):
+    """The launched engine is SIGKILLed mid-run: rank 0 relaunches it on its port, re-creates the weight-update
+    group, pushes the weights, and the run finishes its epoch with every prompt trained exactly once."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
+                          "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
+                          "data_source.num_prompts=20", "trainer.total_steps=5"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_steps(str(run_dir), 1, p)
+    [pid] = _pids("engine.py", tiny_model)
+    os.kill(pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err[-3000:]
+    assert f"the server_0 process (pid {pid}) was killed by SIGKILL; relaunching it" in err, err[-3000:]
+    rows = [row for row in _read_rows(run_dir) if row["step"] > 0]
+    assert [row["step"] for row in rows] == list(range(1, 6))
+    trained = sorted(tuple(pid) for row in rows for pid in row["data/prompt_ids"])
+    assert trained == [(0, i) for i in range(20)], trained
+    assert rows[-1]["rollout/server_restarts"] == 1 and rows[0]["rollout/server_restarts"] == 0
+    assert sum(row["rollout/failed_count"] for row in rows) == 0
+    assert _wait_session_gone(p.pid)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Multi-process checks: this file runs as a script under torchrun
 
