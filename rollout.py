@@ -169,6 +169,7 @@ class Fleet:
         self.startup_timeout_s = startup_timeout_s  # longest /generate waits for a server while every one is down
         self.down: dict[str, str] = {}  # url -> error: servers out of /generate rotation, probed until they answer
         self.down_events = 0  # times a server left the rotation since the Fleet was made
+        self.skip: set = set()  # workers left out of control calls (see live_workers)
         self._probes: set = set()
         self.router_max_concurrent_requests = router_max_concurrent_requests
         self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
@@ -331,15 +332,33 @@ class Fleet:
         return data
 
     async def workers(self) -> list[str]:
-        """The worker URLs: the configured servers, or the router's GET /workers."""
+        """The worker URLs: the configured servers, or the router's GET /workers; without those live_workers found
+        not answering (control calls go to the live ones)."""
         if self.router_url is None:
-            return list(self.urls)
-        data = await self._call(self.router_url, "GET", "/workers")
-        items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
-        urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
-        if not urls:
-            raise FleetError(f"router {self.router_url} lists no workers in GET /workers: {data!r}")
-        return urls
+            urls = list(self.urls)
+        else:
+            data = await self._call(self.router_url, "GET", "/workers")
+            items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
+            urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
+            if not urls:
+                raise FleetError(f"router {self.router_url} lists no workers in GET /workers: {data!r}")
+        return [u for u in urls if u not in self.skip]
+
+    async def live_workers(self, timeout_s: float) -> list[str]:
+        """The workers answering /health now, waiting up to timeout_s for at least one (FleetError naming them
+        after that); the others are skipped by control calls until the next live_workers (the trainer's weight
+        sync forms its group with the live servers only)."""
+        self.skip = set()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            health = await self.health()
+            if any(health.values()):
+                self.skip = {u for u, ok in health.items() if not ok}
+                return [u for u, ok in health.items() if ok]
+            if time.monotonic() > deadline:
+                raise FleetError(f"no inference server answered /health for rollout.startup_timeout_s={timeout_s} "
+                                 f"s: {', '.join(health)}")
+            await asyncio.sleep(0.5)
 
     async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
                        timeout_s: Optional[float] = None) -> list:

@@ -395,6 +395,7 @@ class Actor:
         self.snapshot_step = -1
         self.group = None  # weight-update broadcast group (distributed sync), made at the first sync
         self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
+        self.group_members: Optional[list] = None  # the server URLs the last sync went to
         self.store = None  # the TCPStore the group forms on, hosted here for the whole run
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
@@ -550,25 +551,38 @@ class Actor:
     def sync_weights(self, version: int) -> dict:
         """Push the weights to every server as `version`: weight_sync.method distributed (bucketed
         /update_weights_from_distributed + a broadcast from rank 0) or disk (safetensors + /update_weights_from_disk).
-        Every call has weight_sync.timeout_s. Servers rank 0 launched are replaceable (Services.watch relaunches a
-        dead one): the weight-update group is re-created with the new server first, and a sync that fails because
-        a server died is retried once after its relaunch; any other failure stops the run with the server's
-        message."""
+        Every call has weight_sync.timeout_s. The sync goes to the servers that answer /health (waiting up to
+        rollout.startup_timeout_s for one); the weight-update group is formed again when they change or one rank 0
+        launched was relaunched (Services.watch), and a failed sync is retried once with a new group (after the
+        relaunch of a server that died). A second failure stops the run with the server's message."""
         if self.fleet is None:
             return {}
         t0 = time.perf_counter()
+        retry = False
         for attempt in (1, 2):
-            if self.services is not None and self.services.take_replaced():
+            replaced = self.services is not None and self.services.take_replaced()
+            live = self.fleet.live_workers(self.cfg.rollout.startup_timeout_s)
+            if retry or replaced or live != self.group_members:
+                if self.group_members is not None and live != self.group_members:
+                    print(f"[train] warning: the servers answering are now {live} (were {self.group_members}): "
+                          "the weight-update group is formed again with them", file=sys.stderr, flush=True)
                 self._drop_weight_group()
+            self.group_members = live
             self._announce("sync", version)
             try:
                 self._sync(version)
                 break
             except Exception as e:
-                if attempt == 2 or self.services is None or not self.services.server_died(GRACE_S):
+                if attempt == 2:
                     raise
-                print(f"[train] warning: weight sync of version {version} failed ({str(e).splitlines()[0]}); a "
-                      "server died: retrying once it is relaunched", file=sys.stderr, flush=True)
+                # A server died (ours is relaunched: take_replaced waits for it) or restarted on its URL (no
+                # longer in the group): once more with a new group of the servers that answer.
+                retry = True
+                if self.services is not None:
+                    self.services.server_died(GRACE_S)
+                print(f"[train] warning: weight sync of version {version} failed ({str(e).splitlines()[0]}); "
+                      "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
+                      flush=True)
         out = {"timing/update_weights": time.perf_counter() - t0}
         if self.services is not None:
             out["rollout/server_restarts"] = self.services.server_restarts

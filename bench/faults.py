@@ -247,6 +247,8 @@ def case_truncated_checkpoint(args, model: str, work: str, rng: random.Random) -
     t0 = time.monotonic()
     resumed = Run(run.run_dir, model, args.steps, "trainer.resume=auto")
     ok = resumed.wait() == 0
+    if not ok:
+        print(f"  the resume of {run.run_dir} failed; its last lines:\n{resumed.tail()}", flush=True)
     first = next((t for t, s, line in resumed.lines if "resumed from" in line), None)
     return {"fault": f"newest checkpoint ({ckpts[-1]}) run_state.pt truncated", "outcome":
             "survived (fell back)" if ok else "stopped", "react_s": (first or 0.0) + resumed.t0 - t0,

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import pytest  # noqa: E402
+import requests  # noqa: E402
 import torch  # noqa: E402
 
 import config  # noqa: E402
@@ -367,6 +368,38 @@ def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tm
     assert rows[-1]["rollout/server_restarts"] == 1 and rows[0]["rollout/server_restarts"] == 0
     assert sum(row["rollout/failed_count"] for row in rows) == 0
     assert _wait_session_gone(p.pid)
+
+
+def test_a_connected_server_that_dies_and_returns_gets_the_weights_again(tmp_path, tiny_model):
+    """A server the run connected to (rollout.servers) dies and is restarted by someone else on the same port: its
+    requests wait or go elsewhere, the next sync re-forms the group with it, and no prompt is lost or repeated."""
+    import engine
+
+    port = _free_port()
+    url, handle = engine.launch(tiny_model, port=port)
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
+                          "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
+                          "data_source.num_prompts=20", "trainer.total_steps=5", "rollout.launch=none",
+                          f"rollout.servers=[{url}]"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        _wait_steps(str(run_dir), 1, p)
+        handle.proc.kill()
+        handle.proc.wait(10)
+        time.sleep(2)
+        url, handle = engine.launch(tiny_model, port=port, weight_version=0)
+        out, err = p.communicate(timeout=180)
+        version = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
+    finally:
+        handle.stop()
+    assert p.returncode == 0, err[-3000:]
+    assert version == "5", version  # the restarted server got the weights of every sync after its return
+    rows = [row for row in _read_rows(run_dir) if row["step"] > 0]
+    trained = sorted(tuple(pid) for row in rows for pid in row["data/prompt_ids"])
+    assert trained == [(0, i) for i in range(20)], trained
+    assert sum(row["rollout/failed_count"] for row in rows) == 0
+    assert rows[-1]["rollout/server_restarts"] == 0  # nothing was launched here
 
 
 # ---------------------------------------------------------------------------------------------------------------
