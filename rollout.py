@@ -4,7 +4,8 @@
   (its workers are listed with GET /workers). `/generate` goes to the least-loaded server (or to the router), with
   retries and exponential backoff on connection errors and 5xx. Control calls (abort, pause/continue, flush, weight
   updates, memory release) fan out to every worker, because a router forwards none of them. Aborts to a worker that
-  does not answer back off (doubling) and are reported once per server per pause, with their count. `SyncFleet` runs a
+  does not answer back off (doubling) and are reported once per server per pause, with their count. A server that
+  cannot be reached leaves the /generate rotation until its /health answers again. `SyncFleet` runs a
   Fleet on its own event-loop thread, so synchronous code (the trainer, tests) can call it too.
 - `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
   asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function

@@ -11,6 +11,9 @@ Rank 0 starts the inference servers (engine.py on CPU, SGLang on GPUs, or connec
 rollout.router_url), the buffer process (`python buffer.py`) and the rollout process (`python rollout.py --serve`),
 joins RPC as "trainer" and runs the loop; every other rank follows rank 0's commands (train its share of each
 mini-batch, gather weights for the sync, save checkpoints). Children log to run_dir/logs/ and are stopped on exit.
+Faults: a launched server that dies is relaunched and gets the weights at the next sync; any other child that dies
+stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
+bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2).
 
 Run (CPU, the tiny model on the reverse-digits task; reward rises from 0 to ~0.45 in 400 steps, ~8-10 min):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml

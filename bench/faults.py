@@ -56,9 +56,10 @@ class Run:
 
     def __init__(self, run_dir: str, model: str, steps: int, *extra: str):
         self.run_dir = run_dir
-        self.port = free_port(32000, 39999)
+        self.port = free_port(20000, 29999)  # below the kernel's ephemeral ports (32768+ on Linux), which
+        # outgoing connections take meanwhile: a port free at the check could be a connection's by the bind
         args = [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={self.port}",
-                f"weight_sync.master_port={free_port(40000, 49999)}", f"data_source.num_prompts={B * steps}",
+                f"weight_sync.master_port={free_port(10000, 19999)}", f"data_source.num_prompts={B * steps}",
                 "data_source.num_eval_prompts=8", f"data_source.num_prompts_per_step={B}",
                 f"data_source.num_trajectories_per_prompt={N}", f"trainer.mini_batch_size={M}",
                 f"trainer.total_steps={steps}", "trainer.save_freq=5", "trainer.eval_freq=0",
