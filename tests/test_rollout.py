@@ -246,11 +246,12 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
     try:
         with caplog.at_level("WARNING", logger="rollout"):
             calls = sync.run(many_aborts(1.6))
-        assert seen[1] == calls > 40
-        # 8 concurrent failures count as one: retried after 0.1, 0.2, 0.4 s (+0.2 s timeouts) -> 4 rounds of 8
-        assert 2 * 8 <= seen[0] <= 5 * 8, seen
+        assert seen[1] == calls >= 5 * 8
+        # 8 concurrent failures count as one: retried after 0.1, 0.2, 0.4 s (+0.2 s timeouts) -> at most 4 rounds
+        # of 8 within 1.6 s (fewer on a loaded machine, whose timeouts fire late)
+        assert 8 <= seen[0] <= 4 * 8 < calls, (seen, calls)
         failures = sync.take_abort_failures()
-        assert list(failures) == [servers.urls[0]] and failures[servers.urls[0]][0] == seen[0]
+        assert list(failures) == [servers.urls[0]] and seen[0] <= failures[servers.urls[0]][0] <= 4 * 8
         assert "did not answer within 0.2 s" in failures[servers.urls[0]][1]
         assert sync.take_abort_failures() == {}
         assert not [r for r in caplog.records if "abort" in r.getMessage()]  # the producer's pause reports them
