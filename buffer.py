@@ -122,6 +122,18 @@ def _traj_from_dict(d: dict) -> Trajectory:
     return Trajectory(**d)
 
 
+def group_to_dict(g: Group) -> dict:
+    """A Group as plain data (saved rollouts of run_mode=rollout-only); group_from_dict inverts it."""
+    prompt = {f.name: getattr(g.prompt, f.name) for f in dataclasses.fields(PromptGroup)}
+    prompt["partial"] = [_traj_to_dict(t) for t in g.prompt.partial]
+    return {"prompt": prompt, "trajectories": [_traj_to_dict(t) for t in g.trajectories]}
+
+
+def group_from_dict(d: dict) -> Group:
+    prompt = {**d["prompt"], "partial": [_traj_from_dict(t) for t in d["prompt"]["partial"]]}
+    return Group(PromptGroup(**prompt), [_traj_from_dict(t) for t in d["trajectories"]])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # DataSource: what gets dispatched next
 # ---------------------------------------------------------------------------------------------------------

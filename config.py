@@ -156,7 +156,7 @@ class RolloutConfig:
     trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
     request_timeout_s: float = 3600.0  # HTTP timeout of one /generate call
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
-    retry_backoff_s: float = 0.5  # first /generate retry delay; doubles on each retry, capped at 30 s
+    retry_backoff_s: float = 0.5  # first /generate retry (and failed abort) delay; doubles each time, capped at 30 s
     router_max_concurrent_requests: Optional[int] = None  # the router's concurrency limit; null = unlimited
     reward_pool: str = "thread"  # thread | process: where rewards are scored (process for slow GIL-bound verifiers)
     reward_workers: int = 4  # threads or processes scoring rewards off the rollout event loop

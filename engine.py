@@ -5,7 +5,7 @@ pause/continue, weight updates from disk or over a torch.distributed group, weig
 loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this engine on a laptop.
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
-                        [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY]
+                        [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = engine.init_weight_update_group(addr, port, 0, world_size,
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed.
@@ -22,7 +22,10 @@ batch, and advances ALL running requests with ONE batched forward of one token e
 cache is one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their
 prefilled slab in and leave by compacting rows, and leading all-padding columns are trimmed. At most
 --max-running-requests run; the rest wait in a FIFO queue (/v1/loads shows both). The HTTP side (aiohttp) only
-parses, validates and formats, so it stays responsive while the model computes.
+parses, validates and formats, so it stays responsive while the model computes. It protects itself from bad
+requests: a body over --max-request-mb is refused (413) from its Content-Length before it is read, a `text` longer
+than the context could hold is refused before it is tokenized, and large bodies and long prompts are parsed and
+tokenized off the event loop, so other requests are not held up.
 
 Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts"): /abort_request is
 forwarded only when its rid is itself a registered request and only once per rid (`abort_sent`); the scheduler then
@@ -214,8 +217,17 @@ class Req:
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
 
 
-def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int) -> Req:
-    """A validated Req from a /generate body (single prompt)."""
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (its longest vocabulary string; a byte-level token's string has one
+    character per byte, so no longer than the text it encodes). A text longer than context_len times this cannot
+    fit the context, which is known without tokenizing it (for tokenizers whose normalizer deletes no characters,
+    as LLM BPE and SentencePiece tokenizers)."""
+    return max(len(t) for t in tokenizer.get_vocab())
+
+
+def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
+    """A validated Req from a /generate body (single prompt). Sizes are checked before the work they bound: a
+    prompt too long for the context is refused before its text is tokenized or its ids are checked one by one."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("exactly one of fields `input_ids` and `text` is required")
@@ -224,15 +236,21 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int) -> 
     if text is not None:
         if not isinstance(text, str):
             raise BadRequest("field `text` must be a string")
+        if len(text) > context_len * token_chars:
+            raise BadRequest(f"field `text` has {len(text)} characters, more than the model's context length of "
+                             f"{context_len} tokens can hold (a token is at most {token_chars} characters)")
         ids = tokenizer.encode(text)
-    elif not (isinstance(ids, list) and all(_is_int(t) and 0 <= t < vocab_size for t in ids)):
+    elif not isinstance(ids, list):
+        raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
+    if len(ids) >= context_len:
+        raise BadRequest(f"field `{'input_ids' if text is None else 'text'}` has {len(ids)} tokens; the model's "
+                         f"context length is {context_len}")
+    if text is None and not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
         raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: isinstance(v, str) and v != "", "a non-empty string")
     sp = parse_sampling_params(body.get("sampling_params"), vocab_size)
-    if len(ids) >= context_len:
-        raise BadRequest(f"field `input_ids` has {len(ids)} tokens; the model's context length is {context_len}")
     if sp.max_new_tokens is None:
         sp.max_new_tokens = context_len - len(ids)
     elif len(ids) + sp.max_new_tokens > context_len:
@@ -836,14 +854,33 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+class TooLarge(BadRequest):
+    """The request body exceeds --max-request-mb: HTTP 413."""
+
+
+BIG_BODY = 1 << 20  # bodies above this many bytes are parsed off the event loop, so other requests go on meanwhile
+
+
+def _too_large(size: Optional[int], limit: int) -> TooLarge:
+    got = f"{size / 2 ** 20:.1f} MiB" if size is not None else "more"
+    return TooLarge(f"request body of {got} exceeds the server's limit of {limit / 2 ** 20:g} MiB "
+                    "(engine.py --max-request-mb)")
+
+
 async def _body(request: web.Request, required: bool = True) -> dict:
-    raw = await request.read()
+    limit = request.app["max_body"]
+    if request.content_length is not None and request.content_length > limit:  # refused before reading it
+        raise _too_large(request.content_length, limit)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:  # a chunked body, counted while read
+        raise _too_large(None, limit) from None
     if not raw.strip():
         if required:
             raise BadRequest("request body must be a JSON object (send {} for defaults)")
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if len(raw) < BIG_BODY else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -860,7 +897,10 @@ class Server:
         self.ready = False
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
         self.session_open = False  # between /begin_weight_update and /end_weight_update
-        self.app = web.Application(client_max_size=1 << 30, middlewares=[self._auth, self._errors])
+        max_body = int(args.max_request_mb * 2 ** 20)
+        self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
+        self.app["max_body"] = max_body
+        self.token_chars = max_token_chars(tokenizer)
         post, get = self.app.router.add_post, self.app.router.add_get
         post("/generate", self.generate)
         post("/abort_request", self.abort_request)
@@ -906,6 +946,8 @@ class Server:
     async def _errors(self, request, handler):
         try:
             return await handler(request)
+        except TooLarge as e:
+            return _error(str(e), 413)
         except BadRequest as e:
             return _error(str(e))
         except TimeoutError as e:
@@ -943,7 +985,10 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
-        r = parse_generate(body, self.tokenizer, self.sched.vocab_size, self.sched.context_len)
+        args = (body, self.tokenizer, self.sched.vocab_size, self.sched.context_len, self.token_chars)
+        long = any(isinstance(v, (str, list)) and len(v) > 4096 for v in (body.get("text"), body.get("input_ids")))
+        # a long prompt is tokenized / checked off the event loop, which meanwhile serves everyone else
+        r = await asyncio.to_thread(parse_generate, *args) if long else parse_generate(*args)
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         r.notify = lambda n, final: loop.call_soon_threadsafe(updates.put_nowait, (n, final))
@@ -1325,6 +1370,8 @@ def main(argv=None):
                         "tokenize-and-send window, where an /abort_request for it is lost)")
     p.add_argument("--report-version", default=SGLANG_VERSION,
                    help="tests: the sglang version /server_info reports (clients refuse unsupported ones)")
+    p.add_argument("--max-request-mb", type=float, default=32.0,
+                   help="largest request body accepted (MiB); larger ones get HTTP 413 before being read")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
@@ -1332,6 +1379,8 @@ def main(argv=None):
                     ("--max-prefill-tokens", args.max_prefill_tokens)):
         if v is not None and v < 1:
             p.error(f"{name} must be >= 1, got {v}")
+    if not args.max_request_mb > 0:
+        p.error(f"--max-request-mb must be > 0, got {args.max_request_mb}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if args.num_threads or device.type == "cpu":
         torch.set_num_threads(args.num_threads or 1)

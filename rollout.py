@@ -5,8 +5,10 @@
   retries and exponential backoff on connection errors and 5xx. Control calls (abort, pause/continue, flush, weight
   updates, memory release) fan out to every worker, because a router forwards none of them. Every call carries
   `Authorization: Bearer <rollout.sglang_args.api_key>` when one is set. At start-up `wait_healthy` also checks each
-  server's sglang version (SUPPORTED_SGLANG_VERSIONS). `SyncFleet` runs a Fleet on its own event-loop thread, so
-  synchronous code (the trainer, tests) can call it too.
+  server's sglang version (SUPPORTED_SGLANG_VERSIONS). Aborts to a worker that does not answer back off (doubling)
+  and are reported once per server per pause, with their count. A server that cannot be reached leaves the /generate
+  rotation until its /health answers again. `SyncFleet` runs a Fleet on its own event-loop thread, so synchronous
+  code (the trainer, tests) can call it too.
 - `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
   asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function
   (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
@@ -84,6 +86,7 @@ log = logging.getLogger("rollout")
 
 CONNECT_TIMEOUT_S = 10.0  # TCP connect timeout of every HTTP call (a dead server is a retry, not a long wait)
 MAX_BACKOFF_S = 30.0  # cap of the doubling /generate retry delay
+PROBE_MAX_S = 5.0  # cap of the doubling /health probe delay of a server out of rotation (how soon it is back)
 ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
 DISPATCH_WAIT_S = 0.05  # buffer.dispatch waits up to this long for the strategy to allow a group (bounds pause delay)
 PAUSE_GRACE_S = 2.0  # after /pause_generation returned, the aborted responses still on their way arrive within this
@@ -166,7 +169,7 @@ class Fleet:
     def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
                  request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0, max_retries: int = 5,
                  retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, startup_timeout_s: float = 300.0):
         if bool(urls) == bool(router_url):
             raise ValueError("the fleet needs either rollout.servers (a list of URLs) or rollout.router_url, "
                              f"not both and not neither; got servers={urls!r}, router_url={router_url!r}")
@@ -174,11 +177,18 @@ class Fleet:
         self.router_url = router_url.rstrip("/") if router_url else None
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+        self.startup_timeout_s = startup_timeout_s  # longest /generate waits for a server while every one is down
+        self.down: dict[str, str] = {}  # url -> error: servers out of /generate rotation, probed until they answer
+        self.down_events = 0  # times a server left the rotation since the Fleet was made
+        self.skip: set = set()  # workers left out of control calls (see live_workers)
+        self._probes: set = set()
         self.router_max_concurrent_requests = router_max_concurrent_requests
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
         self.requests_in_flight = 0  # our /generate requests in flight, all servers together
         self.retries = 0  # /generate retries since the Fleet was made
+        self._abort_down: dict[str, list] = {}  # url -> [consecutive failures, time of the last, retry after]
+        self.abort_failures: dict[str, list] = {}  # url -> [failed aborts, last error], see take_abort_failures
         self._session: Optional[aiohttp.ClientSession] = None
 
     @classmethod
@@ -187,7 +197,7 @@ class Fleet:
         return cls(r.servers, r.router_url, request_timeout_s=r.request_timeout_s,
                    control_timeout_s=cfg.weight_sync.timeout_s, max_retries=r.max_retries,
                    retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests,
-                   api_key=r.sglang_args.api_key)
+                   api_key=r.sglang_args.api_key, startup_timeout_s=r.startup_timeout_s)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # limit=0: our own bounds (semaphore, groups) decide the concurrency, not aiohttp's
@@ -195,31 +205,74 @@ class Fleet:
         return self._session
 
     async def close(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     # ---- /generate ----
-    def _pick(self, avoid: Optional[str]) -> str:
-        """The server with the fewest of our requests in flight (not `avoid`, the one that just failed, if others)."""
-        candidates = [u for u in self.urls if u != avoid] or self.urls
-        return min(candidates, key=lambda u: self.in_flight[u])
+    async def _pick(self, avoid: Optional[str], stop: Optional[asyncio.Event]) -> Optional[str]:
+        """The server in rotation with the fewest of our requests in flight (not `avoid`, the one that just failed,
+        if others). While every server is down it waits for one to come back (None if `stop` is set meanwhile);
+        FleetError after rollout.startup_timeout_s."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            up = [u for u in self.urls if u not in self.down]
+            if up:
+                return min([u for u in up if u != avoid] or up, key=lambda u: self.in_flight[u])
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() > deadline:
+                raise FleetError(f"no inference server answered for rollout.startup_timeout_s="
+                                 f"{self.startup_timeout_s} s: " + "; ".join(f"{u}: {e}" for u, e in self.down.items()))
+            await asyncio.sleep(0.05)
+
+    def _mark_down(self, url: str, error: str) -> None:
+        """Take a server that does not answer out of rotation; a probe puts it back once /health answers."""
+        if url in self.down:
+            return
+        self.down[url] = error
+        self.down_events += 1
+        log.warning("inference server %s does not answer (%s): out of rotation until /health answers", url, error)
+        task = asyncio.ensure_future(self._probe(url))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, url: str) -> None:
+        delay = self.retry_backoff_s
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self._call(url, "GET", "/health", None, CONNECT_TIMEOUT_S)
+            except FleetError as e:
+                self.down[url] = str(e)
+                delay = min(2 * delay, PROBE_MAX_S)
+                continue
+            del self.down[url]
+            log.warning("inference server %s answers again: back in rotation", url)
+            return
 
     async def generate(self, payload: dict, next_rid: Optional[Callable[[], str]] = None,
                        stop: Optional[asyncio.Event] = None) -> Optional[dict]:
         """POST /generate with retries; returns the response JSON, or None if `stop` was set before a server took it.
 
         `next_rid()` gives the rid of each attempt. Connection errors and 5xx are retried (on another server when
-        there is one) after rollout.retry_backoff_s, doubling; HTTP 4xx and the request timeout are not.
+        there is one) after rollout.retry_backoff_s, doubling; HTTP 4xx and the request timeout are not. A server
+        that cannot be reached (refused, reset, or gone mid-answer) is no retry: it leaves the rotation (_mark_down)
+        and the request goes to another server, or waits for one (_pick).
         """
         last_error = ""
         avoid = None
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while attempt <= self.max_retries:
             if stop is not None and stop.is_set():
+                return None
+            url = self.router_url or await self._pick(avoid, stop)
+            if url is None:
                 return None
             if next_rid is not None:
                 payload["rid"] = next_rid()
-            url = self.router_url or self._pick(avoid)
             self.requests_in_flight += 1
             if url in self.in_flight:
                 self.in_flight[url] += 1
@@ -232,24 +285,32 @@ class Fleet:
                     if resp.status < 500:
                         raise FleetError(f"{url}/generate answered HTTP {resp.status}: {body}")
                     last_error = f"{url}/generate answered HTTP {resp.status}: {body}"
-            except aiohttp.ServerTimeoutError as e:  # connect or socket timeout: the server is not there
-                last_error = f"{url}/generate: {e!r}"
-            except asyncio.TimeoutError:
-                raise FleetError(f"{url}/generate did not answer within rollout.request_timeout_s="
-                                 f"{self.request_timeout_s} s") from None
+            except asyncio.TimeoutError as e:
+                if not isinstance(e, aiohttp.ServerTimeoutError):
+                    raise FleetError(f"{url}/generate did not answer within rollout.request_timeout_s="
+                                     f"{self.request_timeout_s} s") from None
+                last_error = f"{url}/generate: {e!r}"  # connect or socket timeout: the server is not there
+                lost = True
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 last_error = f"{url}/generate: {e!r}"
+                lost = True
+            else:
+                lost = False
             finally:
                 self.requests_in_flight -= 1
                 if url in self.in_flight:
                     self.in_flight[url] -= 1
             avoid = url
+            if lost and not self.router_url:
+                self._mark_down(url, last_error)
+                continue
             if attempt == self.max_retries:
                 break
+            attempt += 1
             self.retries += 1
-            delay = min(self.retry_backoff_s * 2 ** attempt, MAX_BACKOFF_S) * (1 + 0.25 * random.random())
+            delay = min(self.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) * (1 + 0.25 * random.random())
             log.warning("retrying /generate in %.1f s (retry %d of rollout.max_retries=%d): %s",
-                        delay, attempt + 1, self.max_retries, last_error)
+                        delay, attempt, self.max_retries, last_error)
             if stop is None:
                 await asyncio.sleep(delay)
             else:
@@ -283,15 +344,33 @@ class Fleet:
         return data
 
     async def workers(self) -> list[str]:
-        """The worker URLs: the configured servers, or the router's GET /workers."""
+        """The worker URLs: the configured servers, or the router's GET /workers; without those live_workers found
+        not answering (control calls go to the live ones)."""
         if self.router_url is None:
-            return list(self.urls)
-        data = await self._call(self.router_url, "GET", "/workers")
-        items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
-        urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
-        if not urls:
-            raise FleetError(f"router {self.router_url} lists no workers in GET /workers: {data!r}")
-        return urls
+            urls = list(self.urls)
+        else:
+            data = await self._call(self.router_url, "GET", "/workers")
+            items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
+            urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
+            if not urls:
+                raise FleetError(f"router {self.router_url} lists no workers in GET /workers: {data!r}")
+        return [u for u in urls if u not in self.skip]
+
+    async def live_workers(self, timeout_s: float) -> list[str]:
+        """The workers answering /health now, waiting up to timeout_s for at least one (FleetError naming them
+        after that); the others are skipped by control calls until the next live_workers (the trainer's weight
+        sync forms its group with the live servers only)."""
+        self.skip = set()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            health = await self.health()
+            if any(health.values()):
+                self.skip = {u for u, ok in health.items() if not ok}
+                return [u for u, ok in health.items() if ok]
+            if time.monotonic() > deadline:
+                raise FleetError(f"no inference server answered /health for rollout.startup_timeout_s={timeout_s} "
+                                 f"s: {', '.join(health)}")
+            await asyncio.sleep(0.5)
 
     async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
                        timeout_s: Optional[float] = None) -> list:
@@ -299,16 +378,33 @@ class Fleet:
         return list(await asyncio.gather(*[self._call(u, method, path, body, timeout_s) for u in urls]))
 
     async def abort(self, rid_prefix: str = "", abort_all: bool = False) -> int:
-        """Abort matching requests on every worker; returns how many workers could not be reached (logged only:
-        their requests are gone with them)."""
+        """Abort matching requests on every worker; returns how many workers were not reached. A worker whose abort
+        failed (dead, or stalled past CONNECT_TIMEOUT_S) is skipped for rollout.retry_backoff_s, doubling with each
+        consecutive failure up to MAX_BACKOFF_S, so a pause's repeated aborts do not pile up on it. Failures are
+        counted, not logged: the caller reports them once (take_abort_failures)."""
         urls = await self.workers()
+        now = time.monotonic()
+        live = [u for u in urls if self._abort_down.get(u, [0, 0.0, 0.0])[2] <= now]
         results = await asyncio.gather(*[self._call(u, "POST", "/abort_request",
                                                     {"rid": rid_prefix, "abort_all": abort_all}, CONNECT_TIMEOUT_S)
-                                         for u in urls], return_exceptions=True)
-        errors = [r for r in results if isinstance(r, Exception)]
-        for e in errors:
-            log.warning("abort of rids '%s' failed: %s", rid_prefix, e)
-        return len(errors)
+                                         for u in live], return_exceptions=True)
+        for u, r in zip(live, results):
+            if not isinstance(r, Exception):
+                self._abort_down.pop(u, None)
+                continue
+            down = self._abort_down.setdefault(u, [0, 0.0, 0.0])
+            if now >= down[1]:  # started after the last known failure: a new one (concurrent calls count once)
+                down[0] += 1
+            down[1] = time.monotonic()
+            down[2] = down[1] + min(self.retry_backoff_s * 2 ** (down[0] - 1), MAX_BACKOFF_S)
+            count = self.abort_failures.setdefault(u, [0, ""])
+            count[0], count[1] = count[0] + 1, str(r)
+        return len(urls) - sum(not isinstance(r, Exception) for r in results)
+
+    def take_abort_failures(self) -> dict[str, list]:
+        """url -> [failed aborts, last error] since the last call (and reset)."""
+        out, self.abort_failures = self.abort_failures, {}
+        return out
 
     async def pause(self, mode: str = "abort", timeout_s: Optional[float] = None) -> list:
         return await self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout_s)
@@ -710,7 +806,7 @@ class Rollout:
         self._tasks: set = set()
         self._started = False
         self._in_flight_t = time.monotonic()
-        self._retries_seen = 0
+        self._retries_seen = self._down_seen = 0
         if r.reward_pool == "process":
             self._pool = concurrent.futures.ProcessPoolExecutor(r.reward_workers,
                                                                 mp_context=multiprocessing.get_context("spawn"))
@@ -966,6 +1062,9 @@ class Rollout:
                 await self._wait_idle(max(0.0, deadline - time.monotonic()), deadline)
         else:
             await self._wait_idle(max(0.0, deadline - time.monotonic()), deadline)
+        for url, (n, error) in self.fleet.take_abort_failures().items():  # one line per server, not one per abort
+            log.warning("%d aborts to %s failed since the last pause (retried with backoff); last error: %s",
+                        n, url, error)
         partials, self._partials = self._partials, []
         self._stopping = False
         metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials) or {})
@@ -1005,12 +1104,13 @@ class Rollout:
             "rollout/failed_count": s["failed"],
             "rollout/timeout_count": s["timeouts"],
             "rollout/retry_count": self.fleet.retries - self._retries_seen,
+            "rollout/server_down_count": self.fleet.down_events - self._down_seen,
             "rollout/in_flight_trajectories_max": s["in_flight_max"],
             "rollout/in_flight_trajectories_mean": s["in_flight_area"] / elapsed,
             "rollout/generated_tokens_per_s": s["generated_tokens"] / elapsed,
             "rollout/old_version_responses": s["old_version_responses"],
         }
-        self._retries_seen = self.fleet.retries
+        self._retries_seen, self._down_seen = self.fleet.retries, self.fleet.down_events
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out

@@ -343,21 +343,51 @@ def read_rows(task: str, path: str) -> list[tuple[list[dict], str, dict]]:
         raise FileNotFoundError(f"data_source.path '{path}' is not a file (data_source.task '{task}' reads one)")
     rows = []
     if task == "jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path} line {lineno}"
+                try:
+                    line = raw.decode("utf-8").rstrip("\r\n")  # the newline is not part of the row's JSON
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
                 if not line.strip():
                     continue
-                where = f"{path} line {lineno}"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    # e.pos: the character where parsing stopped (the line alone was parsed, so it is the
+                    # column); one past the last character means the line ends before the row does
+                    cut = ": the line ends before the row does" if e.pos >= len(line) else ""
+                    raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.pos + 1}{cut})") from None
                 rows.append((*_parse_row(row, where), {"row": lineno}))
     else:
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow's errors do not all share a base class; the message names the problem
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+        for i, row in enumerate(table.to_pylist()):
             rows.append((*_parse_row(row, f"{path} row {i} (0-based)"), {"row": i}))
+    return rows
+
+
+def check_data_source(ds_cfg) -> Optional[int]:
+    """Validate a dataset file's every row and its split sizes without a tokenizer (train.py runs this before
+    any server starts); returns the row count, None for the toy tasks (generated, nothing to check)."""
+    if ds_cfg.task in TOY_TASKS:
+        return None
+    return len(_file_rows(ds_cfg))
+
+
+def _file_rows(ds_cfg) -> list[tuple[list[dict], str, dict]]:
+    if ds_cfg.task not in FILE_TASKS:
+        raise ValueError(f"data_source.task '{ds_cfg.task}' is unknown; accepted: "
+                         f"{', '.join([*TOY_TASKS, *FILE_TASKS])}")
+    rows = read_rows(ds_cfg.task, ds_cfg.path)
+    if ds_cfg.num_eval_prompts >= len(rows):
+        raise ValueError(f"data_source.num_eval_prompts={ds_cfg.num_eval_prompts} leaves no training rows in "
+                         f"{ds_cfg.path} ({len(rows)} rows); use fewer eval prompts")
     return rows
 
 
@@ -378,12 +408,7 @@ def load_prompts(ds_cfg, tokenizer, split: str = "train") -> list[dict]:
         examples = toy_examples(task, n, ds_cfg.seed, split)
         ids = tokenizer([text for text, _ in examples], add_special_tokens=False)["input_ids"] if examples else []
         return [{"prompt_ids": p, "label": label, "metadata": {}} for p, (_, label) in zip(ids, examples)]
-    if task not in FILE_TASKS:
-        raise ValueError(f"data_source.task '{task}' is unknown; accepted: {', '.join([*TOY_TASKS, *FILE_TASKS])}")
-    rows = read_rows(task, ds_cfg.path)
-    if ds_cfg.num_eval_prompts >= len(rows):
-        raise ValueError(f"data_source.num_eval_prompts={ds_cfg.num_eval_prompts} leaves no training rows in "
-                         f"{ds_cfg.path} ({len(rows)} rows); use fewer eval prompts")
+    rows = _file_rows(ds_cfg)
     order = list(range(len(rows)))
     random.Random(f"holdout:{ds_cfg.seed}").shuffle(order)
     held_out = set(order[:ds_cfg.num_eval_prompts])
@@ -491,7 +516,10 @@ def get_reward_fn(name: str) -> Callable[[str, Any, bool], float]:
         return REWARDS[name]
     if ":" in name:
         module, fn = name.split(":", 1)
-        return getattr(importlib.import_module(module), fn)
+        try:
+            return getattr(importlib.import_module(module), fn)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"data_source.reward '{name}' does not load: {e}") from None
     raise ValueError(f"data_source.reward '{name}' is unknown; accepted: {', '.join(REWARDS)} or module:function")
 
 

@@ -11,6 +11,9 @@ Rank 0 starts the inference servers (engine.py on CPU, SGLang on GPUs, or connec
 rollout.router_url), the buffer process (`python buffer.py`) and the rollout process (`python rollout.py --serve`),
 joins RPC as "trainer" and runs the loop; every other rank follows rank 0's commands (train its share of each
 mini-batch, gather weights for the sync, save checkpoints). Children log to run_dir/logs/ and are stopped on exit.
+Faults: a launched server that dies is relaunched and gets the weights at the next sync; any other child that dies
+stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
+bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2).
 
 Run (CPU, the tiny model on the reverse-digits task; reward rises from 0 to ~0.45 in 400 steps, ~8-10 min):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
@@ -43,13 +46,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
-import torch
-import torch.distributed as dist
+# torch's C++ warnings, above all the RPC agent's "eof" the moment a child dies, would print before the root-cause
+# error rank 0 reports (Services); C++ errors still print. TORCH_CPP_LOG_LEVEL=WARNING shows them.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import config as config_lib
+import torch  # noqa: E402  (after the log level, which torch reads when it loads)
+import torch.distributed as dist  # noqa: E402
+
+import buffer as buffer_lib  # noqa: E402
+import config as config_lib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
@@ -428,6 +437,10 @@ class Actor:
         self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
         self.snapshot_step = -1
         self.group = None  # weight-update broadcast group (distributed sync), made at the first sync
+        self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
+        self.group_members: Optional[list] = None  # the server URLs the last sync went to
+        self.store = None  # the TCPStore the group forms on, hosted here for the whole run
+        self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
 
     # ---- command channel ----
@@ -441,9 +454,10 @@ class Actor:
             msg = [None, None]
             try:
                 dist.broadcast_object_list(msg, src=0, group=_ctrl_group())
-            except RuntimeError as e:
-                raise RuntimeError(f"rank {self.rank}: no command from trainer rank 0 within the control group's "
-                                   f"timeout (is rank 0 alive? see its log): {e}") from None
+            except RuntimeError as e:  # rank 0 failed (its own error says why) or hung; one line, no traceback
+                print(f"[train] rank {self.rank}: lost trainer rank 0 (no command within the control group's "
+                      f"timeout, or it exited): {str(e).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+                sys.exit(1)
             cmd, arg = msg
             if cmd == "stop":
                 return
@@ -580,45 +594,107 @@ class Actor:
     def sync_weights(self, version: int) -> dict:
         """Push the weights to every server as `version`: weight_sync.method distributed (bucketed
         /update_weights_from_distributed + a broadcast from rank 0) or disk (safetensors + /update_weights_from_disk).
-        Every call has weight_sync.timeout_s; a failure stops the run with the server's message."""
+        Every call has weight_sync.timeout_s. The sync goes to the servers that answer /health (waiting up to
+        rollout.startup_timeout_s for one); the weight-update group is formed again when they change or one rank 0
+        launched was relaunched (Services.watch), and a failed sync is retried once with a new group (after the
+        relaunch of a server that died). A second failure stops the run with the server's message."""
         if self.fleet is None:
             return {}
         t0 = time.perf_counter()
-        self._announce("sync", version)
-        self._sync(version)
-        return {"timing/update_weights": time.perf_counter() - t0}
+        retry = False
+        for attempt in (1, 2):
+            replaced = self.services is not None and self.services.take_replaced()
+            live = self.fleet.live_workers(self.cfg.rollout.startup_timeout_s)
+            if retry or replaced or live != self.group_members:
+                if self.group_members is not None and live != self.group_members:
+                    print(f"[train] warning: the servers answering are now {live} (were {self.group_members}): "
+                          "the weight-update group is formed again with them", file=sys.stderr, flush=True)
+                self._drop_weight_group()
+            self.group_members = live
+            self._announce("sync", version)
+            try:
+                self._sync(version)
+                break
+            except Exception as e:
+                if attempt == 2:
+                    raise
+                # A server died (ours is relaunched: take_replaced waits for it) or restarted on its URL (no
+                # longer in the group): once more with a new group of the servers that answer.
+                retry = True
+                if self.services is not None:
+                    self.services.server_died(GRACE_S)
+                print(f"[train] warning: weight sync of version {version} failed ({str(e).splitlines()[0]}); "
+                      "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
+                      flush=True)
+        out = {"timing/update_weights": time.perf_counter() - t0}
+        if self.services is not None:
+            out["rollout/server_restarts"] = self.services.server_restarts
+        return out
 
     def _sync(self, version: int) -> None:
+        """Every rank gathers every parameter; rank 0 pushes. A push that fails on rank 0 stops the pushing, not
+        the gathering (the other ranks are in the same collectives), and is raised at the end."""
         if self.cfg.weight_sync.method == "disk":
             path = os.path.join(self.cfg.run_dir, "sync_weights")
             self._export(path)
             if self.rank == 0:
                 self.fleet.update_weights_from_disk(os.path.abspath(path), version)
             return
+        error = None
+
+        def push(bucket, version):
+            nonlocal error
+            try:
+                self._push_bucket(bucket, version)
+            except Exception as e:
+                error = e
         if self.rank == 0 and self.group is None:
-            self.group = self._init_weight_group()
-        if self.rank == 0:  # SGLang 0.5.23 refuses distributed updates outside a begin/end session
-            self.fleet.begin_weight_update()
-        try:
-            limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
-            bucket, size = [], 0
-            for name, full in self._full_params():
-                if self.rank != 0:
-                    continue
-                bucket.append((name, full))
-                size += full.numel() * full.element_size()
-                if size >= limit:
-                    self._push_bucket(bucket, None)
-                    bucket, size = [], 0
-            if self.rank == 0:
-                self._push_bucket(bucket, version)  # the last bucket carries the version label and the flush
-        except BaseException:
-            if self.rank == 0:  # close the session, briefly (a server may be stuck), then report the bucket's error
-                with contextlib.suppress(Exception):
-                    self.fleet.end_weight_update(SESSION_END_TIMEOUT_S)
-            raise
-        if self.rank == 0:
-            self.fleet.end_weight_update()
+            try:
+                self.group = self._init_weight_group()
+            except Exception as e:
+                error = e
+        session = False  # SGLang 0.5.23 refuses distributed updates outside a begin/end session
+        if self.rank == 0 and error is None:
+            try:
+                self.fleet.begin_weight_update()
+                session = True
+            except Exception as e:
+                error = e
+        limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
+        bucket, size = [], 0
+        for name, full in self._full_params():
+            if self.rank != 0 or error is not None:
+                continue
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            if size >= limit:
+                push(bucket, None)
+                bucket, size = [], 0
+        if self.rank == 0 and error is None:
+            push(bucket, version)  # the last bucket carries the version label and the flush
+        if session and error is None:
+            try:
+                self.fleet.end_weight_update()
+            except Exception as e:
+                error = e
+        elif session:  # close the session, briefly (a server may be stuck), then report the bucket's error
+            with contextlib.suppress(Exception):
+                self.fleet.end_weight_update(SESSION_END_TIMEOUT_S)
+        if error is not None:
+            raise error
+
+    def _drop_weight_group(self) -> None:
+        """Leave the weight-update group (a server in it was replaced); the next _sync forms a new one with every
+        server, under a new name on the same TCPStore. The surviving servers leave it too; a relaunched one has
+        none (its error is expected)."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.fleet.destroy_weights_update_group(self.group_name)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
+        self.generation += 1
+        self.group_name = f"{WEIGHT_GROUP}_{self.generation}"
 
     def _init_weight_group(self):
         """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
@@ -630,12 +706,14 @@ class Actor:
         world = 1 + sum(ranks)
         addr = ws.master_address  # set by main(): 127.0.0.1 for servers rank 0 launched, else this host's IP
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, WEIGHT_GROUP, backend)
+        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, self.group_name, backend)
         timeout = datetime.timedelta(seconds=ws.timeout_s)
         try:
-            store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout)
-            store = PrefixStore(WEIGHT_GROUP, store)
-            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=WEIGHT_GROUP,
+            if self.store is None:
+                self.store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout,
+                                           wait_for_workers=False)
+            store = PrefixStore(self.group_name, self.store)
+            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=self.group_name,
                                               timeout=timeout)
         except Exception as e:
             raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
@@ -654,7 +732,7 @@ class Actor:
         ws = self.cfg.weight_sync
         fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
                                 [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                                [list(t.shape) for _, t in bucket], version, WEIGHT_GROUP,
+                                [list(t.shape) for _, t in bucket], version, self.group_name,
                                 flush_cache=version is not None)  # a flush per bucket would be wasted work
         deadline = time.monotonic() + ws.timeout_s
         for name, t in bucket:
@@ -715,10 +793,7 @@ class Actor:
         rng: list = [None] * self.world
         dist.all_gather_object(rng, _rng_state(), group=_ctrl_group())
         if self.rank == 0:
-            torch.save({**run_state, "scheduler": self.sched.state_dict(), "rng": rng},
-                       os.path.join(tmp, "run_state.pt"))
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)  # a checkpoint directory without ".tmp" is complete
+            _commit_checkpoint(tmp, path, {**run_state, "scheduler": self.sched.state_dict(), "rng": rng})
         dist.barrier(group=_ctrl_group())
 
     def load_checkpoint(self, path: str) -> dict:
@@ -734,7 +809,7 @@ class Actor:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        run_state = torch.load(os.path.join(path, "run_state.pt"), weights_only=False)
+        run_state = load_run_state(path)
         self.sched.load_state_dict(run_state["scheduler"])
         _set_rng_state(run_state["rng"][self.rank] if self.rank < len(run_state["rng"]) else run_state["rng"][0])
         return run_state
@@ -780,11 +855,64 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def _commit_checkpoint(tmp: str, path: str, run_state: dict) -> None:
+    """Write run_state.pt into the finished directory `tmp` and rename it to `path`, each step on disk before the
+    next (DCP fsyncs its own files): after a crash at any point, a directory without ".tmp" is complete."""
+    with open(os.path.join(tmp, "run_state.pt"), "wb") as f:
+        torch.save(run_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+
+
+def load_run_state(path: str) -> dict:
+    """run_state.pt of a checkpoint directory: plain data only (weights_only=True: loading runs no code)."""
+    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why the checkpoint directory `path` would not load, or None: run_state.pt unreadable, or the DCP shards
+    (when there are any; rollout-only checkpoints have none) without their metadata or shorter than it says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        load_run_state(path)
+    except Exception as e:
+        return f"run_state.pt does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not glob.glob(os.path.join(path, "*.distcp")) and not os.path.exists(os.path.join(path, ".metadata")):
+        return None
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:
+        return f"its DCP .metadata does not load: {type(e).__name__}: {e}"
+    need: dict = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = os.path.getsize(os.path.join(path, name)) if os.path.exists(os.path.join(path, name)) else None
+        if have is None or have < size:
+            return f"shard {name} has {have or 0} bytes, its metadata expects {size}"
+    return None
+
+
 def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest complete run_dir/checkpoints/step_* (being written ones end in .tmp), or None."""
-    done = [p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))
-            if not p.endswith(".tmp") and os.path.exists(os.path.join(p, "run_state.pt"))]
-    return max(done, default=None)
+    """The newest run_dir/checkpoints/step_* that loads (being written ones end in .tmp), or None. Newer ones
+    that do not load are skipped with a warning naming each and why."""
+    done = sorted((p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) if not p.endswith(".tmp")),
+                  reverse=True)
+    for path in done:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        print(f"[train] warning: skipping checkpoint {path}: {problem}; trying the previous one", file=sys.stderr,
+              flush=True)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -803,7 +931,8 @@ class RolloutRecorder:
 
     def train_minibatch(self, groups, step):
         call = self.calls[step] = self.calls.get(step, -1) + 1
-        torch.save(groups, os.path.join(self.dir, f"step_{step:06d}_{call:03d}.pt"))
+        torch.save([buffer_lib.group_to_dict(g) for g in groups],
+                   os.path.join(self.dir, f"step_{step:06d}_{call:03d}.pt"))
         return {}
 
     def sync_weights(self, version):
@@ -812,8 +941,9 @@ class RolloutRecorder:
 
     def save_checkpoint(self, steps_done, run_state):
         path = os.path.join(self.cfg.run_dir, "checkpoints", f"step_{steps_done:06d}")
-        os.makedirs(path, exist_ok=True)
-        torch.save({**run_state, "scheduler": {}, "rng": [_rng_state()]}, os.path.join(path, "run_state.pt"))
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        os.makedirs(path + ".tmp")
+        _commit_checkpoint(path + ".tmp", path, {**run_state, "scheduler": {}, "rng": [_rng_state()]})
 
     def release(self):
         return {}
@@ -838,7 +968,12 @@ class ReplayBuffer:
             if self.pos >= len(self.files):
                 raise TimeoutError(f"train-only: wanted {k} groups but the saved rollouts are exhausted after "
                                    f"{len(self.files)} files")
-            self.pending += torch.load(self.files[self.pos], weights_only=False)
+            try:
+                saved = torch.load(self.files[self.pos], weights_only=True)
+            except Exception as e:
+                raise ValueError(f"saved rollouts {self.files[self.pos]} do not load ({type(e).__name__}: {e}); "
+                                 "they are written by run_mode=rollout-only") from None
+            self.pending += [buffer_lib.group_from_dict(d) for d in saved]
             self.pos += 1
         out, self.pending = self.pending[:k], self.pending[k:]
         return out
@@ -850,10 +985,10 @@ class ReplayBuffer:
         pass
 
     def state_dict(self):
-        return {"pos": self.pos, "pending": self.pending}
+        return {"pos": self.pos, "pending": [buffer_lib.group_to_dict(g) for g in self.pending]}
 
     def load_state_dict(self, sd):
-        self.pos, self.pending = sd["pos"], sd["pending"]
+        self.pos, self.pending = sd["pos"], [buffer_lib.group_from_dict(d) for d in sd["pending"]]
 
 
 class NoRollout:
@@ -898,30 +1033,95 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ChildExited(RuntimeError):
+    """A child of rank 0 exited: the message is the root-cause report (Services.report)."""
+
+
+WATCH_S = 0.2  # how often rank 0's watcher looks at its children
+GRACE_S = 3.0  # after a child died: how long the main thread has to fail on its own before the watcher stops the run
+
+
 class Services:
-    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC."""
+    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC.
+
+    Root cause first: when a child exits, the run's error is Services.report (the child, its exit code or signal,
+    its log and the log's last lines), not the RPC or socket error that its death causes elsewhere. A watcher
+    thread stops the run (exit code 1) GRACE_S after a child died if the main thread is blocked (e.g. waiting
+    for groups from a producer that is gone) rather than failing on its own."""
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.procs: list = []  # (name, Popen, log path)
+        self.procs: dict = {}  # name -> (Popen, log path), in start order
         self.logs = os.path.join(cfg.run_dir, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rpc_up = False
         self.fleet = None  # rank 0's rollout.SyncFleet, closed last
+        self.closing = threading.Event()
+        self._reported = threading.Lock()
+        self.servers: dict = {}  # name -> (command, env, URL) of each server launched here: relaunched if it dies
+        self.relaunching: set = set()
+        self.replaced: set = set()  # relaunched since the weight-update group last formed (Actor.sync_weights)
+        self.server_restarts = 0
 
     def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
         log = os.path.join(self.logs, f"{name}.log")
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                  preexec_fn=_die_with_parent)
-        self.procs.append((name, p, log))
+        self.procs[name] = (p, log)
         return p
 
+    def exited(self) -> list[str]:
+        return [name for name, (p, _) in self.procs.items() if p.poll() is not None]
+
+    def report(self, name: str, tail: int = 15) -> str:
+        """One line naming the child, how it ended and its log, then the log's last `tail` lines."""
+        p, log = self.procs[name]
+        rc = p.returncode
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        with contextlib.suppress(OSError), open(log, errors="replace") as f:
+            lines = f.readlines()[-tail:] if tail else []
+            return f"the {name} process (pid {p.pid}) {how}; its log {log} ends with:\n" + "".join(
+                f"  | {line}" for line in lines).rstrip("\n")
+        return f"the {name} process (pid {p.pid}) {how}; its log {log} could not be read"
+
+    def root_cause(self, wait_s: float) -> Optional[str]:
+        """The report of a child that exited, waiting up to wait_s for one (its death and the error it causes
+        elsewhere arrive in either order); None if every child is running."""
+        deadline = time.monotonic() + wait_s
+        while not self.exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = self.exited()
+        return self.report(dead[0]) if dead else None
+
     def check_alive(self, waiting_for: str) -> None:
-        for name, p, log in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"the {name} process exited with code {p.returncode} while {waiting_for}; "
-                                   f"see {log}")
+        dead = self.exited()
+        if dead:
+            raise ChildExited(f"{self.report(dead[0])}\n(while {waiting_for})")
+
+    def print_error_once(self, message: str) -> bool:
+        """Print `error: message` to stderr unless the watcher or the main thread already did."""
+        if not self._reported.acquire(blocking=False):
+            return False
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return True
+
+    def watch(self) -> None:
+        """Start the watcher thread (see the class doc)."""
+        def loop():
+            while not self.closing.wait(WATCH_S):
+                dead = self.exited()
+                try:
+                    for name in dead:
+                        if name in self.servers:
+                            self.relaunch(name)
+                    dead = [n for n in dead if n not in self.servers]
+                except Exception as e:  # the relaunched server did not come up: no replacement, stop the run
+                    if not self.closing.is_set() and self.print_error_once(f"relaunching a server failed: {e}"):
+                        os._exit(1)
+                if dead and not self.closing.wait(GRACE_S) and self.print_error_once(self.report(dead[0])):
+                    os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
+        threading.Thread(target=loop, name="child-watcher", daemon=True).start()
 
     def launch_servers(self, version: int) -> list[str]:
         """rollout.launch engine | sglang: num_servers servers on base_port + i; returns their URLs once healthy."""
@@ -955,8 +1155,44 @@ class Services:
                     cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
             self.spawn(f"server_{i}", cmd, env)
             urls.append(f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '::') else a.host}:{port}")
+            self.servers[f"server_{i}"] = (cmd, env, urls[-1])
         self.wait_healthy(urls)
         return urls
+
+    def relaunch(self, name: str) -> None:
+        """Start a dead launched server again on its port and wait for /health (the watcher thread). It serves
+        model.path's weights, which are weight version 0, until the next sync gives it the current ones."""
+        cmd, env, url = self.servers[name]
+        at = cmd.index("--weight-version") + 1
+        print(f"[train] warning: {self.report(name, tail=0).split(';')[0]}; relaunching it on {url}",
+              file=sys.stderr, flush=True)
+        self.relaunching.add(name)
+        self.spawn(name, [*cmd[:at], "0", *cmd[at + 1:]], env)
+        self.server_restarts += 1
+        self.wait_healthy([url])
+        self.replaced.add(name)
+        self.relaunching.discard(name)
+        print(f"[train] {name} is back on {url} (restart {self.server_restarts} of the run)", file=sys.stderr,
+              flush=True)
+
+    def take_replaced(self) -> bool:
+        """Whether a server was relaunched since the last call: the weight-update group must be re-created. Waits
+        for relaunches in progress (bounded by the watcher's wait_healthy)."""
+        while self.relaunching or (set(self.exited()) & set(self.servers)):
+            if self.closing.wait(0.1):
+                break
+        out = bool(self.replaced)
+        self.replaced.clear()
+        return out
+
+    def server_died(self, wait_s: float) -> bool:
+        """Whether a launched server died (and is being, or was, relaunched), waiting up to wait_s to see it."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.relaunching or self.replaced or (set(self.exited()) & set(self.servers)):
+                return True
+            time.sleep(0.05)
+        return False
 
     def wait_healthy(self, urls: list[str]) -> None:
         import requests
@@ -977,8 +1213,6 @@ class Services:
 
     def start_rpc(self, resolved_config: str) -> None:
         """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
-        import buffer as buffer_lib
-
         init = f"tcp://127.0.0.1:{_free_port()}"
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
                                             ("rollout", [os.path.join(ROOT, "rollout.py"), "--serve"])], start=1):
@@ -997,6 +1231,7 @@ class Services:
         """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s)."""
         from torch.distributed import rpc
 
+        self.closing.set()
         if self.fleet is not None:
             with contextlib.suppress(Exception):
                 self.fleet.close()
@@ -1011,10 +1246,10 @@ class Services:
                 print(f"[train] RPC shutdown: {e}", file=sys.stderr)
                 with contextlib.suppress(Exception):
                     rpc.shutdown(graceful=False)
-        for name, p, _ in reversed(self.procs):
+        for p, _ in reversed(self.procs.values()):
             if p.poll() is None:
                 p.terminate()
-        for name, p, log in reversed(self.procs):
+        for p, _ in reversed(self.procs.values()):
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
@@ -1097,6 +1332,22 @@ def check_launch(cfg, world: int) -> None:
                              f"rollout-only run; '{d}' has none")
 
 
+def check_inputs(cfg) -> None:
+    """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
+    row only after the servers started), and a checkpoint given as trainer.resume loads."""
+    import tasks
+
+    if cfg.run_mode != "train-only":
+        for ds in cfg.data_sources:
+            tasks.check_data_source(ds)
+            tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
+    if cfg.trainer.resume not in ("none", "auto"):
+        problem = checkpoint_problem(cfg.trainer.resume)
+        if problem is not None:
+            raise ValueError(f"trainer.resume checkpoint '{cfg.trainer.resume}' does not load: {problem}; give "
+                             "another checkpoint directory, auto or none")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------
@@ -1115,7 +1366,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         cfg = config_lib.load_config(args.config, overrides)
         check_launch(cfg, world)
-    except ValueError as e:
+        if rank == 0:
+            check_inputs(cfg)
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     import losses
@@ -1150,7 +1403,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                               tasks.PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps)
     dist.barrier(group=_CTRL)
 
-    services, ok, actor, logger = None, False, None, None
+    services, ok, failed, actor, logger = None, False, False, None, None
     try:
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
@@ -1164,19 +1417,18 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) for rank 0 ----
+        if rank != 0:
+            actor.follow()  # also loads the checkpoint rank 0 chose when it says so
+            ok = True
+            return
         resume_path = None
         if cfg.trainer.resume == "auto":
             resume_path = latest_checkpoint(cfg.run_dir)
         elif cfg.trainer.resume != "none":
             resume_path = cfg.trainer.resume
-        if rank != 0:
-            actor.follow()  # also loads the checkpoint when rank 0 says so
-            ok = True
-            return
         run_state = None
         if resume_path:
-            run_state = actor.load_checkpoint(resume_path) if actor else \
-                torch.load(os.path.join(resume_path, "run_state.pt"), weights_only=False)
+            run_state = actor.load_checkpoint(resume_path) if actor else load_run_state(resume_path)
             print(f"[train] resumed from {resume_path} at step {run_state['step']}", flush=True)
         start_step = run_state["step"] if run_state else 0
 
@@ -1192,8 +1444,6 @@ def main(argv: Optional[list[str]] = None) -> None:
             buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
             ro = NoRollout()
         else:
-            import buffer as buffer_lib
-
             services = Services(cfg)
             launched = not r.servers and not r.router_url
             if launched:
@@ -1209,12 +1459,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
                 yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
             services.start_rpc(resolved)
+            services.watch()
             buf = buffer_lib.RemoteBuffer("buffer", b.rpc_timeout_s)
             ro = rollout_lib.RemoteRollout("rollout", b.rpc_timeout_s)
             if actor is None:
                 actor = RolloutRecorder(cfg, fleet)
             else:
-                actor.fleet = fleet
+                actor.fleet, actor.services = fleet, services
             evaluate = make_evaluator(cfg, fleet, tokenizer) if cfg.trainer.eval_freq else None
         if run_state:
             buf.load_state_dict(run_state["buffer"])
@@ -1234,6 +1485,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             actor.export_hf(os.path.join(cfg.run_dir, "hf"))
             print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
         ok = True
+    except Exception as e:
+        # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
+        cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
+        if cause is None:
+            raise
+        services.print_error_once(cause)
+        failed = True
     finally:
         if rank == 0:
             if isinstance(actor, Actor):
@@ -1247,6 +1505,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if ok:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import asyncio
 import concurrent.futures as cf
 import json
 import random
+import socket
+import threading
 import time
 
 import aiohttp
@@ -533,6 +535,53 @@ def test_malformed_requests_get_400_naming_the_field(url, path, body, field):
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"] if "error" in r.json() else r.json()["message"]
     assert field in msg
+
+
+def test_oversized_body_is_refused_with_413_before_it_is_read(url):
+    port = int(url.rsplit(":", 1)[1])
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # headers only: the body never comes
+        s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {40 << 20}\r\n\r\n".encode())
+        head = s.recv(65536).decode()
+    elapsed = time.perf_counter() - t0
+    assert head.startswith("HTTP/1.1 413"), head
+    assert "request body of 40.0 MiB exceeds the server's limit of 32 MiB (engine.py --max-request-mb)" in head
+    assert elapsed < 0.1, elapsed
+    chunks = (b"x" * (1 << 20) for _ in range(33))  # no Content-Length: counted while read
+    r = requests.post(url + "/generate", data=chunks, timeout=30)
+    assert r.status_code == 413 and "--max-request-mb" in r.json()["error"]["message"], r.text
+
+
+def test_text_too_long_for_the_context_is_refused_without_tokenizing(url):
+    """10 MB of text: refused in tens of milliseconds, mostly reading and parsing the body (tokenizing it took
+    14 s), and other requests go on meanwhile (bounds with headroom for a loaded 2-core machine)."""
+    body = json.dumps({"text": "1" * (10 << 20), "sampling_params": {"max_new_tokens": 4}})
+    latencies, stop = [], threading.Event()
+
+    def small_requests():
+        while not stop.is_set():
+            t = time.perf_counter()
+            generate(url, [5, 6], max_new_tokens=1)
+            latencies.append(time.perf_counter() - t)
+
+    thread = threading.Thread(target=small_requests)
+    thread.start()
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            r = requests.post(url + "/generate", data=body, timeout=30)
+            elapsed = time.perf_counter() - t0
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"].startswith("field `text` has 10485760 characters, more than the "
+                                                          "model's context length of 4096 tokens can hold")
+            assert elapsed < 0.5, elapsed
+    finally:
+        stop.set()
+        thread.join()
+    assert latencies and max(latencies) < 0.25, latencies
+    r = post(url, "/generate", {"text": "1" * 5000, "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 400 and "field `text` has 5000 tokens" in r.text  # short enough to tokenize
 
 
 def test_200_concurrent_requests_with_random_aborts_and_pauses(url, models):

@@ -83,22 +83,22 @@ def test_concurrency_knob_clamps_with_warning_and_rejects_bad_values():
 class FakeServers:
     """aiohttp apps on free ports in a background loop; `routes(i)` gives server i's (method, path, handler)s."""
 
-    def __init__(self, count, routes):
+    def __init__(self, count, routes, port=0):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.runners, self.urls = [], []
         for i in range(count):
-            url, runner = asyncio.run_coroutine_threadsafe(self._start(routes(i)), self.loop).result(10)
+            url, runner = asyncio.run_coroutine_threadsafe(self._start(routes(i), port), self.loop).result(10)
             self.urls.append(url)
             self.runners.append(runner)
 
-    async def _start(self, routes):
+    async def _start(self, routes, port):
         app = web.Application()
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner
 
@@ -108,7 +108,7 @@ class FakeServers:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def test_fleet_retries_5xx_and_connection_errors_but_not_4xx():
+def test_fleet_retries_5xx_not_4xx_and_takes_unreachable_servers_out_of_rotation():
     calls = []
 
     async def generate(request):
@@ -127,18 +127,54 @@ def test_fleet_retries_5xx_and_connection_errors_but_not_4xx():
         rids = iter(f"r{i}." for i in range(100))
         out = sync.generate({"input_ids": [1]}, lambda: next(rids))
         assert out["output_ids"] == [7]
-        # a retry goes to the other server: dead, live (503), dead, live (503), dead, live (ok), each a new rid
+        # dead (refused: out of rotation, not a retry), live (503), live (503), live (ok), each a new rid
         assert len(calls) == 3 and len(set(calls)) == 3
-        assert sync.fleet.retries == 5 and sync.fleet.requests_in_flight == 0
+        assert sync.fleet.retries == 2 and sync.fleet.requests_in_flight == 0
+        assert list(sync.fleet.down) == [dead] and "ConnectionRefused" in sync.fleet.down[dead]
         with pytest.raises(rollout.FleetError, match="HTTP 400"):
             sync.generate({"input_ids": [0]}, lambda: next(rids))
-        only_dead = rollout.SyncFleet(rollout.Fleet([dead], retry_backoff_s=0.01, max_retries=2))
-        with pytest.raises(rollout.FleetError, match="after rollout.max_retries=2 retries"):
+        assert len(calls) == 4  # the 400 is not retried
+        only_dead = rollout.SyncFleet(rollout.Fleet([dead], retry_backoff_s=0.01, startup_timeout_s=0.3))
+        t0 = time.monotonic()
+        with pytest.raises(rollout.FleetError, match=r"no inference server answered for "
+                                                     r"rollout.startup_timeout_s=0.3 s: http://127.0.0.1:9: "):
             only_dead.generate({"input_ids": [1]})
+        assert time.monotonic() - t0 < 2
         only_dead.close()
     finally:
         sync.close()
         servers.close()
+
+
+def test_generate_waits_for_a_server_to_come_back_and_stop_ends_the_wait():
+    """The only server dies (here: is not there yet); a request waits, and is served once /health answers."""
+    port = engine.free_port()
+    url = f"http://127.0.0.1:{port}"
+    sync = rollout.SyncFleet(rollout.Fleet([url], retry_backoff_s=0.05, startup_timeout_s=30))
+
+    async def ok(request):
+        return web.json_response(_response([7], "0"))
+
+    servers = None
+    try:
+        pending = sync.submit("generate", {"input_ids": [1]})
+        time.sleep(0.5)
+        assert not pending.done() and url in sync.fleet.down
+        servers = FakeServers(1, lambda i: [("POST", "/generate", ok), ("GET", "/health", ok)], port=port)
+        assert pending.result(10)["output_ids"] == [7]
+        assert sync.fleet.down == {} and sync.fleet.retries == 0
+        servers.close()
+        servers = None
+        stop = asyncio.Event()
+        pending = sync.submit("generate", {"input_ids": [1]}, None, stop)
+        time.sleep(0.3)
+        assert not pending.done()
+        sync.loop.call_soon_threadsafe(stop.set)  # a pause: the waiting request gives up, to be restored later
+        assert pending.result(5) is None
+    finally:
+        sync.close()
+        if servers is not None:
+            servers.close()
 
 
 def test_fleet_fans_control_calls_out_to_router_workers():
@@ -188,6 +224,48 @@ def test_fleet_fans_control_calls_out_to_router_workers():
         router.close()
     with pytest.raises(ValueError, match="either rollout.servers"):
         rollout.Fleet(["http://a"], router_url="http://b")
+
+
+def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypatch, caplog):
+    """A server that stops answering (SIGSTOP) gets a few aborts with doubling gaps, not one per call; the good
+    server gets every abort; failures are counted per server for one warning per pause."""
+    monkeypatch.setattr(rollout, "CONNECT_TIMEOUT_S", 0.2)
+    seen = {0: 0, 1: 0}
+
+    def routes(i):
+        async def abort(request):
+            seen[i] += 1
+            if i == 0:
+                await asyncio.sleep(2)  # far past the abort timeout (and short, so closing the server is quick)
+            return web.json_response({})
+        return [("POST", "/abort_request", abort)]
+
+    servers = FakeServers(2, routes)
+    sync = rollout.SyncFleet(rollout.Fleet(servers.urls, retry_backoff_s=0.1))
+
+    async def many_aborts(duration):
+        calls, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < duration:
+            await asyncio.gather(*[sync.fleet.abort(f"r{calls}-{j}.") for j in range(8)])  # 8 at once, as a pause
+            calls += 8
+            await asyncio.sleep(0.02)
+        return calls
+
+    try:
+        with caplog.at_level("WARNING", logger="rollout"):
+            calls = sync.run(many_aborts(1.6))
+        assert seen[1] == calls >= 5 * 8
+        # 8 concurrent failures count as one: retried after 0.1, 0.2, 0.4 s (+0.2 s timeouts) -> at most 4 rounds
+        # of 8 within 1.6 s (fewer on a loaded machine, whose timeouts fire late)
+        assert 8 <= seen[0] <= 4 * 8 < calls, (seen, calls)
+        failures = sync.take_abort_failures()
+        assert list(failures) == [servers.urls[0]] and seen[0] <= failures[servers.urls[0]][0] <= 4 * 8
+        assert "did not answer within 0.2 s" in failures[servers.urls[0]][1]
+        assert sync.take_abort_failures() == {}
+        assert not [r for r in caplog.records if "abort" in r.getMessage()]  # the producer's pause reports them
+    finally:
+        sync.close()
+        servers.close()
 
 
 def test_rollout_function_names():
@@ -584,7 +662,8 @@ def test_server_killed_and_restarted_mid_run_loses_no_group(server, tokenizer):
         ro.pause()
         metrics, counts = ro.step_metrics(), buf.step_metrics()
         stats = buf.stats()
-    assert metrics["rollout/retry_count"] > 0 and metrics["rollout/failed_count"] == 0
+    # the dead server left the rotation (not a retry) and came back; nothing failed
+    assert metrics["rollout/server_down_count"] >= 1 and metrics["rollout/failed_count"] == 0
     assert metrics["rollout/old_version_responses"] > 0  # the restarted server missed the update: counted, warned
     assert counts["rollout/collected_groups"] == counts["rollout/dispatched_groups"] == len(got) + stats["Q"]
     assert counts["rollout/filter_drop"] == 0 and stats["R"] == 0

@@ -292,3 +292,30 @@ def test_malformed_parquet_row_and_bad_paths(tok, tmp_path):
     small = _write_jsonl(tmp_path / "small.jsonl", ROWS[:2])
     with pytest.raises(ValueError, match="data_source.num_eval_prompts=64 leaves no training rows"):
         tasks.load_prompts(DataSourceConfig(task="jsonl", path=small), tok)
+
+
+def test_json_error_gives_the_true_column_and_bad_bytes_are_named(tmp_path):
+    """A row cut short (missing closing brace) is reported at the end of ITS line, not "column 1" of the next."""
+    good = '{"prompt": "hi", "answer": "1"}'
+    path = _write_jsonl(tmp_path / "cut.jsonl", [], raw_lines=[good, good[:-1], good])
+    with pytest.raises(ValueError) as err:
+        tasks.read_rows("jsonl", path)
+    assert str(err.value) == (f"{path} line 2: not valid JSON (Expecting ',' delimiter at column {len(good)}: "
+                              "the line ends before the row does)")
+    path = _write_jsonl(tmp_path / "comma.jsonl", [], raw_lines=['{"prompt": "hi", "answer": "1",}'])
+    with pytest.raises(ValueError, match=r"line 1: not valid JSON \(Expecting property name .* at column 32\)$"):
+        tasks.read_rows("jsonl", path)
+    (tmp_path / "latin1.jsonl").write_bytes(good.encode() + b"\n" + '{"prompt": "caf\xe9"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl line 2: not UTF-8 text \(byte 16 of the line\)"):
+        tasks.read_rows("jsonl", str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"bad.parquet: not a readable parquet file"):
+        tasks.read_rows("parquet", str(tmp_path / "bad.parquet"))
+
+
+def test_check_data_source_validates_without_a_tokenizer(tmp_path):
+    path = _write_jsonl(tmp_path / "ok.jsonl", ROWS)
+    assert tasks.check_data_source(DataSourceConfig(task="jsonl", path=path, num_eval_prompts=1)) == len(ROWS)
+    assert tasks.check_data_source(DataSourceConfig(task="reverse_digits")) is None
+    with pytest.raises(ValueError, match="num_eval_prompts=64 leaves no training rows"):
+        tasks.check_data_source(DataSourceConfig(task="jsonl", path=path))
