@@ -160,6 +160,10 @@ class FleetError(RuntimeError):
     """A fleet call failed for good: retries exhausted, an HTTP 4xx, a timeout, or a worker answered success=false."""
 
 
+class ServerUnreachable(FleetError):
+    """A control call found no server at the URL (connection refused or dropped): it is dead or restarting."""
+
+
 class Fleet:
     """Async HTTP client of the inference fleet: server URLs, or a router whose workers GET /workers lists.
 
@@ -333,6 +337,8 @@ class Fleet:
                     raise FleetError(f"{method} {url}{path} answered HTTP {resp.status}: {text[:300]}")
         except asyncio.TimeoutError:
             raise FleetError(f"{method} {url}{path} did not answer within {timeout.total} s") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+            raise ServerUnreachable(f"{method} {url}{path} failed: {e!r}") from None
         except aiohttp.ClientError as e:
             raise FleetError(f"{method} {url}{path} failed: {e!r}") from None
         try:
@@ -373,9 +379,19 @@ class Fleet:
             await asyncio.sleep(0.5)
 
     async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
-                       timeout_s: Optional[float] = None) -> list:
+                       timeout_s: Optional[float] = None, skip_unreachable: bool = False) -> list:
+        """The call on every worker. skip_unreachable: a worker with no server at its URL is taken out of /generate
+        rotation (its probe brings it back) instead of failing the call; for pause and continue, since a dead
+        server runs nothing to stop and a relaunched one starts unpaused."""
         urls = await self.workers()
-        return list(await asyncio.gather(*[self._call(u, method, path, body, timeout_s) for u in urls]))
+        out = await asyncio.gather(*[self._call(u, method, path, body, timeout_s) for u in urls],
+                                   return_exceptions=True)
+        for url, r in zip(urls, out):
+            if skip_unreachable and isinstance(r, ServerUnreachable):
+                self._mark_down(url, str(r))
+            elif isinstance(r, BaseException):
+                raise r
+        return [r for r in out if not isinstance(r, BaseException)]
 
     async def abort(self, rid_prefix: str = "", abort_all: bool = False) -> int:
         """Abort matching requests on every worker; returns how many workers were not reached. A worker whose abort
@@ -407,10 +423,10 @@ class Fleet:
         return out
 
     async def pause(self, mode: str = "abort", timeout_s: Optional[float] = None) -> list:
-        return await self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout_s)
+        return await self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout_s, skip_unreachable=True)
 
     async def continue_(self) -> list:
-        return await self._fan_out("POST", "/continue_generation", {})
+        return await self._fan_out("POST", "/continue_generation", {}, skip_unreachable=True)
 
     async def flush_cache(self) -> list:
         return await self._fan_out("POST", "/flush_cache")

@@ -1301,7 +1301,7 @@ def check_launch(cfg, world: int) -> None:
                          f"--nproc_per_node {t.num_gpus_per_node}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
-    if cfg.model.make_tiny and cfg.model.tiny_pretrain_steps > 0:
+    if cfg.model.make_tiny and cfg.model.tiny_pretrain_steps > 0 and not os.path.isdir(cfg.model.path):
         import tasks
 
         if cfg.data_sources[0].task not in tasks.PRETRAIN_TASK_OF:

@@ -37,7 +37,7 @@ def learned(tmp_path_factory):
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
             "--config", TINY, f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={_free_port()}",
             f"weight_sync.master_port={_free_port()}", f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}",
-            "trainer.save_freq=0", "trainer.export_hf=false"]
+            "trainer.save_freq=0", "trainer.export_hf=false", "buffer.get_timeout_s=60"]
     p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

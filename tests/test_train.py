@@ -50,6 +50,7 @@ def _run_overrides(run_dir, model) -> list:
             f"weight_sync.master_port={_free_port()}", "data_source.num_prompts=32", "data_source.num_eval_prompts=8",
             "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
             "trainer.mini_batch_size=8", "trainer.total_steps=8", "trainer.save_freq=1", "trainer.eval_freq=4",
+            "rollout.filter=[failed]",  # every group is trained: the epoch of 32 prompts, each exactly once
             "buffer.get_timeout_s=120", "rollout.startup_timeout_s=120"]
 
 
@@ -141,6 +142,8 @@ TRAIN_RULES = [  # train.py's own checks (check_launch): (overrides, strings of 
      ["rollout.servers", "rollout.router_url"]),
     (["run_mode=train-only", "fully_async.enable=false"], ["run_mode=train-only", "trainer.rollout_dir"]),
     (["data_source.reward=no_such_module:fn"], ["data_source.reward 'no_such_module:fn' does not load"]),
+    (["model.path=/nonexistent/model", "data_source.task=jsonl", "data_source.path=/nonexistent.jsonl"],
+     ["model.tiny_pretrain_steps=300", "data_source.task 'jsonl'", "model.tiny_pretrain_steps=0"]),
 ]
 
 
@@ -195,11 +198,13 @@ def test_bad_dataset_is_refused_before_any_server_starts(tmp_path, capsys):
     path = _bad_jsonl(tmp_path)
     run_dir = tmp_path / "run"
     _expect_exit(["--config", TINY, "trainer.num_gpus_per_node=1", f"run_dir={run_dir}",
-                  f"model.path={tmp_path}/model", "data_source.task=jsonl", f"data_source.path={path}"],
+                  f"model.path={tmp_path}/model", "model.tiny_pretrain_steps=0", "data_source.task=jsonl",
+                  f"data_source.path={path}"],
                  [f"{path} line 2: not valid JSON", "column 41: the line ends before the row does"], capsys)
     assert not os.path.exists(run_dir / "logs")  # no child was started
     _expect_exit(["--config", TINY, "trainer.num_gpus_per_node=1", f"run_dir={run_dir}",
-                  f"model.path={tmp_path}/model", "data_source.task=jsonl", f"data_source.path={tmp_path}/no.jsonl"],
+                  f"model.path={tmp_path}/model", "model.tiny_pretrain_steps=0", "data_source.task=jsonl",
+                  f"data_source.path={tmp_path}/no.jsonl"],
                  [f"data_source.path '{tmp_path}/no.jsonl' is not a file"], capsys)
 
 
@@ -442,6 +447,7 @@ def _script_setup(args):
     train._CTRL = dist.new_group(backend="gloo")
     rank = dist.get_rank()
     cfg = config.load_config(TINY, [f"model.path={args['model']}", f"run_dir={args['run_dir']}", "trainer.lr=0.01",
+                                    "trainer.mini_batch_size=128",  # several training calls per step: a snapshot
                                     f"rollout.base_port={args.get('port', 31000)}",
                                     f"weight_sync.master_port={args.get('master_port', 29700)}",
                                     "weight_sync.master_address=127.0.0.1"])
