@@ -952,20 +952,21 @@ class Rollout:
     async def _pause(self) -> dict:
         t0 = time.monotonic()
         self._dispatching = False
-        async with self._dispatch_lock:  # groups being dispatched right now are launched before we go on
-            pass
         r = self.cfg.rollout
         deadline = t0 + r.pause_timeout_s
         if r.partial and r.pause_mode != "abort":
             # The servers keep every request (in_place: with its KV cache; retract: recomputed after continue); the
             # weight update runs on the paused servers and resume() continues them. Nothing is aborted, restored or
-            # re-sent: the groups stay in flight, a request dispatched meanwhile waits at a server's pause gate.
+            # re-sent: the groups stay in flight. A dispatch in progress (up to DISPATCH_WAIT_S) is not waited for:
+            # its requests wait at the servers' pause gate and stay in flight too.
             self._servers_paused = True
             await self.fleet.pause(r.pause_mode, max(1.0, deadline - time.monotonic()))
             metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, [], True) or {})
             metrics["rollout/partial_kept_count"] = len(self._active)
             metrics["timing/pause_delay"] = time.monotonic() - t0
             return metrics
+        async with self._dispatch_lock:  # groups being dispatched right now are launched before we go on
+            pass
         if r.partial:
             self._stopping = True
             for active in self._active.values():

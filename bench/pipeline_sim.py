@@ -12,6 +12,9 @@ the per-phase table shows it ("overhead"; `--overhead-check` measures it from ru
 The workload numbers are a model calibrated to the spec's experiment, not a measurement; step times are simulated
 seconds.
 
+The grid: the spec's configurations, a concurrency sweep, a split sweep of the 16 GPUs, and fifo-s2 at 8:8, 10:6 and
+12:4 with in-flight weight updates (rollout.pause_mode=in_place: the step boundary keeps every request on the paused
+servers instead of aborting, restoring and re-sending them).
 Efficiency = ideal / achieved step time (steady state, step 0 excluded), where the ideal is
 max(generated tokens / fleet peak throughput, trained tokens / training throughput + weight update).
 
