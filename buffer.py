@@ -436,18 +436,30 @@ class PipelineServer:
                 self._pending = True
                 self._cond.notify_all()
 
-    def step_boundary(self, returned: list) -> dict:
+    def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
         """After the rollout paused: restore complete groups, drop incomplete ones, clear TrajQueue, reset strategy.
 
         `returned` are the trajectories the pause handed back (aborted partial ones, possibly finished ones).
         A group with all N trajectories (finished or not) goes to the restored lane with them as `partial`; a group
         with none at all goes back as it was dispatched (nothing was generated, nothing is lost); a group with
         some but not all is dropped. PipelineBuffer keeps its groups.
+        keep_in_flight=True (rollout.pause_mode retract / in_place: the servers kept every request) returns nothing
+        and leaves in-flight groups and TrajQueue as they are: only the strategy and the step's count are reset.
         """
         for t in returned:
             _check_trajectory(t, self.N)
+        if keep_in_flight and returned:
+            raise ValueError(f"step_boundary(keep_in_flight=True) got {len(returned)} returned trajectories; a "
+                             "boundary that keeps in-flight groups has nothing to restore")
         with self._cond:
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
+            if keep_in_flight:
+                self.strategy.reset()
+                self._consumed_step = 0
+                self._boundary = {"rollout/kept_in_flight_groups": len(self._in_flight),
+                                  "rollout/pipeline_buf_size": len(self.pbuf)}
+                self._cond.notify_all()
+                return dict(self._boundary)
             for t in returned:
                 self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
             restored, dropped_trajs, dropped_groups, untouched = [], 0, 0, 0
@@ -570,8 +582,10 @@ class PipelineServer:
 
     def state_dict(self) -> dict:
         """Data-source cursor, weight version and every prompt not yet consumed: the restored lane (with partial
-        responses), groups in flight (with the trajectories already put, see _partial_now) and PipelineBuffer's
-        groups (as prompts, regenerated after a resume, as the spec says). Loading it replays them before any
+        responses), groups in flight (with the trajectories already put, see _partial_now; after a boundary that
+        kept them in flight, rollout.pause_mode retract / in_place, the ones still generating on the paused servers
+        are regenerated from their prompt) and PipelineBuffer's groups (as prompts, regenerated after a resume, as
+        the spec says). Loading it replays them before any
         fresh prompt, so every prompt of an epoch is trained exactly once across a resume. Plain data + tensors
         (torch.save-able, torch.load(weights_only=True)-able)."""
         with self._cond:
@@ -816,8 +830,8 @@ class RemoteBuffer:
             timeout = self._get_timeout
         return self._call("get", k, timeout, wait=timeout)
 
-    def step_boundary(self, returned: list) -> dict:
-        return self._call("step_boundary", returned)
+    def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
+        return self._call("step_boundary", returned, keep_in_flight)
 
     def set_weight_version(self, v: int) -> None:
         return self._call("set_weight_version", v)

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import yaml
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
+
 
 @dataclass
 class ModelConfig:
@@ -148,7 +150,8 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     function: str = "single_turn"  # single_turn | multi_turn_tool | module:function
-    partial: bool = False  # abort in-flight requests at the step boundary and restore complete groups
+    partial: bool = False  # keep in-flight work across the step boundary (how: pause_mode) instead of waiting for it
+    pause_mode: str = "abort"  # abort (restore complete groups, re-send) | retract | in_place (servers keep requests)
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
     filter: list = field(default_factory=lambda: ["failed"])  # collector filters: failed | all_equal_reward
     async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
@@ -228,6 +231,12 @@ class Config:
     def capacity(self) -> int:
         """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1)."""
         return int(self.B * (1 + self.fully_async.stale_steps))
+
+    @property
+    def flush_on_update(self) -> bool:
+        """Whether weight updates flush the servers' cache: not with rollout.pause_mode=in_place, whose kept
+        requests still run (SGLang refuses the flush then, failing the update)."""
+        return self.rollout.pause_mode != "in_place"
 
     @property
     def calls_per_step(self) -> int:
@@ -427,6 +436,15 @@ def validate(cfg: Config) -> Config:
     r = cfg.rollout
     if r.mask_offpolicy_in_partial_rollout and not r.partial:
         raise ValueError("rollout.mask_offpolicy_in_partial_rollout=true requires rollout.partial=true")
+    if r.pause_mode not in PAUSE_MODES:
+        raise ValueError(f"rollout.pause_mode must be one of {', '.join(PAUSE_MODES)}, got '{r.pause_mode}'")
+    if r.pause_mode != "abort" and not r.partial:
+        raise ValueError(f"rollout.pause_mode={r.pause_mode} requires rollout.partial=true (without it the step "
+                         "boundary waits for everything in flight and keeps nothing)")
+    if r.pause_mode == "in_place" and cfg.colocate:
+        raise ValueError("rollout.pause_mode=in_place does not work with colocate=true: the kept requests hold "
+                         "their KV cache, and a server releases its memory only with no request running; use "
+                         "rollout.pause_mode=retract or abort")
     validate_concurrency(r.async_max_concurrent_samples, N)
     if r.max_weight_staleness is not None and r.max_weight_staleness < 0:
         raise ValueError(f"rollout.max_weight_staleness must be >= 0 or null, got {r.max_weight_staleness}")

@@ -37,8 +37,10 @@ joining the broadcast. With --api-key every path but /health* and /metrics needs
 /server_info reports `version` (SGLANG_VERSION, or --report-version) and the enforced limit in
 `internal_states[0]["effective_max_running_requests_per_dp"]`; its top-level `max_running_requests` is the raw flag.
 
-Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache only checks
-that no request is in flight; no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
+Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache (also
+the one weight updates do with flush_cache true, which fails the update when refused, as in SGLang) only checks that
+no request runs and none waits unless the server is paused (so it passes after a retract pause, not after in_place);
+no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
 or custom logit processors: those fields are accepted at their defaults and rejected with HTTP 400 otherwise;
 `spaces_between_special_tokens` is accepted and ignored (fast tokenizers have no such option). Only models whose
 layers are all full attention (Llama/Qwen/Mistral-style decoders) are supported. Weights released by
@@ -81,6 +83,8 @@ KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose HTTP API this engine serves (/server_info "version")
 DEFAULT_MAX_RUNNING = 64  # requests decoded together when --max-running-requests is not given (SGLang sizes it
 # from the KV pool; it reports it as effective_max_running_requests_per_dp either way)
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
@@ -749,7 +753,9 @@ class Scheduler:
         self.paused = None
 
     def flush_cache(self) -> bool:
-        if self.running or self.waiting:
+        """Refused while requests run, or wait while not paused (SGLang: is_fully_idle(ignore_waiting=paused)), so
+        it works after a retract pause (the kept requests wait) but not after an in_place one."""
+        if self.running or (self.waiting and self.paused is None):
             return False
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -760,12 +766,12 @@ class Scheduler:
             self.abort(abort_all=True)
         self.weight_version = version
 
-    def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> int:
+    def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> None:
+        """New weights; requests kept by a pause continue with them (their KV cache stays)."""
         device = next(self.model.parameters()).device  # host memory while released
         self.model = load_model(path, device, dtype)
         if version is not None:
             self.weight_version = version
-        return len(self.running) + len(self.waiting)
 
     def load_tensors(self, named: list, version: Optional[str]):
         """Copy received (name, tensor) pairs into the model's parameters (names as in named_parameters)."""
@@ -1082,7 +1088,7 @@ class Server:
             raise BadRequest("field `model_path` is required")
         _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
         abort_all = _flag(body, "abort_all_requests", False)
-        _flag(body, "flush_cache", True)
+        flush = _flag(body, "flush_cache", True)
         version = self._version_field(body)
         if not Path(path).is_dir():
             return web.json_response({"success": False, "message": f"model_path {path} is not a directory",
@@ -1091,13 +1097,16 @@ class Server:
             await self._run(lambda: self.sched.abort(abort_all=True))
         async with self.gate.exclusive(self.args.wait_timeout):
             try:
-                kept = await self._run(lambda: self.sched.load_from_disk(path, version, self.args.dtype))
+                await self._run(lambda: self.sched.load_from_disk(path, version, self.args.dtype))
             except Exception as e:  # reported to the caller
                 return web.json_response({"success": False, "message": f"loading {path} failed: {e}",
                                           "num_paused_requests": 0}, status=400)
+        if flush and not await self._run(self.sched.flush_cache):
+            return web.json_response({"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0},
+                                     status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}."
                                   + (f" Weight version updated to {version}." if version else ""),
-                                  "num_paused_requests": kept})
+                                  "num_paused_requests": 0})  # 0.5.23's scheduler always answers 0
 
     async def init_weights_update_group(self, request):
         body = await _body(request)
@@ -1184,8 +1193,7 @@ class Server:
             except (BadRequest, TimeoutError, RuntimeError) as e:
                 return web.json_response({"success": False, "message": str(e)}, status=400)
         if flush and not await self._run(self.sched.flush_cache):  # SGLang fails the call when the flush is refused
-            return web.json_response({"success": False, "message": "the weights were updated but flush_cache was "
-                                      "refused: requests are still running or waiting"}, status=400)
+            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
         return web.json_response({"success": True, "message": f"Succeeded to update {len(tensors)} parameters."
                                   + (f" Weight version updated to {version}." if version else "")})
 

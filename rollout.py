@@ -12,15 +12,17 @@
 - `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
   asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function
   (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
-  `pause()` stops dispatch and then either stops everything in flight (rollout.partial=true: `/pause_generation
-  {"mode": "abort"}` on every worker, which also blocks new requests; the partial trajectories go to
-  `buffer.step_boundary`) or waits for it; `resume(version)` continues the paused servers (so the weight update in
-  between ran on idle, paused servers) and restarts dispatch. Aborts by exact rid remain for single trajectories
-  (`rollout.trajectory_timeout_s`, stop); they cannot stop a whole fleet reliably, since SGLang drops an abort
-  that lands before its request reached the scheduler and ignores a repeat. A restored group
-  continues from its partial responses (prompt + partial tokens as input, the remaining max_new_tokens); its finished
-  trajectories are put back as they are. `rollout.trajectory_timeout_s` aborts a request that runs too long and
-  marks its trajectory failed.
+  `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
+  `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
+  to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight); with
+  partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
+  update in between ran on paused servers: idle ones, or ones holding the kept requests) and restarts dispatch.
+  Aborts by exact rid remain for single trajectories (`rollout.trajectory_timeout_s`, stop); they cannot stop a
+  whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
+  a repeat. A restored group continues from its partial responses (prompt + partial tokens as input, the remaining
+  max_new_tokens); its finished trajectories are put back as they are. `rollout.trajectory_timeout_s` aborts a
+  request that runs too long (its clock also runs while a kept request waits on a paused server) and marks its
+  trajectory failed.
 - `serve` / `RemoteRollout`: the rollout process (RPC worker "rollout") and the trainer's proxy of it.
 - Standalone: generate and score a dataset against running servers, without training (JSONL + a summary line).
 
@@ -686,6 +688,7 @@ class RolloutContext:
                 return "length"
             payload = {"input_ids": traj.prompt_ids.tolist() + traj.response_ids.tolist(), "return_logprob": True,
                        "sampling_params": {**r.sampling_params, "max_new_tokens": budget}}
+            sent_version = r.version  # a request kept across an in-place update may end with the older weights
             async with r.http_slots:
                 out = await _unless(self._active.drop,
                                     r.fleet.generate(payload, lambda: r.next_rid(traj), self._active.stop))
@@ -695,7 +698,7 @@ class RolloutContext:
             gen = parse_generate_response(out)
             _extend(traj, gen.ids, gen.log_probs, gen.versions, 1)
             r.stats["generated_tokens"] += len(gen.ids)
-            if gen.versions and r.version is not None and gen.versions[-1] < r.version:
+            if gen.versions and sent_version is not None and gen.versions[-1] < sent_version:
                 r.old_version_response(gen.versions[-1])
             traj.metadata["finish_reason"] = gen.finish_reason
             status_code = gen.finish_reason.get("status_code") if isinstance(gen.finish_reason, dict) else None
@@ -837,8 +840,9 @@ class Rollout:
             self._started = True
 
     def pause(self) -> dict:
-        """Stop dispatch; abort (partial=true) or wait for (partial=false) everything in flight; hand the partial
-        trajectories to buffer.step_boundary. Returns its cleanup metrics and timing/pause_delay."""
+        """Stop dispatch; abort (partial=true, pause_mode abort), keep on the paused servers (retract, in_place) or
+        wait for (partial=false) everything in flight; hand the aborted trajectories to buffer.step_boundary. Returns
+        its cleanup metrics and timing/pause_delay."""
         self._raise_error()
         out = self.sync.run(self._pause(), self.cfg.rollout.pause_timeout_s + 60.0, "Rollout.pause")
         self._raise_error()
@@ -932,8 +936,9 @@ class Rollout:
             self._spawn(self._run_trajectory(g, traj))
 
     def old_version_response(self, version: int) -> None:
-        """A server answered with weights older than resume(version): it missed a weight update (e.g. it restarted
-        with its initial weights). The tokens keep their true version; this is counted and warned about once."""
+        """A server answered with weights older than those of resume(version) before the request was sent: it missed
+        a weight update (e.g. it restarted with its initial weights). The tokens keep their true version; this is
+        counted and warned about once."""
         self.stats["old_version_responses"] += 1
         if not self._version_warned:
             self._version_warned = True
@@ -1059,10 +1064,22 @@ class Rollout:
     async def _pause(self) -> dict:
         t0 = time.monotonic()
         self._dispatching = False
+        r = self.cfg.rollout
+        deadline = t0 + r.pause_timeout_s
+        if r.partial and r.pause_mode != "abort":
+            # The servers keep every request (in_place: with its KV cache; retract: recomputed after continue); the
+            # weight update runs on the paused servers and resume() continues them. Nothing is aborted, restored or
+            # re-sent: the groups stay in flight. A dispatch in progress (up to DISPATCH_WAIT_S) is not waited for:
+            # its requests wait at the servers' pause gate and stay in flight too.
+            self._servers_paused = True
+            await self.fleet.pause(r.pause_mode, max(1.0, deadline - time.monotonic()))
+            metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, [], True) or {})
+            metrics["rollout/partial_kept_count"] = len(self._active)
+            metrics["timing/pause_delay"] = time.monotonic() - t0
+            return metrics
         async with self._dispatch_lock:  # groups being dispatched right now are launched before we go on
             pass
-        deadline = t0 + self.cfg.rollout.pause_timeout_s
-        if self.cfg.rollout.partial:
+        if r.partial:
             self._stopping = True
             for active in self._active.values():
                 active.stop.set()
@@ -1139,15 +1156,17 @@ class Rollout:
         self._dispatching = False
         if self._active:
             await self._abort_active()
+        # Calls given up close their connections, which aborts their requests, before the servers continue: a
+        # request kept by a pause, or waiting at a server's pause gate, must not run on after us.
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._servers_paused:  # leave no server paused behind us
             try:
                 await self.fleet.continue_()
                 self._servers_paused = False
             except FleetError as e:
                 log.warning("continuing the paused servers at stop failed: %s", e)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 One `main()` reads top to bottom: config -> distributed init -> model -> FSDP2 -> optimizer -> inference servers,
 buffer and rollout processes -> `run_steps`, the step loop of ../shared/spec/fully_async_mode.md section 2:
   fully-async (fully_async.enable=true): (B x N) // M training calls of M // N groups from the PipelineBuffer, then
-    pause the producer (abort or wait, cleanup), metrics, checkpoint every trainer.save_freq, weight sync (cache
-    flushed, version + 1), resume;
+    pause the producer (rollout.pause_mode: abort and restore, or keep the requests on the paused servers; or
+    wait), metrics, checkpoint every trainer.save_freq, weight sync (cache flushed unless in_place, version + 1),
+    resume;
   synchronous (false): wait for the step's B groups, pause, (colocate: the servers release their memory), train,
     (resume memory), weight sync, resume.
 Rank 0 starts the inference servers (engine.py on CPU, SGLang on GPUs, or connects to rollout.servers /
@@ -253,14 +254,14 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         m.update(buffer.step_metrics())
         m.update({k: v for k, v in rollout.step_metrics().items() if k not in m})
 
-        # ---- checkpoint (buffer state taken while paused: unconsumed prompts + restored lane are in it) ----
+        # ---- checkpoint (buffer state taken while paused: unconsumed, in-flight and restored groups are in it) ----
         if (cfg.trainer.save_freq and (step + 1) % cfg.trainer.save_freq == 0) or step + 1 == total:
             t0 = time.perf_counter()
             actor.save_checkpoint(step + 1, {"step": step + 1, "weight_version": step + 1,
                                              "buffer": buffer.state_dict()})
             m["timing/save_ckpt"] = time.perf_counter() - t0
 
-        # ---- weight sync (servers flush their cache, serve version step + 1), then the producer resumes ----
+        # ---- weight sync (servers flush their cache unless in_place, serve step + 1), then the producer resumes ----
         t0 = time.perf_counter()
         out = dict(actor.sync_weights(step + 1) or {})
         m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
@@ -638,7 +639,7 @@ class Actor:
             path = os.path.join(self.cfg.run_dir, "sync_weights")
             self._export(path)
             if self.rank == 0:
-                self.fleet.update_weights_from_disk(os.path.abspath(path), version)
+                self.fleet.update_weights_from_disk(os.path.abspath(path), version, self.cfg.flush_on_update)
             return
         error = None
 
@@ -733,7 +734,8 @@ class Actor:
         fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
                                 [str(t.dtype).replace("torch.", "") for _, t in bucket],
                                 [list(t.shape) for _, t in bucket], version, self.group_name,
-                                flush_cache=version is not None)  # a flush per bucket would be wasted work
+                                # a flush per bucket would be wasted work; none at all with in-place pauses
+                                flush_cache=version is not None and self.cfg.flush_on_update)
         deadline = time.monotonic() + ws.timeout_s
         for name, t in bucket:
             work = dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)

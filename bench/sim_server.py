@@ -16,8 +16,9 @@ Time is simulated time = wall time x `compression`.
 Simplifications (a model, not a measurement): prefill and prefix caching cost nothing; a replica of g GPUs where
 the workload's replica has G has the same single-stream speed v0 and g/G of its c_half and max_running (so g/G of
 its throughput); one output token stands for `token_scale` model tokens (lengths are rounded to whole units) so the
-real code moves fewer, larger tokens; pause mode `retract` behaves like `in_place` (nothing is recomputed); the
-served token ids are a filler token (then eos when the response stops) with log-prob -1.
+real code moves fewer, larger tokens; pause mode `retract` requeues the running requests at the head of the queue
+(their recompute is free, as prefill is) and `in_place` freezes them in their slots; the served token ids are a
+filler token (then eos when the response stops) with log-prob -1.
 
 Run (prints one line `READY {"urls": [...]}` once listening; Ctrl-C stops):
     python bench/sim_server.py --replica-gpus 4 4 --compression 100 --token-scale 32
@@ -118,7 +119,8 @@ def parse_rid(rid: str) -> tuple[int, int]:
 
 
 class Request:
-    __slots__ = ("rid", "need", "finish", "start_p", "finish_p", "future", "spans", "done_units", "state", "t0")
+    __slots__ = ("rid", "need", "finish", "start_p", "finish_p", "future", "spans", "done_units", "state", "t0",
+                 "retractions")
 
     def __init__(self, rid: str, need: int, finish: dict, version: int):
         self.rid, self.need, self.finish = rid, need, finish
@@ -128,6 +130,7 @@ class Request:
         self.done_units = 0  # units generated before the request was (re)admitted (after an in-place pause)
         self.state = "waiting"
         self.t0 = time.monotonic()
+        self.retractions = 0
 
 
 class Replica:
@@ -252,13 +255,22 @@ class Replica:
         return n
 
     def pause(self, mode: str) -> None:
+        """SGLang's pause modes: abort returns everything; in_place freezes the running requests where they are
+        (they keep their slots); retract puts them back at the head of the queue (their KV would be recomputed:
+        free in this model, as prefill is)."""
         self.advance()
         if mode == "abort":
             self.abort("", abort_all=True)
-        else:  # in_place / retract: freeze every running request where it is
+        for req in self.running.values():
+            req.done_units = self.progress(req)
+            req.state = "frozen"
+        if mode == "retract":
             for req in self.running.values():
-                req.done_units = self.progress(req)
-                req.state = "frozen"
+                req.state = "waiting"
+                req.retractions += 1
+            self.waiting[:0] = list(self.running.values())
+            self.running.clear()
+            self.heap.clear()
         self.paused = True
         self.resumed.clear()
         self.schedule()
@@ -276,6 +288,10 @@ class Replica:
                     heapq.heappush(self.heap, (req.finish_p, self.n_seq, req.rid))
         self.resumed.set()
         self.schedule()
+
+    def flush_cache(self) -> bool:
+        """Refused while requests run, or wait while not paused (SGLang: is_fully_idle(ignore_waiting=paused))."""
+        return not self.running and (self.paused or not self.waiting)
 
     def set_version(self, v: int) -> None:
         """New weights: requests still running from here on generate with version v (recorded as a new span)."""
@@ -351,7 +367,7 @@ def make_app(rep: Replica, wait_timeout_s: float) -> web.Application:
         wv = [{"version": str(v), "start": s, "end": (spans[i + 1][1] if i + 1 < len(spans) else n)}
               for i, (v, s) in enumerate(spans)]
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
-                "cached_tokens": 0, "weight_version": wv[-1]["version"], "num_retractions": 0,
+                "cached_tokens": 0, "weight_version": wv[-1]["version"], "num_retractions": req.retractions,
                 "e2e_latency": (time.monotonic() - req.t0) * rep.k, "weight_versions": wv}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[-1.0, t, None] for t in out]
@@ -376,7 +392,7 @@ def make_app(rep: Replica, wait_timeout_s: float) -> web.Application:
         return web.json_response({"message": "Generation continued.", "status": "ok"})
 
     async def flush_cache(request: web.Request) -> web.Response:
-        if rep.running or rep.waiting:
+        if not rep.flush_cache():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.")
         return web.Response(status=200, text="Cache flushed.")
 
@@ -387,6 +403,10 @@ def make_app(rep: Replica, wait_timeout_s: float) -> web.Application:
         v = body.get(version_key)
         if v is not None:
             rep.set_version(int(v))
+        if body.get("flush_cache", True) and not rep.flush_cache():  # SGLang fails the update then
+            return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "
+                                      "flushed because requests are still running or queued.",
+                                      "num_paused_requests": 0}, status=400)
         return web.json_response({"success": True, "message": "Succeeded in updating weights (simulated).",
                                   "num_paused_requests": 0, "new_version": str(rep.version)})
 

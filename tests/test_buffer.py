@@ -344,43 +344,66 @@ def test_state_dict_is_plain_data_for_torch_load_weights_only():
         make_server(B=2, N=2).load_state_dict({"format": 99})
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep_in_flight"])
 @pytest.mark.parametrize("window", ["no-window", "windowed-fifo"])
-def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window):
+def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window, keep):
     """Partial rollouts, a held group, leftovers in PipelineBuffer and a crash-resume in the middle of the epoch:
-    the trainer still sees each of the epoch's prompts exactly once."""
+    the trainer still sees each of the epoch's prompts exactly once. keep_in_flight (rollout.pause_mode retract /
+    in_place): the boundaries keep the groups in flight, some with only part of their trajectories put, and the
+    checkpoint is taken with them in flight; the crash loses what the rollout held, the resume regenerates it."""
     n_prompts, B, N = 24, 4, 2
     rng = random.Random(0)
     srv = make_server(B=B, N=N, stale=1.0, window=window, n_prompts=n_prompts)
-    trained, version = [], 0
-    groups, pending = {}, set()  # what "the rollout" holds: dispatched groups, and those not finished yet
+    trained, trained_ids, version = [], [], 0
+    groups, pending = {}, {}  # what "the rollout" holds: dispatched groups, and the trajectories not yet put
+    in_flight_at_checkpoint = []
     for step in range(n_prompts // B + 3):
         if step == 3:  # checkpoint after the step boundary, "crash", resume into a new process's buffer
             sd = srv.state_dict()
+            in_flight_at_checkpoint = srv.stats(keys=True)["in_flight_keys"]
+            trained_before = len(trained_ids)
+            assert bool(in_flight_at_checkpoint) == keep
+            statuses = [{t["status"] for t in g["partial"]} for g in sd["data"]["lane"]]
+            assert any(len(st) > 1 and ABORTED in st for st in statuses)  # some put, the rest regenerated
             srv = make_server(B=B, N=N, stale=1.0, window=window, n_prompts=n_prompts)
             srv.load_state_dict(sd)
+            groups, pending = {}, {}  # the rollout process died with them
         consumed = 0
         while consumed < B:
             for g in srv.dispatch():
+                assert g.prompt_id not in groups, f"group {g.prompt_id} dispatched twice"
                 groups[g.prompt_id] = g
-                pending.add(g.prompt_id)
+                pending[g.prompt_id] = set(range(N))
             for key in sorted(pending):
-                if rng.random() < 0.5:  # some finish within the step, the rest are cut by the pause
-                    srv.put(finish(groups[key], N, version=version))
-                    pending.discard(key)
+                if rng.random() < 0.5:  # some finish within the step (some only partly), the rest are cut
+                    idx = set(list(pending[key])[:1]) if rng.random() < 0.5 else set(pending[key])
+                    srv.put([t for t in finish(groups[key], N, version=version) if t.index in idx])
+                    pending[key] -= idx
+                    if not pending[key]:
+                        del pending[key]
             take = min(B - consumed, srv.stats()["Q"])
             if take == 0:  # nothing buffered yet: the oldest group finishes
                 key = min(pending)
-                srv.put(finish(groups[key], N, version=version))
-                pending.discard(key)
+                idx = pending.pop(key)
+                srv.put([t for t in finish(groups[key], N, version=version) if t.index in idx])
                 continue
-            trained += [(g.prompt.epoch, g.prompt.data_index) for g in srv.get(take, timeout=0)]
+            got = srv.get(take, timeout=0)
+            trained += [(g.prompt.epoch, g.prompt.data_index) for g in got]
+            trained_ids += [g.prompt.prompt_id for g in got]
+            for g in got:
+                groups.pop(g.prompt.prompt_id, None)  # (a group buffered before a boundary is not held)
             consumed += take
-        srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in range(N)])
-        pending.clear()
+        if keep:
+            srv.step_boundary([], keep_in_flight=True)
+        else:
+            srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in pending[k]])
+            pending.clear()
+            groups.clear()  # everything in flight went to the restored lane
         version += 1
         srv.set_weight_version(version)
     epoch0 = [idx for e, idx in trained if e == 0]
     assert sorted(epoch0) == list(range(n_prompts))
+    assert set(in_flight_at_checkpoint) <= set(trained_ids[trained_before:])  # regenerated after the resume
 
 
 # ---------------------------------------------------------------------------------------------------------

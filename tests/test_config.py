@@ -25,6 +25,17 @@ def test_defaults_and_fully_async_base_are_valid():
     config.validate(_cfg(base=FULLY_ASYNC))
 
 
+@pytest.mark.parametrize("overrides,base,flush", [
+    ([], None, True),
+    (["rollout.partial=true", "rollout.pause_mode=retract"], None, True),  # colocate: retracted requests wait
+    (["rollout.partial=true", "rollout.pause_mode=in_place"], FULLY_ASYNC, False),
+    # 0.5.23 loads from disk on a paused server without touching its requests (flush_cache false)
+    (["rollout.partial=true", "rollout.pause_mode=in_place", "weight_sync.method=disk"], FULLY_ASYNC, False),
+])
+def test_pause_modes_accepted_and_whether_updates_flush(overrides, base, flush):
+    assert config.validate(_cfg(*overrides, base=base)).flush_on_update is flush
+
+
 # (overrides, base, strings the message must contain: the key(s) at fault)
 RULES = [
     (["data_source.num_prompts_per_step=0"], None, ["data_sources[0].num_prompts_per_step"]),
@@ -50,6 +61,11 @@ RULES = [
     (["rollout.sampler.num_oversample=-1"], None, ["rollout.sampler.num_oversample"]),
     (["rollout.mask_offpolicy_in_partial_rollout=true"], None,
      ["rollout.mask_offpolicy_in_partial_rollout", "rollout.partial"]),
+    (["rollout.pause_mode=later"], None, ["rollout.pause_mode", "abort", "retract", "in_place"]),
+    (["rollout.pause_mode=in_place"], FULLY_ASYNC, ["rollout.pause_mode=in_place", "rollout.partial=true"]),
+    (["rollout.pause_mode=retract"], FULLY_ASYNC, ["rollout.pause_mode=retract", "rollout.partial=true"]),
+    (["rollout.pause_mode=in_place", "rollout.partial=true"], None,
+     ["rollout.pause_mode=in_place", "colocate=true"]),
     (["rollout.async_max_concurrent_samples=0"], None, ["rollout.async_max_concurrent_samples"]),
     (["rollout.async_max_concurrent_samples=7"], None,
      ["rollout.async_max_concurrent_samples", "data_source.num_trajectories_per_prompt"]),

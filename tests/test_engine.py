@@ -353,6 +353,8 @@ def test_pause_keeps_requests_and_continue_finishes_them(url, mode):
     before = loads(url)["num_used_tokens"]
     time.sleep(0.3)
     assert loads(url)["num_used_tokens"] == before  # nothing decodes while paused
+    # as SGLang's is_fully_idle(ignore_waiting=paused): retracted requests wait, in-place ones still run
+    assert post(url, "/flush_cache").status_code == (200 if mode == "retract" else 400)
     assert post(url, "/continue_generation", {}).status_code == 200
     out = last_chunk(lines)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
@@ -418,8 +420,13 @@ def test_weight_versions_spans_after_in_place_update(url, models, restore_weight
         "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
     assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
     v1 = str(int(v0) + 1)
-    r = post(url, "/update_weights_from_disk", {"model_path": models[0]["B"], "weight_version": v1})
-    assert r.json()["success"] is True and r.json()["num_paused_requests"] == 1
+    body = {"model_path": models[0]["B"], "weight_version": v1}
+    r = post(url, "/update_weights_from_disk", body)  # flush_cache defaults to true: refused, the call fails
+    assert r.status_code == 400 and r.json()["success"] is False and r.json()["message"] == engine.FLUSH_REFUSED
+    r = post(url, "/update_weights_from_disk", {**body, "flush_cache": False})
+    assert r.json() == {"success": True, "num_paused_requests": 0,
+                        "message": f"Succeeded to update model weights from {models[0]['B']}. Weight version "
+                                   f"updated to {v1}."}
     post(url, "/continue_generation", {})
     m = last_chunk(lines)["meta_info"]
     spans = m["weight_versions"]

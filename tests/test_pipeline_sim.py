@@ -104,13 +104,29 @@ def test_sim_server_lengths_abort_and_versions(sim_fleet):
     th.start()
     time.sleep(0.03)
     requests.post(sim_fleet + "/pause_generation", json={"mode": "in_place"}, timeout=10)
-    requests.post(sim_fleet + "/update_weights_from_disk", json={"model_path": "x", "weight_version": "4"},
-                  timeout=10)
+    update = {"model_path": "x", "weight_version": "4"}
+    r = requests.post(sim_fleet + "/update_weights_from_disk", json=update, timeout=10)
+    assert r.status_code == 400 and r.json()["success"] is False  # the default flush is refused: requests kept
+    r = requests.post(sim_fleet + "/update_weights_from_disk", json={**update, "flush_cache": False}, timeout=10)
+    assert r.json()["success"] is True
     requests.post(sim_fleet + "/continue_generation", json={}, timeout=10)
     th.join(10)
     spans = res["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["0", "4"] and spans[0]["end"] == spans[1]["start"] > 0
     assert spans[-1]["end"] == res["meta_info"]["completion_tokens"] and res["meta_info"]["weight_version"] == "4"
+    assert res["meta_info"]["num_retractions"] == 0
+
+    # retract: the request waits (a flush is allowed then), continues after /continue_generation to its target
+    th = threading.Thread(target=lambda: res.update(_generate(sim_fleet, "t-0-9-7-2.", max_new=640, prompt=long)))
+    th.start()
+    time.sleep(0.03)
+    requests.post(sim_fleet + "/pause_generation", json={"mode": "retract"}, timeout=10)
+    load = requests.get(sim_fleet + "/v1/loads", timeout=10).json()["loads"][0]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1)
+    assert requests.post(sim_fleet + "/flush_cache", timeout=10).status_code == 200
+    requests.post(sim_fleet + "/continue_generation", json={}, timeout=10)
+    th.join(10)
+    assert res["meta_info"]["num_retractions"] == 1 and res["meta_info"]["completion_tokens"] == 640
     assert requests.get(sim_fleet + "/server_info", timeout=10).json()["max_running_requests"] == 256
 
 
@@ -133,4 +149,6 @@ def test_quick_run_emits_every_column(tmp_path):
         assert r["avg_step_s"] > 0 and r["efficiency"] > 0
     fa = next(r for r in records if r["name"] == "fifo-s1")
     assert fa["pipeline_buf_size"] is not None and fa["partial_restored"] is not None
+    kept = next(r for r in records if r["name"] == "fifo-s2-10:6-inplace")  # nothing aborted, restored, re-sent
+    assert kept["partial_kept"] > 0 and kept["partial_restored"] is None
     assert (tmp_path / "sim.png").stat().st_size > 10_000

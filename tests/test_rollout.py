@@ -373,9 +373,9 @@ class RecordingBuffer:
         self.put_keys += [t.prompt_id + (t.index,) for t in trajs]
         return self.inner.put(trajs)
 
-    def step_boundary(self, returned):
+    def step_boundary(self, returned, keep_in_flight=False):
         self.returned.append(copy.deepcopy(returned))
-        return self.inner.step_boundary(returned)
+        return self.inner.step_boundary(returned, keep_in_flight)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -481,6 +481,51 @@ def test_partial_pause_restores_and_finishes_across_a_weight_update(server, toke
         assert t.loss_mask.tolist() == [0] * k + [1] * (T - k)  # older tokens masked (the option is on)
         assert (t.start_version, t.end_version) == (0, 1) and t.metadata["restored"] == 1
         assert buffer.consumed_metrics([(t.start_version, t.end_version, 1)])["rollout/partial_span_max"] == 1
+
+
+@pytest.mark.parametrize("mode,mask", [("in_place", True), ("retract", False)])
+def test_kept_pause_continues_every_request_across_a_weight_update(server, tokenizer, mode, mask):
+    """rollout.pause_mode retract / in_place: the boundary aborts, restores and re-sends nothing; every request of
+    the groups in flight continues after a real (disk) weight update, its tokens labelled [v..v, v+1..v+1]."""
+    cfg = make_cfg(server["url"], "rollout.partial=true", f"rollout.pause_mode={mode}",
+                   f"rollout.mask_offpolicy_in_partial_rollout={str(mask).lower()}",
+                   "rollout.sampling.max_new_tokens=400")
+    wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 10, "the previous test's requests to end")
+    v0 = int(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"])  # earlier tests'
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
+        pause = ro.pause()
+        kept = buf.stats(keys=True)["in_flight_keys"]
+        running, waiting, used = engine_load(server["url"])
+        assert pause["rollout/partial_kept_count"] == running + waiting > 0 and buf.returned == [[]]
+        assert pause["rollout/kept_in_flight_groups"] == len(kept) > 0 and "rollout/partial_aborted_count" not in pause
+        assert (running == 0) == (mode == "retract")  # retract: the kept requests wait, their KV dropped
+        time.sleep(0.3)
+        assert engine_load(server["url"])[2] == used  # nothing decodes while paused
+        sync.update_weights_from_disk(server["model"], v0 + 1, cfg.flush_on_update)
+        buf.set_weight_version(v0 + 1)
+        ro.resume(v0 + 1)
+        seen = {}
+        deadline = time.monotonic() + 60
+        while not set(kept) <= seen.keys():
+            assert time.monotonic() < deadline, f"kept groups {sorted(set(kept) - seen.keys())} never came back"
+            for g in buf.get(1, timeout=60):
+                seen[g.prompt.prompt_id] = g
+        ro.pause()
+        assert ro.step_metrics()["rollout/old_version_responses"] == 0
+        consumed = buf.step_metrics()
+    assert len(buf.dispatched) == len(set(buf.dispatched))  # no group was dispatched twice
+    spanning = 0
+    for key in kept:
+        for t in seen[key].trajectories:
+            T, k = len(t.response_ids), int((t.versions == v0).sum())
+            assert t.metadata["attempts"] == 1 and "restored" not in t.metadata  # one request, never re-sent
+            assert t.versions.tolist() == [v0] * k + [v0 + 1] * (T - k)
+            assert t.loss_mask.tolist() == ([0] * k + [1] * (T - k) if mask and k < T else [1] * T)
+            assert (t.start_version, t.end_version) == (v0 + (k == 0), v0 + (k < T))
+            spanning += 0 < k < T
+    assert spanning > 0, "no kept request was generating across the update"
+    assert consumed["rollout/partial_ratio"] > 0 and consumed["rollout/partial_span_max"] == 1
 
 
 # Pausing as real SGLang behaves: requests queued, registering (registered, not yet at the scheduler, where an abort
