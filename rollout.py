@@ -339,7 +339,7 @@ class Fleet:
                     raise FleetError(f"{method} {url}{path} answered HTTP {resp.status}: {text[:300]}")
         except asyncio.TimeoutError:
             raise FleetError(f"{method} {url}{path} did not answer within {timeout.total} s") from None
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as e:
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:  # refused, reset or closed
             raise ServerUnreachable(f"{method} {url}{path} failed: {e!r}") from None
         except aiohttp.ClientError as e:
             raise FleetError(f"{method} {url}{path} failed: {e!r}") from None

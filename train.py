@@ -1492,7 +1492,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
         if cause is None:
             raise
-        services.print_error_once(cause)
+        services.print_error_once(cause if isinstance(e, ChildExited) else
+                                  f"{cause}\n(what it made fail here: {type(e).__name__}: {str(e).splitlines()[0][:300]})")
         failed = True
     finally:
         if rank == 0:
@@ -1506,6 +1507,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 logger.close()
         if ok:
             with contextlib.suppress(Exception):
+                # Every rank tears its gloo groups down together: a rank that destroys them while a peer still
+                # has them open can abort at exit ("terminate called without an active exception").
+                dist.barrier(group=_CTRL)
                 dist.destroy_process_group()
     if failed:
         sys.exit(1)

@@ -657,8 +657,10 @@ def test_in_flight_never_exceeds_the_bound_as_the_engine_counts_it(server, token
 
 
 def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
+    # A capacity of 62 groups keeps the producer dispatching (4 trajectories at a time) for seconds, so the engine
+    # runs 4 requests most of that time; with the default capacity of 4 groups it could stop before the poll saw 4.
     cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=4", "rollout.trajectory_timeout_s=1.5",
-                   "rollout.sampling.max_new_tokens=64")
+                   "rollout.sampling.max_new_tokens=64", "fully_async.stale_steps=30")
     with producer(cfg, tokenizer) as (buf, ro, sync):
         wait_until(lambda: engine_load(server["url"])[0] == 4, 60, "4 requests running in the engine")
         sync.pause("in_place")  # the engine keeps the requests but stops decoding them: they are stuck

@@ -483,6 +483,7 @@ def _snapshot_script(args):
         print("RESULT " + json.dumps({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
                                       "live_vs_step_start": float((live - step_start).abs().max()),
                                       "live_after_vs_before": float((after - live).abs().max())}), flush=True)
+    dist.barrier()  # both ranks tear their groups down together (see train.main)
     dist.destroy_process_group()
 
 
