@@ -16,7 +16,7 @@ Faults: a launched server that dies is relaunched and gets the weights at the ne
 stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
 bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2).
 
-Run (CPU, the tiny model on the reverse-digits task; reward rises from 0 to ~0.45 in 400 steps, ~8-10 min):
+Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.30 -> >= 0.9 in ~275 steps, ~10 min):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml fully_async.enable=false
     python train.py plot runs/tiny                     # metrics.jsonl -> runs/tiny/metrics.png
@@ -1523,11 +1523,12 @@ def plot_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="train.py plot", description="metrics.jsonl of a run -> a PNG")
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    p.add_argument("--dpi", type=int, default=100, help="resolution (the README's figure: 60)")
     a = p.parse_args(argv)
     path = os.path.join(a.run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"error: {path} does not exist; give the run_dir of a run")
-    out = plot(path, a.out or os.path.join(a.run_dir, "metrics.png"))
+    out = plot(path, a.out or os.path.join(a.run_dir, "metrics.png"), a.dpi)
     print(f"wrote {out}")
 
 
@@ -1546,7 +1547,7 @@ PLOT_PANELS = [
 ]
 
 
-def plot(metrics_path: str, out: str) -> str:
+def plot(metrics_path: str, out: str, dpi: int = 100) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1573,7 +1574,7 @@ def plot(metrics_path: str, out: str) -> str:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
 
