@@ -1580,5 +1580,6 @@ def plot(metrics_path: str, out: str, dpi: int = 100) -> str:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     main()
