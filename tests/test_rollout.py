@@ -696,8 +696,10 @@ def test_standalone_generation_writes_jsonl_and_a_summary(server, tmp_path, caps
 
 def test_server_killed_and_restarted_mid_run_loses_no_group(server, tokenizer):
     """Runs last: it replaces the module's engine process (same port, same URL)."""
+    # Capacity 62 groups: the producer is still dispatching when the server stops (with 4 it could have filled
+    # the buffer and sent nothing while the server was gone, so no request would see it down).
     cfg = make_cfg(server["url"], "rollout.retry_backoff_s=0.5", "rollout.max_retries=8",
-                   "rollout.sampling.max_new_tokens=24")
+                   "rollout.sampling.max_new_tokens=24", "fully_async.stale_steps=30")
     port = int(server["url"].rsplit(":", 1)[1])
     with producer(cfg, tokenizer) as (buf, ro, sync):
         sync.update_weight_version(1)
