@@ -63,7 +63,9 @@ class Run:
                 "data_source.num_eval_prompts=8", f"data_source.num_prompts_per_step={B}",
                 f"data_source.num_trajectories_per_prompt={N}", f"trainer.mini_batch_size={M}",
                 f"trainer.total_steps={steps}", "trainer.save_freq=5", "trainer.eval_freq=0",
-                "trainer.export_hf=false", "rollout.startup_timeout_s=120", "buffer.get_timeout_s=300", *extra]
+                "trainer.export_hf=false", "rollout.startup_timeout_s=120", "buffer.get_timeout_s=300",
+                "rollout.filter=[failed]",  # every group trained, so lost / duplicated count against the epoch
+                *extra]
         self.t0 = time.monotonic()
         self.lines: list = []  # (seconds since start, "out" | "err", line)
         self.p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
