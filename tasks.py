@@ -163,6 +163,13 @@ PRETRAIN_TASK_OF = {"reverse_digits": "copy_digits", "calc_tool": "calc_call"}  
 PRETRAIN_BATCH, PRETRAIN_LR = 64, 3e-3
 
 
+def make_tiny_for(cfg) -> str:
+    """The tiny model a run's config asks for (config.Config: model.tiny_*, the first data source's task's base)."""
+    m = cfg.model
+    return make_tiny_model(m.path, m.tiny_hidden_size, m.tiny_num_layers, cfg.seed,
+                           PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps)
+
+
 def pretrain(model, tokenizer, task: str, steps: int, seed: int = 0) -> dict:
     """`steps` Adam steps of next-token cross-entropy on the response tokens ("answer" + eos) of `task`, batches
     of PRETRAIN_BATCH examples; returns {"task", "steps", "loss": [per step], "seconds"}."""

@@ -1399,10 +1399,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if rank == 0 and cfg.model.make_tiny and not os.path.isdir(cfg.model.path):
         import tasks
 
-        m = cfg.model
-        print(f"[train] making the tiny model at {m.path} ({m.tiny_pretrain_steps} pretraining steps)", flush=True)
-        tasks.make_tiny_model(m.path, m.tiny_hidden_size, m.tiny_num_layers, cfg.seed,
-                              tasks.PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps)
+        print(f"[train] making the tiny model at {cfg.model.path} ({cfg.model.tiny_pretrain_steps} pretraining "
+              "steps)", flush=True)
+        tasks.make_tiny_for(cfg)
     dist.barrier(group=_CTRL)
 
     services, ok, failed, actor, logger = None, False, False, None, None

@@ -41,9 +41,7 @@ def ensure_base(cfg) -> None:
     import tasks
 
     if not os.path.isdir(cfg.model.path):
-        m = cfg.model
-        tasks.make_tiny_model(m.path, m.tiny_hidden_size, m.tiny_num_layers, cfg.seed,
-                              tasks.PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps)
+        tasks.make_tiny_for(cfg)
 
 
 def greedy_eval(model, tokenizer, prompts, max_new_tokens, reward_fn) -> tuple[float, float]:
