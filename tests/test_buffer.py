@@ -516,6 +516,7 @@ def _rpc_worker(rank, init, out_dir, cfg_dict):
     result = {}
     total = RPC_B * RPC_STEPS
     if rank == 1:
+        rb.set_max_concurrent_samples(2 * RPC_N)  # what Rollout.start() sends: served, and it caps what follows
         sent = 0
         while sent < total:
             for g in rb.dispatch(total - sent, 0.2):
@@ -560,9 +561,16 @@ def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
     assert sorted(keys) == [(0, s) for s in range(RPC_B * RPC_STEPS)] and trainer["intact"]
     assert "wanted 1 groups" in trainer["timeout"]  # the server's TimeoutError crosses the process boundary
     assert trainer["metrics"]["rollout/consumed_groups"] == RPC_B * RPC_STEPS
+    assert trainer["metrics"]["rollout/max_generating_groups"] == 2
     assert trainer["state_format"] == 1
     seq = RPC_B * RPC_STEPS
     assert rollout["restored"] == [RPC_N, [0, seq], [0, seq], [COMPLETED, ABORTED], [seq, 0], True]
+
+
+def test_every_remote_buffer_method_is_served():
+    """RemoteBuffer's calls go by name through _invoke: one missing from _METHODS fails only over RPC, at run time."""
+    public = {n for n, v in vars(buffer.RemoteBuffer).items() if callable(v) and not n.startswith("_")}
+    assert public <= set(buffer._METHODS), public - set(buffer._METHODS)
 
 
 def test_rpc_start_up_times_out_naming_the_missing_workers():
