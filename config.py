@@ -161,7 +161,7 @@ class RolloutConfig:
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
     retry_backoff_s: float = 0.5  # first /generate retry (and failed abort) delay; doubles each time, capped at 30 s
     router_max_concurrent_requests: Optional[int] = None  # the router's concurrency limit; null = unlimited
-    reward_pool: str = "thread"  # thread | process: where rewards are scored (process for slow GIL-bound verifiers)
+    reward_pool: str = "thread"  # thread | process (slow GIL-bound verifiers) | inline (on the event loop: cheap rewards)
     reward_workers: int = 4  # threads or processes scoring rewards off the rollout event loop
     startup_timeout_s: float = 300.0  # wait this long for launched servers to report healthy
     pause_timeout_s: float = 600.0  # a pause (abort or wait) that takes longer fails the run
@@ -469,8 +469,8 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"rollout.max_retries must be >= 0, got {r.max_retries}")
     if r.router_max_concurrent_requests is not None:
         _positive(r.router_max_concurrent_requests, "rollout.router_max_concurrent_requests")
-    if r.reward_pool not in ("thread", "process"):
-        raise ValueError(f"rollout.reward_pool must be thread or process, got '{r.reward_pool}'")
+    if r.reward_pool not in ("thread", "process", "inline"):
+        raise ValueError(f"rollout.reward_pool must be thread, process or inline, got '{r.reward_pool}'")
     for i, ds in enumerate(cfg.data_sources[1:], start=1):
         if ds.num_trajectories_per_prompt != N:
             raise ValueError(f"data_sources[{i}].num_trajectories_per_prompt ({ds.num_trajectories_per_prompt}) must "

@@ -196,6 +196,7 @@ class Fleet:
         self._abort_down: dict[str, list] = {}  # url -> [consecutive failures, time of the last, retry after]
         self.abort_failures: dict[str, list] = {}  # url -> [failed aborts, last error], see take_abort_failures
         self._session: Optional[aiohttp.ClientSession] = None
+        self._generate_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
 
     @classmethod
     def from_config(cls, cfg) -> "Fleet":
@@ -283,8 +284,7 @@ class Fleet:
             if url in self.in_flight:
                 self.in_flight[url] += 1
             try:
-                timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
-                async with self._http().post(url + "/generate", json=payload, timeout=timeout) as resp:
+                async with self._http().post(url + "/generate", json=payload, timeout=self._generate_timeout) as resp:
                     if resp.status < 400:
                         return await resp.json(content_type=None)
                     body = (await resp.text())[:300]
@@ -641,6 +641,7 @@ class _Active:
     drop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     timed_out: bool = False
     rid: Optional[str] = None
+    timer: Optional[asyncio.TimerHandle] = None  # the trajectory timeout, then the grace before cancelling
 
 
 async def _unless(event: asyncio.Event, coro) -> Any:
@@ -826,10 +827,11 @@ class Rollout:
         self._started = False
         self._in_flight_t = time.monotonic()
         self._retries_seen = self._down_seen = 0
+        self._pool: Optional[concurrent.futures.Executor] = None  # reward_pool inline: scored on the event loop
         if r.reward_pool == "process":
             self._pool = concurrent.futures.ProcessPoolExecutor(r.reward_workers,
                                                                 mp_context=multiprocessing.get_context("spawn"))
-        else:
+        elif r.reward_pool == "thread":
             self._pool = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
 
     # ---- public, synchronous ----
@@ -862,7 +864,8 @@ class Rollout:
         """Abort everything of ours in flight, stop the producer and the reward pool (the fleet stays open)."""
         if self.sync.loop.is_running():
             self.sync.run(self._stop(), 60.0, "Rollout.stop")
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- on the loop ----
     def _raise_error(self) -> None:
@@ -974,13 +977,11 @@ class Rollout:
         task = self._spawn(self.fn(RolloutContext(self, g, active), traj))
         loop = asyncio.get_running_loop()
         timeout = self.cfg.rollout.trajectory_timeout_s
-        soft = loop.call_later(timeout, self._on_timeout, active)
-        hard = loop.call_later(timeout + ABORT_GRACE_S, task.cancel)  # the server did not return the abort either
+        active.timer = loop.call_later(timeout, self._on_timeout, active, task)
         try:
             await asyncio.wait({task})
         finally:
-            soft.cancel()
-            hard.cancel()
+            active.timer.cancel()
             self._count_in_flight(-1)
             del self._active[prefix]
         if active.timed_out:
@@ -1002,7 +1003,8 @@ class Rollout:
             self._partials.append(traj)
             self._done(g.prompt_id)
             return
-        if self.cfg.rollout.mask_offpolicy_in_partial_rollout and len(traj.versions):
+        if (self.cfg.rollout.mask_offpolicy_in_partial_rollout and len(traj.versions)
+                and traj.versions[0] != traj.versions[-1]):  # versions never decrease: equal ends, nothing to mask
             # The spec masks restored tokens of older versions when the trajectory is restored; the rule is the
             # trainer's (losses.offpolicy_token_mask), so applying it here too changes nothing there.
             traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
@@ -1010,9 +1012,11 @@ class Rollout:
             await self._score(g, traj)
         self._emit(traj)
 
-    def _on_timeout(self, active: _Active) -> None:
+    def _on_timeout(self, active: _Active, task: asyncio.Task) -> None:
         active.timed_out = True
         active.stop.set()
+        # If the server does not return the abort either, the rollout function is cancelled ABORT_GRACE_S later.
+        active.timer = asyncio.get_running_loop().call_later(ABORT_GRACE_S, task.cancel)
         if active.rid is not None:
             self._spawn(self.fleet.abort(active.rid))
 
@@ -1020,8 +1024,11 @@ class Rollout:
         text = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
         fn = self.reward_fns[g.source]
         try:
-            reward = await asyncio.get_running_loop().run_in_executor(self._pool, fn, text, g.label,
-                                                                      traj.status == COMPLETED)
+            if self._pool is None:
+                reward = fn(text, g.label, traj.status == COMPLETED)
+            else:
+                reward = await asyncio.get_running_loop().run_in_executor(self._pool, fn, text, g.label,
+                                                                          traj.status == COMPLETED)
             traj.reward = float(reward)
         except Exception as e:
             traj.status = FAILED
