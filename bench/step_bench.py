@@ -109,12 +109,14 @@ def plain_loop(cfg, steps: int) -> dict:
     out = {"step_s": [], "eval": [(0, *greedy_eval(model, tokenizer, evals, s.max_new_tokens, reward_fn))],
            "generated_at": []}
     cursor = generated = 0
+    kept: list = []  # groups that passed the filter, (prompt, responses, rewards); the surplus goes to the next step
     for step in range(steps):
         t0 = time.perf_counter()
-        batch, resps, rewards = [], [], []
         model.eval()
-        while len(batch) < B:  # rollout.filter all_equal_reward drops groups; the step still trains B of them
-            draw = [prompts[(cursor + i) % len(prompts)] for i in range(B - len(batch))]
+        while len(kept) < B:  # rollout.filter all_equal_reward drops groups; the step still trains B of them
+            # Whole batches of B prompts (B x N samples in one generate call), as the system keeps its fleet busy;
+            # groups beyond this step's B are trained next step (one step stale at most, like stale_steps 1).
+            draw = [prompts[(cursor + i) % len(prompts)] for i in range(B)]
             cursor += len(draw)
             generated += len(draw) * N
             with torch.no_grad():
@@ -124,10 +126,11 @@ def plain_loop(cfg, steps: int) -> dict:
                 r = [score(tokenizer, x, p["label"], reward_fn) for x in drawn[g * N:(g + 1) * N]]
                 if "all_equal_reward" in cfg.rollout.filter and len(set(r)) == 1:
                     continue
-                batch.append(p)
-                resps += drawn[g * N:(g + 1) * N]
-                rewards += r
-        rewards = torch.tensor(rewards)
+                kept.append((p, drawn[g * N:(g + 1) * N], r))
+        groups, kept = kept[:B], kept[B:]
+        batch = [p for p, _, _ in groups]
+        resps = [x for _, rs, _ in groups for x in rs]
+        rewards = torch.tensor([x for _, _, r in groups for x in r])
         adv = losses.compute_advantages(rewards.view(B, N), cfg.algorithm.adv.std_normalize,
                                         cfg.algorithm.adv.eps).flatten()
         seqs = [{"prompt": batch[i // N]["prompt_ids"], "response": r, "mask": [1] * len(r),
