@@ -662,8 +662,17 @@ def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
     cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=4", "rollout.trajectory_timeout_s=1.5",
                    "rollout.sampling.max_new_tokens=64", "fully_async.stale_steps=30")
     with producer(cfg, tokenizer) as (buf, ro, sync):
-        wait_until(lambda: engine_load(server["url"])[0] == 4, 60, "4 requests running in the engine")
-        sync.pause("in_place")  # the engine keeps the requests but stops decoding them: they are stuck
+        # The engine keeps paused requests but stops decoding them: they are stuck. A request can finish between
+        # the poll and the pause; then this pause caught fewer than 4, so it is continued (within milliseconds, far
+        # below the timeout) and taken again. With 4 caught nothing else can start: the cap is 4 samples.
+        for _ in range(50):
+            wait_until(lambda: engine_load(server["url"])[0] == 4, 60, "4 requests running in the engine")
+            sync.pause("in_place")
+            if engine_load(server["url"])[0] == 4:
+                break
+            sync.continue_()
+        else:
+            pytest.fail("no in_place pause caught 4 running requests in 50 tries")
         try:
             t0 = time.monotonic()
             wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 30, "the rollout to abort the stuck requests")
