@@ -722,11 +722,14 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: f
     still alive); `hint` is appended to the timeout message. Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes the
     tcp:// rendezvous look for torchrun's store; it is removed from the environment around this call only.
     """
-    # TCP (libuv) only: TensorPipe's shared-memory transport busy-polls, one core per process even when idle,
-    # which on a small machine takes the cores generation and training need (measured: 1.00 core idle with shm,
-    # 0.00 with uv, for +0.5 ms per call). Our messages are small CPU tensors, so shm buys nothing here.
+    # TCP (libuv) only, and tensors over that same connection. TensorPipe's shared-memory transport busy-polls one
+    # core per process even when idle (measured: 1.00 core with shm, 0.00 with uv, +0.5 ms per call), and its
+    # default channels listen on 16 more ephemeral TCP ports per process; a stray connection to any TensorPipe port
+    # (an HTTP health probe of a port that was free a moment ago) aborts the process with std::bad_alloc, so the
+    # fewer the better: one per process. Our messages are small CPU tensors; neither buys anything here.
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
-                                           num_worker_threads=num_worker_threads, _transports=["uv"])
+                                           num_worker_threads=num_worker_threads, _transports=["uv"],
+                                           _channels=["basic"])
     startup_timeout = timeout if startup_timeout is None else startup_timeout
     saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     errors: list = []

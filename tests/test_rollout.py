@@ -463,10 +463,16 @@ def test_partial_pause_restores_and_finishes_across_a_weight_update(server, toke
         sync.update_weight_version(1)
         buf.set_weight_version(1)
         ro.resume(1)
-        spanning = []
-        for _ in range(4):  # the restored lane goes first, so its groups are among the next ones
+        # Take groups until every group with a trajectory aborted mid-response is back (the restored lane is
+        # dispatched first, but complete groups buffered before the pause may be handed out before it).
+        wanted = {t.prompt_id for t in partials.values() if len(t.response_ids) > 0}
+        assert wanted, "the pause caught no request mid-response"
+        spanning, seen, deadline = [], set(), time.monotonic() + 60
+        while wanted - seen:
+            assert time.monotonic() < deadline, f"restored groups {sorted(wanted - seen)} did not come back in 60 s"
             for g in buf.get(1, timeout=60):
                 for t in g.trajectories:
+                    seen.add(t.prompt_id)
                     old = partials.get(t.prompt_id + (t.index,))
                     if old is not None and len(old.response_ids) > 0:
                         spanning.append((old, t, g))
