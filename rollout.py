@@ -1003,8 +1003,8 @@ class Rollout:
             self._partials.append(traj)
             self._done(g.prompt_id)
             return
-        if (self.cfg.rollout.mask_offpolicy_in_partial_rollout and len(traj.versions)
-                and traj.versions[0] != traj.versions[-1]):  # versions never decrease: equal ends, nothing to mask
+        if (self.cfg.rollout.mask_offpolicy_in_partial_rollout
+                and traj.start_version != traj.end_version):  # versions never decrease: equal ends, nothing to mask
             # The spec masks restored tokens of older versions when the trajectory is restored; the rule is the
             # trainer's (losses.offpolicy_token_mask), so applying it here too changes nothing there.
             traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
@@ -1024,11 +1024,9 @@ class Rollout:
         text = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
         fn = self.reward_fns[g.source]
         try:
-            if self._pool is None:
-                reward = fn(text, g.label, traj.status == COMPLETED)
-            else:
-                reward = await asyncio.get_running_loop().run_in_executor(self._pool, fn, text, g.label,
-                                                                          traj.status == COMPLETED)
+            args = (text, g.label, traj.status == COMPLETED)
+            reward = (fn(*args) if self._pool is None  # reward_pool inline
+                      else await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args))
             traj.reward = float(reward)
         except Exception as e:
             traj.status = FAILED
