@@ -24,6 +24,7 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 
 import config  # noqa: E402
+import services as services_lib  # noqa: E402
 import train  # noqa: E402
 
 PY = sys.executable
@@ -494,7 +495,7 @@ def _sync_script(args):
     import rollout as rollout_lib
 
     cfg, rank, actor = _script_setup(args)
-    services = train.Services(cfg) if rank == 0 else None
+    services = services_lib.Services(cfg) if rank == 0 else None
     results = {}
     try:
         if rank == 0:

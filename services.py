@@ -1,0 +1,267 @@
+"""services.py: what rank 0 of train.py starts and supervises, kept apart from the training step.
+
+The inference servers (engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked, relaunched
+when one dies), the buffer process (`python buffer.py`) and the rollout process (`python rollout.py --serve`), RPC
+between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
+orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0 and calls `launch_servers`, `start_rpc`,
+`watch` and `close`; every other rank starts nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import buffer as buffer_lib
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+_LIBC = ctypes.CDLL(None)  # loaded here, not in the forked child (no loader lock taken between fork and exec)
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the trainer dies, even by SIGKILL (Linux PR_SET_PDEATHSIG)."""
+    _LIBC.prctl(1, signal.SIGTERM)
+
+
+# torchrun's per-worker variables: a child process is not a trainer rank.
+TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChildExited(RuntimeError):
+    """A child of rank 0 exited: the message is the root-cause report (Services.report)."""
+
+
+WATCH_S = 0.2  # how often rank 0's watcher looks at its children
+GRACE_S = 3.0  # after a child died: how long the main thread has to fail on its own before the watcher stops the run
+
+
+class Services:
+    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC.
+
+    Root cause first: when a child exits, the run's error is Services.report (the child, its exit code or signal,
+    its log and the log's last lines), not the RPC or socket error that its death causes elsewhere. A watcher
+    thread stops the run (exit code 1) GRACE_S after a child died if the main thread is blocked (e.g. waiting
+    for groups from a producer that is gone) rather than failing on its own."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.procs: dict = {}  # name -> (Popen, log path), in start order
+        self.logs = os.path.join(cfg.run_dir, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.rpc_up = False
+        self.fleet = None  # rank 0's rollout.SyncFleet, closed last
+        self.closing = threading.Event()
+        self._reported = threading.Lock()
+        self.servers: dict = {}  # name -> (command, env, URL) of each server launched here: relaunched if it dies
+        self.relaunching: set = set()
+        self.replaced: set = set()  # relaunched since the weight-update group last formed (Actor.sync_weights)
+        self.server_restarts = 0
+
+    def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
+        log = os.path.join(self.logs, f"{name}.log")
+        with open(log, "ab") as f:
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                 preexec_fn=_die_with_parent)
+        self.procs[name] = (p, log)
+        return p
+
+    def exited(self) -> list[str]:
+        return [name for name, (p, _) in self.procs.items() if p.poll() is not None]
+
+    def report(self, name: str, tail: int = 15) -> str:
+        """One line naming the child, how it ended and its log, then the log's last `tail` lines."""
+        p, log = self.procs[name]
+        rc = p.returncode
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        with contextlib.suppress(OSError), open(log, errors="replace") as f:
+            lines = f.readlines()[-tail:] if tail else []
+            return f"the {name} process (pid {p.pid}) {how}; its log {log} ends with:\n" + "".join(
+                f"  | {line}" for line in lines).rstrip("\n")
+        return f"the {name} process (pid {p.pid}) {how}; its log {log} could not be read"
+
+    def root_cause(self, wait_s: float) -> Optional[str]:
+        """The report of a child that exited, waiting up to wait_s for one (its death and the error it causes
+        elsewhere arrive in either order); None if every child is running."""
+        deadline = time.monotonic() + wait_s
+        while not self.exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = self.exited()
+        return self.report(dead[0]) if dead else None
+
+    def check_alive(self, waiting_for: str) -> None:
+        dead = self.exited()
+        if dead:
+            raise ChildExited(f"{self.report(dead[0])}\n(while {waiting_for})")
+
+    def print_error_once(self, message: str) -> bool:
+        """Print `error: message` to stderr unless the watcher or the main thread already did."""
+        if not self._reported.acquire(blocking=False):
+            return False
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return True
+
+    def watch(self) -> None:
+        """Start the watcher thread (see the class doc)."""
+        def loop():
+            while not self.closing.wait(WATCH_S):
+                dead = self.exited()
+                try:
+                    for name in dead:
+                        if name in self.servers:
+                            self.relaunch(name)
+                    dead = [n for n in dead if n not in self.servers]
+                except Exception as e:  # the relaunched server did not come up: no replacement, stop the run
+                    if not self.closing.is_set() and self.print_error_once(f"relaunching a server failed: {e}"):
+                        os._exit(1)
+                if dead and not self.closing.wait(GRACE_S) and self.print_error_once(self.report(dead[0])):
+                    os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
+        threading.Thread(target=loop, name="child-watcher", daemon=True).start()
+
+    def launch_servers(self, version: int) -> list[str]:
+        """rollout.launch engine | sglang: num_servers servers on base_port + i; returns their URLs once healthy."""
+        r = self.cfg.rollout
+        urls = []
+        for i in range(r.num_servers):
+            port = r.base_port + i
+            with socket.socket() as s:  # a server already there would answer /health in place of ours
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    raise RuntimeError(f"port {port} (rollout.base_port + {i}) is already in use; choose another "
+                                       "rollout.base_port or stop what listens there")
+            env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
+            if r.server_gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in r.server_gpus[i])
+            a = r.sglang_args
+            if r.launch == "engine":
+                cmd = [sys.executable, os.path.join(ROOT, "engine.py"), "--model-path", self.cfg.model.path,
+                       "--port", str(port), "--host", a.host, "--weight-version", str(version)]
+            else:
+                cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
+                       "--port", str(port), "--host", a.host, "--tp-size", str(a.tp_size),
+                       "--weight-version", str(version), "--dtype", "bfloat16"]
+            if a.max_running_requests:
+                cmd += ["--max-running-requests", str(a.max_running_requests)]
+            if a.api_key:
+                cmd += ["--api-key", a.api_key]
+            if r.launch == "sglang":
+                if a.mem_fraction_static:
+                    cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
+                if self.cfg.colocate:
+                    cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
+            self.spawn(f"server_{i}", cmd, env)
+            urls.append(f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '::') else a.host}:{port}")
+            self.servers[f"server_{i}"] = (cmd, env, urls[-1])
+        self.wait_healthy(urls)
+        return urls
+
+    def relaunch(self, name: str) -> None:
+        """Start a dead launched server again on its port and wait for /health (the watcher thread). It serves
+        model.path's weights, which are weight version 0, until the next sync gives it the current ones."""
+        cmd, env, url = self.servers[name]
+        at = cmd.index("--weight-version") + 1
+        print(f"[train] warning: {self.report(name, tail=0).split(';')[0]}; relaunching it on {url}",
+              file=sys.stderr, flush=True)
+        self.relaunching.add(name)
+        self.spawn(name, [*cmd[:at], "0", *cmd[at + 1:]], env)
+        self.server_restarts += 1
+        self.wait_healthy([url])
+        self.replaced.add(name)
+        self.relaunching.discard(name)
+        print(f"[train] {name} is back on {url} (restart {self.server_restarts} of the run)", file=sys.stderr,
+              flush=True)
+
+    def take_replaced(self) -> bool:
+        """Whether a server was relaunched since the last call: the weight-update group must be re-created. Waits
+        for relaunches in progress (bounded by the watcher's wait_healthy)."""
+        while self.relaunching or (set(self.exited()) & set(self.servers)):
+            if self.closing.wait(0.1):
+                break
+        out = bool(self.replaced)
+        self.replaced.clear()
+        return out
+
+    def server_died(self, wait_s: float) -> bool:
+        """Whether a launched server died (and is being, or was, relaunched), waiting up to wait_s to see it."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.relaunching or self.replaced or (set(self.exited()) & set(self.servers)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def wait_healthy(self, urls: list[str]) -> None:
+        import requests
+
+        deadline = time.monotonic() + self.cfg.rollout.startup_timeout_s
+        pending = list(urls)
+        while pending:
+            self.check_alive(f"waiting for {', '.join(pending)} to answer /health")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(pending[0] + "/health", timeout=5).status_code == 200:
+                    pending.pop(0)
+                    continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference servers {', '.join(pending)} not healthy after "
+                                   f"rollout.startup_timeout_s={self.cfg.rollout.startup_timeout_s} s; "
+                                   f"see {self.logs}/server_*.log")
+            time.sleep(0.5)
+
+    def start_rpc(self, resolved_config: str) -> None:
+        """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
+        init = f"tcp://127.0.0.1:{free_port()}"
+        for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
+                                            ("rollout", [os.path.join(ROOT, "rollout.py"), "--serve"])], start=1):
+            env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
+            self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
+                              "--rank", str(rank), "--world-size", "3"], env)
+        startup = self.cfg.rollout.startup_timeout_s
+        buffer_lib.init_rpc("trainer", 0, 3, init, self.cfg.buffer.rpc_timeout_s, num_worker_threads=16,
+                            startup_timeout=startup,
+                            while_waiting=lambda: self.check_alive("joining RPC as 'buffer' / 'rollout'"),
+                            hint=f" (rollout.startup_timeout_s={startup} s; see {self.logs}/buffer.log and "
+                                 "rollout.log)")
+        self.rpc_up = True
+
+    def close(self, ok: bool) -> None:
+        """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s)."""
+        from torch.distributed import rpc
+
+        self.closing.set()
+        if self.fleet is not None:
+            with contextlib.suppress(Exception):
+                self.fleet.close()
+        if self.rpc_up:
+            try:
+                if ok:
+                    import rollout as rollout_lib
+
+                    rollout_lib.RemoteRollout("rollout", 60.0).stop()
+                rpc.shutdown(graceful=ok, timeout=60 if ok else 0)
+            except Exception as e:
+                print(f"[train] RPC shutdown: {e}", file=sys.stderr)
+                with contextlib.suppress(Exception):
+                    rpc.shutdown(graceful=False)
+        for p, _ in reversed(self.procs.values()):
+            if p.poll() is None:
+                p.terminate()
+        for p, _ in reversed(self.procs.values()):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
