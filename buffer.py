@@ -748,11 +748,12 @@ class PipelineServer:
         rewards = ", ".join(f"{v} ({c})" for v, c in d["rewards"].most_common(5)) or "none (all failed)"
         t = next((t for t in g.trajectories if t.status == FAILED), g.trajectories[0])
         task, reward = self.sources[g.prompt.source]
+        reward = reward or "the task's default"
         error = f", error {_clip(str(t.metadata['error']))!r}" if t.metadata.get("error") else ""
         return (f"nothing can be trained: rollout.filter={list(self.filters)} dropped each of the last "
                 f"{d['groups']} groups ({', '.join(f'{r}: {c}' for r, c in d['reasons'].most_common(3))}; "
                 f"trajectory rewards seen: {rewards}); the last one, of data_sources[{g.prompt.source}] (task {task}, "
-                f"reward {reward or 'the task default'}): prompt {_clip(self.decode(g.prompt.prompt_ids.tolist()))!r}"
+                f"reward {reward}): prompt {_clip(self.decode(g.prompt.prompt_ids.tolist()))!r}"
                 f", response {_clip(self.decode(t.response_ids.tolist()))!r} ({t.status}{error}), label "
                 f"{_clip(str(g.prompt.label))!r}; check that data_source.reward scores such a response against "
                 f"that label above 0 for a right answer, use a base model that solves some prompts, or change "

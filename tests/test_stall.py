@@ -6,6 +6,8 @@ Run: .venv/bin/python -m pytest -q tests/test_stall.py
 """
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import threading
@@ -71,8 +73,8 @@ def test_wait_reports_drops_and_stops_after_a_span_dropped_in_a_row():
     msg = w["stop"]
     assert msg.startswith("nothing can be trained: rollout.filter=['failed', 'all_equal_reward'] dropped each of "
                           "the last 6 groups (all 4 rewards 0.5: 5, 1 of 4 failed: 1; trajectory rewards seen: "
-                          "0.5 (23)); the last one, of data_sources[0] (task reverse_digits, reward the task "
-                          "default): prompt "), msg
+                          "0.5 (23)); the last one, of data_sources[0] (task reverse_digits, reward the "
+                          "task's default): prompt "), msg
     p = g.prompt_ids.tolist()
     assert f"prompt {_decode(p)!r}, response {_decode(trajs[2].response_ids.tolist())!r} (failed, error " \
            "\"reward function failed: KeyError('answer')\"), label '0-" in msg
@@ -178,3 +180,89 @@ def test_the_waiting_line_says_what_the_filter_drops_and_why(tmp_path, capsys, m
         saved = [json.loads(line) for line in f]
     assert [r["filter_drop"] for r in saved] == [r["filter_drop"] for r in lines] and saved[0]["step"] == 1
     assert saved[0]["servers_up"] == 1 and saved[0]["servers_total"] == 2 and saved[0]["needed"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py end to end: a new user's GSM8K-layout dataset that the tiny base never solves
+
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free, below the ephemeral range (a stray connection to an RPC port aborts it)."""
+    for _ in range(100):
+        port = random.randrange(20000, 29998)
+        try:
+            for q in (port, port + 1):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two free ports in 20000-29999")
+
+
+def _root_cause_exit_code(err: str) -> int:
+    """The exit code of the trainer rank in torchrun's "Root Cause (first observed failure)" summary."""
+    section = err[err.index("Root Cause (first observed failure)"):]
+    return int(section.split("exitcode  :", 1)[1].split()[0])
+
+
+def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
+    import tasks
+
+    model = tasks.make_tiny_model(str(tmp_path / "tiny"))
+    data = tmp_path / "gsm8k.jsonl"
+    with open(data, "w") as f:  # the base (random init) never writes "Answer: N": math scores every response 0.0
+        for i in range(16):
+            f.write(json.dumps({"question": f"Tom has {i} apples and buys {i + 3} more. How many has he?",
+                                "answer": f"{i} + {i + 3} = {2 * i + 3}\n#### {2 * i + 3}"}) + "\n")
+    run_dir = tmp_path / "run"
+    port = _free_port_pair()
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+                          f"run_dir={run_dir}", f"model.path={model}", "data_source.task=jsonl",
+                          f"data_source.path={data}", "data_source.num_eval_prompts=4",
+                          "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
+                          "trainer.mini_batch_size=8", "trainer.total_steps=4", "trainer.eval_freq=0",
+                          f"rollout.base_port={port}", f"weight_sync.master_port={port + 1}",
+                          "buffer.get_timeout_s=600", "rollout.startup_timeout_s=120"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out = []
+        for line in p.stdout:  # the producer starts after this line: no group was dropped before it
+            out.append(line)
+            if line.startswith("[train] weights version 0 on the servers"):
+                break
+        t0 = time.monotonic()
+        rest, err = p.communicate(timeout=120)
+        stopped_after = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+    assert out and out[-1].startswith("[train] weights version 0"), "".join(out)[-3000:] + err[-3000:]
+    assert stopped_after < 60, stopped_after
+    errors = [ln for ln in (rest + err).splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, err[-3000:]
+    assert _root_cause_exit_code(err) == 2, err[-3000:]
+    msg = errors[0]
+    head = "error: nothing can be trained: rollout.filter=['failed', 'all_equal_reward'] dropped each of the last "
+    assert msg.startswith(head), msg
+    n = int(msg[len(head):].split()[0])  # the collector may drop a few more before the trainer wakes to stop
+    assert n >= 64, msg
+    assert msg[len(head):].startswith(f"{n} groups (all 4 rewards 0.0: {n}; trajectory rewards seen: 0.0 ({4 * n}))")
+    assert "(task jsonl, reward the task's default): prompt '<|im_start|>user\\nTom has " in msg, msg
+    assert "How many has he?<|im_end|>\\n<|im_start|>assistant\\n', response '" in msg, msg
+    label = msg.split(", label '", 1)[1].split("'", 1)[0]
+    assert label in {str(2 * i + 3) for i in range(16)}  # the "#### N" of the row, as the reward sees it
+    assert "rollout.filter_stop_groups=64" in msg
+    assert not (run_dir / "checkpoints").exists() or not os.listdir(run_dir / "checkpoints")  # nothing trained
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the engine, buffer and rollout processes were stopped too
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("processes of the stopped run are still running")
