@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train  # noqa: E402
 from buffer import FAILED, PipelineServer  # noqa: E402
 from test_buffer import finish, make_cfg, make_prompts  # noqa: E402
+from test_train import TORCHRUN, _root_cause_exit_code  # noqa: E402
 
 
 def _decode(ids):
@@ -154,10 +155,10 @@ def test_the_waiting_line_says_what_the_filter_drops_and_why(tmp_path, capsys, m
     lines = []
     waiting = logger.waiting
 
-    def spy(step, rec):  # after two lines the rewards start to vary, so the step can finish
+    def spy(step, rec):  # after two lines, drops among them, the rewards start to vary so the step can finish
         waiting(step, rec)
         lines.append(rec)
-        if len(lines) == 2:
+        if len(lines) >= 2 and sum(r["filter_drop"] for r in lines) > 0:
             producer.vary.set()
     logger.waiting = spy
     actor = _Actor()
@@ -185,10 +186,6 @@ def test_the_waiting_line_says_what_the_filter_drops_and_why(tmp_path, capsys, m
 # ---------------------------------------------------------------------------------------------------------------
 # train.py end to end: a new user's GSM8K-layout dataset that the tiny base never solves
 
-PY = sys.executable
-TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-
-
 def _free_port_pair() -> int:
     """A port p with p and p + 1 free, below the ephemeral range (a stray connection to an RPC port aborts it)."""
     for _ in range(100):
@@ -201,12 +198,6 @@ def _free_port_pair() -> int:
             continue
         return port
     raise RuntimeError("no two free ports in 20000-29999")
-
-
-def _root_cause_exit_code(err: str) -> int:
-    """The exit code of the trainer rank in torchrun's "Root Cause (first observed failure)" summary."""
-    section = err[err.index("Root Cause (first observed failure)"):]
-    return int(section.split("exitcode  :", 1)[1].split()[0])
 
 
 def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
