@@ -1023,9 +1023,11 @@ class ReplayBuffer:
             if self.pos >= len(self.files):
                 steps = len({os.path.basename(f).split("_")[1] for f in self.files})
                 raise buffer_lib.NothingToTrain(
-                    f"the data ran out before trainer.total_steps: the saved rollouts in "
-                    f"{os.path.dirname(self.files[0])} ({len(self.files)} files, {steps} steps of a rollout-only "
-                    f"run) are all trained; set trainer.total_steps to at most {steps} or record more steps")
+                    f"the data ran out before trainer.total_steps: the groups saved in "
+                    f"{os.path.dirname(self.files[0])} ({len(self.files)} files from {steps} steps of a rollout-only "
+                    f"run) are trained but {len(self.pending)} and {k} are wanted; train at most that many steps "
+                    f"(trainer.total_steps, with the recording's batch size) or record more with "
+                    f"run_mode=rollout-only")
             try:
                 saved = torch.load(self.files[self.pos], weights_only=True)
             except Exception as e:

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -257,3 +258,22 @@ def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail("processes of the stopped run are still running")
+
+
+def test_saved_rollouts_that_run_out_say_so(tmp_path):
+    import types
+
+    from buffer import Group, NothingToTrain, PromptGroup, Trajectory
+
+    rec = train.RolloutRecorder(types.SimpleNamespace(run_dir=str(tmp_path)), fleet=None)
+    for step in range(2):
+        g = PromptGroup(0, step, step, torch.tensor([1, 2]), label="3")
+        rec.train_minibatch([Group(g, [Trajectory(0, step, 0, g.prompt_ids, reward=1.0)])], step)
+    replay = train.ReplayBuffer(str(tmp_path / "rollouts"))
+    assert len(replay.get(1, timeout=1)) == 1
+    with pytest.raises(NothingToTrain) as e:
+        replay.get(2, timeout=1)
+    assert str(e.value) == (
+        f"the data ran out before trainer.total_steps: the groups saved in {tmp_path / 'rollouts'} (2 files from 2 "
+        "steps of a rollout-only run) are trained but 1 and 2 are wanted; train at most that many steps "
+        "(trainer.total_steps, with the recording's batch size) or record more with run_mode=rollout-only")
