@@ -1,10 +1,11 @@
 """buffer.py: the data between rollout and training, in one process or served over torch.distributed.rpc.
 
 Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order, monotonic sequence numbers, the
-restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter,
-rollout.max_weight_staleness), the bounded PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade
-that the rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in
-prompt groups (R in flight, Q buffered, C capacity; strategies.py holds the dispatch/collection rules).
+restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter
+with the reasons of its drops and the stop when it drops every group, rollout.max_weight_staleness), the bounded
+PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade that the rollout and the trainer call.
+Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in prompt groups (R in flight, Q buffered, C
+capacity; strategies.py holds the dispatch/collection rules).
 
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
@@ -851,8 +852,6 @@ def _exit_when_orphaned(poll_s: float = 2.0) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="buffer-parent-watch", daemon=True).start()
-
-
 
 
 def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,

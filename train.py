@@ -14,7 +14,9 @@ through services.py (launching, supervision, RPC), joins RPC as "trainer" and ru
 mini-batch, gather weights for the sync, save checkpoints). Children log to run_dir/logs/ and are stopped on exit.
 Faults: a launched server that dies is relaunched and gets the weights at the next sync; any other child that dies
 stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
-bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2).
+bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2),
+as is a run that cannot train (rollout.filter drops every group: buffer.NothingToTrain names the rewards it saw).
+While the trainer waits for groups it says every logging.wait_line_s what it waits for (fetch).
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.30 -> >= 0.9 by step 300, ~8 min):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
