@@ -1,10 +1,11 @@
 """buffer.py: the data between rollout and training, in one process or served over torch.distributed.rpc.
 
 Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order, monotonic sequence numbers, the
-restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter,
-rollout.max_weight_staleness), the bounded PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade
-that the rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in
-prompt groups (R in flight, Q buffered, C capacity; strategies.py holds the dispatch/collection rules).
+restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter
+with the reasons of its drops and the stop when it drops every group, rollout.max_weight_staleness), the bounded
+PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade that the rollout and the trainer call.
+Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in prompt groups (R in flight, Q buffered, C
+capacity; strategies.py holds the dispatch/collection rules).
 
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
@@ -36,6 +37,11 @@ import strategies
 # Trajectory status values. A trajectory is terminal in every one of them; "aborted" ones may be restored.
 COMPLETED, TRUNCATED, ABORTED, FAILED = "completed", "truncated", "aborted", "failed"
 STATUSES = (COMPLETED, TRUNCATED, ABORTED, FAILED)
+
+
+class NothingToTrain(RuntimeError):
+    """The run cannot go on, and waiting longer would not change that: rollout.filter dropped every group of the
+    last cfg.filter_stop_groups, or the saved rollouts ran out. The message says what was seen and what to change."""
 
 
 @dataclass
@@ -354,9 +360,11 @@ class PipelineServer:
       generating groups <= rollout.async_max_concurrent_samples // N when that is set.
     With `collector_thread=False` the collection runs inside put() (deterministic; used by the property tests);
     the rules are identical. `cfg` is a config.Config that passed config.validate (which checks these settings).
+    `decode` (token ids -> text) writes the sample prompt and response of wait()'s stop message; default: the ids.
     """
 
-    def __init__(self, cfg, prompts_per_source: list, collector_thread: bool = True):
+    def __init__(self, cfg, prompts_per_source: list, collector_thread: bool = True,
+                 decode: Optional[Callable[[list], str]] = None):
         if len(prompts_per_source) != len(cfg.data_sources):
             raise ValueError(f"PipelineServer got {len(prompts_per_source)} prompt lists for "
                              f"{len(cfg.data_sources)} data_sources; pass one list per data source")
@@ -366,6 +374,9 @@ class PipelineServer:
         cap = cfg.rollout.async_max_concurrent_samples
         self.max_generating = None if cap is None else cap // self.N  # groups still generating (spec: value // N)
         self.filters = tuple(cfg.rollout.filter)
+        self.stop_groups = cfg.filter_stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
+        self.sources = [(d.task, d.reward) for d in cfg.data_sources]
+        self.decode = decode or (lambda ids: " ".join(map(str, ids)))
         self.max_staleness = cfg.rollout.max_weight_staleness  # None: no per-trajectory bound
         self.get_timeout = float(cfg.buffer.get_timeout_s)
         self.strategy = strategies.build(cfg.fully_async.sliding_window, self.B, self.C, self.fully_async)
@@ -381,6 +392,8 @@ class PipelineServer:
         self._counts: Counter = Counter()  # popped by step_metrics()
         self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
         self._boundary: dict = {}  # cleanup metrics of the last step boundary, reported once
+        self._waited: dict = self._new_wait_counts()  # for the trainer's waiting line, popped by wait()
+        self._dropped = self._new_drop_run()  # groups the filter dropped since the last one it let through
         self._cond = threading.Condition()
         self._pending = False  # put() added trajectories the collector has not looked at yet
         self._closed = False
@@ -430,6 +443,7 @@ class PipelineServer:
         with self._cond:
             for t in trajs:
                 self._add_locked(t)
+            self._waited["generated"] += len(trajs)
             if self._thread is None:
                 self._collect_locked()
             else:
@@ -518,6 +532,21 @@ class PipelineServer:
                     self._consumed_trajs.append((t.start_version, t.end_version, self.version))
             self._cond.notify_all()  # a freed slot may allow dispatch
             return groups
+
+    def wait(self, k: int, timeout: float) -> dict:
+        """Wait up to `timeout` s for k buffered groups, then say what happened since the last call (the trainer's
+        waiting line): {"ready", "needed", "generated" and "in_flight" trajectories, "filter_drop" groups and
+        "drop_reasons" {reason: groups}, "seconds" covered, "stop"}. "stop" is None, or the sentence naming why
+        nothing can be trained once rollout.filter has dropped cfg.filter_stop_groups groups in a row: the trainer
+        raises it as NothingToTrain (wait() never raises it, so the sentence crosses RPC as plain data)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or len(self.pbuf) >= k or self._cannot_train(), timeout)
+            w, self._waited = self._waited, self._new_wait_counts()
+            return {"ready": len(self.pbuf), "needed": k, "generated": w["generated"],
+                    "in_flight": len(self._in_flight) * self.N - self.queue.num_trajectories,
+                    "filter_drop": sum(w["reasons"].values()), "drop_reasons": dict(w["reasons"]),
+                    "seconds": time.monotonic() - w["t0"],
+                    "stop": self._stop_message() if len(self.pbuf) < k and self._cannot_train() else None}
 
     def set_weight_version(self, v: int) -> None:
         """The rollout now generates with weights `v`; buffered groups beyond rollout.max_weight_staleness go."""
@@ -673,17 +702,63 @@ class PipelineServer:
                 view.R -= 1
                 if key[1] == view.oldest_uncollected:
                     view.oldest_uncollected = min((k[1] for k in self._in_flight), default=None)
-                rewards = [t.reward for t in trajs]
-                if ("failed" in self.filters and any(t.status == FAILED for t in trajs)) or (
-                        "all_equal_reward" in self.filters and max(rewards) == min(rewards)):
+                reason = self._filter_reason(trajs)
+                if reason is not None:
                     self._counts["filter_drop"] += 1
-                elif self._too_stale(trajs):
+                    self._waited["reasons"][reason] += 1
+                    d = self._dropped
+                    d["groups"] += 1
+                    d["reasons"][reason] += 1
+                    d["rewards"].update(round(t.reward, 4) for t in trajs if t.status != FAILED)
+                    d["last"] = Group(pg, trajs)
+                    continue
+                self._dropped = self._new_drop_run()
+                if self._too_stale(trajs):
                     self._counts["staleness_drop"] += 1
                 else:
                     self.pbuf.put(Group(pg, trajs))
                     self._counts["collected"] += 1
                     view.Q += 1
         self._cond.notify_all()
+
+    def _filter_reason(self, trajs: list) -> Optional[str]:
+        """Why rollout.filter drops this group ("all 8 rewards 0.0", "2 of 8 failed"), None if it lets it through."""
+        failed = sum(t.status == FAILED for t in trajs)
+        if "failed" in self.filters and failed:
+            return f"{failed} of {self.N} failed"
+        rewards = [t.reward for t in trajs]
+        if "all_equal_reward" in self.filters and max(rewards) == min(rewards):
+            return f"all {self.N} rewards {round(rewards[0], 4)}"
+        return None
+
+    @staticmethod
+    def _new_wait_counts() -> dict:
+        return {"t0": time.monotonic(), "generated": 0, "reasons": Counter()}
+
+    @staticmethod
+    def _new_drop_run() -> dict:
+        """Counts (groups, reasons, trajectory rewards) and the last group of a run of filter drops: bounded."""
+        return {"groups": 0, "reasons": Counter(), "rewards": Counter(), "last": None}
+
+    def _cannot_train(self) -> bool:
+        return self.stop_groups > 0 and self._dropped["groups"] >= self.stop_groups
+
+    def _stop_message(self) -> str:
+        """One sentence: the filter, what it saw, a dropped group (prompt, response, label) and what to change."""
+        d, g = self._dropped, self._dropped["last"]
+        rewards = ", ".join(f"{v} ({c})" for v, c in d["rewards"].most_common(5)) or "none (all failed)"
+        t = next((t for t in g.trajectories if t.status == FAILED), g.trajectories[0])
+        task, reward = self.sources[g.prompt.source]
+        reward = reward or "the task's default"
+        error = f", error {_clip(str(t.metadata['error']))!r}" if t.metadata.get("error") else ""
+        return (f"nothing can be trained: rollout.filter={list(self.filters)} dropped each of the last "
+                f"{d['groups']} groups ({', '.join(f'{r}: {c}' for r, c in d['reasons'].most_common(3))}; "
+                f"trajectory rewards seen: {rewards}); the last one, of data_sources[{g.prompt.source}] (task {task}, "
+                f"reward {reward}): prompt {_clip(self.decode(g.prompt.prompt_ids.tolist()))!r}"
+                f", response {_clip(self.decode(t.response_ids.tolist()))!r} ({t.status}{error}), label "
+                f"{_clip(str(g.prompt.label))!r}; check that data_source.reward scores such a response against "
+                f"that label above 0 for a right answer, use a base model that solves some prompts, or change "
+                f"rollout.filter (rollout.filter_stop_groups={self.stop_groups}; 0 turns this stop off)")
 
     def _collector_loop(self) -> None:
         with self._cond:
@@ -694,12 +769,17 @@ class PipelineServer:
                     self._collect_locked()
 
 
+def _clip(text: str, limit: int = 160) -> str:
+    """At most `limit` characters: the start and the end (a prompt's question and a response's answer are there)."""
+    return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Serving over torch.distributed.rpc: the buffer process ("buffer") and the client proxy
 # ---------------------------------------------------------------------------------------------------------
 
 _SERVER: Optional[PipelineServer] = None  # the buffer process's singleton, reached by _invoke
-_METHODS = ("dispatch", "put", "get", "step_boundary", "set_weight_version", "set_max_concurrent_samples",
+_METHODS = ("dispatch", "put", "get", "wait", "step_boundary", "set_weight_version", "set_max_concurrent_samples",
             "step_metrics", "stats", "state_dict", "load_state_dict")
 
 
@@ -774,13 +854,6 @@ def _exit_when_orphaned(poll_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="buffer-parent-watch", daemon=True).start()
 
 
-def _load_prompts(cfg) -> list:
-    import tasks  # project module; imported here so buffer.py stays torch + stdlib at module level
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return [tasks.load_prompts(ds, tokenizer, "train") for ds in cfg.data_sources]
-
-
 def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
           prompts_per_source: Optional[list] = None) -> None:
     """Run the buffer process: a PipelineServer reachable as RPC worker "buffer" until every worker shuts down.
@@ -791,9 +864,16 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
     global _SERVER
     torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
     cfg = config.validate(config.from_dict(cfg_dict))
+    decode = None
     if prompts_per_source is None:
-        prompts_per_source = _load_prompts(cfg)
-    _SERVER = PipelineServer(cfg, prompts_per_source)  # before init_rpc: clients may call as soon as it returns
+        import tasks  # project module; imported here so buffer.py stays torch + stdlib at module level
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        prompts_per_source = [tasks.load_prompts(ds, tokenizer, "train") for ds in cfg.data_sources]
+        decode = tokenizer.decode
+    # before init_rpc: clients may call as soon as it returns
+    _SERVER = PipelineServer(cfg, prompts_per_source, decode=decode)
     try:
         init_rpc("buffer", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
         _exit_when_orphaned()
@@ -835,6 +915,9 @@ class RemoteBuffer:
                 self._get_timeout = self.stats()["get_timeout_s"]
             timeout = self._get_timeout
         return self._call("get", k, timeout, wait=timeout)
+
+    def wait(self, k: int, timeout: float) -> dict:
+        return self._call("wait", k, timeout, wait=timeout)
 
     def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
         return self._call("step_boundary", returned, keep_in_flight)

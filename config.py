@@ -154,6 +154,7 @@ class RolloutConfig:
     pause_mode: str = "abort"  # abort (restore complete groups, re-send) | retract | in_place (servers keep requests)
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
     filter: list = field(default_factory=lambda: ["failed"])  # collector filters: failed | all_equal_reward
+    filter_stop_groups: Optional[int] = None  # stop when the filter drops this many in a row (null: 4 x B, >= 64; 0: off)
     async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
     max_weight_staleness: Optional[int] = None  # drop trajectories whose current - start version exceeds this
     trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
@@ -193,6 +194,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    wait_line_s: float = 10.0  # while the trainer waits for groups, a line (stdout, waiting.jsonl) this often; 0 = none
 
 
 @dataclass
@@ -231,6 +233,13 @@ class Config:
     def capacity(self) -> int:
         """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1)."""
         return int(self.B * (1 + self.fully_async.stale_steps))
+
+    @property
+    def filter_stop_groups(self) -> int:
+        """Groups dropped by rollout.filter in a row after which the run stops as untrainable (0: never). The
+        default 4 x B, at least 64: a filter that drops 70% of the groups makes 64 in a row once in ~10^10."""
+        n = self.rollout.filter_stop_groups
+        return max(4 * self.B, 64) if n is None else n
 
     @property
     def flush_on_update(self) -> bool:
@@ -451,6 +460,9 @@ def validate(cfg: Config) -> Config:
     for f in r.filter:
         if f not in ("failed", "all_equal_reward"):
             raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
+    if r.filter_stop_groups is not None and r.filter_stop_groups < 0:
+        raise ValueError(f"rollout.filter_stop_groups must be >= 0 (0: never stop) or null (4 x B, at least 64), "
+                         f"got {r.filter_stop_groups}")
     if "all_equal_reward" in r.filter and N == 1:
         raise ValueError("rollout.filter all_equal_reward needs data_source.num_trajectories_per_prompt > 1: with "
                          "one trajectory per prompt every group has equal rewards and would be dropped")
@@ -520,6 +532,8 @@ def validate(cfg: Config) -> Config:
     _positive(ws.timeout_s, "weight_sync.timeout_s")
     _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")
     _positive(cfg.buffer.rpc_timeout_s, "buffer.rpc_timeout_s")
+    if cfg.logging.wait_line_s < 0:
+        raise ValueError(f"logging.wait_line_s must be >= 0 (0: no waiting lines), got {cfg.logging.wait_line_s}")
     if cfg.logging.wandb.mode not in ("online", "offline"):
         raise ValueError(f"logging.wandb.mode must be online or offline, got '{cfg.logging.wandb.mode}'")
     return cfg

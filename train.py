@@ -14,7 +14,9 @@ through services.py (launching, supervision, RPC), joins RPC as "trainer" and ru
 mini-batch, gather weights for the sync, save checkpoints). Children log to run_dir/logs/ and are stopped on exit.
 Faults: a launched server that dies is relaunched and gets the weights at the next sync; any other child that dies
 stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
-bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2).
+bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2),
+as is a run that cannot train (rollout.filter drops every group: buffer.NothingToTrain names the rewards it saw).
+While the trainer waits for groups it says every logging.wait_line_s what it waits for (fetch).
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.30 -> >= 0.9 by step 300, ~8 min):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
@@ -122,7 +124,8 @@ class Logger:
         os.makedirs(self.samples_dir, exist_ok=True)
         self.path = os.path.join(cfg.run_dir, "metrics.jsonl")
         self.train_samples = os.path.join(self.samples_dir, "train.jsonl")
-        for path in (self.path, self.train_samples):  # a resumed run keeps the history of the weights it trains
+        self.waiting_path = os.path.join(cfg.run_dir, "waiting.jsonl")
+        for path in (self.path, self.train_samples, self.waiting_path):  # a resumed run keeps its history
             kept = []
             if keep_until >= 0 and os.path.exists(path):
                 with open(path) as f:
@@ -183,6 +186,22 @@ class Logger:
         parts.append(f"elapsed {int(el // 60)}m{int(el % 60):02d}s eta {int(eta // 60)}m{int(eta % 60):02d}s")
         print(" | ".join(parts), flush=True)
 
+    def waiting(self, step: int, rec: dict) -> None:
+        """One line while the trainer waits for the groups of `step` (run_steps' fetch), also in waiting.jsonl and
+        wandb (`waiting/*`): what it waits for, what the rollout made meanwhile, what the filter dropped and why."""
+        reasons = ", ".join(f"{r}: {c}" for r, c in sorted(rec["drop_reasons"].items(), key=lambda x: -x[1])[:3])
+        parts = [f"[train] step {step}: waiting {rec['waited_s']:.0f} s for groups, {rec['ready']}/{rec['needed']} "
+                 f"ready", f"{rec['generated']} trajectories generated in the last {rec['seconds']:.0f} s, "
+                 f"{rec['in_flight']} in flight", f"rollout.filter dropped {rec['filter_drop']} groups"
+                 + (f" ({reasons})" if reasons else "")]
+        if "servers_total" in rec:
+            parts.append(f"servers answering {rec['servers_up']}/{rec['servers_total']}")
+        print(" | ".join(parts), flush=True)
+        with open(self.waiting_path, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **rec}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"waiting/{k}": v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
@@ -192,20 +211,54 @@ class Logger:
 # The step loop (also driven by bench/pipeline_sim.py with simulated compute)
 # ---------------------------------------------------------------------------------------------------------------
 
+def fetch(cfg, buffer, k: int, step: int, logger, servers: Optional[Callable[[], dict]] = None) -> list:
+    """buffer.get(k) within buffer.get_timeout_s. While it waits, a logger.waiting line every logging.wait_line_s
+    (buffer.wait: groups ready, trajectories generated and in flight, groups the filter dropped and why; `servers`:
+    URL -> answering /health); buffer.NothingToTrain as soon as the buffer says the filter drops everything."""
+    limit, every = cfg.buffer.get_timeout_s, cfg.logging.wait_line_s
+    t0 = time.monotonic()
+    mark = every or limit
+    while True:
+        w = buffer.wait(k, max(0.0, t0 + min(mark, limit) - time.monotonic()))
+        if w.get("stop"):
+            raise buffer_lib.NothingToTrain(w["stop"])
+        if w["ready"] >= k:
+            return buffer.get(k, timeout=max(1.0, t0 + limit - time.monotonic()))
+        waited = time.monotonic() - t0
+        if waited >= limit:
+            raise TimeoutError(f"the trainer waited buffer.get_timeout_s={limit} s for {k} groups and {w['ready']} "
+                               f"are buffered ({w['in_flight']} trajectories in flight, {w['generated']} generated "
+                               f"and {w['filter_drop']} groups dropped by rollout.filter in the last "
+                               f"{w['seconds']:.0f} s); is the rollout running?")
+        if every and waited >= mark:
+            rec = {**{key: v for key, v in w.items() if key != "stop"}, "waited_s": waited}
+            if servers is not None:
+                try:
+                    up = servers()
+                    rec.update(servers_up=sum(up.values()), servers_total=len(up))
+                except Exception as e:  # a router that does not answer: say so, keep waiting
+                    rec.update(servers_up=0, servers_total=0, servers_error=str(e)[:200])
+            logger.waiting(step, rec)
+            mark += every
+
+
 def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
-              evaluate: Optional[Callable[[int], dict]] = None) -> None:
+              evaluate: Optional[Callable[[int], dict]] = None,
+              servers: Optional[Callable[[], dict]] = None) -> None:
     """Train steps start_step .. trainer.total_steps - 1; step i is logged as step i + 1 (the weights after it are
     weight version i + 1; the initial weights are version 0).
 
     actor:    train_minibatch(groups, step) -> dict (may include timing/process_traj, which is not training time),
               sync_weights(version) -> dict | None, save_checkpoint(steps_done, run_state) -> None,
               release() / resume() (colocate: the servers free / retake their memory around training).
-    buffer:   get(k, timeout) -> list[Group], step_metrics() -> dict, state_dict(), set_weight_version(v)
-              (buffer.PipelineServer or buffer.RemoteBuffer).
+    buffer:   get(k, timeout) -> list[Group], wait(k, timeout) -> dict (see fetch), step_metrics() -> dict,
+              state_dict(), set_weight_version(v) (buffer.PipelineServer or buffer.RemoteBuffer).
     rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or RemoteRollout).
     logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
-              in training order) and "data/samples" (sample_records of a few trained trajectories).
+              in training order) and "data/samples" (sample_records of a few trained trajectories);
+              waiting(step, record) while the trainer waits for groups (Logger.waiting).
     evaluate: optional fn(steps_done) -> dict, run every trainer.eval_freq steps and after the last one.
+    servers:  optional fn() -> {URL: answering /health}, for the waiting line.
     run_state given to save_checkpoint: {"step": steps done, "weight_version", "buffer": buffer.state_dict()}.
     """
     sync_mode = not cfg.fully_async.enable
@@ -219,7 +272,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         # ---- synchronous mode: the whole batch first, then the producer stops before training ----
         if sync_mode:
             t0 = time.perf_counter()
-            batch = buffer.get(cfg.B, timeout=cfg.buffer.get_timeout_s)
+            batch = fetch(cfg, buffer, cfg.B, step + 1, logger, servers)
             m["timing/rollout"] = time.perf_counter() - t0
             m.update(rollout.pause())
             if cfg.colocate:
@@ -233,7 +286,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 groups = batch[call * gpc:(call + 1) * gpc]
             else:
                 t0 = time.perf_counter()
-                groups = buffer.get(gpc, timeout=cfg.buffer.get_timeout_s)
+                groups = fetch(cfg, buffer, gpc, step + 1, logger, servers)
                 rec["timing/rollout"] = time.perf_counter() - t0
             rec.update(trained_group_metrics(groups))
             prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
@@ -964,11 +1017,19 @@ class ReplayBuffer:
         self.pending: list = []
         self.pos = 0
 
+    def wait(self, k: int, timeout: float) -> dict:
+        return {"ready": k, "needed": k}  # saved groups are there or not: get() never waits
+
     def get(self, k: int, timeout: float) -> list:
         while len(self.pending) < k:
             if self.pos >= len(self.files):
-                raise TimeoutError(f"train-only: wanted {k} groups but the saved rollouts are exhausted after "
-                                   f"{len(self.files)} files")
+                steps = len({os.path.basename(f).split("_")[1] for f in self.files})
+                raise buffer_lib.NothingToTrain(
+                    f"the data ran out before trainer.total_steps: the groups saved in "
+                    f"{os.path.dirname(self.files[0])} ({len(self.files)} files from {steps} steps of a rollout-only "
+                    f"run) are trained but {len(self.pending)} and {k} are wanted; train at most that many steps "
+                    f"(trainer.total_steps, with the recording's batch size) or record more with "
+                    f"run_mode=rollout-only")
             try:
                 saved = torch.load(self.files[self.pos], weights_only=True)
             except Exception as e:
@@ -1123,7 +1184,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if rank == 0:
             check_inputs(cfg)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if rank == 0:  # every rank reads the config; one line for the run, not one per rank (exit 2 on each)
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     import losses
 
@@ -1156,7 +1218,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         tasks.make_tiny_for(cfg)
     dist.barrier(group=_CTRL)
 
-    services, ok, failed, actor, logger = None, False, False, None, None
+    services, ok, failed, actor, logger = None, False, 0, None, None
     try:
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
@@ -1231,13 +1293,20 @@ def main(argv: Optional[list[str]] = None) -> None:
             logger.log(0, evaluate(0))
 
         # ---- the loop ----
-        run_steps(cfg, actor, buf, ro, logger, start_step, evaluate)
+        run_steps(cfg, actor, buf, ro, logger, start_step, evaluate,
+                  servers=services.fleet.health if services else None)
 
         # ---- final HF export ----
         if cfg.trainer.export_hf and isinstance(actor, Actor):
             actor.export_hf(os.path.join(cfg.run_dir, "hf"))
             print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
         ok = True
+    except buffer_lib.NothingToTrain as e:  # the run is fine but cannot train: say why, as a bad input would
+        if services is not None:
+            services.print_error_once(str(e))
+        else:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        failed = 2
     except Exception as e:
         # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
         cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
@@ -1245,7 +1314,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise
         services.print_error_once(cause if isinstance(e, ChildExited) else
                                   f"{cause}\n(what it made fail here: {type(e).__name__}: {str(e).splitlines()[0][:300]})")
-        failed = True
+        failed = 1
     finally:
         if rank == 0:
             if isinstance(actor, Actor):
@@ -1263,7 +1332,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 dist.barrier(group=_CTRL)
                 dist.destroy_process_group()
     if failed:
-        sys.exit(1)
+        sys.exit(failed)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -232,6 +232,10 @@ class StepLogger:
 
     __call__ = log
 
+    def waiting(self, step: int, record: dict) -> None:
+        print(f"[pipeline_sim] step {step}: waiting {record['waited_s']:.0f} s for groups, {record['ready']}/"
+              f"{record['needed']} ready", flush=True)
+
     def close(self) -> None:
         return None
 
@@ -310,7 +314,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
         logger = StepLogger(actor, phases, urls, args.compression)
         t0 = time.monotonic()
         try:
-            train.run_steps(cfg, actor, Timed(buf, {"get": "wait_data"}, phases),
+            train.run_steps(cfg, actor, Timed(buf, {"wait": "wait_data", "get": "wait_data"}, phases),
                             Timed(ro, {"pause": "pause", "resume": "resume_rollout"}, phases), logger, 0)
         finally:
             ro.stop()

@@ -176,13 +176,22 @@ def test_train_launch_checks_exit_with_one_sentence(tmp_path, capsys, overrides,
     _expect_exit(["--config", TINY, *base, *overrides], fragments, capsys)
 
 
+def _root_cause_exit_code(err: str) -> int:
+    """The trainer rank's exit code in torchrun's "Root Cause (first observed failure)" summary (torchrun itself
+    exits 1 whenever a rank fails)."""
+    section = err[err.index("Root Cause (first observed failure)"):]
+    return int(section.split("exitcode  :", 1)[1].split()[0])
+
+
 def test_validation_under_torchrun_exits_fast_and_leaves_no_process(tmp_path):
+    """Every rank reads the config and exits 2; only rank 0 prints the error line."""
     t0 = time.monotonic()
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, f"run_dir={tmp_path}/run",
                           "fully_async.stale_steps=-1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode != 0
+    out, err = p.communicate(timeout=120)
+    assert p.returncode != 0 and _root_cause_exit_code(err) == 2, err[-3000:]
+    assert (out + err).count("error: ") == 1, err[-3000:]
     assert "error: fully_async.stale_steps must be >= 0, got -1.0" in err
     assert time.monotonic() - t0 < 60
     assert _wait_session_gone(p.pid)  # start_new_session=True: the run's processes share its process group
@@ -302,8 +311,9 @@ def test_bad_dataset_under_torchrun_stops_every_rank_before_servers(tmp_path, ti
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(tmp_path / "run", tiny_model),
                           "data_source.task=jsonl", f"data_source.path={path}"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode != 0
+    out, err = p.communicate(timeout=120)
+    assert p.returncode != 0 and _root_cause_exit_code(err) == 2, err[-3000:]
+    assert (out + err).count("error: ") == 1, err[-3000:]
     assert f"error: {path} line 2: not valid JSON" in err, err[-3000:]
     assert time.monotonic() - t0 < 60
     assert not os.path.exists(tmp_path / "run" / "logs")

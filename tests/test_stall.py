@@ -1,0 +1,279 @@
+"""When nothing can be trained, the run says so: the buffer's wait report and its stop sentence once
+rollout.filter has dropped rollout.filter_stop_groups groups in a row, the trainer's waiting line (run_steps, both
+modes), and train.py stopping such a run with one error line and exit code 2.
+
+Run: .venv/bin/python -m pytest -q tests/test_stall.py
+"""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train  # noqa: E402
+from buffer import FAILED, PipelineServer  # noqa: E402
+from test_buffer import finish, make_cfg, make_prompts  # noqa: E402
+from test_train import TORCHRUN, _root_cause_exit_code  # noqa: E402
+
+
+def _decode(ids):
+    return "".join(f"<{i}>" for i in ids)
+
+
+def _cfg(stop_groups, fully_async=True, extra=()):
+    return make_cfg(B=2, N=4, fully_async=fully_async, overrides=[
+        "rollout.filter=[failed, all_equal_reward]", f"rollout.filter_stop_groups={stop_groups}", *extra])
+
+
+def _server(stop_groups, fully_async=True, extra=()):
+    return PipelineServer(_cfg(stop_groups, fully_async, extra), make_prompts(40), collector_thread=False,
+                          decode=_decode)
+
+
+def _drop(srv, n, rewards=(0.0, 0.0, 0.0, 0.0)):
+    """Dispatch and finish n groups whose rewards make the filter drop them (unless they vary)."""
+    for _ in range(n):
+        [g] = srv.dispatch(max_groups=1)
+        srv.put(finish(g, srv.N, rewards=list(rewards)))
+
+
+def test_filter_stop_span_defaults_to_four_batches_at_least_64():
+    assert make_cfg(B=4, N=2).filter_stop_groups == 64
+    assert make_cfg(B=32, N=2).filter_stop_groups == 128
+    assert make_cfg(B=32, N=2, overrides=["rollout.filter_stop_groups=0"]).filter_stop_groups == 0
+
+
+def test_wait_reports_drops_and_stops_after_a_span_dropped_in_a_row():
+    srv = _server(stop_groups=6)
+    _drop(srv, 5)
+    w = srv.wait(1, timeout=0.0)
+    assert w["stop"] is None and w["ready"] == 0 and w["needed"] == 1
+    assert w["generated"] == 20 and w["filter_drop"] == 5 and w["drop_reasons"] == {"all 4 rewards 0.0": 5}
+    assert srv.wait(1, timeout=0.0)["filter_drop"] == 0  # counted since the last report
+    _drop(srv, 1, rewards=(0.0, 1.0, 0.0, 0.0))  # trainable: the run of drops starts again
+    _drop(srv, 5, rewards=(0.5,) * 4)
+    [g] = srv.dispatch(max_groups=1)
+    trajs = finish(g, srv.N, rewards=[0.5] * 4)
+    trajs[2].status, trajs[2].metadata = FAILED, {"error": "reward function failed: KeyError('answer')"}
+    srv.put(trajs)  # 6 in a row now, the last one for a failed trajectory
+    w = srv.wait(1, timeout=0.0)
+    assert w["stop"] is None and w["ready"] == 1  # a group to train is still there: not stopped yet
+    assert len(srv.get(1)) == 1
+    t0 = time.monotonic()
+    w = srv.wait(1, timeout=30.0)
+    assert time.monotonic() - t0 < 1.0  # the stop does not wait for the timeout
+    msg = w["stop"]
+    assert msg.startswith("nothing can be trained: rollout.filter=['failed', 'all_equal_reward'] dropped each of "
+                          "the last 6 groups (all 4 rewards 0.5: 5, 1 of 4 failed: 1; trajectory rewards seen: "
+                          "0.5 (23)); the last one, of data_sources[0] (task reverse_digits, reward the "
+                          "task's default): prompt "), msg
+    p = g.prompt_ids.tolist()
+    assert f"prompt {_decode(p)!r}, response {_decode(trajs[2].response_ids.tolist())!r} (failed, error " \
+           "\"reward function failed: KeyError('answer')\"), label '0-" in msg
+    for hint in ("data_source.reward", "base model that solves some prompts", "change rollout.filter",
+                 "rollout.filter_stop_groups=6; 0 turns this stop off"):
+        assert hint in msg
+    assert "\n" not in msg
+
+
+def test_no_stop_when_switched_off_and_in_synchronous_mode_the_same_rule():
+    off = _server(stop_groups=0)
+    _drop(off, 30)
+    assert off.wait(1, timeout=0.0)["stop"] is None
+    sync = _server(stop_groups=3, fully_async=False, extra=["rollout.sampler.num_oversample=2"])
+    _drop(sync, 3, rewards=(1.0,) * 4)
+    assert "dropped each of the last 3 groups (all 4 rewards 1.0: 3" in sync.wait(2, timeout=0.0)["stop"]
+
+
+class _Actor:
+    """run_steps' actor without a model: trains nothing, counts what it was given."""
+
+    def __init__(self):
+        self.groups = []
+
+    def train_minibatch(self, groups, step):
+        self.groups += groups
+        return {}
+
+    def sync_weights(self, version):
+        return {}
+
+    def save_checkpoint(self, steps_done, run_state):
+        pass
+
+    def release(self):
+        return {}
+
+    def resume(self):
+        return {}
+
+
+class _Producer:
+    """A rollout without servers: generates every group the buffer lets out, all rewards 0.0 until `vary` is set."""
+
+    def __init__(self, srv):
+        self.srv, self.vary, self.stopped = srv, threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stopped.is_set():
+            for g in self.srv.dispatch(timeout=0.05):
+                self.srv.put(finish(g, self.srv.N, rewards=[0.0, 1.0, 0.0, 0.0] if self.vary.is_set() else [0.0] * 4))
+            time.sleep(0.01)
+
+    def start(self):
+        if not self.thread.is_alive():
+            self.thread.start()
+
+    def pause(self):
+        return {}
+
+    def resume(self, version):
+        pass
+
+    def step_metrics(self):
+        return {}
+
+
+@pytest.mark.parametrize("mode", ["fully-async", "synchronous, colocate"])
+def test_the_waiting_line_says_what_the_filter_drops_and_why(tmp_path, capsys, mode):
+    fully_async = mode == "fully-async"
+    cfg = _cfg(0, fully_async, ["trainer.mini_batch_size=8", "trainer.total_steps=1", "logging.wait_line_s=0.3",
+                                f"run_dir={tmp_path}", "buffer.get_timeout_s=60"])
+    srv = PipelineServer(cfg, make_prompts(40), decode=_decode)
+    producer = _Producer(srv)
+    logger = train.Logger(cfg)
+    lines = []
+    waiting = logger.waiting
+
+    def spy(step, rec):  # after two lines, drops among them, the rewards start to vary so the step can finish
+        waiting(step, rec)
+        lines.append(rec)
+        if len(lines) >= 2 and sum(r["filter_drop"] for r in lines) > 0:
+            producer.vary.set()
+    logger.waiting = spy
+    actor = _Actor()
+    try:
+        train.run_steps(cfg, actor, srv, producer, logger, 0,
+                        servers=lambda: {"http://127.0.0.1:1": True, "http://127.0.0.1:2": False})
+    finally:
+        producer.stopped.set()
+        srv.close()
+    out = capsys.readouterr().out
+    assert len(actor.groups) == 2 and all(len(set(g.rewards)) > 1 for g in actor.groups)
+    shown = [ln for ln in out.splitlines() if ln.startswith("[train] step 1: waiting ")]
+    assert len(shown) >= 2, out
+    assert " 0/2 ready | " in shown[0] and "servers answering 1/2" in shown[0]
+    assert any("rollout.filter dropped" in ln and "(all 4 rewards 0.0: " in ln for ln in shown), shown
+    dropped = sum(r["filter_drop"] for r in lines)
+    assert dropped > 0 and all(set(r["drop_reasons"]) <= {"all 4 rewards 0.0"} for r in lines)
+    assert sum(r["generated"] for r in lines) >= 4 * dropped  # each dropped group was generated in full
+    with open(tmp_path / "waiting.jsonl") as f:
+        saved = [json.loads(line) for line in f]
+    assert [r["filter_drop"] for r in saved] == [r["filter_drop"] for r in lines] and saved[0]["step"] == 1
+    assert saved[0]["servers_up"] == 1 and saved[0]["servers_total"] == 2 and saved[0]["needed"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py end to end: a new user's GSM8K-layout dataset that the tiny base never solves
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free, below the ephemeral range (a stray connection to an RPC port aborts it)."""
+    for _ in range(100):
+        port = random.randrange(20000, 29998)
+        try:
+            for q in (port, port + 1):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two free ports in 20000-29999")
+
+
+def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
+    import tasks
+
+    model = tasks.make_tiny_model(str(tmp_path / "tiny"))
+    data = tmp_path / "gsm8k.jsonl"
+    with open(data, "w") as f:  # the base (random init) never writes "Answer: N": math scores every response 0.0
+        for i in range(16):
+            f.write(json.dumps({"question": f"Tom has {i} apples and buys {i + 3} more. How many has he?",
+                                "answer": f"{i} + {i + 3} = {2 * i + 3}\n#### {2 * i + 3}"}) + "\n")
+    run_dir = tmp_path / "run"
+    port = _free_port_pair()
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+                          f"run_dir={run_dir}", f"model.path={model}", "data_source.task=jsonl",
+                          f"data_source.path={data}", "data_source.num_eval_prompts=4",
+                          "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
+                          "trainer.mini_batch_size=8", "trainer.total_steps=4", "trainer.eval_freq=0",
+                          f"rollout.base_port={port}", f"weight_sync.master_port={port + 1}",
+                          "buffer.get_timeout_s=600", "rollout.startup_timeout_s=120"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out = []
+        for line in p.stdout:  # the producer starts after this line: no group was dropped before it
+            out.append(line)
+            if line.startswith("[train] weights version 0 on the servers"):
+                break
+        t0 = time.monotonic()
+        rest, err = p.communicate(timeout=120)
+        stopped_after = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+    assert out and out[-1].startswith("[train] weights version 0"), "".join(out)[-3000:] + err[-3000:]
+    assert stopped_after < 60, stopped_after
+    errors = [ln for ln in (rest + err).splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, err[-3000:]
+    assert _root_cause_exit_code(err) == 2, err[-3000:]
+    msg = errors[0]
+    head = "error: nothing can be trained: rollout.filter=['failed', 'all_equal_reward'] dropped each of the last "
+    assert msg.startswith(head), msg
+    n = int(msg[len(head):].split()[0])  # the collector may drop a few more before the trainer wakes to stop
+    assert n >= 64, msg
+    assert msg[len(head):].startswith(f"{n} groups (all 4 rewards 0.0: {n}; trajectory rewards seen: 0.0 ({4 * n}))")
+    assert "(task jsonl, reward the task's default): prompt '<|im_start|>user\\nTom has " in msg, msg
+    assert "How many has he?<|im_end|>\\n<|im_start|>assistant\\n', response '" in msg, msg
+    label = msg.split(", label '", 1)[1].split("'", 1)[0]
+    assert label in {str(2 * i + 3) for i in range(16)}  # the "#### N" of the row, as the reward sees it
+    assert "rollout.filter_stop_groups=64" in msg
+    assert not (run_dir / "checkpoints").exists() or not os.listdir(run_dir / "checkpoints")  # nothing trained
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the engine, buffer and rollout processes were stopped too
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("processes of the stopped run are still running")
+
+
+def test_saved_rollouts_that_run_out_say_so(tmp_path):
+    import types
+
+    from buffer import Group, NothingToTrain, PromptGroup, Trajectory
+
+    rec = train.RolloutRecorder(types.SimpleNamespace(run_dir=str(tmp_path)), fleet=None)
+    for step in range(2):
+        g = PromptGroup(0, step, step, torch.tensor([1, 2]), label="3")
+        rec.train_minibatch([Group(g, [Trajectory(0, step, 0, g.prompt_ids, reward=1.0)])], step)
+    replay = train.ReplayBuffer(str(tmp_path / "rollouts"))
+    assert len(replay.get(1, timeout=1)) == 1
+    with pytest.raises(NothingToTrain) as e:
+        replay.get(2, timeout=1)
+    assert str(e.value) == (
+        f"the data ran out before trainer.total_steps: the groups saved in {tmp_path / 'rollouts'} (2 files from 2 "
+        "steps of a rollout-only run) are trained but 1 and 2 are wanted; train at most that many steps "
+        "(trainer.total_steps, with the recording's batch size) or record more with run_mode=rollout-only")
