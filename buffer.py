@@ -778,7 +778,7 @@ def _load_prompts(cfg) -> list:
     import tasks  # project module; imported here so buffer.py stays torch + stdlib at module level
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return [tasks.load_prompts(ds, tokenizer, "train") for ds in cfg.data_sources]
+    return [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens) for ds in cfg.data_sources]
 
 
 def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,

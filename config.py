@@ -156,6 +156,7 @@ class RolloutConfig:
     filter: list = field(default_factory=lambda: ["failed"])  # collector filters: failed | all_equal_reward
     async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
     max_weight_staleness: Optional[int] = None  # drop trajectories whose current - start version exceeds this
+    max_prompt_tokens: Optional[int] = None  # longer prompts stop the run at start-up, counted (null = no limit)
     trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
     request_timeout_s: float = 3600.0  # HTTP timeout of one /generate call
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
@@ -446,6 +447,8 @@ def validate(cfg: Config) -> Config:
                          "their KV cache, and a server releases its memory only with no request running; use "
                          "rollout.pause_mode=retract or abort")
     validate_concurrency(r.async_max_concurrent_samples, N)
+    if r.max_prompt_tokens is not None:
+        _positive(r.max_prompt_tokens, "rollout.max_prompt_tokens")
     if r.max_weight_staleness is not None and r.max_weight_staleness < 0:
         raise ValueError(f"rollout.max_weight_staleness must be >= 0 or null, got {r.max_weight_staleness}")
     for f in r.filter:

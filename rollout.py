@@ -806,7 +806,8 @@ class Rollout:
 
         self.reward_fns = [tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task)) for ds in cfg.data_sources]
         self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
-                                "top_k": r.sampling.top_k}
+                                "top_k": r.sampling.top_k,
+                                "stop_token_ids": tasks.stop_token_ids(tokenizer, cfg.model.path)}
         self.run_tag = uuid.uuid4().hex[:8]  # no "-": the tag, then "-", is a prefix of this Rollout's rids only
         self.n = cfg.N
         self.max_samples: Optional[int] = None  # effective async_max_concurrent_samples, set by start()

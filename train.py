@@ -1028,7 +1028,7 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
     ecfg.rollout.sampling.temperature = 0.0  # greedy (below losses.GREEDY_TEMPERATURE)
     ecfg.rollout.partial = False
     ecfg.rollout.async_max_concurrent_samples = None
-    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval")
+    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval", cfg.rollout.max_prompt_tokens)
 
     def evaluate(steps_done: int) -> dict:
         t0 = time.perf_counter()
@@ -1095,6 +1095,12 @@ def check_inputs(cfg) -> None:
         for ds in cfg.data_sources:
             tasks.check_data_source(ds)
             tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
+            if cfg.rollout.max_prompt_tokens is not None and os.path.isdir(cfg.model.path):
+                from transformers import AutoTokenizer
+
+                for split in ("train", "eval"):
+                    tasks.load_prompts(ds, AutoTokenizer.from_pretrained(cfg.model.path), split,
+                                       cfg.rollout.max_prompt_tokens)
     if cfg.trainer.resume not in ("none", "auto"):
         problem = checkpoint_problem(cfg.trainer.resume)
         if problem is not None:
