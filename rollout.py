@@ -66,6 +66,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -438,8 +439,9 @@ class Fleet:
                                    {"model_path": path, "weight_version": str(version), "flush_cache": flush_cache})
 
     async def engine_ranks(self) -> list[int]:
-        """Ranks each worker brings to a weight-update group (its tp_size from /server_info)."""
-        return [int(info.get("tp_size") or 1) for info in await self.server_infos()]
+        """Ranks each worker brings to a weight-update group: tp x dp x pp of its /server_info."""
+        return [math.prod(int(info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
+                for info in await self.server_infos()]
 
     async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
                                         group_name: str = "weight_update_group", backend: str = "nccl") -> list:

@@ -43,7 +43,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import time
 from typing import Callable, Optional
@@ -1069,14 +1068,8 @@ def check_launch(cfg, world: int) -> None:
     if needs_servers and not r.servers and not r.router_url:
         if r.launch == "none":
             raise ValueError("rollout.launch=none needs rollout.servers or rollout.router_url (servers to connect to)")
-        if r.num_servers < 1:
-            raise ValueError(f"rollout.num_servers must be >= 1 when rollout.launch={r.launch}, got {r.num_servers}")
-        if r.server_gpus and len(r.server_gpus) != r.num_servers:
-            raise ValueError(f"rollout.server_gpus lists {len(r.server_gpus)} GPU sets but rollout.num_servers is "
-                             f"{r.num_servers}; give one list of GPU ids per server")
-        if r.launch == "sglang" and not r.server_gpus:
-            raise ValueError("rollout.launch=sglang needs rollout.server_gpus (GPU ids per server, e.g. "
-                             "[[0,1,2,3],[4,5,6,7]])")
+        services_lib.check_gpu_overlap(cfg, int(os.environ.get("GROUP_RANK", "0")), cfg.device == "cuda" or (
+            cfg.device == "auto" and torch.cuda.is_available()), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if r.servers and r.router_url:
         raise ValueError("give rollout.servers or rollout.router_url, not both")
     if cfg.run_mode == "train-only":
@@ -1163,6 +1156,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     dist.barrier(group=_CTRL)
 
     services, ok, failed, actor, logger = None, False, False, None, None
+    launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
     try:
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
@@ -1177,6 +1171,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) for rank 0 ----
         if rank != 0:
+            node = int(os.environ.get("GROUP_RANK", "0"))
+            if local_rank == 0 and launched and any(s.node == node for s in r.server_layout):
+                services = Services(cfg)  # this node's servers: launched, published for rank 0, supervised
+                services.serve_node(node)
             actor.follow()  # also loads the checkpoint rank 0 chose when it says so
             ok = True
             return
@@ -1204,12 +1202,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             ro = NoRollout()
         else:
             services = Services(cfg)
-            launched = not r.servers and not r.router_url
             if launched:
-                cfg.rollout.servers = services.launch_servers(start_step)
-            if cfg.weight_sync.master_address is None:  # where the servers reach this process's broadcast group
-                cfg.weight_sync.master_address = "127.0.0.1" if launched else \
-                    socket.gethostbyname(socket.gethostname())
+                cfg.rollout.servers = services.launch_fleet(start_step)
+            cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
             fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
             fleet.wait_healthy(r.startup_timeout_s)
             resolved = os.path.join(cfg.run_dir, "config.yaml")
@@ -1238,6 +1233,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- the loop ----
         run_steps(cfg, actor, buf, ro, logger, start_step, evaluate)
+        if services is not None and services.fleet is not None:
+            infos = services.fleet.server_infos()
+            print(f"[train] weight versions on the servers at the end: "
+                  f"{dict(zip(services.fleet.workers(), (i.get('weight_version') for i in infos)))}", flush=True)
 
         # ---- final HF export ----
         if cfg.trainer.export_hf and isinstance(actor, Actor):
@@ -1258,10 +1257,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 with contextlib.suppress(Exception):
                     if ok:
                         actor.stop()
-            if services is not None:
-                services.close(ok)
             if logger is not None:
                 logger.close()
+        if services is not None:
+            services.close(ok)
         if ok:
             with contextlib.suppress(Exception):
                 # Every rank tears its gloo groups down together: a rank that destroys them while a peer still

@@ -136,9 +136,6 @@ TRAIN_RULES = [  # train.py's own checks (check_launch): (overrides, strings of 
     (["trainer.num_gpus_per_node=2"], ["trainer.num_nodes x trainer.num_gpus_per_node", "(1)"]),
     (["model.path=/nonexistent/model", "model.make_tiny=false"], ["model.path", "model.make_tiny"]),
     (["rollout.launch=none"], ["rollout.launch=none", "rollout.servers"]),
-    (["rollout.num_servers=0"], ["rollout.num_servers"]),
-    (["rollout.num_servers=2", "rollout.server_gpus=[[0]]"], ["rollout.server_gpus", "rollout.num_servers"]),
-    (["rollout.launch=sglang"], ["rollout.launch=sglang", "rollout.server_gpus"]),
     (["rollout.servers=[http://127.0.0.1:1]", "rollout.router_url=http://127.0.0.1:2"],
      ["rollout.servers", "rollout.router_url"]),
     (["run_mode=train-only", "fully_async.enable=false"], ["run_mode=train-only", "trainer.rollout_dir"]),
@@ -499,7 +496,7 @@ def _sync_script(args):
     results = {}
     try:
         if rank == 0:
-            urls = services.launch_servers(0)
+            urls = services.launch_fleet(0)
             actor.fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet(urls))
         for version, method in ((1, "distributed"), (2, "disk")):
             cfg.weight_sync.method = method
