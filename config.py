@@ -104,6 +104,8 @@ class TrainerConfig:
     betas: tuple = (0.9, 0.999)  # AdamW betas
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
     micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: param/grad shards and AdamW state in host memory, step on CPU
+    snapshot: str = "device"  # where the old-policy copy of the weight shards lives: device | cpu (host memory)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
@@ -524,6 +526,8 @@ def validate(cfg: Config) -> Config:
     _positive(t.num_gpus_per_node, "trainer.num_gpus_per_node")
     _positive(t.lr, "trainer.lr")
     _positive(t.micro_batch_tokens, "trainer.micro_batch_tokens")
+    if t.snapshot not in ("device", "cpu"):
+        raise ValueError(f"trainer.snapshot must be device or cpu, got '{t.snapshot}'")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:

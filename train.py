@@ -282,16 +282,20 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 # Model, FSDP2, optimizer
 # ---------------------------------------------------------------------------------------------------------------
 
-def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> None:
+def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+               cpu_offload: bool = False) -> None:
     """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
-    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload:
+    the shards, their gradients and so the optimizer state stay in host memory (pinned on cuda; pinning needs
+    an accelerator), copied to the device per layer for forward and backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    off = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
 
 
 def reshard(model) -> None:
@@ -317,19 +321,66 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
-    apply_fsdp(model, mesh, torch.bfloat16 if gpu else None, torch.float32 if gpu else None)
-    model.to_empty(device=device)
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu else None, torch.float32 if gpu else None, cfg.trainer.cpu_offload)
+    model.to_empty(device="cpu" if cfg.trainer.cpu_offload else device)
     full, buffers = {}, [None]
     if rank == 0:
         ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
         full, buffers = ref.state_dict(), [{k: v.cpu() for k, v in ref.named_buffers()}]
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Non-persistent buffers (rotary inv_freq) are not in a state dict: copy rank 0's.
+    # Non-persistent buffers (rotary inv_freq) are not in a state dict: rank 0's, on the device (also when the
+    # parameters are offloaded: FSDP2 moves only those).
     dist.broadcast_object_list(buffers, src=0, group=_ctrl_group())
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[0][name])
+    for prefix, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            mod._buffers[name] = buffers[0][f"{prefix}.{name}" if prefix else name].to(device)
     return model, hf_config
+
+
+GIB = 2 ** 30
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(parameters, parameters of the largest decoder layer) of an HF causal LM: sharded (a DTensor's numel() is
+    the full parameter's) or on the meta device (a config's model, never loaded)."""
+    return (sum(p.numel() for p in model.parameters()),
+            max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers))
+
+
+def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_type: str) -> dict:
+    """GiB per trainer rank of the training state, before activations: FSDP2 shards params, grads and the AdamW
+    moments (two, in the param dtype) over `world` ranks; the old-policy snapshot is one more shard (none with
+    trainer.use_rollout_log_probs or one training call per step); the two largest decoder layers all-gathered in
+    the compute dtype (one computing, one prefetched). trainer.cpu_offload / trainer.snapshot=cpu move their
+    terms from "device" to "host"."""
+    t = cfg.trainer
+    param_b = 4 if device_type == "cpu" else torch.tensor([], dtype=getattr(torch, cfg.model.dtype)).element_size()
+    compute_b = 4 if device_type == "cpu" else 2  # bf16 autocast of FSDP2's MixedPrecisionPolicy on cuda
+    shard = n_params / world * param_b / GIB
+    snapshot = 0.0 if t.use_rollout_log_probs or cfg.calls_per_step == 1 else shard
+    parts = {"params": shard, "grads": shard, "optimizer": 2 * shard, "snapshot": snapshot,
+             "gathered layers": 2 * largest_layer * compute_b / GIB}
+    on_host = {"params", "grads", "optimizer"} if t.cpu_offload else set()
+    on_host |= {"snapshot"} if t.snapshot == "cpu" else set()
+    return {"parts": parts, "device": sum(v for k, v in parts.items() if k not in on_host),
+            "host": sum(v for k, v in parts.items() if k in on_host)}
+
+
+def memory_report(cfg, model, world: int, device: torch.device) -> str:
+    """The start-up line of memory_estimate for this model, with a warning naming what to change when the
+    device's memory is smaller."""
+    n, largest = param_counts(model)
+    est = memory_estimate(cfg, n, largest, world, device.type)
+    line = (f"[train] memory per rank, estimated before activations ({n / 1e9:.2f}B parameters over {world} "
+            f"ranks): " + " + ".join(f"{k} {v:.2f}" for k, v in est["parts"].items())
+            + f" GiB; on the device {est['device']:.2f} GiB, in host memory {est['host']:.2f} GiB")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / GIB
+        if est["device"] > total:
+            line += (f"\n[train] warning: that is more than the device's {total:.1f} GiB; set "
+                     "trainer.cpu_offload=true (params, grads and optimizer to host memory), trainer.snapshot=cpu, "
+                     "model.dtype=bfloat16, or run more trainer ranks")
+    return line
 
 
 def build_optimizer(model, t):
@@ -558,7 +609,13 @@ class Actor:
         first = step != self.snapshot_step
         if first and self.cfg.calls_per_step > 1:
             reshard(self.model)
-            self.snapshot = [p.to_local().detach().clone() for p in self.model.parameters()]
+            on = "cpu" if self.cfg.trainer.snapshot == "cpu" else None  # host memory, pinned for fast copies
+            pin = on is not None and self.device.type == "cuda"
+            if self.snapshot is None:
+                self.snapshot = [torch.empty_like(p.to_local(), device=on, pin_memory=pin)
+                                 for p in self.model.parameters()]
+            for p, s in zip(self.model.parameters(), self.snapshot):
+                s.copy_(p.to_local().detach())
             self.snapshot_step = step
         elif not first:
             self._swap_snapshot()
@@ -579,7 +636,7 @@ class Actor:
         for p, s in zip(self.model.parameters(), self.snapshot):
             live = p.to_local()
             tmp = live.clone()
-            live.copy_(s)
+            live.copy_(s)  # from host memory with trainer.snapshot=cpu: one shard at a time on the device
             s.copy_(tmp)
 
     # ---- weights: full tensors gathered from the shards, parameter by parameter ----
@@ -1164,6 +1221,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             mesh = init_device_mesh(device.type, (world,))
             model, _ = load_model(cfg, mesh, device, rank)
+            if rank == 0:
+                print(memory_report(cfg, model, world, device), flush=True)
             opt, sched = build_optimizer(model, cfg.trainer)
             actor = Actor(cfg, model, opt, sched, device)
         elif rank != 0:

@@ -418,11 +418,17 @@ def _torchrun_self(mode: str, args: dict, timeout: float = 240) -> dict:
 
 def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
     """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
-    live weights are back."""
-    r = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
-    assert r["old_vs_step_start"] < 1e-6
-    assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
-    assert r["live_after_vs_before"] < 1e-6
+    live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
+    without pinning, which needs an accelerator), whose update is the same as the plain one's."""
+    plain = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
+    offload = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path),
+                                          "overrides": ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]})
+    for r in (plain, offload):
+        assert r["old_vs_step_start"] < 1e-6
+        assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
+        assert r["live_after_vs_before"] < 1e-6
+    assert offload["offloaded"] and not plain["offloaded"]
+    assert offload["live"] == pytest.approx(plain["live"], abs=1e-5)  # the same training step
 
 
 def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_model):
@@ -448,7 +454,7 @@ def _script_setup(args):
                                     "trainer.mini_batch_size=128",  # several training calls per step: a snapshot
                                     f"rollout.base_port={args.get('port', 31000)}",
                                     f"weight_sync.master_port={args.get('master_port', 29700)}",
-                                    "weight_sync.master_address=127.0.0.1"])
+                                    "weight_sync.master_address=127.0.0.1", *args.get("overrides", [])])
     model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
     opt, sched = train.build_optimizer(model, cfg.trainer)
     return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
@@ -480,7 +486,10 @@ def _snapshot_script(args):
     if rank == 0:
         print("RESULT " + json.dumps({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
                                       "live_vs_step_start": float((live - step_start).abs().max()),
-                                      "live_after_vs_before": float((after - live).abs().max())}), flush=True)
+                                      "live_after_vs_before": float((after - live).abs().max()),
+                                      "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
+                                      ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu}),
+              flush=True)
     dist.barrier()  # both ranks tear their groups down together (see train.main)
     dist.destroy_process_group()
 
