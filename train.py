@@ -349,15 +349,16 @@ def param_counts(model) -> tuple[int, int]:
 
 def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_type: str) -> dict:
     """GiB per trainer rank of the training state, before activations: FSDP2 shards params, grads and the AdamW
-    moments (two, in the param dtype) over `world` ranks; the old-policy snapshot is one more shard (none with
-    trainer.use_rollout_log_probs or one training call per step); the two largest decoder layers all-gathered in
-    the compute dtype (one computing, one prefetched). trainer.cpu_offload / trainer.snapshot=cpu move their
-    terms from "device" to "host"."""
+    moments (two, in the param dtype) over `world` ranks; the old-policy snapshot is one more shard in the compute
+    dtype (Actor._take_snapshot; none with trainer.use_rollout_log_probs or one training call per step); the two
+    largest decoder layers all-gathered in the compute dtype (one computing, one prefetched). The live shards
+    kept aside while the snapshot computes fit in the gradients' memory (Actor._old_log_probs): no term.
+    trainer.cpu_offload / trainer.snapshot=cpu move their terms from "device" to "host"."""
     t = cfg.trainer
     param_b = 4 if device_type == "cpu" else torch.tensor([], dtype=getattr(torch, cfg.model.dtype)).element_size()
     compute_b = 4 if device_type == "cpu" else 2  # bf16 autocast of FSDP2's MixedPrecisionPolicy on cuda
     shard = n_params / world * param_b / GIB
-    snapshot = 0.0 if t.use_rollout_log_probs or cfg.calls_per_step == 1 else shard
+    snapshot = 0.0 if t.use_rollout_log_probs or cfg.calls_per_step == 1 else shard * compute_b / param_b
     parts = {"params": shard, "grads": shard, "optimizer": 2 * shard, "snapshot": snapshot,
              "gathered layers": 2 * largest_layer * compute_b / GIB}
     on_host = {"params", "grads", "optimizer"} if t.cpu_offload else set()
@@ -600,25 +601,24 @@ class Actor:
     @torch.no_grad()
     def _old_log_probs(self, batches: list[dict], step: int) -> list[torch.Tensor]:
         """log pi_old per micro-batch: the step-start weights (spec section 2). At the step's first call they are
-        the live weights, and a copy of this rank's shards is kept; later calls swap that copy in, compute, and
-        swap back. trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
+        the live weights, and a copy of this rank's shards is kept (_take_snapshot); later calls copy it into the
+        shards, compute, and put the live shards back. Those wait in a clone meanwhile, in the memory this call's
+        gradients take later (the last update's zero_grad freed it), so the peak is not raised by a full copy.
+        trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
         import losses
 
         if self.cfg.trainer.use_rollout_log_probs:
             return [b["rollout_lp"] for b in batches]
         first = step != self.snapshot_step
+        reshard(self.model)  # first: the unsharded parameters of the last layer and root would be listed instead
+        params = [p.to_local() for p in self.model.parameters()]
+        live = None
         if first and self.cfg.calls_per_step > 1:
-            reshard(self.model)
-            on = "cpu" if self.cfg.trainer.snapshot == "cpu" else None  # host memory, pinned for fast copies
-            pin = on is not None and self.device.type == "cuda"
-            if self.snapshot is None:
-                self.snapshot = [torch.empty_like(p.to_local(), device=on, pin_memory=pin)
-                                 for p in self.model.parameters()]
-            for p, s in zip(self.model.parameters(), self.snapshot):
-                s.copy_(p.to_local().detach())
-            self.snapshot_step = step
+            self._take_snapshot(params, step)
         elif not first:
-            self._swap_snapshot()
+            live = [p.clone() for p in params]
+            for p, s in zip(params, self.snapshot):
+                p.copy_(s)
         self.model.eval()
         out = []
         for b in batches:
@@ -626,18 +626,22 @@ class Actor:
             out.append(losses.token_logprobs(logits, b["ids"][:, 1:], self.cfg.rollout.sampling.temperature,
                                              self.cfg.trainer.logprob_chunk_tokens)[0])
         reshard(self.model)
-        if not first:
-            self._swap_snapshot()
+        for p, x in zip(params, live or []):
+            p.copy_(x)
         return out
 
-    def _swap_snapshot(self) -> None:
-        """Exchange the live local shards with the snapshot in place (one tensor's worth of extra memory)."""
-        reshard(self.model)
-        for p, s in zip(self.model.parameters(), self.snapshot):
-            live = p.to_local()
-            tmp = live.clone()
-            live.copy_(s)  # from host memory with trainer.snapshot=cpu: one shard at a time on the device
-            s.copy_(tmp)
+    def _take_snapshot(self, params: list, step: int) -> None:
+        """Keep this rank's shards in the compute dtype: bfloat16 on cuda, which is what FSDP2's mixed precision
+        casts them to before the all-gather, so a forward from the copy is the step-start forward exactly, at half
+        the size of float32 master weights. On the device, or in host memory with trainer.snapshot=cpu (pinned)."""
+        if self.snapshot is None:
+            host = self.cfg.trainer.snapshot == "cpu"
+            dtype = torch.bfloat16 if self.device.type == "cuda" else None
+            self.snapshot = [torch.empty_like(p, dtype=dtype, device="cpu" if host else None,
+                                              pin_memory=host and self.device.type == "cuda") for p in params]
+        for p, s in zip(params, self.snapshot):
+            s.copy_(p)
+        self.snapshot_step = step
 
     # ---- weights: full tensors gathered from the shards, parameter by parameter ----
     def _full_params(self):
