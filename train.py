@@ -20,9 +20,10 @@ Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.30
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml fully_async.enable=false
     python train.py plot runs/tiny                     # metrics.jsonl -> runs/tiny/metrics.png
-Multi-node (GPU), on each of the trainer nodes, with SGLang servers launched by rank 0 or already running:
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29400 \
-        train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
+Multi-node (GPU), on each trainer node K; each node's local rank 0 launches its servers of rollout.server_layout
+(or give rollout.servers already running):
+    torchrun --nnodes 2 --nproc_per_node 8 --node_rank K --rdzv_backend static --master_addr HEAD \
+        --master_port 29400 train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 
 Simplifications: one sequence per row (padded micro-batches, no packing); the model is a HF causal LM sharded by
 FSDP2 over its decoder layers (data parallel only, no tensor/pipeline/expert parallelism); GPU-only paths (nccl,

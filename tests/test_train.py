@@ -173,6 +173,14 @@ def test_train_launch_checks_exit_with_one_sentence(tmp_path, capsys, overrides,
     _expect_exit(["--config", TINY, *base, *overrides], fragments, capsys)
 
 
+def test_prompts_over_max_prompt_tokens_stop_the_run_before_any_server(tmp_path, capsys, tiny_model):
+    _expect_exit(["--config", TINY, "trainer.num_gpus_per_node=1", f"run_dir={tmp_path}/run",
+                  f"model.path={tiny_model}", "data_source.num_prompts=64", "rollout.max_prompt_tokens=4"],
+                 ["of the 64 train prompts of data_source.task 'reverse_digits' are longer than "
+                  "rollout.max_prompt_tokens=4 tokens (the longest: 6)"], capsys)
+    assert not os.path.exists(tmp_path / "run" / "logs")  # nothing was launched
+
+
 def test_validation_under_torchrun_exits_fast_and_leaves_no_process(tmp_path):
     t0 = time.monotonic()
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, f"run_dir={tmp_path}/run",
