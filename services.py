@@ -242,8 +242,9 @@ class Services:
             urls[i] = f"http://{server_address(a.host, node)}:{port}"
             self.servers[f"server_{i}"] = (cmd, env, urls[i])
         self.wait_healthy(list(urls.values()))
-        print(f"[train] node {node} launched " + ", ".join(f"server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid})"
-                                                         for i, u in urls.items()), flush=True)
+        if urls:
+            print(f"[train] node {node} launched " + ", ".join(
+                f"server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid})" for i, u in urls.items()), flush=True)
         return urls
 
     def launch_fleet(self, version: int) -> list[str]:

@@ -354,16 +354,16 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
     dtype (Actor._take_snapshot; none with trainer.use_rollout_log_probs or one training call per step); the two
     largest decoder layers all-gathered in the compute dtype (one computing, one prefetched). The live shards
     kept aside while the snapshot computes fit in the gradients' memory (Actor._old_log_probs): no term.
-    trainer.cpu_offload / trainer.snapshot=cpu move their terms from "device" to "host"."""
+    trainer.cpu_offload (all but the gathered layers) / trainer.snapshot=cpu move terms from "device" to "host"."""
     t = cfg.trainer
     param_b = 4 if device_type == "cpu" else torch.tensor([], dtype=getattr(torch, cfg.model.dtype)).element_size()
-    compute_b = 4 if device_type == "cpu" else 2  # bf16 autocast of FSDP2's MixedPrecisionPolicy on cuda
+    compute_b = 4 if device_type == "cpu" else 2  # bf16: the param_dtype of FSDP2's MixedPrecisionPolicy on cuda
     shard = n_params / world * param_b / GIB
     snapshot = 0.0 if t.use_rollout_log_probs or cfg.calls_per_step == 1 else shard * compute_b / param_b
     parts = {"params": shard, "grads": shard, "optimizer": 2 * shard, "snapshot": snapshot,
              "gathered layers": 2 * largest_layer * compute_b / GIB}
     on_host = {"params", "grads", "optimizer"} if t.cpu_offload else set()
-    on_host |= {"snapshot"} if t.snapshot == "cpu" else set()
+    on_host |= {"snapshot"} if t.snapshot == "cpu" or t.cpu_offload else set()  # it sits beside the shards
     return {"parts": parts, "device": sum(v for k, v in parts.items() if k not in on_host),
             "host": sum(v for k, v in parts.items() if k in on_host)}
 
@@ -1202,8 +1202,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-process group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(services_lib.free_port()), RANK="0", WORLD_SIZE="1")
     r, b = cfg.rollout, cfg.buffer
-    dist.init_process_group("nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
+    # trainer.cpu_offload on cuda: the offloaded shards' collectives (loading, gradient-norm reduction) are on CPU
+    # tensors, which take gloo next to nccl (as torchtitan does)
+    backend = ("cuda:nccl,cpu:gloo" if cfg.trainer.cpu_offload else "nccl") if use_cuda else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
     ctrl_s = b.get_timeout_s + r.pause_timeout_s + r.startup_timeout_s + cfg.weight_sync.timeout_s + 600
     _CTRL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctrl_s))
     torch.manual_seed(cfg.seed + rank)

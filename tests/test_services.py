@@ -117,3 +117,24 @@ def test_two_torchrun_nodes_each_launch_their_engine_and_both_end_at_the_final_v
     for port in (base_port, base_port + 1):  # every server was stopped with the run
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_rank_0_reports_what_another_node_published_or_that_nothing_came(tmp_path, monkeypatch):
+    """launch_fleet reads the other nodes' URLs from the torchrun store: a node's launch error is raised as its
+    own message; a node that publishes nothing is a timeout naming the server, its node and where its log is."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    monkeypatch.setattr(services, "_store", lambda: store)
+    cfg = _cfg(f"run_dir={tmp_path}", "trainer.num_nodes=3", "rollout.startup_timeout_s=0.5",
+               "rollout.server_layout=[{node: 1}, {node: 2}]")
+    svc = services.Services(cfg)
+    store.set(f"{services.URL_KEY}0", "http://10.0.0.1:31000")
+    with pytest.raises(TimeoutError, match=r"server_1 of rollout.server_layout \(node 2\) was not up within "
+                                           r"rollout.startup_timeout_s=0.5 s .*server_1.log on that node"):
+        svc.launch_fleet(0)
+    store.set(f"{services.URL_KEY}1", "error: node 2, server_1: port 31001 (rollout.base_port + 1) is already in use")
+    with pytest.raises(RuntimeError, match=r"^node 2, server_1: port 31001 \(rollout.base_port \+ 1\) is already"):
+        svc.launch_fleet(0)
+    store.set(f"{services.URL_KEY}1", "http://10.0.0.2:31001")
+    assert svc.launch_fleet(0) == ["http://10.0.0.1:31000", "http://10.0.0.2:31001"]
