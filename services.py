@@ -107,8 +107,8 @@ def check_gpu_overlap(cfg, node: int, use_cuda: bool, visible: Optional[str]) ->
     for i, s in enumerate(r.server_layout):
         shared = sorted(str(g) for g in s.gpus if str(g) in trainer) if s.node == node else []
         if shared:
-            raise ValueError(f"rollout.server_layout[{i}] uses GPU {', '.join(shared)} of node {node}, which its "
-                             f"{n} trainer ranks use (CUDA_VISIBLE_DEVICES={visible or f'unset, GPUs 0-{n - 1}'}); "
+            raise ValueError(f"rollout.server_layout[{i}] uses GPU {', '.join(shared)} of node {node}, which the "
+                             f"node's {n} trainer ranks use (CUDA_VISIBLE_DEVICES={visible or f'unset, GPUs 0-{n - 1}'}); "
                              "give the servers other GPUs, start torchrun with CUDA_VISIBLE_DEVICES naming the "
                              "trainer's, or set colocate=true to share them")
 
@@ -122,7 +122,8 @@ GRACE_S = 3.0  # after a child died: how long the main thread has to fail on its
 
 
 class Services:
-    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC.
+    """Everything a trainer process starts, and their orderly stop (also on error): rank 0 the servers of its
+    node, the buffer, the rollout and RPC; the local rank 0 of another node the servers of that node.
 
     Root cause first: when a child exits, the run's error is Services.report (the child, its exit code or signal,
     its log and the log's last lines), not the RPC or socket error that its death causes elsewhere. A watcher

@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -49,8 +50,8 @@ def test_gpu_overlap_with_the_trainer_is_refused_in_one_sentence():
             "rollout.server_layout=[{gpus: [4, 5], tp: 2}, {node: 1, gpus: [2, 3, 4, 5], tp: 4}]"]
     cfg = _cfg(*base)
     services.check_gpu_overlap(cfg, 0, True, None)  # node 0: trainer on 0-3, server on 4-5
-    with pytest.raises(ValueError, match=r"^rollout.server_layout\[1\] uses GPU 2, 3 of node 1, which its 4 "
-                                         r"trainer ranks use \(CUDA_VISIBLE_DEVICES=unset, GPUs 0-3\);"):
+    with pytest.raises(ValueError, match=r"^rollout.server_layout\[1\] uses GPU 2, 3 of node 1, which the node's "
+                                         r"4 trainer ranks use \(CUDA_VISIBLE_DEVICES=unset, GPUs 0-3\);"):
         services.check_gpu_overlap(cfg, 1, True, None)
     # the trainer's GPUs are the first num_gpus_per_node of CUDA_VISIBLE_DEVICES (physical ids)
     services.check_gpu_overlap(cfg, 1, True, "6,7,0,1")
@@ -138,3 +139,22 @@ def test_rank_0_reports_what_another_node_published_or_that_nothing_came(tmp_pat
         svc.launch_fleet(0)
     store.set(f"{services.URL_KEY}1", "http://10.0.0.2:31001")
     assert svc.launch_fleet(0) == ["http://10.0.0.1:31000", "http://10.0.0.2:31001"]
+
+
+def test_sglang_command_per_server_has_its_layout_gpus_and_the_extra_flags(tmp_path, monkeypatch):
+    cfg = _cfg(f"run_dir={tmp_path}", "colocate=false", "rollout.launch=sglang", "rollout.base_port=25000",
+               "trainer.num_nodes=2",
+               "rollout.server_layout=[{gpus: [4, 5, 6, 7], tp: 2, dp: 2}, {node: 1, gpus: [0, 1], pp: 2}]",
+               'rollout.sglang_args.extra=["--ep-size", "2", "--context-length", 32768]')
+    svc = services.Services(cfg)
+    spawned = []
+    monkeypatch.setattr(svc, "spawn", lambda name, cmd, env: spawned.append((name, cmd, env)) or
+                        types.SimpleNamespace(pid=1))
+    monkeypatch.setattr(svc, "wait_healthy", lambda urls: None)
+    monkeypatch.setattr(svc, "procs", {"server_0": (types.SimpleNamespace(pid=1), "")})
+    assert svc.launch_servers(7, node=0) == {0: "http://127.0.0.1:25000"}  # node 1's server is not ours
+    (name, cmd, env), = spawned
+    assert name == "server_0" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    flags = " ".join(cmd[cmd.index("--port"):])
+    assert flags == ("--port 25000 --host 127.0.0.1 --tp-size 2 --dp-size 2 --pp-size 1 --weight-version 7 "
+                     "--dtype bfloat16 --ep-size 2 --context-length 32768")
