@@ -1143,7 +1143,9 @@ def check_launch(cfg, world: int) -> None:
 
 def check_inputs(cfg) -> None:
     """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
-    row only after the servers started), and a checkpoint given as trainer.resume loads."""
+    row only after the servers started), its prompts fit rollout.max_prompt_tokens (with the tokenizer of
+    model.path; a tiny model not made yet is checked when the buffer loads them), and a checkpoint given as
+    trainer.resume loads."""
     import tasks
 
     if cfg.run_mode != "train-only":
@@ -1153,9 +1155,9 @@ def check_inputs(cfg) -> None:
             if cfg.rollout.max_prompt_tokens is not None and os.path.isdir(cfg.model.path):
                 from transformers import AutoTokenizer
 
+                tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
                 for split in ("train", "eval"):
-                    tasks.load_prompts(ds, AutoTokenizer.from_pretrained(cfg.model.path), split,
-                                       cfg.rollout.max_prompt_tokens)
+                    tasks.load_prompts(ds, tokenizer, split, cfg.rollout.max_prompt_tokens)
     if cfg.trainer.resume not in ("none", "auto"):
         problem = checkpoint_problem(cfg.trainer.resume)
         if problem is not None:
