@@ -870,7 +870,8 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        prompts_per_source = [tasks.load_prompts(ds, tokenizer, "train") for ds in cfg.data_sources]
+        prompts_per_source = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens)
+                              for ds in cfg.data_sources]
         decode = tokenizer.decode
     # before init_rpc: clients may call as soon as it returns
     _SERVER = PipelineServer(cfg, prompts_per_source, decode=decode)

@@ -104,6 +104,8 @@ class TrainerConfig:
     betas: tuple = (0.9, 0.999)  # AdamW betas
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
     micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: param/grad shards and AdamW state in host memory, step on CPU
+    snapshot: str = "device"  # where the old-policy copy of the weight shards lives: device | cpu (host memory)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
@@ -125,9 +127,18 @@ class SamplerConfig:
 class SGLangArgs:
     max_running_requests: Optional[int] = None  # per-server concurrency limit passed to each server we launch
     mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static for servers we launch
-    tp_size: int = 1  # SGLang --tp-size for servers we launch
     host: str = "127.0.0.1"  # --host of servers we launch (their weight-loading endpoints have no other guard)
     api_key: Optional[str] = None  # --api-key of servers we launch; every client call sends it as a Bearer token
+    extra: list = field(default_factory=list)  # any other launch flags, as strings: ["--context-length", "32768"]
+
+
+@dataclass
+class ServerLayout:
+    node: int = 0  # trainer node (torchrun --node_rank) whose local rank 0 launches and supervises this server
+    gpus: list = field(default_factory=list)  # physical GPU ids on that node (its CUDA_VISIBLE_DEVICES); [] on CPU
+    tp: int = 1  # SGLang --tp-size
+    dp: int = 1  # SGLang --dp-size
+    pp: int = 1  # SGLang --pp-size (the server brings tp x dp x pp ranks to the weight-update group)
 
 
 @dataclass
@@ -143,9 +154,8 @@ class RolloutConfig:
     servers: list = field(default_factory=list)  # URLs of running inference servers (connect mode)
     router_url: Optional[str] = None  # URL of an sglang-router; its workers are listed via GET /workers
     launch: str = "engine"  # engine | sglang | none: which servers rank 0 starts when `servers` is empty
-    num_servers: int = 1  # servers to launch
-    server_gpus: list = field(default_factory=list)  # GPU ids per launched server, e.g. [[0,1,2,3],[4,5,6,7]]
-    base_port: int = 31000  # first port of launched servers (server i listens on base_port + i)
+    server_layout: list[ServerLayout] = field(default_factory=lambda: [ServerLayout()])  # servers to launch, one each
+    base_port: int = 31000  # first port of launched servers (server i of server_layout listens on base_port + i)
     sglang_args: SGLangArgs = field(default_factory=SGLangArgs)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -157,6 +167,7 @@ class RolloutConfig:
     filter_stop_groups: Optional[int] = None  # stop when the filter drops this many in a row (null: 4 x B, >= 64; 0: off)
     async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
     max_weight_staleness: Optional[int] = None  # drop trajectories whose current - start version exceeds this
+    max_prompt_tokens: Optional[int] = None  # longer prompts stop the run at start-up, counted (null = no limit)
     trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
     request_timeout_s: float = 3600.0  # HTTP timeout of one /generate call
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
@@ -299,6 +310,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):
             return value
         raise ValueError(f"config key '{key}' must be a string, got {value!r}")
+    if origin is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):  # a list of mappings, each checked
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key '{key}' must be a list of {typing.get_args(tp)[0].__name__} mappings, "
+                             f"got {value!r}")
+        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if tp in (list, tuple):
         if isinstance(value, (list, tuple)):
             return tp(value)
@@ -455,6 +471,8 @@ def validate(cfg: Config) -> Config:
                          "their KV cache, and a server releases its memory only with no request running; use "
                          "rollout.pause_mode=retract or abort")
     validate_concurrency(r.async_max_concurrent_samples, N)
+    if r.max_prompt_tokens is not None:
+        _positive(r.max_prompt_tokens, "rollout.max_prompt_tokens")
     if r.max_weight_staleness is not None and r.max_weight_staleness < 0:
         raise ValueError(f"rollout.max_weight_staleness must be >= 0 or null, got {r.max_weight_staleness}")
     for f in r.filter:
@@ -468,6 +486,7 @@ def validate(cfg: Config) -> Config:
                          "one trajectory per prompt every group has equal rewards and would be dropped")
     if r.launch not in ("engine", "sglang", "none"):
         raise ValueError(f"rollout.launch must be one of engine, sglang, none, got '{r.launch}'")
+    validate_server_layout(cfg)
     if r.sglang_args.max_running_requests is not None:
         _positive(r.sglang_args.max_running_requests, "rollout.sglang_args.max_running_requests")
     _positive(r.sampling.max_new_tokens, "rollout.sampling.max_new_tokens")
@@ -519,6 +538,8 @@ def validate(cfg: Config) -> Config:
     _positive(t.num_gpus_per_node, "trainer.num_gpus_per_node")
     _positive(t.lr, "trainer.lr")
     _positive(t.micro_batch_tokens, "trainer.micro_batch_tokens")
+    if t.snapshot not in ("device", "cpu"):
+        raise ValueError(f"trainer.snapshot must be device or cpu, got '{t.snapshot}'")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:
@@ -537,6 +558,41 @@ def validate(cfg: Config) -> Config:
     if cfg.logging.wandb.mode not in ("online", "offline"):
         raise ValueError(f"logging.wandb.mode must be online or offline, got '{cfg.logging.wandb.mode}'")
     return cfg
+
+
+def validate_server_layout(cfg: Config) -> None:
+    """rollout.server_layout: nodes that exist, tp x dp x pp GPUs per server, no GPU given to two servers of a node
+    (overlap with the trainer's GPUs is checked per node at start-up: services.check_gpu_overlap)."""
+    r = cfg.rollout
+    if r.servers or r.router_url or r.launch == "none" or cfg.run_mode == "train-only":
+        return
+    if not r.server_layout:
+        raise ValueError(f"rollout.server_layout is empty but rollout.launch={r.launch}; give one entry per server "
+                         "(e.g. [{node: 0, gpus: [0, 1], tp: 2}]), or rollout.servers to connect to")
+    if cfg.run_mode == "rollout-only" and any(s.node for s in r.server_layout):
+        raise ValueError("run_mode=rollout-only launches servers on node 0 only (it has no trainer ranks elsewhere); "
+                         "set every rollout.server_layout[].node to 0, or give rollout.servers")
+    taken: dict = {}
+    for i, s in enumerate(r.server_layout):
+        key = f"rollout.server_layout[{i}]"
+        for name in ("tp", "dp", "pp"):
+            _positive(getattr(s, name), f"{key}.{name}")
+        if not 0 <= s.node < cfg.trainer.num_nodes:
+            raise ValueError(f"{key}.node={s.node} is not a trainer node: nodes are 0 .. trainer.num_nodes - 1 "
+                             f"= {cfg.trainer.num_nodes - 1} (each node's local rank 0 launches its servers)")
+        if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in s.gpus):
+            raise ValueError(f"{key}.gpus must be a list of GPU ids (integers >= 0), got {s.gpus!r}")
+        if r.launch == "engine" and s.tp * s.dp * s.pp != 1:
+            raise ValueError(f"{key}: engine.py serves one rank (tp = dp = pp = 1), got tp={s.tp} dp={s.dp} "
+                             f"pp={s.pp}; use rollout.launch=sglang for parallel servers")
+        if r.launch == "sglang" and len(s.gpus) != s.tp * s.dp * s.pp:
+            raise ValueError(f"{key}.gpus lists {len(s.gpus)} GPUs but tp x dp x pp = {s.tp} x {s.dp} x {s.pp} = "
+                             f"{s.tp * s.dp * s.pp}; give one physical GPU id per rank")
+        for g in s.gpus:
+            if (s.node, g) in taken:
+                raise ValueError(f"{key} and rollout.server_layout[{taken[s.node, g]}] both use GPU {g} of node "
+                                 f"{s.node}; give each server its own GPUs")
+            taken[s.node, g] = i
 
 
 def validate_concurrency(value: Optional[int], n: int) -> None:
@@ -579,7 +635,13 @@ def parameter_table() -> str:
                 continue
             default = getattr(default_obj, f.name)
             shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
+            item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+            if dataclasses.is_dataclass(item):  # a list of mappings: the default as YAML, then each field's row
+                shown = yaml.safe_dump([dataclasses.asdict(d) for d in default], default_flow_style=True,
+                                       sort_keys=False).strip()
             rows.append(f"| `{prefix}{f.name}` | `{shown}` | {comments.get(f.name, '').replace('|', '/')} |")
+            if dataclasses.is_dataclass(item):
+                walk(item, f"{prefix}{f.name}[].")
 
     walk(Config, "")
     return "| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows)

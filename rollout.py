@@ -66,6 +66,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -438,8 +439,9 @@ class Fleet:
                                    {"model_path": path, "weight_version": str(version), "flush_cache": flush_cache})
 
     async def engine_ranks(self) -> list[int]:
-        """Ranks each worker brings to a weight-update group (its tp_size from /server_info)."""
-        return [int(info.get("tp_size") or 1) for info in await self.server_infos()]
+        """Ranks each worker brings to a weight-update group: tp x dp x pp of its /server_info."""
+        return [math.prod(int(info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
+                for info in await self.server_infos()]
 
     async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
                                         group_name: str = "weight_update_group", backend: str = "nccl") -> list:
@@ -806,7 +808,8 @@ class Rollout:
 
         self.reward_fns = [tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task)) for ds in cfg.data_sources]
         self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
-                                "top_k": r.sampling.top_k}
+                                "top_k": r.sampling.top_k,
+                                "stop_token_ids": tasks.stop_token_ids(tokenizer, cfg.model.path)}
         self.run_tag = uuid.uuid4().hex[:8]  # no "-": the tag, then "-", is a prefix of this Rollout's rids only
         self.n = cfg.N
         self.max_samples: Optional[int] = None  # effective async_max_concurrent_samples, set by start()

@@ -3,8 +3,10 @@
 The inference servers (engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked, relaunched
 when one dies), the buffer process (`python buffer.py`) and the rollout process (`python rollout.py --serve`), RPC
 between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
-orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0 and calls `launch_servers`, `start_rpc`,
-`watch` and `close`; every other rank starts nothing.
+orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0 and calls `launch_fleet`, `start_rpc`,
+`watch` and `close`. Servers are placed per node (rollout.server_layout): the local rank 0 of every other trainer
+node launches and supervises its own (`serve_node`) and publishes their URLs in the torchrun store, where rank 0
+collects them; every other rank starts nothing.
 """
 from __future__ import annotations
 
@@ -43,6 +45,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+URL_KEY = "asyncrl/server_url/"  # + server index: its URL (or "error: ..."), in the torchrun store
+
+
+def _store():
+    """torchrun's store (the default process group's), which every trainer rank reaches."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def node_address() -> str:
+    """The address this node reaches the rendezvous (torchrun's MASTER_ADDR) from: how the other nodes reach it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # connect() on UDP sends nothing: a route lookup
+        s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
+        return s.getsockname()[0]
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def server_address(host: str, node: int) -> str:
+    """The host of a launched server's URL (rollout.sglang_args.host): node 0's wildcard binds are reached on
+    127.0.0.1 (the rollout process runs there too), other nodes' on the node's rendezvous address."""
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1" if node == 0 else node_address()
+    if node != 0 and _loopback(host) and not _loopback(node_address()):
+        raise ValueError(f"rollout.sglang_args.host={host} binds the servers of node {node} to loopback, where "
+                         "trainer rank 0 on another machine cannot reach them; set rollout.sglang_args.host=0.0.0.0 "
+                         "(with rollout.sglang_args.api_key) or this node's address")
+    return host
+
+
+def master_address(cfg, launched: bool) -> str:
+    """Where the servers reach trainer rank 0's weight-update group (weight_sync.master_address when set):
+    127.0.0.1 when every server is one rank 0 launched on its own node; the rendezvous address (torchrun's
+    MASTER_ADDR, which every trainer node reached) for servers launched on other nodes; for servers to connect to,
+    the address of this machine's route to the first of them."""
+    r = cfg.rollout
+    if cfg.weight_sync.master_address:
+        return cfg.weight_sync.master_address
+    if launched:
+        return "127.0.0.1" if all(s.node == 0 for s in r.server_layout) else os.environ["MASTER_ADDR"]
+    from urllib.parse import urlparse
+
+    url = urlparse(r.router_url or r.servers[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((url.hostname, url.port or 80))
+        return s.getsockname()[0]
+
+
+def check_gpu_overlap(cfg, node: int, use_cuda: bool, visible: Optional[str]) -> None:
+    """Disaggregated runs on GPUs: no server launched on this node may use a GPU of this node's trainer ranks
+    (the first trainer.num_gpus_per_node of CUDA_VISIBLE_DEVICES, or GPUs 0 .. num_gpus_per_node - 1)."""
+    r, n = cfg.rollout, cfg.trainer.num_gpus_per_node
+    if (cfg.colocate or not use_cuda or r.servers or r.router_url or r.launch == "none"
+            or cfg.run_mode == "rollout-only"):
+        return
+    trainer = visible.split(",")[:n] if visible else [str(g) for g in range(n)]
+    for i, s in enumerate(r.server_layout):
+        shared = sorted(str(g) for g in s.gpus if str(g) in trainer) if s.node == node else []
+        if shared:
+            raise ValueError(f"rollout.server_layout[{i}] uses GPU {', '.join(shared)} of node {node}, which the "
+                             f"node's {n} trainer ranks use (CUDA_VISIBLE_DEVICES={visible or f'unset, GPUs 0-{n - 1}'}); "
+                             "give the servers other GPUs, start torchrun with CUDA_VISIBLE_DEVICES naming the "
+                             "trainer's, or set colocate=true to share them")
+
+
 class ChildExited(RuntimeError):
     """A child of rank 0 exited: the message is the root-cause report (Services.report)."""
 
@@ -52,7 +122,8 @@ GRACE_S = 3.0  # after a child died: how long the main thread has to fail on its
 
 
 class Services:
-    """Everything rank 0 starts, and their orderly stop (also on error): servers, buffer, rollout, RPC.
+    """Everything a trainer process starts, and their orderly stop (also on error): rank 0 the servers of its
+    node, the buffer, the rollout and RPC; the local rank 0 of another node the servers of that node.
 
     Root cause first: when a child exits, the run's error is Services.report (the child, its exit code or signal,
     its log and the log's last lines), not the RPC or socket error that its death causes elsewhere. A watcher
@@ -133,27 +204,31 @@ class Services:
                     os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
         threading.Thread(target=loop, name="child-watcher", daemon=True).start()
 
-    def launch_servers(self, version: int) -> list[str]:
-        """rollout.launch engine | sglang: num_servers servers on base_port + i; returns their URLs once healthy."""
+    def launch_servers(self, version: int, node: int = 0) -> dict[int, str]:
+        """rollout.launch engine | sglang: the entries of rollout.server_layout on `node`, server i on base_port + i;
+        returns {i: URL} once every one answers /health."""
         r = self.cfg.rollout
-        urls = []
-        for i in range(r.num_servers):
+        urls = {}
+        for i, layout in enumerate(r.server_layout):
+            if layout.node != node:
+                continue
             port = r.base_port + i
             with socket.socket() as s:  # a server already there would answer /health in place of ours
                 if s.connect_ex(("127.0.0.1", port)) == 0:
-                    raise RuntimeError(f"port {port} (rollout.base_port + {i}) is already in use; choose another "
-                                       "rollout.base_port or stop what listens there")
+                    raise RuntimeError(f"port {port} (rollout.base_port + {i}) is already in use on node {node}; "
+                                       "choose another rollout.base_port or stop what listens there")
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
-            if r.server_gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in r.server_gpus[i])
+            if layout.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in layout.gpus)
             a = r.sglang_args
             if r.launch == "engine":
                 cmd = [sys.executable, os.path.join(ROOT, "engine.py"), "--model-path", self.cfg.model.path,
                        "--port", str(port), "--host", a.host, "--weight-version", str(version)]
             else:
                 cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
-                       "--port", str(port), "--host", a.host, "--tp-size", str(a.tp_size),
-                       "--weight-version", str(version), "--dtype", "bfloat16"]
+                       "--port", str(port), "--host", a.host, "--tp-size", str(layout.tp), "--dp-size",
+                       str(layout.dp), "--pp-size", str(layout.pp), "--weight-version", str(version),
+                       "--dtype", "bfloat16"]
             if a.max_running_requests:
                 cmd += ["--max-running-requests", str(a.max_running_requests)]
             if a.api_key:
@@ -163,11 +238,52 @@ class Services:
                     cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
                 if self.cfg.colocate:
                     cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
+            cmd += [str(x) for x in a.extra]
             self.spawn(f"server_{i}", cmd, env)
-            urls.append(f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '::') else a.host}:{port}")
-            self.servers[f"server_{i}"] = (cmd, env, urls[-1])
-        self.wait_healthy(urls)
+            urls[i] = f"http://{server_address(a.host, node)}:{port}"
+            self.servers[f"server_{i}"] = (cmd, env, urls[i])
+        self.wait_healthy(list(urls.values()))
+        if urls:
+            print(f"[train] node {node} launched " + ", ".join(
+                f"server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid})" for i, u in urls.items()), flush=True)
         return urls
+
+    def launch_fleet(self, version: int) -> list[str]:
+        """Trainer rank 0: its own node's servers, then the URLs the other nodes' local ranks 0 published in the
+        torchrun store (serve_node), in server_layout order."""
+        urls = self.launch_servers(version, 0)
+        layout = self.cfg.rollout.server_layout
+        remote = [i for i in range(len(layout)) if i not in urls]
+        deadline = time.monotonic() + self.cfg.rollout.startup_timeout_s
+        for i in remote:
+            store, key = _store(), f"{URL_KEY}{i}"
+            while not store.check([key]):
+                self.check_alive(f"waiting for node {layout[i].node} to publish server_{i}'s URL")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server_{i} of rollout.server_layout (node {layout[i].node}) was not up "
+                                       f"within rollout.startup_timeout_s={self.cfg.rollout.startup_timeout_s} s "
+                                       f"(that node's local rank 0 launches it; see {self.logs}/server_{i}.log on "
+                                       "that node)")
+                time.sleep(0.2)
+            value = store.get(key).decode()
+            if value.startswith("error: "):
+                raise RuntimeError(value[len("error: "):])
+            urls[i] = value
+        return [urls[i] for i in range(len(layout))]
+
+    def serve_node(self, node: int) -> None:
+        """Local rank 0 of trainer node `node` > 0: launch this node's servers, publish their URLs (or why they did
+        not start) in the torchrun store for rank 0, and supervise them (watch) for the rest of the run."""
+        mine = [i for i, s in enumerate(self.cfg.rollout.server_layout) if s.node == node]
+        try:
+            urls = self.launch_servers(0, node)  # version 0: rank 0's first sync labels them with the run's version
+        except Exception as e:
+            for i in mine:
+                _store().set(f"{URL_KEY}{i}", f"error: node {node}, server_{i}: {e}")
+            raise
+        for i, url in urls.items():
+            _store().set(f"{URL_KEY}{i}", url)
+        self.watch()
 
     def relaunch(self, name: str) -> None:
         """Start a dead launched server again on its port and wait for /health (the watcher thread). It serves

@@ -401,11 +401,13 @@ def _file_rows(ds_cfg) -> list[tuple[list[dict], str, dict]]:
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
 
-def load_prompts(ds_cfg, tokenizer, split: str = "train") -> list[dict]:
+def load_prompts(ds_cfg, tokenizer, split: str = "train", max_prompt_tokens: Optional[int] = None) -> list[dict]:
     """The prompts of one data source: [{"prompt_ids": list[int], "label": str, "metadata": dict}].
 
     Toy tasks: num_prompts (train) or num_eval_prompts (eval) generated prompts. Files: num_eval_prompts rows drawn
-    by the seed are the eval split, all other rows (in file order) the train split.
+    by the seed are the eval split, all other rows (in file order) the train split. max_prompt_tokens
+    (rollout.max_prompt_tokens): a prompt longer than that is an error naming how many are, not a request the
+    server refuses later (a failed trajectory, filtered without a word).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -414,7 +416,8 @@ def load_prompts(ds_cfg, tokenizer, split: str = "train") -> list[dict]:
         n = ds_cfg.num_prompts if split == "train" else ds_cfg.num_eval_prompts
         examples = toy_examples(task, n, ds_cfg.seed, split)
         ids = tokenizer([text for text, _ in examples], add_special_tokens=False)["input_ids"] if examples else []
-        return [{"prompt_ids": p, "label": label, "metadata": {}} for p, (_, label) in zip(ids, examples)]
+        out = [{"prompt_ids": p, "label": label, "metadata": {}} for p, (_, label) in zip(ids, examples)]
+        return _check_prompt_lengths(out, ds_cfg, split, max_prompt_tokens)
     rows = _file_rows(ds_cfg)
     order = list(range(len(rows)))
     random.Random(f"holdout:{ds_cfg.seed}").shuffle(order)
@@ -426,7 +429,33 @@ def load_prompts(ds_cfg, tokenizer, split: str = "train") -> list[dict]:
     # Templated to text, then tokenized without special tokens: templates that write a bos themselves get one.
     texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _, _ in rows]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return [{"prompt_ids": p, "label": label, "metadata": meta} for p, (_, label, meta) in zip(ids, rows)]
+    out = [{"prompt_ids": p, "label": label, "metadata": meta} for p, (_, label, meta) in zip(ids, rows)]
+    return _check_prompt_lengths(out, ds_cfg, split, max_prompt_tokens)
+
+
+def _check_prompt_lengths(prompts: list[dict], ds_cfg, split: str, limit: Optional[int]) -> list[dict]:
+    long = [p for p in prompts if limit is not None and len(p["prompt_ids"]) > limit]
+    if long:
+        worst = max(long, key=lambda p: len(p["prompt_ids"]))
+        where = f", e.g. row {worst['metadata']['row']}" if "row" in worst["metadata"] else ""
+        raise ValueError(f"{len(long)} of the {len(prompts)} {split} prompts of data_source.task '{ds_cfg.task}'"
+                         f"{' (' + ds_cfg.path + ')' if ds_cfg.path else ''} are longer than "
+                         f"rollout.max_prompt_tokens={limit} tokens (the longest: {len(worst['prompt_ids'])}{where});"
+                         " raise rollout.max_prompt_tokens or drop those rows from the dataset")
+    return prompts
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Every end token of the model: the tokenizer's eos and generation_config.json's eos_token_id (an int or a list:
+    a chat model ends a turn with one and a document with another). Sent as sampling_params.stop_token_ids with
+    every request, so a server stops on all of them whatever it reads from the checkpoint itself."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    path = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------

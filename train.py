@@ -22,9 +22,10 @@ Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.30
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml fully_async.enable=false
     python train.py plot runs/tiny                     # metrics.jsonl -> runs/tiny/metrics.png
-Multi-node (GPU), on each of the trainer nodes, with SGLang servers launched by rank 0 or already running:
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29400 \
-        train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
+Multi-node (GPU), on each trainer node K; each node's local rank 0 launches its servers of rollout.server_layout
+(or give rollout.servers already running):
+    torchrun --nnodes 2 --nproc_per_node 8 --node_rank K --rdzv_backend static --master_addr HEAD \
+        --master_port 29400 train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 
 Simplifications: one sequence per row (padded micro-batches, no packing); the model is a HF causal LM sharded by
 FSDP2 over its decoder layers (data parallel only, no tensor/pipeline/expert parallelism); GPU-only paths (nccl,
@@ -45,7 +46,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import time
 from typing import Callable, Optional
@@ -336,16 +336,20 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 # Model, FSDP2, optimizer
 # ---------------------------------------------------------------------------------------------------------------
 
-def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]) -> None:
+def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+               cpu_offload: bool = False) -> None:
     """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
-    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload:
+    the shards, their gradients and so the optimizer state stay in host memory (pinned on cuda; pinning needs
+    an accelerator), copied to the device per layer for forward and backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    off = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
 
 
 def reshard(model) -> None:
@@ -371,19 +375,67 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
-    apply_fsdp(model, mesh, torch.bfloat16 if gpu else None, torch.float32 if gpu else None)
-    model.to_empty(device=device)
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu else None, torch.float32 if gpu else None, cfg.trainer.cpu_offload)
+    model.to_empty(device="cpu" if cfg.trainer.cpu_offload else device)
     full, buffers = {}, [None]
     if rank == 0:
         ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
         full, buffers = ref.state_dict(), [{k: v.cpu() for k, v in ref.named_buffers()}]
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Non-persistent buffers (rotary inv_freq) are not in a state dict: copy rank 0's.
+    # Non-persistent buffers (rotary inv_freq) are not in a state dict: rank 0's, on the device (also when the
+    # parameters are offloaded: FSDP2 moves only those).
     dist.broadcast_object_list(buffers, src=0, group=_ctrl_group())
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[0][name])
+    for prefix, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            mod._buffers[name] = buffers[0][f"{prefix}.{name}" if prefix else name].to(device)
     return model, hf_config
+
+
+GIB = 2 ** 30
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(parameters, parameters of the largest decoder layer) of an HF causal LM: sharded (a DTensor's numel() is
+    the full parameter's) or on the meta device (a config's model, never loaded)."""
+    return (sum(p.numel() for p in model.parameters()),
+            max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers))
+
+
+def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_type: str) -> dict:
+    """GiB per trainer rank of the training state, before activations: FSDP2 shards params, grads and the AdamW
+    moments (two, in the param dtype) over `world` ranks; the old-policy snapshot is one more shard in the compute
+    dtype (Actor._take_snapshot; none with trainer.use_rollout_log_probs or one training call per step); the two
+    largest decoder layers all-gathered in the compute dtype (one computing, one prefetched). The live shards
+    kept aside while the snapshot computes fit in the gradients' memory (Actor._old_log_probs): no term.
+    trainer.cpu_offload (all but the gathered layers) / trainer.snapshot=cpu move terms from "device" to "host"."""
+    t = cfg.trainer
+    param_b = 4 if device_type == "cpu" else torch.tensor([], dtype=getattr(torch, cfg.model.dtype)).element_size()
+    compute_b = 4 if device_type == "cpu" else 2  # bf16: the param_dtype of FSDP2's MixedPrecisionPolicy on cuda
+    shard = n_params / world * param_b / GIB
+    snapshot = 0.0 if t.use_rollout_log_probs or cfg.calls_per_step == 1 else shard * compute_b / param_b
+    parts = {"params": shard, "grads": shard, "optimizer": 2 * shard, "snapshot": snapshot,
+             "gathered layers": 2 * largest_layer * compute_b / GIB}
+    on_host = {"params", "grads", "optimizer"} if t.cpu_offload else set()
+    on_host |= {"snapshot"} if t.snapshot == "cpu" or t.cpu_offload else set()  # it sits beside the shards
+    return {"parts": parts, "device": sum(v for k, v in parts.items() if k not in on_host),
+            "host": sum(v for k, v in parts.items() if k in on_host)}
+
+
+def memory_report(cfg, model, world: int, device: torch.device) -> str:
+    """The start-up line of memory_estimate for this model, with a warning naming what to change when the
+    device's memory is smaller."""
+    n, largest = param_counts(model)
+    est = memory_estimate(cfg, n, largest, world, device.type)
+    line = (f"[train] memory per rank, estimated before activations ({n / 1e9:.2f}B parameters over {world} "
+            f"ranks): " + " + ".join(f"{k} {v:.2f}" for k, v in est["parts"].items())
+            + f" GiB; on the device {est['device']:.2f} GiB, in host memory {est['host']:.2f} GiB")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / GIB
+        if est["device"] > total:
+            line += (f"\n[train] warning: that is more than the device's {total:.1f} GiB; set "
+                     "trainer.cpu_offload=true (params, grads and optimizer to host memory), trainer.snapshot=cpu, "
+                     "model.dtype=bfloat16, or run more trainer ranks")
+    return line
 
 
 def build_optimizer(model, t):
@@ -603,19 +655,24 @@ class Actor:
     @torch.no_grad()
     def _old_log_probs(self, batches: list[dict], step: int) -> list[torch.Tensor]:
         """log pi_old per micro-batch: the step-start weights (spec section 2). At the step's first call they are
-        the live weights, and a copy of this rank's shards is kept; later calls swap that copy in, compute, and
-        swap back. trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
+        the live weights, and a copy of this rank's shards is kept (_take_snapshot); later calls copy it into the
+        shards, compute, and put the live shards back. Those wait in a clone meanwhile, in the memory this call's
+        gradients take later (the last update's zero_grad freed it), so the peak is not raised by a full copy.
+        trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
         import losses
 
         if self.cfg.trainer.use_rollout_log_probs:
             return [b["rollout_lp"] for b in batches]
         first = step != self.snapshot_step
+        reshard(self.model)  # first: the unsharded parameters of the last layer and root would be listed instead
+        params = [p.to_local() for p in self.model.parameters()]
+        live = None
         if first and self.cfg.calls_per_step > 1:
-            reshard(self.model)
-            self.snapshot = [p.to_local().detach().clone() for p in self.model.parameters()]
-            self.snapshot_step = step
+            self._take_snapshot(params, step)
         elif not first:
-            self._swap_snapshot()
+            live = [p.clone() for p in params]
+            for p, s in zip(params, self.snapshot):
+                p.copy_(s)
         self.model.eval()
         out = []
         for b in batches:
@@ -623,18 +680,22 @@ class Actor:
             out.append(losses.token_logprobs(logits, b["ids"][:, 1:], self.cfg.rollout.sampling.temperature,
                                              self.cfg.trainer.logprob_chunk_tokens)[0])
         reshard(self.model)
-        if not first:
-            self._swap_snapshot()
+        for p, x in zip(params, live or []):
+            p.copy_(x)
         return out
 
-    def _swap_snapshot(self) -> None:
-        """Exchange the live local shards with the snapshot in place (one tensor's worth of extra memory)."""
-        reshard(self.model)
-        for p, s in zip(self.model.parameters(), self.snapshot):
-            live = p.to_local()
-            tmp = live.clone()
-            live.copy_(s)
-            s.copy_(tmp)
+    def _take_snapshot(self, params: list, step: int) -> None:
+        """Keep this rank's shards in the compute dtype: bfloat16 on cuda, which is what FSDP2's mixed precision
+        casts them to before the all-gather, so a forward from the copy is the step-start forward exactly, at half
+        the size of float32 master weights. On the device, or in host memory with trainer.snapshot=cpu (pinned)."""
+        if self.snapshot is None:
+            host = self.cfg.trainer.snapshot == "cpu"
+            dtype = torch.bfloat16 if self.device.type == "cuda" else None
+            self.snapshot = [torch.empty_like(p, dtype=dtype, device="cpu" if host else None,
+                                              pin_memory=host and self.device.type == "cuda") for p in params]
+        for p, s in zip(params, self.snapshot):
+            s.copy_(p)
+        self.snapshot_step = step
 
     # ---- weights: full tensors gathered from the shards, parameter by parameter ----
     def _full_params(self):
@@ -1089,7 +1150,7 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
     ecfg.rollout.sampling.temperature = 0.0  # greedy (below losses.GREEDY_TEMPERATURE)
     ecfg.rollout.partial = False
     ecfg.rollout.async_max_concurrent_samples = None
-    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval")
+    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval", cfg.rollout.max_prompt_tokens)
 
     def evaluate(steps_done: int) -> dict:
         t0 = time.perf_counter()
@@ -1130,14 +1191,8 @@ def check_launch(cfg, world: int) -> None:
     if needs_servers and not r.servers and not r.router_url:
         if r.launch == "none":
             raise ValueError("rollout.launch=none needs rollout.servers or rollout.router_url (servers to connect to)")
-        if r.num_servers < 1:
-            raise ValueError(f"rollout.num_servers must be >= 1 when rollout.launch={r.launch}, got {r.num_servers}")
-        if r.server_gpus and len(r.server_gpus) != r.num_servers:
-            raise ValueError(f"rollout.server_gpus lists {len(r.server_gpus)} GPU sets but rollout.num_servers is "
-                             f"{r.num_servers}; give one list of GPU ids per server")
-        if r.launch == "sglang" and not r.server_gpus:
-            raise ValueError("rollout.launch=sglang needs rollout.server_gpus (GPU ids per server, e.g. "
-                             "[[0,1,2,3],[4,5,6,7]])")
+        services_lib.check_gpu_overlap(cfg, int(os.environ.get("GROUP_RANK", "0")), cfg.device == "cuda" or (
+            cfg.device == "auto" and torch.cuda.is_available()), os.environ.get("CUDA_VISIBLE_DEVICES"))
     if r.servers and r.router_url:
         raise ValueError("give rollout.servers or rollout.router_url, not both")
     if cfg.run_mode == "train-only":
@@ -1149,13 +1204,21 @@ def check_launch(cfg, world: int) -> None:
 
 def check_inputs(cfg) -> None:
     """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
-    row only after the servers started), and a checkpoint given as trainer.resume loads."""
+    row only after the servers started), its prompts fit rollout.max_prompt_tokens (with the tokenizer of
+    model.path; a tiny model not made yet is checked when the buffer loads them), and a checkpoint given as
+    trainer.resume loads."""
     import tasks
 
     if cfg.run_mode != "train-only":
         for ds in cfg.data_sources:
             tasks.check_data_source(ds)
             tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
+            if cfg.rollout.max_prompt_tokens is not None and os.path.isdir(cfg.model.path):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+                for split in ("train", "eval"):
+                    tasks.load_prompts(ds, tokenizer, split, cfg.rollout.max_prompt_tokens)
     if cfg.trainer.resume not in ("none", "auto"):
         problem = checkpoint_problem(cfg.trainer.resume)
         if problem is not None:
@@ -1203,8 +1266,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-process group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(services_lib.free_port()), RANK="0", WORLD_SIZE="1")
     r, b = cfg.rollout, cfg.buffer
-    dist.init_process_group("nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
+    # trainer.cpu_offload on cuda: the offloaded shards' collectives (loading, gradient-norm reduction) are on CPU
+    # tensors, which take gloo next to nccl (as torchtitan does)
+    backend = ("cuda:nccl,cpu:gloo" if cfg.trainer.cpu_offload else "nccl") if use_cuda else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
     ctrl_s = b.get_timeout_s + r.pause_timeout_s + r.startup_timeout_s + cfg.weight_sync.timeout_s + 600
     _CTRL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctrl_s))
     torch.manual_seed(cfg.seed + rank)
@@ -1219,6 +1284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     dist.barrier(group=_CTRL)
 
     services, ok, failed, actor, logger = None, False, 0, None, None
+    launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
     try:
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
@@ -1226,6 +1292,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             mesh = init_device_mesh(device.type, (world,))
             model, _ = load_model(cfg, mesh, device, rank)
+            if rank == 0:
+                print(memory_report(cfg, model, world, device), flush=True)
             opt, sched = build_optimizer(model, cfg.trainer)
             actor = Actor(cfg, model, opt, sched, device)
         elif rank != 0:
@@ -1233,6 +1301,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) for rank 0 ----
         if rank != 0:
+            node = int(os.environ.get("GROUP_RANK", "0"))
+            if local_rank == 0 and launched and any(s.node == node for s in r.server_layout):
+                services = Services(cfg)  # this node's servers: launched, published for rank 0, supervised
+                services.serve_node(node)
             actor.follow()  # also loads the checkpoint rank 0 chose when it says so
             ok = True
             return
@@ -1260,12 +1332,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             ro = NoRollout()
         else:
             services = Services(cfg)
-            launched = not r.servers and not r.router_url
             if launched:
-                cfg.rollout.servers = services.launch_servers(start_step)
-            if cfg.weight_sync.master_address is None:  # where the servers reach this process's broadcast group
-                cfg.weight_sync.master_address = "127.0.0.1" if launched else \
-                    socket.gethostbyname(socket.gethostname())
+                cfg.rollout.servers = services.launch_fleet(start_step)
+            cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
             fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
             fleet.wait_healthy(r.startup_timeout_s)
             resolved = os.path.join(cfg.run_dir, "config.yaml")
@@ -1294,7 +1363,11 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- the loop ----
         run_steps(cfg, actor, buf, ro, logger, start_step, evaluate,
-                  servers=services.fleet.health if services else None)
+                  servers=services.fleet.health if services and services.fleet else None)
+        if services is not None and services.fleet is not None:
+            infos = services.fleet.server_infos()
+            print(f"[train] weight versions on the servers at the end: "
+                  f"{dict(zip(services.fleet.workers(), (i.get('weight_version') for i in infos)))}", flush=True)
 
         # ---- final HF export ----
         if cfg.trainer.export_hf and isinstance(actor, Actor):
@@ -1321,10 +1394,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 with contextlib.suppress(Exception):
                     if ok:
                         actor.stop()
-            if services is not None:
-                services.close(ok)
             if logger is not None:
                 logger.close()
+        if services is not None:
+            services.close(ok)
         if ok:
             with contextlib.suppress(Exception):
                 # Every rank tears its gloo groups down together: a rank that destroys them while a peer still

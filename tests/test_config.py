@@ -115,6 +115,21 @@ RULES = [
     (["buffer.get_timeout_s=0"], None, ["buffer.get_timeout_s"]),
     (["buffer.rpc_timeout_s=0"], None, ["buffer.rpc_timeout_s"]),
     (["logging.wandb.mode=disabled"], None, ["logging.wandb.mode"]),
+    (["rollout.max_prompt_tokens=0"], None, ["rollout.max_prompt_tokens"]),
+    # servers per node (rollout.server_layout)
+    (["rollout.server_layout=[]"], None, ["rollout.server_layout", "rollout.launch=engine"]),
+    (["rollout.server_layout=[{node: 1}]"], None, ["rollout.server_layout[0].node=1", "trainer.num_nodes"]),
+    (["rollout.server_layout=[{tp: 0}]"], None, ["rollout.server_layout[0].tp"]),
+    (["rollout.server_layout=[{gpus: [-1]}]"], None, ["rollout.server_layout[0].gpus"]),
+    (["rollout.server_layout=[{}, {tp: 2}]"], None, ["rollout.server_layout[1]", "engine.py", "rollout.launch"]),
+    (["rollout.launch=sglang"], None, ["rollout.server_layout[0].gpus lists 0 GPUs", "tp x dp x pp"]),
+    (["rollout.launch=sglang", "rollout.server_layout=[{gpus: [0, 1, 2, 3], tp: 2, dp: 1, pp: 3}]"], None,
+     ["rollout.server_layout[0].gpus lists 4 GPUs", "2 x 1 x 3 = 6"]),
+    (["rollout.launch=sglang", "trainer.num_nodes=2",
+      "rollout.server_layout=[{gpus: [0, 1], tp: 2}, {node: 1, gpus: [0, 1], tp: 2}, {gpus: [1, 2], tp: 2}]"], None,
+     ["rollout.server_layout[2]", "rollout.server_layout[0]", "GPU 1 of node 0"]),
+    (["run_mode=rollout-only", "trainer.num_nodes=2", "rollout.server_layout=[{node: 1}]"], None,
+     ["run_mode=rollout-only", "rollout.server_layout[].node"]),
 ]
 
 
@@ -173,6 +188,9 @@ def test_async_max_concurrent_samples_accepts_unset_and_multiples():
     ({"rollout": 5}, "rollout"),
     ({"data_sources": []}, "data_sources"),
     ({"data_sources": [{"num_prompts_per_step": 4, "tsk": "x"}]}, "data_sources[0].tsk"),
+    ({"rollout": {"server_layout": [{}, {"nodes": 1}]}}, "rollout.server_layout[1].nodes"),
+    ({"rollout": {"server_layout": {"node": 0}}}, "rollout.server_layout"),
+    ({"rollout": {"server_layout": [{"tp": "4"}]}}, "rollout.server_layout[0].tp"),
 ])
 def test_unknown_keys_and_wrong_types_name_the_key(data, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):

@@ -190,7 +190,7 @@ def test_fleet_fans_control_calls_out_to_router_workers():
             if i == 0:
                 return web.json_response({"max_running_requests": None, "tp_size": 1, "dp_size": 2, "internal_states": [
                     {"effective_max_running_requests_per_dp": 4}, {"effective_max_running_requests_per_dp": 4}]})
-            return web.json_response({"max_running_requests": None if silent else 9, "tp_size": 1})
+            return web.json_response({"max_running_requests": None if silent else 9, "tp_size": 2, "pp_size": 3})
 
         async def update(request):
             seen[i].append(("update", (await request.json())["weight_version"]))
@@ -207,6 +207,7 @@ def test_fleet_fans_control_calls_out_to_router_workers():
     sync = rollout.SyncFleet(rollout.Fleet(router_url=router.urls[0], router_max_concurrent_requests=12))
     try:
         assert sync.workers() == workers.urls
+        assert sync.engine_ranks() == [2, 6]  # weight-update group ranks: tp x dp x pp of each worker
         assert sync.abort("tag-") == 0
         assert seen == {0: ["tag-"], 1: ["tag-"]}
         assert sync.concurrency() == 12  # min(8 + 9, router limit 12)

@@ -319,3 +319,57 @@ def test_check_data_source_validates_without_a_tokenizer(tmp_path):
     assert tasks.check_data_source(DataSourceConfig(task="reverse_digits")) is None
     with pytest.raises(ValueError, match="num_eval_prompts=64 leaves no training rows"):
         tasks.check_data_source(DataSourceConfig(task="jsonl", path=path))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stops and prompt lengths
+
+def test_stop_token_ids_come_from_the_tokenizer_and_the_generation_config(tiny, tok, tmp_path):
+    import shutil
+
+    import buffer
+    import config
+    import rollout
+
+    assert tasks.stop_token_ids(tok, tiny) == [tok.eos_token_id]  # the tiny model: one end token
+    chat = str(tmp_path / "chat")
+    shutil.copytree(tiny, chat)
+    with open(f"{chat}/generation_config.json") as f:
+        gen = json.load(f)
+    other_end = tok.convert_tokens_to_ids("<|endoftext|>")
+    gen["eos_token_id"] = [other_end, tok.eos_token_id]  # a chat model: end of turn and end of document
+    with open(f"{chat}/generation_config.json", "w") as f:
+        json.dump(gen, f)
+    assert tasks.stop_token_ids(tok, chat) == sorted({other_end, tok.eos_token_id})
+    # ... and the rollout sends them with every request's sampling params
+    cfg = config.load_config(None, [f"model.path={chat}", "data_source.num_prompts=8"])
+    sync = rollout.SyncFleet(rollout.Fleet(["http://127.0.0.1:1"], None))
+    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok)])
+    try:
+        ro = rollout.Rollout(cfg, buf, sync, tok)
+        assert ro.sampling_params["stop_token_ids"] == sorted({other_end, tok.eos_token_id})
+    finally:
+        sync.close()
+        buf.close()
+
+
+def test_prompts_over_max_prompt_tokens_are_refused_with_a_count(tok, tmp_path):
+    rows = [{"prompt": "x" * n, "answer": "1"} for n in (5, 50, 60, 6, 7)]
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    ds = DataSourceConfig(task="jsonl", path=path, num_eval_prompts=1, seed=0)
+    everything = tasks.load_prompts(ds, tok, "train") + tasks.load_prompts(ds, tok, "eval")
+    lengths = sorted(len(p["prompt_ids"]) for p in everything)
+    limit = lengths[2]  # the three short prompts fit, the two long ones (50 and 60 x's) do not
+    train = tasks.load_prompts(ds, tok, "train")
+    long = [p for p in train if len(p["prompt_ids"]) > limit]
+    assert long, "the held-out row must leave a long prompt in the train split"
+    longest = max(long, key=lambda p: len(p["prompt_ids"]))
+    with pytest.raises(ValueError, match=rf"^{len(long)} of the 4 train prompts of data_source.task 'jsonl' \(.*\) "
+                                         rf"are longer than rollout.max_prompt_tokens={limit} tokens \(the longest: "
+                                         rf"{len(longest['prompt_ids'])}, e.g. row {longest['metadata']['row']}\)"):
+        tasks.load_prompts(ds, tok, "train", max_prompt_tokens=limit)
+    assert len(tasks.load_prompts(ds, tok, "train", max_prompt_tokens=lengths[-1])) == 4
+    toy = DataSourceConfig(num_prompts=50)
+    with pytest.raises(ValueError, match=r"^\d+ of the 50 train prompts of data_source.task 'reverse_digits' are "
+                                         r"longer than rollout.max_prompt_tokens=3 tokens"):
+        tasks.load_prompts(toy, tok, "train", max_prompt_tokens=3)

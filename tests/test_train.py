@@ -136,9 +136,6 @@ TRAIN_RULES = [  # train.py's own checks (check_launch): (overrides, strings of 
     (["trainer.num_gpus_per_node=2"], ["trainer.num_nodes x trainer.num_gpus_per_node", "(1)"]),
     (["model.path=/nonexistent/model", "model.make_tiny=false"], ["model.path", "model.make_tiny"]),
     (["rollout.launch=none"], ["rollout.launch=none", "rollout.servers"]),
-    (["rollout.num_servers=0"], ["rollout.num_servers"]),
-    (["rollout.num_servers=2", "rollout.server_gpus=[[0]]"], ["rollout.server_gpus", "rollout.num_servers"]),
-    (["rollout.launch=sglang"], ["rollout.launch=sglang", "rollout.server_gpus"]),
     (["rollout.servers=[http://127.0.0.1:1]", "rollout.router_url=http://127.0.0.1:2"],
      ["rollout.servers", "rollout.router_url"]),
     (["run_mode=train-only", "fully_async.enable=false"], ["run_mode=train-only", "trainer.rollout_dir"]),
@@ -181,6 +178,14 @@ def _root_cause_exit_code(err: str) -> int:
     exits 1 whenever a rank fails)."""
     section = err[err.index("Root Cause (first observed failure)"):]
     return int(section.split("exitcode  :", 1)[1].split()[0])
+
+
+def test_prompts_over_max_prompt_tokens_stop_the_run_before_any_server(tmp_path, capsys, tiny_model):
+    _expect_exit(["--config", TINY, "trainer.num_gpus_per_node=1", f"run_dir={tmp_path}/run",
+                  f"model.path={tiny_model}", "data_source.num_prompts=64", "rollout.max_prompt_tokens=4"],
+                 ["of the 64 train prompts of data_source.task 'reverse_digits' are longer than "
+                  "rollout.max_prompt_tokens=4 tokens (the longest: 6)"], capsys)
+    assert not os.path.exists(tmp_path / "run" / "logs")  # nothing was launched
 
 
 def test_validation_under_torchrun_exits_fast_and_leaves_no_process(tmp_path):
@@ -431,11 +436,17 @@ def _torchrun_self(mode: str, args: dict, timeout: float = 240) -> dict:
 
 def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
     """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
-    live weights are back."""
-    r = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
-    assert r["old_vs_step_start"] < 1e-6
-    assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
-    assert r["live_after_vs_before"] < 1e-6
+    live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
+    without pinning, which needs an accelerator), whose update is the same as the plain one's."""
+    plain = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
+    offload = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path),
+                                          "overrides": ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]})
+    for r in (plain, offload):
+        assert r["old_vs_step_start"] < 1e-6
+        assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
+        assert r["live_after_vs_before"] < 1e-6
+    assert offload["offloaded"] and not plain["offloaded"]
+    assert offload["live"] == pytest.approx(plain["live"], abs=1e-5)  # the same training step
 
 
 def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_model):
@@ -461,7 +472,7 @@ def _script_setup(args):
                                     "trainer.mini_batch_size=128",  # several training calls per step: a snapshot
                                     f"rollout.base_port={args.get('port', 31000)}",
                                     f"weight_sync.master_port={args.get('master_port', 29700)}",
-                                    "weight_sync.master_address=127.0.0.1"])
+                                    "weight_sync.master_address=127.0.0.1", *args.get("overrides", [])])
     model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
     opt, sched = train.build_optimizer(model, cfg.trainer)
     return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
@@ -493,7 +504,10 @@ def _snapshot_script(args):
     if rank == 0:
         print("RESULT " + json.dumps({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
                                       "live_vs_step_start": float((live - step_start).abs().max()),
-                                      "live_after_vs_before": float((after - live).abs().max())}), flush=True)
+                                      "live_after_vs_before": float((after - live).abs().max()),
+                                      "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
+                                      ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu}),
+              flush=True)
     dist.barrier()  # both ranks tear their groups down together (see train.main)
     dist.destroy_process_group()
 
@@ -509,7 +523,7 @@ def _sync_script(args):
     results = {}
     try:
         if rank == 0:
-            urls = services.launch_servers(0)
+            urls = services.launch_fleet(0)
             actor.fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet(urls))
         for version, method in ((1, "distributed"), (2, "disk")):
             cfg.weight_sync.method = method

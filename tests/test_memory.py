@@ -1,0 +1,75 @@
+"""train.py's memory estimate (params, grads, optimizer, snapshot per rank), the 30B config's fit on 8 x 80 GB,
+and the warning that names what to change. The 30B model is never loaded: its HF config builds it on the meta
+device, which gives the parameter count without allocating a byte.
+Run: .venv/bin/python -m pytest -q tests/test_memory.py
+"""
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import config  # noqa: E402
+import train  # noqa: E402
+
+CONFIG_30B = os.path.join(ROOT, "configs", "qwen3_30b_a3b_dapo.yaml")
+GPU_80GB = 80e9  # bytes, as an H100 / A100 80GB reports them roughly
+GIB = 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b():
+    """Qwen/Qwen3-30B-A3B's config.json values, the model on the meta device."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    hf = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                        num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False,
+                        max_position_embeddings=40960)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf)
+
+
+def test_the_30b_config_fits_8_gpus_of_80gb_by_its_own_estimate(qwen3_30b):
+    n, largest = train.param_counts(qwen3_30b)
+    assert 30.4e9 < n < 30.6e9  # "30.5B" on the model card
+    cfg = config.load_config(CONFIG_30B)
+    est = train.memory_estimate(cfg, n, largest, 8, "cuda")
+    shard = n / 8 * 4 / GIB  # float32 master weights, 1/8 each
+    assert est["parts"]["params"] == pytest.approx(shard) and est["parts"]["grads"] == pytest.approx(shard)
+    assert est["parts"]["optimizer"] == pytest.approx(2 * shard)  # AdamW: exp_avg + exp_avg_sq
+    assert est["host"] == pytest.approx(shard / 2)  # trainer.snapshot: cpu, in bf16 (the compute dtype)
+    assert est["device"] == pytest.approx(4 * shard + 2 * largest * 2 / GIB)
+    assert est["device"] * GIB < GPU_80GB - 15 * GIB  # >= 15 GiB left for activations
+    # the snapshot on the device: half a shard more there; as it was (a float32 copy on the GPU), under 5 GiB left
+    on_device = train.memory_estimate(config.load_config(CONFIG_30B, ["trainer.snapshot=device"]), n, largest, 8,
+                                      "cuda")
+    assert on_device["device"] == pytest.approx(est["device"] + shard / 2) and on_device["host"] == 0
+    assert GPU_80GB - (on_device["device"] + shard / 2) * GIB < 5 * GIB
+    offload = train.memory_estimate(config.load_config(CONFIG_30B, ["trainer.cpu_offload=true"]), n, largest, 8,
+                                    "cuda")
+    assert offload["device"] == pytest.approx(2 * largest * 2 / GIB)
+    assert offload["host"] == pytest.approx(4.5 * shard)
+
+
+def test_no_snapshot_without_a_second_training_call_or_with_rollout_log_probs(qwen3_30b):
+    n, largest = train.param_counts(qwen3_30b)
+    one_call = config.load_config(CONFIG_30B, ["trainer.mini_batch_size=512"])  # B x N = 512: one call per step
+    rollout_lp = config.load_config(CONFIG_30B, ["trainer.use_rollout_log_probs=true", "algorithm.m2po.enable=false"])
+    for cfg in (one_call, rollout_lp):
+        assert train.memory_estimate(cfg, n, largest, 8, "cuda")["parts"]["snapshot"] == 0.0
+
+
+def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(qwen3_30b, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=GPU_80GB))
+    cuda = torch.device("cuda", 0)
+    line = train.memory_report(config.load_config(CONFIG_30B), qwen3_30b, 8, cuda)
+    assert line.startswith("[train] memory per rank, estimated before activations (30.53B parameters over 8 ranks)")
+    assert "warning" not in line
+    line = train.memory_report(config.load_config(CONFIG_30B), qwen3_30b, 4, cuda)  # half the ranks: 2x the shards
+    assert "[train] warning: that is more than the device's 74.5 GiB; set trainer.cpu_offload=true" in line
+    assert "trainer.snapshot=cpu" in line and "model.dtype=bfloat16" in line
