@@ -768,8 +768,8 @@ class PipelineServer:
 # ---------------------------------------------------------------------------------------------------------
 
 _SERVER: Optional[PipelineServer] = None  # the buffer process's singleton, reached by _invoke
-_METHODS = ("dispatch", "put", "get", "step_boundary", "set_weight_version", "set_max_concurrent_samples",
-            "step_metrics", "stats", "state_dict", "load_state_dict")
+_METHODS = ("dispatch", "put", "get", "step_boundary", "update_aborts", "set_weight_version",
+            "set_max_concurrent_samples", "step_metrics", "stats", "state_dict", "load_state_dict")
 
 
 def _invoke(method: str, *args):
@@ -907,6 +907,9 @@ class RemoteBuffer:
 
     def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
         return self._call("step_boundary", returned, keep_in_flight)
+
+    def update_aborts(self) -> list:
+        return self._call("update_aborts")
 
     def set_weight_version(self, v: int) -> None:
         return self._call("set_weight_version", v)
