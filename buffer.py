@@ -381,6 +381,7 @@ class PipelineServer:
         self._complete: set = set()  # in-flight keys with all N trajectories in TrajQueue: not generating
         self._consumed_step = 0  # groups handed out since the last step boundary
         self._counts: Counter = Counter()  # popped by step_metrics()
+        self._totals: Counter = Counter()  # the popped counts, summed over the run (PipelineView.dropped)
         self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
         self._boundary: dict = {}  # cleanup metrics of the last step boundary, reported once
         self._cond = threading.Condition()
@@ -604,6 +605,7 @@ class PipelineServer:
                 m.update(consumed_metrics(self._consumed_trajs))
             m.update(self.strategy.counts)
             self.strategy.counts = {}
+            self._totals.update(self._counts)
             self._counts.clear()
             self._consumed_trajs = []
             self._boundary = {}
@@ -674,7 +676,8 @@ class PipelineServer:
             generating=len(self._in_flight) - len(self._complete), consumed=self._consumed_step,
             next_seq=self.data.next_seq, oldest_uncollected=min(seqs, default=None),
             oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None),
-            version=self.version, lane=len(self.data.lane))
+            version=self.version, lane=len(self.data.lane),
+            dropped=sum(self._totals[k] + self._counts[k] for k in ("filter_drop", "staleness_drop", "policy_drop")))
 
     def _end_step_locked(self) -> None:
         self.strategy.reset()

@@ -61,6 +61,7 @@ class PipelineView:
     oldest_uncompleted: Optional[int]  # smallest seq among dispatched groups not yet complete (None: none)
     version: int = 0  # the current weight version v (the number of weight updates so far)
     lane: int = 0  # restored groups waiting to be dispatched again (dispatched before any fresh prompt)
+    dropped: int = 0  # complete groups dropped since the start (rollout.filter, max_weight_staleness, keep())
 
 
 @dataclass(frozen=True)
@@ -269,28 +270,31 @@ class AReaL(CumulativeBudget):
 class Verl(Preset):
     """verl fully-async (fully_async_rollouter.py, param_sync.py): (a) started < (1 + s) B new prompts per weight
     version, s = staleness_threshold, the count re-anchored at each sync to the work carried over (in flight +
-    cancelled + queued); each new prompt adds 1, resumed partials do not, dropped ones do not give theirs back;
-    (b) none; (c) partial_rollout: cancel and resume first (abort), or without it drain."""
+    cancelled + queued); each new prompt adds 1, resumed partials do not; (b) none; (c) partial_rollout: cancel and
+    resume first (abort), or without it drain. Deviation: a group dropped by rollout.filter gives its slot back
+    (verl's rollouter has no such filter; with all_equal_reward dropping most groups the budget would run out
+    before a batch is complete, and the run would stall)."""
     param_name = "staleness_threshold s (in steps)"
     actions = (ABORT_RESUME, DRAIN)
 
     def __init__(self, B, C, param=None, N=1):
         super().__init__(B, C, param, N)
         self.started = 0  # new prompts counted against this version's budget
+        self.dropped_at_sync = 0  # view.dropped at the last sync
 
     @classmethod
     def capacity(cls, param, B, N):
         return max(B, math.ceil(B * (1.0 + (1.0 if param is None else param))))
 
     def may_dispatch(self, seq: int, view: PipelineView) -> bool:
-        fresh_ok = view.lane > 0 or self.started < self.B * (1.0 + self.param)
+        fresh_ok = view.lane > 0 or self.started - (view.dropped - self.dropped_at_sync) < self.B * (1.0 + self.param)
         return fresh_ok and view.R + view.Q < self.C
 
     def dispatched(self, fresh: bool, view: PipelineView) -> None:
         self.started += fresh
 
     def at_boundary(self, view: PipelineView) -> None:
-        self.started = view.R + view.Q + view.lane
+        self.started, self.dropped_at_sync = view.R + view.Q + view.lane, view.dropped
 
 
 @register("pipelinerl")

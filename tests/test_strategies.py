@@ -400,10 +400,11 @@ def test_verl_budget_counts_new_prompts_per_version_and_is_reanchored_at_the_syn
     g0, g1, g2, g3 = srv.dispatch()
     srv.put(finish(g0, 2) + finish(g1, 2))
     srv.get(2, timeout=0)
-    srv.put(finish(g2, 2, status=FAILED))  # dropped: gives nothing back either
-    assert srv.dispatch() == []
-    srv.step_boundary([aborted(g3, 0), aborted(g3, 1)])  # carried over: g3 (restored) = 1
-    assert seqs(srv.dispatch()) == [3, 4, 5, 6]  # the resumed partial does not count, 3 new prompts do
+    assert srv.dispatch() == []  # consumed ones still count until the sync
+    srv.put(finish(g2, 2, status=FAILED))  # dropped by the filter: gives its slot back (this project's deviation)
+    (g4,) = srv.dispatch()
+    srv.step_boundary([aborted(g, i) for g in (g3, g4) for i in range(2)])  # carried over: g3, g4 (restored) = 2
+    assert seqs(srv.dispatch()) == [3, 4, 5, 6]  # the resumed partials do not count, 2 new prompts do
     assert srv.dispatch() == []
     drain = preset("verl", partial=False)
     assert drain.action == strategies.DRAIN and srv.action == strategies.ABORT_RESUME
