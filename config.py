@@ -112,9 +112,9 @@ class TrainerConfig:
 @dataclass
 class FullyAsyncConfig:
     enable: bool = False  # background producer + collector + PipelineBuffer (requires colocate: false)
-    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a preset (areal, verl, pipelinerl, prime-rl, roll, slime-async) | a registered custom one
-    stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) prompt groups in flight + buffered (the spec's strategies)
-    policy_param: Optional[float] = None  # a preset's knob in its own unit (README "Choosing a staleness policy"); null = one step of staleness
+    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a preset (README: staleness policy) | custom
+    stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) groups in flight + buffered (not presets)
+    policy_param: Optional[float] = None  # a preset's knob in its own unit; null = one step of staleness
 
 
 @dataclass
@@ -443,7 +443,8 @@ def validate(cfg: Config) -> Config:
         except ValueError:
             raise ValueError(f"fully_async.sliding_window={fa.sliding_window} ({strategy.actions[0].describe()} at "
                              f"the weight update) needs {strategy.accepted_settings()}; got rollout.partial="
-                             f"{str(cfg.rollout.partial).lower()}, rollout.pause_mode={cfg.rollout.pause_mode}") from None
+                             f"{str(cfg.rollout.partial).lower()}, rollout.pause_mode={cfg.rollout.pause_mode}"
+                             ) from None
     elif fa.policy_param is not None:
         raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
                          f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")

@@ -638,7 +638,7 @@ def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
             pg = max(-adv[i] * ratio, -adv[i] * clipped)
             w = math.exp(prox[i][t] - behav[i][t])
-            total += pg * w if w <= cap else 0.0  # behav_mask: tokens above the cap leave the loss (n still counts them)
+            total += pg * w if w <= cap else 0.0  # above the cap: out of the loss, still in the denominator
     return total / n
 
 
