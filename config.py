@@ -112,7 +112,7 @@ class TrainerConfig:
 @dataclass
 class FullyAsyncConfig:
     enable: bool = False  # background producer + collector + PipelineBuffer (requires colocate: false)
-    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a preset (README: staleness policy) | custom
+    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a staleness preset (README) | custom
     stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) groups in flight + buffered (not presets)
     policy_param: Optional[float] = None  # a preset's knob in its own unit; null = one step of staleness
 
