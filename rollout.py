@@ -14,8 +14,9 @@
   (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
   `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
-  to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight); with
-  partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
+  to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
+  those `buffer.update_aborts()` names, which the strategy drops by staleness: aborted first, handed to
+  step_boundary); with partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
   update in between ran on paused servers: idle ones, or ones holding the kept requests) and restarts dispatch.
   Aborts by exact rid remain for single trajectories (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
