@@ -172,3 +172,23 @@ def test_policies_run_each_preset_through_the_step_loop_and_account_for_every_pr
         assert records[name]["staleness_max"] <= 1, records[name]["staleness"]
     assert records["pipelinerl"]["discarded_tokens_per_step"] == 0  # in place: nothing aborted or re-sent
     assert records["slime-async"]["discarded_tokens_per_step"] > 0  # aborted groups restart from the prompt
+
+
+def test_policies_bench_plans_a_valid_run_per_preset_and_staleness_level():
+    """bench/policies.py: every planned run's overrides pass config.validate on configs/tiny.yaml, with the
+    capacity its staleness level asks for (runs take minutes each, so the bench itself is not run here)."""
+    import config
+    import policies
+
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    plan = dict(policies.runs([1, 2, 4], None, 32, 16))
+    assert set(plan) == {"windowed-fifo-s1", "prime-rl-s1"} | {f"{n}-s{k}" for n in
+                                                               ("areal", "verl", "pipelinerl", "roll", "slime-async")
+                                                               for k in (1, 2, 4)}
+    for name, overrides in plan.items():
+        cfg = config.load_config(tiny, overrides)
+        k = int(name.rsplit("-s", 1)[1])
+        if name.startswith(("areal", "verl", "pipelinerl")):
+            assert cfg.capacity == 32 * (1 + k), name  # k steps of staleness: (1 + k) B groups
+        if name.startswith("slime-async"):
+            assert cfg.capacity == 2 * 32 * k, name  # C = k B generating + k B queued
