@@ -1,4 +1,4 @@
-"""strategies.py: the rules that decide which prompt group may be dispatched, collected and trained (the spec's windows, the peers' staleness policies).
+"""strategies.py: which prompt group may be dispatched, collected and trained (spec windows, peers' staleness rules).
 
 Semantics of ../shared/spec/fully_async_mode.md section 3, all counted in prompt groups:
   R = groups dispatched but not yet collected (still generating, or complete and waiting in TrajQueue),
