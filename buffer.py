@@ -2,10 +2,10 @@
 
 Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order, monotonic sequence numbers, the
 restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter
-with the reasons of its drops and the stop when it drops every group, rollout.max_weight_staleness), the bounded
-PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade that the rollout and the trainer call.
-Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in prompt groups (R in flight, Q buffered, C
-capacity; strategies.py holds the dispatch/collection rules).
+with the reasons of its drops and the stop when it drops every group, rollout.max_weight_staleness, the strategy's
+consumption filter), the bounded PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade that the
+rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in prompt groups
+(R in flight, Q buffered, C capacity; strategies.py holds the dispatch/collection rules and the update actions).
 
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
@@ -379,7 +379,9 @@ class PipelineServer:
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
         self.max_staleness = cfg.rollout.max_weight_staleness  # None: no per-trajectory bound
         self.get_timeout = float(cfg.buffer.get_timeout_s)
-        self.strategy = strategies.build(cfg.fully_async.sliding_window, self.B, self.C, self.fully_async)
+        fa = cfg.fully_async
+        self.strategy = strategies.build(fa.sliding_window, self.B, self.C, self.fully_async, fa.policy_param, self.N)
+        self.action = self.strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)  # (c), at step_boundary
         ds = cfg.data_sources
         self.data = DataSource(prompts_per_source, [d.weight for d in ds], [d.seed for d in ds],
                                [d.shuffle for d in ds])
@@ -390,6 +392,7 @@ class PipelineServer:
         self._complete: set = set()  # in-flight keys with all N trajectories in TrajQueue: not generating
         self._consumed_step = 0  # groups handed out since the last step boundary
         self._counts: Counter = Counter()  # popped by step_metrics()
+        self._totals: Counter = Counter()  # the popped counts, summed over the run (PipelineView.dropped)
         self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
         self._boundary: dict = {}  # cleanup metrics of the last step boundary, reported once
         self._waited: dict = self._new_wait_counts()  # for the trainer's waiting line, popped by wait()
@@ -416,7 +419,11 @@ class PipelineServer:
             out: list = []
             view = self._view()
             while (max_groups is None or len(out) < max_groups) and self._may_dispatch(view):
+                fresh = not self.data.lane
                 pg = self.data.pop()
+                pg.metadata.setdefault("dispatch_version", self.version)  # the group's start version, until a token
+                self.strategy.dispatched(fresh, view)
+                view.lane = len(self.data.lane)
                 self._in_flight[pg.prompt_id] = pg
                 view.R += 1
                 view.generating += 1
@@ -457,31 +464,53 @@ class PipelineServer:
         A group with all N trajectories (finished or not) goes to the restored lane with them as `partial`; a group
         with none at all goes back as it was dispatched (nothing was generated, nothing is lost); a group with
         some but not all is dropped. PipelineBuffer keeps its groups.
-        keep_in_flight=True (rollout.pause_mode retract / in_place: the servers kept every request) returns nothing
-        and leaves in-flight groups and TrajQueue as they are: only the strategy and the step's count are reset.
+        keep_in_flight=True (rollout.pause_mode retract / in_place: the servers kept every request) leaves in-flight
+        groups and TrajQueue as they are, except the groups of update_aborts() (abort by staleness), whose
+        trajectories `returned` then holds: those groups are dropped. The strategy and the step's count are reset.
+        The strategy's update-time action (self.action) applies to what is restored: restart throws the partial
+        tokens away, abort by staleness drops groups that started too long before the next weights.
         """
         for t in returned:
             _check_trajectory(t, self.N)
-        if keep_in_flight and returned:
-            raise ValueError(f"step_boundary(keep_in_flight=True) got {len(returned)} returned trajectories; a "
-                             "boundary that keeps in-flight groups has nothing to restore")
         with self._cond:
+            aborting = set(self._update_aborts_locked())
+            if keep_in_flight and any(t.prompt_id not in aborting for t in returned):
+                raise ValueError(f"step_boundary(keep_in_flight=True) got {len(returned)} returned trajectories; a "
+                                 "boundary that keeps in-flight groups takes back only those of update_aborts()")
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
             if keep_in_flight:
-                self.strategy.reset()
-                self._consumed_step = 0
+                dropped = aborting & set(self._in_flight)
+                tokens = sum(int(t.response_ids.numel()) for t in returned)
+                for key in dropped:
+                    tokens += sum(int(s.response_ids.numel()) for s in self.queue.pop(key) if s is not None)
+                    del self._in_flight[key]
+                    self._complete.discard(key)
+                self._counts["discarded_tokens"] += tokens
+                self._end_step_locked()
                 self._boundary = {"rollout/kept_in_flight_groups": len(self._in_flight),
+                                  "rollout/update_dropped_groups": len(dropped),
                                   "rollout/pipeline_buf_size": len(self.pbuf)}
                 self._cond.notify_all()
                 return dict(self._boundary)
             for t in returned:
                 self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
-            restored, dropped_trajs, dropped_groups, untouched = [], 0, 0, 0
+            aborting = set(self._update_aborts_locked())  # with the returned partials' start versions
+            restored, dropped_trajs, dropped_groups, untouched, update_dropped, restarted = [], 0, 0, 0, 0, 0
             for key in sorted(self._in_flight):
                 pg = self._in_flight[key]
                 slots = self.queue.pop(key)
                 present = sum(s is not None for s in slots)
-                if present == self.N:
+                tokens = sum(int(s.response_ids.numel()) for s in slots if s is not None)
+                if key in aborting:  # (c) abort by staleness: too old to be trained under the next weights
+                    update_dropped += 1
+                    self._counts["discarded_tokens"] += tokens
+                elif present == self.N and self.action.restart and any(s.status == ABORTED for s in slots):
+                    restarted += 1  # (c) restart from the prompt: the partial tokens are thrown away
+                    self._counts["discarded_tokens"] += tokens
+                    pg.partial = []
+                    pg.metadata.pop("dispatch_version", None)
+                    restored.append(pg)
+                elif present == self.N:
                     pg.partial = slots
                     restored.append(pg)
                 elif present == 0:
@@ -495,10 +524,11 @@ class PipelineServer:
             self.data.restore(restored)
             self._in_flight.clear()
             self._complete.clear()
-            self.strategy.reset()
-            self._consumed_step = 0
-            n_restored = len(restored) - untouched
+            self._end_step_locked()
+            n_restored = len(restored) - untouched - restarted
             self._boundary = {"rollout/partial_restored_count": n_restored * self.N,
+                              "rollout/update_dropped_groups": update_dropped,
+                              "rollout/restarted_groups": restarted,
                               "rollout/partial_dropped_incomplete_count": dropped_trajs,
                               "rollout/partial_dropped_incomplete_groups": dropped_groups,
                               "rollout/restored_groups": n_restored,
@@ -548,8 +578,17 @@ class PipelineServer:
                     "seconds": time.monotonic() - w["t0"],
                     "stop": self._stop_message() if len(self.pbuf) < k and self._cannot_train() else None}
 
+    def update_aborts(self) -> list:
+        """The in-flight groups the strategy's update-time action aborts and drops at the coming weight update
+        (abort by staleness: started more than stale_after versions before version + 1), oldest first. The rollout
+        asks before pausing with rollout.pause_mode in_place / retract and hands their trajectories back to
+        step_boundary; with abort every group comes back and step_boundary drops these itself."""
+        with self._cond:
+            return self._update_aborts_locked()
+
     def set_weight_version(self, v: int) -> None:
-        """The rollout now generates with weights `v`; buffered groups beyond rollout.max_weight_staleness go."""
+        """The rollout now generates with weights `v`; buffered groups beyond rollout.max_weight_staleness, or that
+        the strategy's consumption filter no longer keeps, go."""
         with self._cond:
             if v < self.version:
                 raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is "
@@ -558,6 +597,10 @@ class PipelineServer:
             if self.max_staleness is not None:
                 stale = self.pbuf.remove_if(lambda g: self._too_stale(g.trajectories))
                 self._counts["staleness_drop"] += len(stale)
+            view = self._view()
+            old = self.pbuf.remove_if(
+                lambda g: not self.strategy.keep_buffered(self._start_version(g.prompt, g.trajectories), view))
+            self._drop_by_policy(old)
             self._cond.notify_all()
 
     # ---- metrics, checkpoints ----
@@ -577,6 +620,7 @@ class PipelineServer:
             c = self._counts
             m.update({"rollout/filter_drop": c["filter_drop"], "rollout/staleness_drop": c["staleness_drop"],
                       "rollout/late_drop": c["late_drop"], "rollout/dispatched_groups": c["dispatched"],
+                      "rollout/policy_drop": c["policy_drop"], "rollout/discarded_tokens": c["discarded_tokens"],
                       "rollout/collected_groups": c["collected"], "rollout/consumed_groups": c["consumed"],
                       "rollout/in_flight_groups": v.R, "rollout/generating_groups": v.generating,
                       "rollout/held_groups": len(self._complete), "rollout/trajqueue_groups": len(self.queue),
@@ -588,6 +632,9 @@ class PipelineServer:
                       "rollout/max_generating_groups": self.C if self.max_generating is None else self.max_generating})
             if self._consumed_trajs:
                 m.update(consumed_metrics(self._consumed_trajs))
+            m.update(self.strategy.counts)
+            self.strategy.counts = {}
+            self._totals.update(self._counts)
             self._counts.clear()
             self._consumed_trajs = []
             self._boundary = {}
@@ -657,7 +704,30 @@ class PipelineServer:
             B=self.B, C=self.C, R=len(self._in_flight), Q=len(self.pbuf),
             generating=len(self._in_flight) - len(self._complete), consumed=self._consumed_step,
             next_seq=self.data.next_seq, oldest_uncollected=min(seqs, default=None),
-            oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None))
+            oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None),
+            version=self.version, lane=len(self.data.lane),
+            dropped=sum(self._totals[k] + self._counts[k] for k in ("filter_drop", "staleness_drop", "policy_drop")))
+
+    def _end_step_locked(self) -> None:
+        self.strategy.reset()
+        self._consumed_step = 0
+        self.strategy.at_boundary(self._view())
+
+    def _update_aborts_locked(self) -> list:
+        after = self.action.stale_after
+        if after is None:
+            return []
+        return sorted(key for key, pg in self._in_flight.items()
+                      if self.version + 1 - self._start_version(pg, self.queue.slots(key)) > after)
+
+    def _start_version(self, pg: PromptGroup, trajs: list) -> int:
+        """A group's start version: its first generated token's oldest version, else the version at dispatch."""
+        started = [t.start_version for t in trajs if t is not None and t.start_version >= 0]
+        return min(started) if started else pg.metadata.get("dispatch_version", self.version)
+
+    def _drop_by_policy(self, groups: list) -> None:
+        self._counts["policy_drop"] += len(groups)
+        self._counts["discarded_tokens"] += sum(int(t.response_ids.numel()) for g in groups for t in g.trajectories)
 
     def _may_dispatch(self, view: strategies.PipelineView) -> bool:
         if self.max_generating is not None and view.generating >= self.max_generating:
@@ -715,6 +785,8 @@ class PipelineServer:
                 self._dropped = self._new_drop_run()
                 if self._too_stale(trajs):
                     self._counts["staleness_drop"] += 1
+                elif not self.strategy.keep(self._start_version(pg, trajs), view):  # (b) the consumption filter
+                    self._drop_by_policy([Group(pg, trajs)])
                 else:
                     self.pbuf.put(Group(pg, trajs))
                     self._counts["collected"] += 1
@@ -779,8 +851,8 @@ def _clip(text: str, limit: int = 160) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 _SERVER: Optional[PipelineServer] = None  # the buffer process's singleton, reached by _invoke
-_METHODS = ("dispatch", "put", "get", "wait", "step_boundary", "set_weight_version", "set_max_concurrent_samples",
-            "step_metrics", "stats", "state_dict", "load_state_dict")
+_METHODS = ("dispatch", "put", "get", "wait", "step_boundary", "update_aborts", "set_weight_version",
+            "set_max_concurrent_samples", "step_metrics", "stats", "state_dict", "load_state_dict")
 
 
 def _invoke(method: str, *args):
@@ -922,6 +994,9 @@ class RemoteBuffer:
 
     def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
         return self._call("step_boundary", returned, keep_in_flight)
+
+    def update_aborts(self) -> list:
+        return self._call("update_aborts")
 
     def set_weight_version(self, v: int) -> None:
         return self._call("set_weight_version", v)

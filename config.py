@@ -114,8 +114,9 @@ class TrainerConfig:
 @dataclass
 class FullyAsyncConfig:
     enable: bool = False  # background producer + collector + PipelineBuffer (requires colocate: false)
-    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a registered custom one
-    stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) prompt groups in flight + buffered
+    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a staleness preset (README) | custom
+    stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) groups in flight + buffered (not presets)
+    policy_param: Optional[float] = None  # a preset's knob in its own unit; null = one step of staleness
 
 
 @dataclass
@@ -242,8 +243,14 @@ class Config:
 
     @property
     def capacity(self) -> int:
-        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1)."""
-        return int(self.B * (1 + self.fully_async.stale_steps))
+        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1); a preset derives
+        it from fully_async.policy_param."""
+        import strategies  # stdlib-only
+        fa = self.fully_async
+        preset = strategies.REGISTRY.get(fa.sliding_window)
+        if isinstance(preset, type) and issubclass(preset, strategies.Preset):
+            return preset.capacity(fa.policy_param, self.B, self.N)
+        return int(self.B * (1 + fa.stale_steps))
 
     @property
     def filter_stop_groups(self) -> int:
@@ -444,7 +451,28 @@ def validate(cfg: Config) -> Config:
     import strategies  # local import: strategies.py imports only torch/stdlib, config stays light
     if fa.sliding_window not in strategies.REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' is not registered; "
-                         f"choose one of: {', '.join(sorted(strategies.REGISTRY))}")
+                         f"choose one of: {', '.join(strategies.REGISTRY)}")
+    preset = strategies.REGISTRY[fa.sliding_window]
+    if issubclass(preset, strategies.Preset):
+        if not fa.enable:
+            raise ValueError(f"fully_async.sliding_window={fa.sliding_window} is a fully-async staleness policy; set "
+                             "fully_async.enable=true (synchronous mode always uses B + num_oversample groups)")
+        if fa.stale_steps != 0:
+            raise ValueError(f"fully_async.stale_steps is the spec strategies' knob; the {fa.sliding_window} preset "
+                             f"takes its {preset.param_name} as fully_async.policy_param (got stale_steps="
+                             f"{fa.stale_steps})")
+        preset.check(fa.policy_param, B, N)
+        strategy = strategies.build(fa.sliding_window, B, cfg.capacity, True, fa.policy_param, N)
+        try:
+            strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)
+        except ValueError:
+            raise ValueError(f"fully_async.sliding_window={fa.sliding_window} ({strategy.actions[0].describe()} at "
+                             f"the weight update) needs {strategy.accepted_settings()}; got rollout.partial="
+                             f"{str(cfg.rollout.partial).lower()}, rollout.pause_mode={cfg.rollout.pause_mode}"
+                             ) from None
+    elif fa.policy_param is not None:
+        raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
+                         f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")
     if fa.enable:
         if cfg.colocate:
             raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own GPUs")

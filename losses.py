@@ -10,6 +10,10 @@ Formulas and sources: ../shared/algorithms.md. What is here:
     `algorithm.*`: IS correction (token / sequence, truncated, optionally masked), M2PO, OPSM; three loss
     aggregation modes; NaN/inf tokens counted and excluded.
   - `loss_denominator`: the local part of the aggregation's denominator (the trainer sums it over the mini-batch).
+  - the corrections the peers pair with their staleness rule (strategies.py presets): AReaL's decoupled PPO
+    (`proximal_log_probs`: recomputed, or `loglinear_proximal_log_probs` interpolated by version; the loss is
+    `policy_loss` with them as old_log_probs and is_correction as the behaviour weight) and PipelineRL's truncated
+    IS (`truncated_is_loss`).
   - `offpolicy_warning`: the start-up warning for fully-async runs whose PPO ratio is taken against rollout log-probs.
 
 Simplifications: padded [B, T] tensors, one sequence per row (no packed rows); no KL-to-reference or entropy-bonus
@@ -433,6 +437,77 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
     if entropy is not None:
         metrics["train/entropy"] = _masked_mean(clean(entropy).detach(), ok)
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The peers' corrections: AReaL's decoupled PPO, PipelineRL's truncated IS
+# ---------------------------------------------------------------------------------------------------------
+
+def loglinear_proximal_log_probs(rollout_log_probs: Tensor, log_probs: Tensor, versions: Tensor,
+                                 current_version: int) -> Tensor:
+    """AReaL's `loglinear` proximal policy (areal/trainer/ppo/actor.py, compute_prox_logp_approximations): the
+    policy one update behind the current one, interpolated in log space between the behaviour policy and the current
+    one by version instead of recomputed by a forward pass.
+
+    rollout_log_probs [B, T] (log mu), log_probs [B, T] (log pi_theta, detached here), versions [B, T] (the version
+    that generated each token; < 0 = not generated), current_version v -> log pi_prox [B, T]:
+      alpha = clamp((v - 1 - v_t) / (v - v_t), 0, 1) where v_t >= 0 and v > v_t, else 0
+      log pi_prox = log mu + alpha (log pi_theta - log mu)
+    A token one version behind (v_t = v - 1) keeps mu as its proximal policy, an on-policy one too; older tokens
+    move towards the current policy in proportion to their age.
+    """
+    vb = versions.to(torch.float64)
+    diff = float(current_version) - vb
+    alpha = torch.where((versions >= 0) & (diff > 0), (current_version - 1 - vb) / diff.clamp(min=1), 0.0)
+    alpha = alpha.clamp(0.0, 1.0).to(rollout_log_probs.dtype)
+    mu = rollout_log_probs.detach()
+    return mu + alpha * (log_probs.detach() - mu)
+
+
+PROXIMAL = ("recompute", "loglinear")  # how decoupled PPO gets its proximal log-probs
+
+
+def proximal_log_probs(method: str, old_log_probs: Optional[Tensor], rollout_log_probs: Tensor, log_probs: Tensor,
+                       versions: Tensor, current_version: int) -> Tensor:
+    """Decoupled PPO's proximal log-probs (AReaL, Hilton et al. 2021, https://arxiv.org/abs/2110.00641).
+
+    recompute: old_log_probs, the trainer's forward of the step-start weights (the snapshot this
+    project already takes as pi_old); loglinear: `loglinear_proximal_log_probs`, no forward. Decoupled PPO is then
+    `policy_loss(log_probs, prox, rollout_log_probs, ...)` with algorithm.is_correction on (level token, mask_high =
+    AReaL's behav_imp_weight_cap, clip above it): the clip is taken around pi_prox, each token is weighted by
+    pi_prox / mu and dropped where that exceeds the cap (tests/test_losses.py checks it against AReaL's formula).
+    """
+    if method == "recompute":
+        if old_log_probs is None:
+            raise ValueError("proximal_log_probs('recompute') needs old_log_probs (the step-start snapshot's forward)")
+        return old_log_probs.detach()
+    if method == "loglinear":
+        return loglinear_proximal_log_probs(rollout_log_probs, log_probs, versions, current_version)
+    raise ValueError(f"decoupled PPO proximal method '{method}' is unknown; accepted: {', '.join(PROXIMAL)}")
+
+
+def truncated_is_loss(log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor,
+                      eps_high: float, loss_denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """PipelineRL's truncated-IS policy gradient (pipelinerl/finetune/rl/__init__.py, policy_loss "reinforce").
+
+    log_probs [B, T] (with grad), rollout_log_probs [B, T] (log mu, the samples' behaviour policy, which in-place
+    updates make a mix of versions), advantages [B], loss_mask [B, T], eps_high > 0, loss_denominator D (token-mean:
+    the mini-batch's loss tokens) -> (loss [], metrics). Per token, with w detached:
+      w = clamp(pi_theta / mu, 0, 1 + eps_high),   l = -w A log pi_theta,   loss = sum_t l / D
+    so the gradient is the importance-weighted REINFORCE estimator with the weight truncated above; no PPO clip.
+    Metrics over the loss tokens: train/tis_mean (w), train/tis_truncated_frac (pi / mu > 1 + eps_high).
+    """
+    if eps_high <= 0:
+        raise ValueError(f"truncated_is_loss eps_high must be > 0, got {eps_high}")
+    mask = loss_mask > 0
+    ratio = (log_probs.detach().float() - rollout_log_probs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    w = ratio.clamp(0.0, 1.0 + eps_high)
+    adv = advantages.detach().float().unsqueeze(-1)
+    loss_mat = torch.where(mask, -w * adv * log_probs.float(), 0.0)
+    denom = torch.as_tensor(loss_denominator, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
+    loss = loss_mat.sum() / denom
+    return loss, {"train/pg_loss": loss.detach(), "train/tis_mean": _masked_mean(w, mask),
+                  "train/tis_truncated_frac": _frac(mask & (ratio > 1.0 + eps_high), mask)}
 
 
 # ---------------------------------------------------------------------------------------------------------

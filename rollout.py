@@ -14,8 +14,9 @@
   (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
   `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
-  to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight); with
-  partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
+  to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
+  those `buffer.update_aborts()` names, which the strategy drops by staleness: aborted first, handed to
+  step_boundary); with partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
   update in between ran on paused servers: idle ones, or ones holding the kept requests) and restarts dispatch.
   Aborts by exact rid remain for single trajectories (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
@@ -824,6 +825,7 @@ class Rollout:
         self._partials: list[Trajectory] = []
         self._dispatching = False
         self._stopping = False  # pausing with rollout.partial=true: new and running trajectories stop
+        self._aborting: set = set()  # groups the buffer drops at this update (buffer.update_aborts): they stop too
         self._servers_paused = False  # our /pause_generation holds the servers until resume() or stop()
         self._error: Optional[BaseException] = None
         self._tasks: set = set()
@@ -995,7 +997,7 @@ class Rollout:
             traj.status = FAILED
             traj.metadata["error"] = repr(task.exception())
             log.warning("trajectory %s failed: %r", prefix, task.exception())
-        elif traj.status == ABORTED and not self._stopping:
+        elif traj.status == ABORTED and not (self._stopping or g.prompt_id in self._aborting):
             traj.status = FAILED
             traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
         if len(traj.response_ids):
@@ -1080,8 +1082,9 @@ class Rollout:
             # re-sent: the groups stay in flight. A dispatch in progress (up to DISPATCH_WAIT_S) is not waited for:
             # its requests wait at the servers' pause gate and stay in flight too.
             self._servers_paused = True
+            partials = await self._abort_groups(await asyncio.to_thread(self.buffer.update_aborts), deadline)
             await self.fleet.pause(r.pause_mode, max(1.0, deadline - time.monotonic()))
-            metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, [], True) or {})
+            metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, True) or {})
             metrics["rollout/partial_kept_count"] = len(self._active)
             metrics["timing/pause_delay"] = time.monotonic() - t0
             return metrics
@@ -1112,6 +1115,28 @@ class Rollout:
         metrics["rollout/partial_aborted_count"] = len(partials)
         metrics["timing/pause_delay"] = time.monotonic() - t0
         return metrics
+
+    async def _abort_groups(self, keys: list, deadline: float) -> list:
+        """The strategy's abort by staleness before an in-place / retract pause: abort every request of the groups
+        `keys` (buffer.update_aborts), wait for their trajectories and return the aborted ones (the buffer drops
+        these groups in step_boundary; trajectories that finished meanwhile were put and are dropped with them)."""
+        self._aborting = {tuple(k) for k in keys} & set(self._groups)
+        try:
+            prefixes = tuple(f"{self.run_tag}-{e}-{s}-" for e, s in self._aborting)
+            for active in [a for a in self._active.values() if a.prefix.startswith(prefixes)] if prefixes else []:
+                active.stop.set()
+                if active.rid is not None:
+                    self._spawn(self.fleet.abort(active.rid))
+            while self._aborting & set(self._groups):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"pause: the groups aborted by staleness {sorted(self._aborting)} did not come "
+                                       f"back within rollout.pause_timeout_s={self.cfg.rollout.pause_timeout_s} s")
+                await asyncio.sleep(0.01)
+            partials = [t for t in self._partials if t.prompt_id in self._aborting]
+            self._partials = [t for t in self._partials if t.prompt_id not in self._aborting]
+            return partials
+        finally:
+            self._aborting = set()
 
     async def _wait_idle(self, wait_s: float, deadline: float) -> None:
         try:

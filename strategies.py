@@ -1,4 +1,4 @@
-"""strategies.py: the sliding-window strategies that decide which prompt group may be dispatched or collected.
+"""strategies.py: which prompt group may be dispatched, collected and trained (spec windows, peers' staleness rules).
 
 Semantics of ../shared/spec/fully_async_mode.md section 3, all counted in prompt groups:
   R = groups dispatched but not yet collected (still generating, or complete and waiting in TrajQueue),
@@ -25,11 +25,24 @@ and one decorator line, selected with `fully_async.sliding_window=<name>`:
         def may_collect(self, seq, view):
             return view.oldest_uncompleted is None or seq < view.oldest_uncompleted
 
-Simplification: strategies are stateless by default (everything they need is in `PipelineView`); `reset()` is
-called at every step boundary for strategies that keep their own state. Imports only the standard library.
+A strategy is three parts (the split of ../shared/peer_policies.md), each a method with a default:
+  (a) admission         may_dispatch(seq, view): may a group start generating now?
+  (b) consumption       keep(start_version, view): may a complete group be trained? Asked when it is collected and
+      filter            again for every buffered group at each weight update; False drops it (rollout/policy_drop).
+  (c) update-time       `actions`: the UpdateActions the strategy accepts at a weight update (abort and resume
+      action            partial, abort and restart from the prompt, drain, in_place, retract, each optionally with
+                        abort by staleness). Empty = any that rollout.partial / rollout.pause_mode select (the spec's
+                        three); config.validate refuses a pairing a strategy does not accept.
+Presets of the peers' rules (areal, verl, pipelinerl, prime-rl, roll, slime-async) are registered beside the spec's
+three; each takes one knob, fully_async.policy_param, in its own unit, and derives the capacity C from it.
+
+Simplification: strategies are stateless by default (everything they need is in `PipelineView`); `reset()` and
+`at_boundary(view)` are called at every step boundary for strategies that keep their own state. Imports only the
+standard library.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -46,15 +59,52 @@ class PipelineView:
     next_seq: int  # sequence number the next fresh prompt group will get
     oldest_uncollected: Optional[int]  # smallest seq among the R dispatched-not-collected groups (None: R == 0)
     oldest_uncompleted: Optional[int]  # smallest seq among dispatched groups not yet complete (None: none)
+    version: int = 0  # the current weight version v (the number of weight updates so far)
+    lane: int = 0  # restored groups waiting to be dispatched again (dispatched before any fresh prompt)
+    dropped: int = 0  # complete groups dropped since the start (rollout.filter, max_weight_staleness, keep())
+
+
+@dataclass(frozen=True)
+class UpdateAction:
+    """(c) What happens to the groups in flight when the weights change (at the step boundary).
+
+    pause: abort (the servers abort every request; partial trajectories go back to the buffer), in_place (the
+    requests stay on the paused servers with their KV cache and continue with the new weights), retract (they stay,
+    their KV cache is recomputed), drain (no pause: the boundary waits for everything in flight).
+    restart: aborted groups restart from the prompt; their partial tokens are thrown away (rollout/discarded_tokens).
+    stale_after: abort by staleness: groups that started more than this many versions before the new weights are
+    aborted and dropped (rollout/update_dropped_groups); None = none.
+    """
+    pause: str
+    restart: bool = False
+    stale_after: Optional[int] = None
+
+    @property
+    def rollout_settings(self) -> tuple[bool, str]:
+        """The (rollout.partial, rollout.pause_mode) this action runs with."""
+        return (False, "abort") if self.pause == "drain" else (True, self.pause)
+
+    def describe(self) -> str:
+        name = {"abort": "abort + restart from the prompt" if self.restart else "abort + resume partial",
+                "in_place": "keep in place", "retract": "retract", "drain": "drain (wait)"}[self.pause]
+        return name + (f", abort groups older than {self.stale_after}" if self.stale_after is not None else "")
+
+
+def action_for(partial: bool, pause_mode: str) -> UpdateAction:
+    """The plain UpdateAction that rollout.partial / rollout.pause_mode select."""
+    return UpdateAction(pause_mode if partial else "drain")
 
 
 class Strategy:
-    """Base strategy = the capacity rule alone (which is exactly no-window). Override either method."""
+    """Base strategy = the capacity rule alone (which is exactly no-window). Override any method."""
+
+    actions: tuple = ()  # (c) the UpdateActions accepted; () = whatever rollout.partial / pause_mode select
 
     def __init__(self, B: int, C: int):
         if B <= 0 or C < B:
             raise ValueError(f"a strategy needs B > 0 and capacity C >= B, got B={B}, C={C}")
         self.B, self.C = B, C
+        self.counts: dict = {}  # rollout/<name> counters of the strategy's own, popped by the buffer's step_metrics
 
     def may_dispatch(self, seq: int, view: PipelineView) -> bool:
         """May the group with sequence number `seq` be dispatched now? (Checked before it is counted in R.)"""
@@ -64,8 +114,38 @@ class Strategy:
         """May the complete group `seq` move from TrajQueue into PipelineBuffer now?"""
         return True
 
+    def keep(self, start_version: int, view: PipelineView) -> bool:
+        """(b) May a complete group whose generation started at weight `start_version` be trained? Asked at
+        collection and, for buffered groups, at every weight update; False drops it."""
+        return True
+
+    def keep_buffered(self, start_version: int, view: PipelineView) -> bool:
+        """(b) for a group already in PipelineBuffer, asked at every weight update (default: as at collection)."""
+        return self.keep(start_version, view)
+
+    def dispatched(self, fresh: bool, view: PipelineView) -> None:
+        """A group was dispatched; fresh=False for a restored (or replayed) one."""
+
     def reset(self) -> None:
         """Called at every step boundary, after TrajQueue was cleared."""
+
+    def at_boundary(self, view: PipelineView) -> None:
+        """Called at every step boundary after reset(), with the counters as the new step starts."""
+
+    def action(self, partial: bool, pause_mode: str) -> UpdateAction:
+        """(c) The update-time action for these rollout settings (config.validate checks they are accepted)."""
+        for a in self.actions:
+            if a.rollout_settings == (partial, pause_mode):
+                return a
+        if self.actions:
+            raise ValueError(f"{type(self).__name__} accepts {self.accepted_settings()}; got rollout.partial="
+                             f"{str(partial).lower()}, rollout.pause_mode={pause_mode}")
+        return action_for(partial, pause_mode)
+
+    @classmethod
+    def accepted_settings(cls) -> str:
+        return " or ".join(f"rollout.partial={str(p).lower()}" + (f" with rollout.pause_mode={m}" if p else "")
+                           for p, m in (a.rollout_settings for a in cls.actions))
 
 
 REGISTRY: dict[str, type] = {}
@@ -123,11 +203,223 @@ class Synchronous(Strategy):
         return view.consumed + view.R + view.Q < self.C
 
 
-def build(name: str, B: int, C: int, fully_async: bool) -> Strategy:
-    """The strategy for a run: REGISTRY[name] in fully-async mode, Synchronous otherwise."""
+# ---------------------------------------------------------------------------------------------------------
+# The peers' rules as presets (../shared/peer_policies.md; each class names the file its rule is read from).
+# Versions here count weight updates, one per training step of B groups; a group's start version is the
+# version of its first generated token (the version at dispatch when it has none yet).
+# ---------------------------------------------------------------------------------------------------------
+
+ABORT_RESUME, ABORT_RESTART = UpdateAction("abort"), UpdateAction("abort", restart=True)
+IN_PLACE, DRAIN = UpdateAction("in_place"), UpdateAction("drain")
+
+
+class Preset(Strategy):
+    """A peer's rule: one knob `param` (fully_async.policy_param) in the peer's own unit; None = `default(B, N)`,
+    chosen so that the preset allows one step of staleness. `capacity` is the C the admission can reach."""
+
+    param_name = ""  # what fully_async.policy_param means for this preset, for errors and the README
+    staleness_knob = True  # param scales the staleness allowed (bench/policies.py sweeps it)
+
+    def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1):
+        super().__init__(B, C)
+        self.N = N
+        self.param = self.default(B, N) if param is None else float(param)
+
+    @classmethod
+    def default(cls, B: int, N: int) -> float:
+        return 1.0
+
+    @classmethod
+    def check(cls, param: Optional[float], B: int, N: int) -> None:
+        """Refuse a knob the rule cannot use, in one sentence."""
+        if param is not None and param < 0:
+            raise ValueError(f"fully_async.policy_param ({cls.param_name}) must be >= 0, got {param}")
+
+    @classmethod
+    def capacity(cls, param: Optional[float], B: int, N: int) -> int:
+        raise NotImplementedError
+
+
+class CumulativeBudget(Preset):
+    """(a) accepted + running < budget + v B, with `accepted` cumulative (AReaL's form; ROLL's and PipelineRL's are
+    the same with other units). Each step trains B accepted groups, so accepted = v B + consumed + Q and the rule
+    reads consumed + R + Q < budget: consuming a group does not free a slot before the weight update; a group
+    dropped by a filter does ("rejected rollouts do not count")."""
+
+    def budget(self) -> float:
+        return self.B * (1.0 + self.param)
+
+    @classmethod
+    def capacity(cls, param, B, N):
+        return max(B, math.ceil(cls(B, B, param, N).budget()))
+
+    def may_dispatch(self, seq: int, view: PipelineView) -> bool:
+        return view.consumed + view.R + view.Q < self.budget() and view.R + view.Q < self.C
+
+
+@register("areal")
+class AReaL(CumulativeBudget):
+    """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): (a) accepted + running < (eta + v + 1) B,
+    eta = max_head_offpolicyness; (b) none; (c) /pause_generation abort, the partial output resubmitted under the
+    new weights (per-token versions kept)."""
+    param_name = "eta (max_head_offpolicyness, in steps)"
+    actions = (ABORT_RESUME,)
+
+
+@register("verl")
+class Verl(Preset):
+    """verl fully-async (fully_async_rollouter.py, param_sync.py): (a) started < (1 + s) B new prompts per weight
+    version, s = staleness_threshold, the count re-anchored at each sync to the work carried over (in flight +
+    cancelled + queued); each new prompt adds 1, resumed partials do not; (b) none; (c) partial_rollout: cancel and
+    resume first (abort), or without it drain. Deviation: a group dropped by rollout.filter gives its slot back
+    (verl's rollouter has no such filter; with all_equal_reward dropping most groups the budget would run out
+    before a batch is complete, and the run would stall)."""
+    param_name = "staleness_threshold s (in steps)"
+    actions = (ABORT_RESUME, DRAIN)
+
+    def __init__(self, B, C, param=None, N=1):
+        super().__init__(B, C, param, N)
+        self.started = 0  # new prompts counted against this version's budget
+        self.dropped_at_sync = 0  # view.dropped at the last sync
+
+    @classmethod
+    def capacity(cls, param, B, N):
+        return max(B, math.ceil(B * (1.0 + (1.0 if param is None else param))))
+
+    def may_dispatch(self, seq: int, view: PipelineView) -> bool:
+        fresh_ok = view.lane > 0 or self.started - (view.dropped - self.dropped_at_sync) < self.B * (1.0 + self.param)
+        return fresh_ok and view.R + view.Q < self.C
+
+    def dispatched(self, fresh: bool, view: PipelineView) -> None:
+        self.started += fresh
+
+    def at_boundary(self, view: PipelineView) -> None:
+        self.started, self.dropped_at_sync = view.R + view.Q + view.lane, view.dropped
+
+
+@register("pipelinerl")
+class PipelineRL(CumulativeBudget):
+    """PipelineRL (pipelinerl/actor.py, finetune_loop.py, vllm1.py): (a) submitted groups < ceil(L / G) + (u + 1)
+    ceil(U / G), L = max_lag in samples, G = N, U = B N samples per update; (b) counted, not dropped: a group
+    older than L samples adds N to rollout/samples_too_old; (c) nothing aborted: pause mode keep, the running
+    sequences continue on the old KV cache with the new weights (in_place). Its loss: losses.truncated_is_weight."""
+    param_name = "max_lag L (in samples)"
+    actions = (IN_PLACE,)
+
+    @classmethod
+    def default(cls, B, N):
+        return float(B * N)
+
+    def budget(self) -> float:
+        return math.ceil(self.param / self.N) + self.B
+
+    def keep(self, start_version: int, view: PipelineView) -> bool:
+        if (view.version - start_version) * self.B * self.N > self.param:
+            self.counts["rollout/samples_too_old"] = self.counts.get("rollout/samples_too_old", 0) + self.N
+        return True
+
+    def keep_buffered(self, start_version: int, view: PipelineView) -> bool:
+        return True  # counted once, at collection
+
+
+@register("prime-rl")
+class PrimeRL(CumulativeBudget):
+    """prime-rl (orchestrator/scheduler.py, train_sink.py, utils.py): (a) lead <= 1: at most one step's batch
+    ahead of the trainer (the budget is 2 B whatever M); (b) drop queued groups whose start version < v - M,
+    M = max_off_policy_steps (prime-rl's default 8); (c) keep in flight (pause mode keep), but first abort whole
+    groups that would be older than M under the new weights."""
+    param_name = "max_off_policy_steps M"
+    staleness_knob = False  # the lead is fixed at 1; M only bounds what is dropped
+
+    def __init__(self, B, C, param=None, N=1):
+        super().__init__(B, C, param, N)
+        self.actions = (UpdateAction("in_place", stale_after=int(self.param)),)
+
+    @classmethod
+    def check(cls, param, B, N):
+        if param is not None and (param < 0 or param != int(param)):
+            raise ValueError(f"fully_async.policy_param ({cls.param_name}) must be a whole number >= 0, got {param}")
+
+    @classmethod
+    def accepted_settings(cls) -> str:
+        return "rollout.partial=true with rollout.pause_mode=in_place"
+
+    def budget(self) -> float:
+        return 2.0 * self.B
+
+    def keep(self, start_version: int, view: PipelineView) -> bool:
+        return view.version - start_version <= self.param
+
+
+@register("roll")
+class Roll(CumulativeBudget):
+    """ROLL (roll/distributed/scheduler/generate_scheduler.py): (a) running + completed < ceil(alpha B) + t B;
+    (b) skip groups with start step < t - ceil(alpha); with a fractional alpha the oldest allowed step fills only
+    ceil(frac(alpha) B) groups per step; (c) drop the running groups that are too old for (b) under the new
+    weights, abort the rest and resume their partial output."""
+    param_name = "alpha (in steps)"
+
+    def __init__(self, B, C, param=None, N=1):
+        super().__init__(B, C, param, N)
+        self.lag = math.ceil(self.param)
+        self.quota = math.ceil((self.param - math.floor(self.param)) * B) if self.param != self.lag else None
+        self.oldest_taken = 0  # groups of the oldest allowed step accepted since the boundary (fractional alpha)
+        self.actions = (UpdateAction("abort", stale_after=self.lag),)
+
+    @classmethod
+    def accepted_settings(cls) -> str:
+        return "rollout.partial=true with rollout.pause_mode=abort"
+
+    def budget(self) -> float:
+        return math.ceil(self.param * self.B) + self.B
+
+    def keep(self, start_version: int, view: PipelineView) -> bool:
+        lag = view.version - start_version
+        if lag < self.lag or (lag == self.lag and self.quota is None):
+            return True
+        if lag == self.lag and self.oldest_taken < self.quota:
+            self.oldest_taken += 1
+            return True
+        return False
+
+    def reset(self) -> None:
+        self.oldest_taken = 0
+
+
+@register("slime-async")
+class SlimeAsync(Preset):
+    """slime's fully-async example (slime/rollout/fully_async_rollout.py): no versions; (a) top up while
+    generating < C and queued < C, C = concurrency (here in groups); (b) none; (c) /pause_generation abort and
+    flush, the aborted group is re-queued and restarts from scratch."""
+    param_name = "concurrency C (in groups)"
+    actions = (ABORT_RESTART,)
+
+    @classmethod
+    def default(cls, B, N):
+        return float(B)
+
+    @classmethod
+    def check(cls, param, B, N):
+        if param is not None and (param < 1 or param != int(param)):
+            raise ValueError(f"fully_async.policy_param ({cls.param_name}) must be a whole number >= 1, got {param}")
+
+    @classmethod
+    def capacity(cls, param, B, N):
+        return max(B, 2 * int(cls.default(B, N) if param is None else param))
+
+    def may_dispatch(self, seq: int, view: PipelineView) -> bool:
+        return view.generating < self.param and view.Q < self.param and view.R + view.Q < self.C
+
+
+PRESETS = ("areal", "verl", "pipelinerl", "prime-rl", "roll", "slime-async")  # the peers' rules, registered above
+
+def build(name: str, B: int, C: int, fully_async: bool, param: Optional[float] = None, N: int = 1) -> Strategy:
+    """The strategy for a run: REGISTRY[name] in fully-async mode, Synchronous otherwise. Presets also get their
+    knob `param` (fully_async.policy_param, None = one step of staleness) and N."""
     if not fully_async:
         return Synchronous(B, C)
     if name not in REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{name}' is not registered; choose one of: "
-                         f"{', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name](B, C)
+                         f"{', '.join(REGISTRY)}")
+    cls = REGISTRY[name]
+    return cls(B, C, param, N) if issubclass(cls, Preset) else cls(B, C)

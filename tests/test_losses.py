@@ -606,3 +606,88 @@ def test_offpolicy_warning():
     cfg = config.from_dict({"colocate": False, "fully_async": {"enable": True},
                             "trainer": {"use_rollout_log_probs": True}})
     assert losses.offpolicy_warning(cfg) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The peers' corrections: AReaL's decoupled PPO, PipelineRL's truncated IS
+# ---------------------------------------------------------------------------------------------------------
+
+def test_loglinear_proximal_hand_computed():
+    # current version 4; tokens from versions 3 (one behind), 2, 0, 4 (on-policy) and an environment token (-1)
+    mu = torch.tensor([[-1.0, -1.0, -2.0, -0.5, 0.0]])
+    theta = torch.tensor([[-0.5, -3.0, -1.0, -0.7, -9.0]])
+    versions = torch.tensor([[3, 2, 0, 4, -1]])
+    prox = losses.loglinear_proximal_log_probs(mu, theta, versions, 4)
+    # alpha = 0, (3 - 2) / (4 - 2) = 1/2, 3 / 4, 0 (v - v_t = 0), 0 (not generated)
+    assert prox[0].tolist() == pytest.approx([-1.0, -2.0, -2.0 + 0.75 * 1.0, -0.5, 0.0])
+    assert losses.proximal_log_probs("recompute", theta, mu, theta, versions, 4) is not None
+    with pytest.raises(ValueError, match="accepted: recompute, loglinear"):
+        losses.proximal_log_probs("linear", None, mu, theta, versions, 4)
+
+
+def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
+    """AReaL's ppo_actor_loss_fn (areal/utils/functional.py), written out per token in Python floats."""
+    lp, prox, behav, adv, mask = lp.tolist(), prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist()
+    total, n = 0.0, 0
+    for i in range(len(lp)):
+        for t in range(len(lp[0])):
+            if not mask[i][t]:
+                continue
+            n += 1
+            ratio = math.exp(lp[i][t] - prox[i][t])
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            pg = max(-adv[i] * ratio, -adv[i] * clipped)
+            w = math.exp(prox[i][t] - behav[i][t])
+            total += pg * w if w <= cap else 0.0  # above the cap: out of the loss, still in the denominator
+    return total / n
+
+
+@pytest.mark.parametrize("method", ["recompute", "loglinear"])
+def test_decoupled_ppo_is_policy_loss_around_the_proximal_policy_with_a_capped_behaviour_weight(method):
+    cap = 1.6
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        B, T = 4, 6
+        behav = -torch.rand(B, T, generator=g) * 2
+        old = behav + torch.randn(B, T, generator=g) * 0.4
+        lp = (old + torch.randn(B, T, generator=g) * 0.3).requires_grad_()
+        versions = torch.randint(0, 5, (B, T), generator=g)
+        adv = torch.randn(B, generator=g)
+        mask = torch.rand(B, T, generator=g) > 0.2
+        prox = losses.proximal_log_probs(method, old, behav, lp, versions, 5)
+        a = algo(**{"is_correction.enable": True, "is_correction.clip": 1e9, "is_correction.mask_high": cap})
+        loss, m = losses.policy_loss(lp, prox, behav, adv, mask, a, losses.loss_denominator(mask, "token-mean"))
+        ref = areal_decoupled_loss(lp.detach().double(), prox.double(), behav.double(), adv.double(), mask,
+                                   a.clip_low, a.clip_high, cap)
+        assert float(loss.detach()) == pytest.approx(ref, rel=1e-5, abs=1e-6), seed
+        loss.backward()
+        # the gradient flows through the ratio only: masked tokens and capped ones get exactly zero
+        w = (prox - behav).exp()
+        assert (lp.grad[~mask | (w > cap)] == 0).all()
+
+
+def test_truncated_is_loss_value_and_gradient_hand_computed():
+    lp = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2)]], requires_grad=True)
+    mu = torch.tensor([[math.log(0.25), math.log(0.9), math.log(0.4)]])  # pi / mu = 2, 1, 0.5
+    adv = torch.tensor([2.0])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.5, loss_denominator=2.0)
+    w = [1.5, 1.0]  # 2 truncated at 1 + eps_high; the masked token is out
+    assert float(loss) == pytest.approx(-(w[0] * 2 * math.log(0.5) + w[1] * 2 * math.log(0.9)) / 2)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 2, -1.0 * 2 / 2, 0.0])  # d/dlp = -w A / D, w detached
+    assert float(m["train/tis_mean"]) == pytest.approx(1.25) and float(m["train/tis_truncated_frac"]) == 0.5
+    with pytest.raises(ValueError, match="eps_high must be > 0"):
+        losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.0, loss_denominator=2.0)
+
+
+def test_truncated_is_loss_matches_loop_reference():
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        lp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_()
+        mu = lp.detach() + torch.randn(3, 5, generator=g)
+        adv, mask = torch.randn(3, generator=g), torch.rand(3, 5, generator=g) > 0.3
+        loss, _ = losses.truncated_is_loss(lp, mu, adv, mask, 0.2, float(mask.sum()))
+        ref = sum(-min(max(math.exp(lp[i, t].item() - mu[i, t].item()), 0.0), 1.2) * adv[i].item() * lp[i, t].item()
+                  for i in range(3) for t in range(5) if mask[i, t]) / max(1, int(mask.sum()))
+        assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6)

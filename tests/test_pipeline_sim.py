@@ -152,3 +152,43 @@ def test_quick_run_emits_every_column(tmp_path):
     kept = next(r for r in records if r["name"] == "fifo-s2-10:6-inplace")  # nothing aborted, restored, re-sent
     assert kept["partial_kept"] > 0 and kept["partial_restored"] is None
     assert (tmp_path / "sim.png").stat().st_size > 10_000
+
+
+def test_policies_run_each_preset_through_the_step_loop_and_account_for_every_prompt(tmp_path):
+    """--policies --quick: each preset of strategies.py drives the real buffer, rollout and train.run_steps for 3
+    steps; every dispatched prompt is trained exactly once, counted as dropped, or pending at the end."""
+    out = tmp_path / "policies.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pipeline_sim.py"), "--policies", "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=170, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| policy (parameter for one step of staleness) |" in proc.stdout
+    records = {r["name"].split("-8:8")[0]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"areal", "verl", "pipelinerl", "prime-rl", "roll", "slime-async"}
+    for name, r in records.items():
+        a = r["accounting"]
+        assert a["trained"] == 3 * 16 and a["trained_twice"] == 0 and a["pending_and_trained"] == 0, (name, a)
+        assert a["trained"] + a["dropped"] + a["pending"] == a["dispatched"], (name, a)
+    for name in ("prime-rl", "roll"):  # their consumption filter is a hard bound: nothing older than one step
+        assert records[name]["staleness_max"] <= 1, records[name]["staleness"]
+    assert records["pipelinerl"]["discarded_tokens_per_step"] == 0  # in place: nothing aborted or re-sent
+    assert records["slime-async"]["discarded_tokens_per_step"] > 0  # aborted groups restart from the prompt
+
+
+def test_policies_bench_plans_a_valid_run_per_preset_and_staleness_level():
+    """bench/policies.py: every planned run's overrides pass config.validate on configs/tiny.yaml, with the
+    capacity its staleness level asks for (runs take minutes each, so the bench itself is not run here)."""
+    import config
+    import policies
+
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    plan = dict(policies.runs([1, 2, 4], None, 32, 16))
+    assert set(plan) == {"windowed-fifo-s1", "prime-rl-s1"} | {f"{n}-s{k}" for n in
+                                                               ("areal", "verl", "pipelinerl", "roll", "slime-async")
+                                                               for k in (1, 2, 4)}
+    for name, overrides in plan.items():
+        cfg = config.load_config(tiny, overrides)
+        k = int(name.rsplit("-s", 1)[1])
+        if name.startswith(("areal", "verl", "pipelinerl")):
+            assert cfg.capacity == 32 * (1 + k), name  # k steps of staleness: (1 + k) B groups
+        if name.startswith("slime-async"):
+            assert cfg.capacity == 2 * 32 * k, name  # C = k B generating + k B queued

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import strategies
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED
 from strategies import PipelineView
-from test_buffer import aborted, finish, make_server, traj
+from test_buffer import aborted, finish, make_cfg, make_server, traj
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -364,3 +364,201 @@ def test_random_schedules_keep_every_rule(window, data):
     lane = set(srv.stats(keys=True)["lane_keys"])
     assert not lane & set(d.consumed)
     assert len(d.dispatched) == len(d.consumed) + d.dropped + len(lane)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The peers' presets: (a) admission at its boundary, (b) the filter at its bound, (c) the update-time action
+# ---------------------------------------------------------------------------------------------------------
+
+def preset(name, B=4, N=2, param=None, pause_mode="abort", partial=True, overrides=()):
+    over = [f"rollout.partial={str(partial).lower()}", f"rollout.pause_mode={pause_mode}", *overrides]
+    if param is not None:
+        over.append(f"fully_async.policy_param={param}")
+    return make_server(B=B, N=N, stale=0.0, window=name, overrides=over, n_prompts=40)
+
+
+def seqs(groups):
+    return [g.seq for g in groups]
+
+
+def test_areal_counts_consumed_groups_until_the_update_and_frees_rejected_ones():
+    srv = preset("areal", B=4, N=2)  # eta 1: consumed + R + Q < (1 + 1) * 4
+    assert srv.C == 8 and len(srv.dispatch()) == 8
+    gs = [srv._in_flight[k] for k in sorted(srv._in_flight)]
+    srv.put(finish(gs[0], 2) + finish(gs[1], 2))
+    srv.get(2, timeout=0)
+    assert srv.dispatch() == []  # 2 consumed + 6 running = 8: no-window would dispatch 2 (R + Q = 6 < 8)
+    srv.put(finish(gs[2], 2, status=FAILED))  # rejected: frees its slot
+    assert seqs(srv.dispatch()) == [8]
+    srv.step_boundary([aborted(g, i) for g in gs[3:] + [srv._in_flight[(0, 8)]] for i in range(2)])
+    assert seqs(srv.dispatch()) == [3, 4, 5, 6, 7, 8, 9, 10]  # the update resets `consumed`: 6 restored + 2 new
+    assert strategies.AReaL.capacity(0.5, 4, 2) == 6 and strategies.AReaL.capacity(None, 4, 2) == 8
+
+
+def test_verl_budget_counts_new_prompts_per_version_and_is_reanchored_at_the_sync():
+    srv = preset("verl", B=2, N=2)  # s = 1: (1 + s) * B = 4 new prompts per weight version
+    g0, g1, g2, g3 = srv.dispatch()
+    srv.put(finish(g0, 2) + finish(g1, 2))
+    srv.get(2, timeout=0)
+    assert srv.dispatch() == []  # consumed ones still count until the sync
+    srv.put(finish(g2, 2, status=FAILED))  # dropped by the filter: gives its slot back (this project's deviation)
+    (g4,) = srv.dispatch()
+    srv.step_boundary([aborted(g, i) for g in (g3, g4) for i in range(2)])  # carried over: g3, g4 (restored) = 2
+    assert seqs(srv.dispatch()) == [3, 4, 5, 6]  # the resumed partials do not count, 2 new prompts do
+    assert srv.dispatch() == []
+    drain = preset("verl", partial=False)
+    assert drain.action == strategies.DRAIN and srv.action == strategies.ABORT_RESUME
+
+
+def test_pipelinerl_budget_in_samples_counts_old_samples_and_keeps_requests_in_place():
+    srv = preset("pipelinerl", B=4, N=2, param=4, pause_mode="in_place")  # ceil(4 / 2) + 4 = 6 groups
+    assert srv.C == 6 and len(srv.dispatch()) == 6 and srv.dispatch() == []
+    assert strategies.PipelineRL.capacity(None, 4, 2) == 8  # default max_lag = B N samples: one step
+    g0, g1 = srv._in_flight[(0, 0)], srv._in_flight[(0, 1)]
+    srv.set_weight_version(1)  # a lag of 1 version = 8 samples > 4: counted, not dropped
+    srv.put(finish(g0, 2, version=0) + finish(g1, 2, version=1))
+    m = srv.step_metrics()
+    assert m["rollout/samples_too_old"] == 2 and m["rollout/policy_drop"] == 0 and srv.stats()["Q"] == 2
+    assert srv.update_aborts() == []
+    assert srv.step_boundary([], keep_in_flight=True)["rollout/kept_in_flight_groups"] == 4
+    srv.set_weight_version(3)
+    assert srv.stats()["Q"] == 2 and "rollout/samples_too_old" not in srv.step_metrics()  # counted once
+
+
+def test_prime_rl_drops_queued_groups_older_than_m_and_aborts_them_in_flight():
+    srv = preset("prime-rl", B=2, N=2, param=1, pause_mode="in_place")  # lead <= 1: 2 B = 4 groups
+    g0, g1, g2, g3 = srv.dispatch()
+    assert srv.dispatch() == []
+    srv.put(finish(g0, 2) + finish(g1, 2))
+    srv.get(1, timeout=0)  # g1 stays buffered
+    assert srv.update_aborts() == []  # 1 - 0 = 1 <= M: kept in place
+    srv.step_boundary([], keep_in_flight=True)
+    srv.set_weight_version(1)
+    assert srv.stats()["Q"] == 1  # lag 1 <= M
+    g4 = srv.dispatch()[0]  # started under version 1
+    assert g4.seq == 4 and srv.update_aborts() == [(0, 2), (0, 3)]  # 2 - 0 > M; g4: 2 - 1 = 1
+    srv.put([traj(g2, 0)])  # finished before the abort: dropped with its group
+    with pytest.raises(ValueError, match="update_aborts"):
+        srv.step_boundary([aborted(g4, 0)], keep_in_flight=True)
+    m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], keep_in_flight=True)
+    assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == [(0, 4)]
+    srv.set_weight_version(2)  # g1 (start 0) is now 2 > M old: leaves PipelineBuffer
+    m = srv.step_metrics()
+    assert srv.stats()["Q"] == 0 and m["rollout/policy_drop"] == 1
+    assert m["rollout/discarded_tokens"] == 3 + 3 * 2 + 2 * 3  # g2's finished + 3 aborted partials + g1's two
+
+
+def test_roll_filter_at_the_bound_with_the_fractional_quota():
+    r = strategies.build("roll", 4, 10, True, 1.5, 2)  # ceil(alpha) = 2; the oldest step fills ceil(0.5 * 4) = 2
+    v = view(B=4, C=10)
+    v.version = 5
+    assert r.keep(4, v) and r.keep(3, v) and r.keep(3, v) and not r.keep(3, v) and not r.keep(2, v)
+    r.reset()
+    assert r.keep(3, v)
+    whole = strategies.build("roll", 4, 8, True, 1.0, 2)
+    assert all(whole.keep(4, v) for _ in range(9)) and not whole.keep(3, v)
+    assert strategies.Roll.capacity(1.5, 4, 2) == 10  # ceil(alpha B) + B
+
+
+def test_roll_drops_groups_too_old_for_the_next_weights_and_resumes_the_rest():
+    srv = preset("roll", B=2, N=2, param=1)
+    g0, g1, g2, g3 = srv.dispatch()  # ceil(1 * 2) + 2 = 4
+    srv.put(finish(g0, 2) + finish(g1, 2))
+    srv.get(2, timeout=0)
+    assert srv.step_boundary([aborted(g, i) for g in (g2, g3) for i in range(2)])["rollout/restored_groups"] == 2
+    srv.set_weight_version(1)
+    r2, r3, g4, g5 = srv.dispatch()
+    assert seqs([r2, r3, g4, g5]) == [2, 3, 4, 5]
+    m = srv.step_boundary([aborted(g, i, start=g.metadata["dispatch_version"]) for g in (r2, r3, g4, g5)
+                           for i in range(2)])  # next weights 2: started at 0 is 2 > ceil(alpha) old
+    assert m["rollout/update_dropped_groups"] == 2 and m["rollout/restored_groups"] == 2
+    assert srv.stats(keys=True)["lane_keys"] == [(0, 4), (0, 5)]
+    assert srv.step_metrics()["rollout/discarded_tokens"] == 2 * 2 * 2
+
+
+def test_slime_async_tops_up_to_c_generating_and_c_queued_and_restarts_aborted_groups():
+    srv = preset("slime-async", B=2, N=2)  # C = B = 2 groups of concurrency
+    g0, g1 = srv.dispatch()
+    srv.put(finish(g0, 2))
+    (g2,) = srv.dispatch()  # generating 1 < 2, queued 1 < 2
+    srv.put(finish(g1, 2))
+    assert srv.dispatch() == []  # queued 2: not below C
+    srv.put([traj(g2, 0)])
+    m = srv.step_boundary([aborted(g2, 1)])
+    assert m["rollout/restarted_groups"] == 1 and m["rollout/partial_restored_count"] == 0
+    assert srv.step_metrics()["rollout/discarded_tokens"] == 3 + 2
+    srv.get(2, timeout=0)
+    (again, new) = srv.dispatch()
+    assert again.seq == 2 and again.partial == [] and new.seq == 3
+
+
+@pytest.mark.parametrize("name,over,fragment", [
+    ("pipelinerl", ["rollout.partial=false"], "fully_async.sliding_window=pipelinerl (keep in place at the weight "
+     "update) needs rollout.partial=true with rollout.pause_mode=in_place; got rollout.partial=false, "
+     "rollout.pause_mode=abort"),
+    ("slime-async", ["rollout.partial=true", "rollout.pause_mode=in_place"], "needs rollout.partial=true with "
+     "rollout.pause_mode=abort; got rollout.partial=true, rollout.pause_mode=in_place"),
+    ("areal", ["rollout.partial=false"], "(abort + resume partial at the weight update) needs rollout.partial=true"),
+    ("verl", ["rollout.partial=true", "rollout.pause_mode=retract"], "needs rollout.partial=true with "
+     "rollout.pause_mode=abort or rollout.partial=false; got"),
+    ("prime-rl", ["rollout.partial=true"], "(keep in place, abort groups older than 1 at the weight update) needs "
+     "rollout.partial=true with rollout.pause_mode=in_place"),
+    ("prime-rl", ["rollout.partial=true", "rollout.pause_mode=in_place", "fully_async.policy_param=1.5"],
+     r"fully_async.policy_param \(max_off_policy_steps M\) must be a whole number >= 0, got 1.5"),
+    ("areal", ["rollout.partial=true", "fully_async.stale_steps=1"], "fully_async.stale_steps is the spec "
+     "strategies' knob; the areal preset takes its eta"),
+    ("windowed-fifo", ["fully_async.policy_param=2"], "fully_async.policy_param is the knob of a preset"),
+    ("roll", ["rollout.partial=true", "fully_async.enable=false"], "fully_async.sliding_window=roll is a "
+     "fully-async staleness policy; set fully_async.enable=true"),
+])
+def test_wrong_preset_combinations_are_refused_at_start_up_in_one_sentence(name, over, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment) if "\\" not in fragment else fragment):
+        make_cfg(B=4, N=2, stale=0.0, window=name, overrides=over)
+
+
+def test_spec_strategies_take_any_update_action_and_presets_cite_their_source():
+    for name in ("no-window", "window-gated", "windowed-fifo"):
+        assert strategies.REGISTRY[name].actions == ()
+    assert make_server(window="windowed-fifo", overrides=["rollout.partial=true", "rollout.pause_mode=retract"]
+                       ).action == strategies.UpdateAction("retract")
+    for name in strategies.PRESETS:
+        assert issubclass(strategies.REGISTRY[name], strategies.Preset)
+        assert re.search(r"\(\S+\.py", strategies.REGISTRY[name].__doc__), name  # names the file it is read from
+
+
+def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_prompt(tmp_path):
+    """torchrun train.py with the prime-rl preset at M = 0 on the CPU default (engine.py, 2 ranks): in-place pauses,
+    and before each one the rollout aborts every group started under older weights (buffer.update_aborts), and the
+    buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
+    the last checkpoint's replay."""
+    import subprocess
+    import sys
+
+    import tasks
+    import train
+    from test_train import TINY, TORCHRUN, _read_rows, _run_overrides
+
+    model = tasks.make_tiny_model(str(tmp_path / "model"))
+    run_dir = tmp_path / "run"
+    p = subprocess.run([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, model),
+                        "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
+                        "data_source.num_prompts=20", "trainer.total_steps=4", "fully_async.sliding_window=prime-rl",
+                        "fully_async.stale_steps=0", "fully_async.policy_param=0", "rollout.pause_mode=in_place",
+                        "rollout.mask_offpolicy_in_partial_rollout=false", "rollout.sampling.max_new_tokens=64",
+                        # 4 requests at a time on the engine: groups are still generating when the step ends
+                        "rollout.sglang_args.max_running_requests=4", "rollout.async_max_concurrent_samples=null"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [row for row in _read_rows(run_dir) if row["step"] > 0]
+    trained = [tuple(pid) for row in rows for pid in row["data/prompt_ids"]]
+    assert len(trained) == 16 and len(set(trained)) == 16, trained
+    dropped = sum(row[k] for row in rows for k in ("rollout/filter_drop", "rollout/staleness_drop",
+                                                   "rollout/policy_drop", "rollout/update_dropped_groups"))
+    state = train.load_run_state(train.latest_checkpoint(str(run_dir)))["buffer"]["data"]
+    pending = {(g["epoch"], g["data_index"]) for g in state["lane"]}
+    assert not pending & set(trained)
+    assert len(trained) + dropped + len(pending) == state["next_seq"], (len(trained), dropped, pending, state)
+    assert all(row["rollout/staleness_max"] == 0 for row in rows)  # M = 0: nothing older than the trainer's weights
+    # Dispatch is eager, so at each boundary groups beyond the step's batch exist: aborted in flight or dropped
+    # from the buffer at the update (which of the two depends on timing; their sum does not vanish)
+    assert sum(row["rollout/update_dropped_groups"] + row["rollout/policy_drop"] for row in rows) > 0
