@@ -65,6 +65,7 @@ from services import GRACE_S, ChildExited, Services  # noqa: E402
 ROOT = os.path.dirname(os.path.abspath(__file__))
 WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
 SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
+STARTUP_ERROR_WAIT_S = 30.0  # a rank other than 0 that refused the config waits this long for torchrun to stop it
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1247,8 +1248,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         if rank == 0:
             check_inputs(cfg)
     except (ValueError, FileNotFoundError) as e:
-        if rank == 0:  # every rank reads the config; one line for the run, not one per rank (exit 2 on each)
+        # Every rank reads the config; one line for the run, not one per rank. Rank 0 prints it and exits 2 first:
+        # a rank that exited first would have torchrun stop rank 0 before its line was out (seen under load).
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(STARTUP_ERROR_WAIT_S)  # torchrun stops this rank once rank 0 has exited
         sys.exit(2)
     import losses
 
