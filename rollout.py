@@ -365,19 +365,20 @@ class Fleet:
         return [u for u in urls if u not in self.skip]
 
     async def live_workers(self, timeout_s: float) -> list[str]:
-        """The workers answering /health now, waiting up to timeout_s for at least one (FleetError naming them
-        after that); the others are skipped by control calls until the next live_workers (the trainer's weight
-        sync forms its group with the live servers only)."""
+        """The workers answering GET /model_info now, waiting up to timeout_s for at least one (FleetError naming
+        them after that); the others are skipped by control calls until the next live_workers (the trainer's weight
+        sync forms its group with the live servers only). Not /health: 0.5.23's generates a token through the pause
+        gate, so on a paused server it answers 503 after 20 s (and marks the server unhealthy)."""
         self.skip = set()
         deadline = time.monotonic() + timeout_s
         while True:
-            health = await self.health()
+            health = await self.health("/model_info")
             if any(health.values()):
                 self.skip = {u for u, ok in health.items() if not ok}
                 return [u for u, ok in health.items() if ok]
             if time.monotonic() > deadline:
-                raise FleetError(f"no inference server answered /health for rollout.startup_timeout_s={timeout_s} "
-                                 f"s: {', '.join(health)}")
+                raise FleetError(f"no inference server answered /model_info for rollout.startup_timeout_s="
+                                 f"{timeout_s} s: {', '.join(health)}")
             await asyncio.sleep(0.5)
 
     async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
@@ -493,10 +494,10 @@ class Fleet:
         """GET /v1/loads of every worker (running and waiting requests, per DP rank)."""
         return await self._fan_out("GET", "/v1/loads")
 
-    async def health(self) -> dict[str, bool]:
-        """Worker URL -> whether GET /health answers 200 (503 while starting or shutting down)."""
+    async def health(self, path: str = "/health") -> dict[str, bool]:
+        """Worker URL -> whether GET `path` answers 200 (/health: 503 while starting, shutting down or paused)."""
         urls = await self.workers()
-        results = await asyncio.gather(*[self._call(u, "GET", "/health", None, CONNECT_TIMEOUT_S) for u in urls],
+        results = await asyncio.gather(*[self._call(u, "GET", path, None, CONNECT_TIMEOUT_S) for u in urls],
                                        return_exceptions=True)
         return {u: not isinstance(r, Exception) for u, r in zip(urls, results)}
 
@@ -689,6 +690,8 @@ class RolloutContext:
                 return "length"
             payload = {"input_ids": traj.prompt_ids.tolist() + traj.response_ids.tolist(), "return_logprob": True,
                        "sampling_params": {**r.sampling_params, "max_new_tokens": budget}}
+            if not r.cfg.flush_on_update:  # the prefix cache outlives updates (in_place): one namespace per version
+                payload["extra_key"] = f"weights-{r.version if r.version is not None else 'initial'}"
             sent_version = r.version  # a request kept across an in-place update may end with the older weights
             async with r.http_slots:
                 out = await _unless(self._active.drop,
@@ -1161,8 +1164,9 @@ class Rollout:
         self._dispatching = False
         if self._active:
             await self._abort_active()
-        # Calls given up close their connections, which aborts their requests, before the servers continue: a
-        # request kept by a pause, or waiting at a server's pause gate, must not run on after us.
+        # Calls given up close their connections, which aborts a request kept by a pause before the servers
+        # continue; one still waiting at a server's pause gate is dispatched at continue and runs until SGLang
+        # notices the disconnect (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s), which no client call can shorten.
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
