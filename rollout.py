@@ -173,7 +173,7 @@ class Fleet:
     """
 
     def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
-                 request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0, max_retries: int = 5,
+                 request_timeout_s: float = 1500.0, control_timeout_s: float = 600.0, max_retries: int = 5,
                  retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None,
                  api_key: Optional[str] = None, startup_timeout_s: float = 300.0):
         if bool(urls) == bool(router_url):
