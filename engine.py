@@ -11,8 +11,8 @@ Trainer side of the weight-update group: `pg = engine.init_weight_update_group(a
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed.
 
 Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
-log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-5, and log_softmax(logits)[token]
-(temperature 1) for greedy requests (temperature < 1e-5, as SGLang, which turns greedy into temperature 1 + top_k 1).
+log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-6, and log_softmax(logits)[token]
+(temperature 1) for greedy requests (temperature < 1e-6, as SGLang, which turns greedy into temperature 1 + top_k 1).
 top_p / top_k / min_p and the min_new_tokens ban change which token is drawn but never the reported log-prob: RL
 runs sample with top_p=1, top_k=-1 so that the reported value is the probability the token was drawn with.
 
@@ -731,13 +731,15 @@ class Scheduler:
 
     # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: keyed by token ids + namespace) ----------
     def _cache_match(self, ns: tuple, seq: list) -> tuple:
-        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq in namespace ns that
-        leaves at least one token to compute; (0, None) when none is cached."""
+        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq in namespace ns, at most
+        all but its last token (one is computed, for the logits); (0, None) when none is cached. A cached sequence
+        matches when it is seq or a prefix of it (SGLang's radix tree also matches part of a longer one)."""
         for k in sorted(self.cache_lengths.get(ns, ()), reverse=True):
-            entry = self.prefix_cache.get((ns, tuple(seq[:k]))) if k < len(seq) else None
+            entry = self.prefix_cache.get((ns, tuple(seq[:k]))) if k <= len(seq) else None
             if entry is not None:
                 self.prefix_cache.move_to_end((ns, tuple(seq[:k])))
-                return k, entry
+                use = min(k, len(seq) - 1)
+                return (use, [(kk[:, :use], vv[:, :use]) for kk, vv in entry]) if use else (0, None)
         return 0, None
 
     def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> None:
