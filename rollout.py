@@ -654,8 +654,8 @@ async def _unless(event: asyncio.Event, coro) -> Any:
     finally:
         waiter.cancel()
         if not task.done():
-            task.cancel()
-    return None if task.cancelled() else task.result()
+            task.cancel()  # done only once the loop has run it: until then neither cancelled() nor result()
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
