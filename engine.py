@@ -27,24 +27,27 @@ requests: a body over --max-request-mb is refused (413) from its Content-Length 
 than the context could hold is refused before it is tokenized, and large bodies and long prompts are parsed and
 tokenized off the event loop, so other requests are not held up.
 
-Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts"): /abort_request is
-forwarded only when its rid is itself a registered request and only once per rid (`abort_sent`); the scheduler then
-aborts every request whose rid starts with it. A request is registered before it waits at the pause gate and is
-dispatched to the model thread after it (--dispatch-delay-s widens that window for tests), so an abort landing in
-between is lost, as in SGLang; `/pause_generation {"mode": "abort"}` repeats abort-all until no request holds the
-lock. /update_weights_from_distributed answers 400 outside /begin_weight_update ... /end_weight_update, before
-joining the broadcast. With --api-key every path but /health* and /metrics needs `Authorization: Bearer KEY` (401).
-/server_info reports `version` (SGLANG_VERSION, or --report-version) and the enforced limit in
+Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts", and
+tests/test_sglang_conformance.py, which names the source of each): /abort_request is forwarded only when its rid is
+a registered request and only once per rid; the scheduler then aborts every request whose rid starts with it. A
+request is registered before it waits at the pause gate and dispatched after it (--dispatch-delay-s widens that
+window for tests), so an abort in between is lost; a request whose client left at the gate is still dispatched at
+continue and runs until the disconnect is noticed (SGLANG_REQUEST_STATE_WAIT_TIMEOUT). `/pause_generation abort`
+repeats abort-all until no request holds the lock; on a server paused in place an aborted running request answers
+only after continue (its last forward pass). /health generates a token through the pause gate (503 after
+SGLANG_HEALTH_CHECK_TIMEOUT, so never 200 while paused). The prefix cache is keyed on token ids + extra_key /
+cache_salt, not on the weight version: only /flush_cache (refused while requests run) or a new namespace keeps
+old-weight KV out. Batched /generate (lists of prompts and unique rids) answers one list when every item finished;
+n > 1 gives fresh rids. Schema errors are 422, bad values 400; /update_weights_from_distributed is 400 outside
+/begin_weight_update ... /end_weight_update, which take the writer lock unless paused. --api-key guards every path
+but /health* and /metrics. /server_info reports `version` (or --report-version) and the enforced limit in
 `internal_states[0]["effective_max_running_requests_per_dp"]`; its top-level `max_running_requests` is the raw flag.
 
-Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache (also
-the one weight updates do with flush_cache true, which fails the update when refused, as in SGLang) only checks that
-no request runs and none waits unless the server is paused (so it passes after a retract pause, not after in_place);
-no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
-or custom logit processors: those fields are accepted at their defaults and rejected with HTTP 400 otherwise;
-`spaces_between_special_tokens` is accepted and ignored (fast tokenizers have no such option). Only models whose
-layers are all full attention (Llama/Qwen/Mistral-style decoders) are supported. Weights released by
-/release_memory_occupation are kept in host memory (SGLang discards them) and generation waits until resumed.
+Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (a request matches a cached
+sequence that is its tokens or a prefix of them, not part of a longer one; output tokens are not cached), in at
+most PREFIX_CACHE_TOKENS tokens, LRU; batches do not stream; no penalties, logit_bias, grammars or custom logit
+processors (accepted at their defaults, else 400); `spaces_between_special_tokens` is ignored. Full-attention
+decoders only (Llama/Qwen/Mistral-style). Released weights stay in host memory and generation waits until resumed.
 """
 from __future__ import annotations
 
@@ -247,16 +250,12 @@ def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 # The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
+_STR, _BOOL = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool))
 GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
-    "text": _list_of(lambda v: isinstance(v, str)),
-    "input_ids": _list_of(lambda v: isinstance(v, list) and all(map(_is_int, v))),
-    "rid": _list_of(lambda v: isinstance(v, str)),
-    "sampling_params": _list_of(lambda v: isinstance(v, dict)),
-    "return_logprob": _list_of(lambda v: isinstance(v, bool)),
-    "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int),
-    "return_text_in_logprobs": lambda v: isinstance(v, bool), "stream": lambda v: isinstance(v, bool),
-    "extra_key": _list_of(lambda v: isinstance(v, str)), "cache_salt": _list_of(lambda v: isinstance(v, str)),
-}
+    "text": _list_of(_STR), "input_ids": _list_of(lambda v: isinstance(v, list) and all(map(_is_int, v))),
+    "rid": _list_of(_STR), "sampling_params": _list_of(lambda v: isinstance(v, dict)),
+    "return_logprob": _list_of(_BOOL), "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int),
+    "return_text_in_logprobs": _BOOL, "stream": _BOOL, "extra_key": _list_of(_STR), "cache_salt": _list_of(_STR)}
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -284,11 +283,11 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
             body = {**body, "rid": [f"{rid}_{i}" for i in range(size)]}
         elif isinstance(rid, list) and (len(rid) != size or len(set(rid)) != size):
             raise BadRequest(f"field `rid` must hold {size} unique strings, one per item of the batch")
-        items = [{**body, "text" if text is not None else "input_ids": (text if text is not None else ids)[i],
-                  **{k: body[k][i] for k in PER_ITEM if isinstance(body.get(k), list)}} for i in range(size)]
         for k in PER_ITEM:
             if isinstance(body.get(k), list) and len(body[k]) != size:
                 raise BadRequest(f"field `{k}` holds {len(body[k])} values for a batch of {size}")
+        items = [{**body, "text" if text is not None else "input_ids": (text if text is not None else ids)[i],
+                  **{k: body[k][i] for k in PER_ITEM if isinstance(body.get(k), list)}} for i in range(size)]
     ns = {(it.get("sampling_params") or {}).get("n", 1) for it in items}
     n = ns.pop() if len(ns) == 1 else None
     if not (_is_int(n) and n >= 1):
@@ -1037,7 +1036,7 @@ class Server:
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
-        self.tasks: set = set()  # handlers of abandoned requests (see _abandoned)
+        self.tasks: set = set()  # handlers of abandoned requests (see _gated)
         max_body = int(args.max_request_mb * 2 ** 20)
         self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
         self.app["max_body"] = max_body
@@ -1113,7 +1112,8 @@ class Server:
             text = text[:cut] if cut >= 0 else text
         spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens, "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
+                "cached_tokens": r.cached_tokens,
+                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
                 "weight_versions": spans, "num_retractions": r.num_retractions}
         if final:
             meta["e2e_latency"] = r.finished_at - r.created
@@ -1157,7 +1157,7 @@ class Server:
         except asyncio.CancelledError:
             if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
                 abandoned = True
-                task = asyncio.ensure_future(self._abandoned(reqs))
+                task = asyncio.ensure_future(self._gated(reqs, REQUEST_STATE_WAIT_TIMEOUT_S))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             raise
@@ -1174,49 +1174,43 @@ class Server:
             if self.live.get(r.rid) is r:
                 del self.live[r.rid]
 
-    async def _abandoned(self, reqs: list) -> None:
-        """A request whose client left while it waited at the pause gate: SGLang's handler is not cancelled, so it
-        is dispatched at /continue_generation and runs until the disconnect is noticed, at the first
-        SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s) without a reply (tokenizer_manager.py: _wait_one_response)."""
-        try:
-            await self.gate.enter(self.args.wait_timeout)
-        except TimeoutError:
-            self._forget(reqs)
-            return
-        try:
-            done = asyncio.Event()
-            left = [len(reqs)]
-            loop = asyncio.get_running_loop()
+    async def _run_to_end(self, reqs: list, timeout: float) -> None:
+        """Submit reqs (their own notify) and wait until all finished, at most `timeout` seconds."""
+        done, left, loop = asyncio.Event(), [len(reqs)], asyncio.get_running_loop()
 
-            def notify(n, final):
-                if final:
-                    left[0] -= 1
-                    if not left[0]:
-                        loop.call_soon_threadsafe(done.set)
-            for r in reqs:
-                r.notify = notify
-            self.sched.call(lambda: [self.sched.add(r) for r in reqs])
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), REQUEST_STATE_WAIT_TIMEOUT_S)
-            self.sched.call(lambda: [self.sched.abort(r.rid, exact=True) for r in reqs if r.finish is None])
+        def notify(n, final):
+            left[0] -= final
+            if not left[0]:
+                loop.call_soon_threadsafe(done.set)
+        for r in reqs:
+            r.notify = notify
+        self.sched.call(lambda: [self.sched.add(r) for r in reqs])
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout)
+
+    async def _gated(self, reqs, run_s: float) -> None:
+        """Pass the pause gate, then run reqs (a Req or a list) for at most run_s seconds and abort what is left.
+        Serves /health's request and an abandoned one: SGLang's handler of a request whose client left while it
+        waited at the gate is not cancelled, so it is dispatched at /continue_generation and runs until the
+        disconnect is noticed, at the first SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s) without a reply
+        (tokenizer_manager.py: _wait_one_response)."""
+        reqs = reqs if isinstance(reqs, list) else [reqs]
+        try:
+            with contextlib.suppress(TimeoutError):  # (the gate stayed shut: nothing ran)
+                await self.gate.enter(self.args.wait_timeout)
+                try:
+                    await self._run_to_end(reqs, run_s)
+                finally:
+                    self.sched.call(lambda: [self.sched.abort(r.rid, exact=True) for r in reqs if r.finish is None])
+                    await self.gate.leave()
         finally:
-            await self.gate.leave()
             self._forget(reqs)
 
     async def _warm_up(self, prompts: list) -> None:
         """The prefill-only pass 0.5.23 runs before the n samples of each prompt (tokenizer_manager.py)."""
-        done = asyncio.Event()
-        left = [len(prompts)]
-        loop = asyncio.get_running_loop()
-
-        def notify(n, final):
-            left[0] -= 1
-            if not left[0]:
-                loop.call_soon_threadsafe(done.set)
-        warm = [Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, sp=dataclasses.replace(r.sp, max_new_tokens=0),
-                    cache_ns=r.cache_ns, notify=notify) for r in prompts]
-        self.sched.call(lambda: [self.sched.add(r) for r in warm])
-        await asyncio.wait_for(done.wait(), self.args.wait_timeout)
+        await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
+                                    sp=dataclasses.replace(r.sp, max_new_tokens=0)) for r in prompts],
+                               self.args.wait_timeout)
 
     async def _respond(self, request: web.Request, reqs: list, listed: bool,
                        updates: asyncio.Queue) -> web.StreamResponse:
@@ -1470,29 +1464,19 @@ class Server:
         SGLANG_HEALTH_CHECK_TIMEOUT (20 s) and the server is marked unhealthy (/ready 503) until one succeeds. So
         a paused server does not answer 200. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers 200
         without generating."""
-        s = self.sched
-        if not (self.ready and s.thread.is_alive()):
+        if not (self.ready and self.sched.thread.is_alive()):
             return web.Response(status=503)
-        if request.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() \
-                in ("0", "false"):
+        if request.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0",
+                                                                                                       "false"):
             return web.Response(status=200)
         t0 = time.perf_counter()
         r = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
-                sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, s.vocab_size))
-
-        async def gen():
-            await self.gate.enter(HEALTH_CHECK_TIMEOUT_S + 1)
-            try:
-                s.call(lambda: s.add(r))
-                await asyncio.sleep(HEALTH_CHECK_TIMEOUT_S + 1)
-            finally:
-                s.call(lambda: s.abort(r.rid, exact=True))
-                await self.gate.leave()
-        task = asyncio.ensure_future(gen())
+                sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, self.sched.vocab_size))
+        task = asyncio.ensure_future(self._gated(r, HEALTH_CHECK_TIMEOUT_S))
         try:
             while time.perf_counter() < t0 + HEALTH_CHECK_TIMEOUT_S:
                 await asyncio.sleep(0.02)
-                if s.last_output > t0:
+                if self.sched.last_output > t0:
                     self.healthy = True
                     return web.Response(status=200)
         finally:
