@@ -15,7 +15,8 @@
   `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
   to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight); with
-  partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
+  partial=false it waits for everything in flight. in_place updates cannot flush the servers' prefix cache (requests
+  still run), so there every /generate carries `extra_key` = its weight version, the cache's namespace. `resume(version)` continues the paused servers (so the weight
   update in between ran on paused servers: idle ones, or ones holding the kept requests) and restarts dispatch.
   Aborts by exact rid remain for single trajectories (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
