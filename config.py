@@ -170,7 +170,8 @@ class RolloutConfig:
     max_weight_staleness: Optional[int] = None  # drop trajectories whose current - start version exceeds this
     max_prompt_tokens: Optional[int] = None  # longer prompts stop the run at start-up, counted (null = no limit)
     trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
-    request_timeout_s: float = 3600.0  # HTTP timeout of one /generate call
+    request_timeout_s: float = 1500.0  # HTTP timeout of one /generate call (with a router: below its own timeout)
+    router_request_timeout_s: float = 1800.0  # sglang-router's --request-timeout-secs (its default is 1800)
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
     retry_backoff_s: float = 0.5  # first /generate retry (and failed abort) delay; doubles each time, capped at 30 s
     router_max_concurrent_requests: Optional[int] = None  # the router's concurrency limit; null = unlimited
@@ -524,6 +525,12 @@ def validate(cfg: Config) -> Config:
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
                 "retry_backoff_s", "reward_workers"):
         _positive(getattr(r, key), f"rollout.{key}")
+    _positive(r.router_request_timeout_s, "rollout.router_request_timeout_s")
+    if r.router_url and r.request_timeout_s >= r.router_request_timeout_s:
+        raise ValueError(f"rollout.request_timeout_s ({r.request_timeout_s:g}) must be below "
+                         f"rollout.router_request_timeout_s ({r.router_request_timeout_s:g}, the router's "
+                         "--request-timeout-secs), so that ours fires first and the client, not the router and its "
+                         "own retries, decides what happens to a request that runs too long")
     if r.max_retries < 0:
         raise ValueError(f"rollout.max_retries must be >= 0, got {r.max_retries}")
     if r.router_max_concurrent_requests is not None:

@@ -11,8 +11,8 @@ Trainer side of the weight-update group: `pg = engine.init_weight_update_group(a
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed.
 
 Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
-log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-5, and log_softmax(logits)[token]
-(temperature 1) for greedy requests (temperature < 1e-5, as SGLang, which turns greedy into temperature 1 + top_k 1).
+log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-6, and log_softmax(logits)[token]
+(temperature 1) for greedy requests (temperature < 1e-6, as SGLang, which turns greedy into temperature 1 + top_k 1).
 top_p / top_k / min_p and the min_new_tokens ban change which token is drawn but never the reported log-prob: RL
 runs sample with top_p=1, top_k=-1 so that the reported value is the probability the token was drawn with.
 
@@ -27,24 +27,27 @@ requests: a body over --max-request-mb is refused (413) from its Content-Length 
 than the context could hold is refused before it is tokenized, and large bodies and long prompts are parsed and
 tokenized off the event loop, so other requests are not held up.
 
-Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts"): /abort_request is
-forwarded only when its rid is itself a registered request and only once per rid (`abort_sent`); the scheduler then
-aborts every request whose rid starts with it. A request is registered before it waits at the pause gate and is
-dispatched to the model thread after it (--dispatch-delay-s widens that window for tests), so an abort landing in
-between is lost, as in SGLang; `/pause_generation {"mode": "abort"}` repeats abort-all until no request holds the
-lock. /update_weights_from_distributed answers 400 outside /begin_weight_update ... /end_weight_update, before
-joining the broadcast. With --api-key every path but /health* and /metrics needs `Authorization: Bearer KEY` (401).
-/server_info reports `version` (SGLANG_VERSION, or --report-version) and the enforced limit in
+Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts", and
+tests/test_sglang_conformance.py, which names the source of each): /abort_request is forwarded only when its rid is
+a registered request and only once per rid; the scheduler then aborts every request whose rid starts with it. A
+request is registered before it waits at the pause gate and dispatched after it (--dispatch-delay-s widens that
+window for tests), so an abort in between is lost; a request whose client left at the gate is still dispatched at
+continue and runs until the disconnect is noticed (SGLANG_REQUEST_STATE_WAIT_TIMEOUT). `/pause_generation abort`
+repeats abort-all until no request holds the lock; on a server paused in place an aborted running request answers
+only after continue (its last forward pass). /health generates a token through the pause gate (503 after
+SGLANG_HEALTH_CHECK_TIMEOUT, so never 200 while paused). The prefix cache is keyed on token ids + extra_key /
+cache_salt, not on the weight version: only /flush_cache (refused while requests run) or a new namespace keeps
+old-weight KV out. Batched /generate (lists of prompts and unique rids) answers one list when every item finished;
+n > 1 gives fresh rids. Schema errors are 422, bad values 400; /update_weights_from_distributed is 400 outside
+/begin_weight_update ... /end_weight_update, which take the writer lock unless paused. --api-key guards every path
+but /health* and /metrics. /server_info reports `version` (or --report-version) and the enforced limit in
 `internal_states[0]["effective_max_running_requests_per_dp"]`; its top-level `max_running_requests` is the raw flag.
 
-Simplifications against SGLang: no prefix (radix) cache, so `cached_tokens` is always 0 and /flush_cache (also
-the one weight updates do with flush_cache true, which fails the update when refused, as in SGLang) only checks that
-no request runs and none waits unless the server is paused (so it passes after a retract pause, not after in_place);
-no batched /generate (a list of prompts), no n > 1, no penalties, logit_bias, grammars
-or custom logit processors: those fields are accepted at their defaults and rejected with HTTP 400 otherwise;
-`spaces_between_special_tokens` is accepted and ignored (fast tokenizers have no such option). Only models whose
-layers are all full attention (Llama/Qwen/Mistral-style decoders) are supported. Weights released by
-/release_memory_occupation are kept in host memory (SGLang discards them) and generation waits until resumed.
+Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (a request matches a cached
+sequence that is its tokens or a prefix of them, not part of a longer one; output tokens are not cached), in at
+most PREFIX_CACHE_TOKENS tokens, LRU; batches do not stream; no penalties, logit_bias, grammars or custom logit
+processors (accepted at their defaults, else 400); `spaces_between_special_tokens` is ignored. Full-attention
+decoders only (Llama/Qwen/Mistral-style). Released weights stay in host memory and generation waits until resumed.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ import threading
 import time
 import urllib.request
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -78,7 +82,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 log = logging.getLogger("engine")
 
-GREEDY_EPS = 1e-5  # temperature below this is greedy (SGLang's _SAMPLING_EPS)
+GREEDY_EPS = 1e-6  # temperature below this is greedy (SGLang's _SAMPLING_EPS, sampling/sampling_params.py)
 KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose HTTP API this engine serves (/server_info "version")
 DEFAULT_MAX_RUNNING = 64  # requests decoded together when --max-running-requests is not given (SGLang sizes it
@@ -86,6 +90,10 @@ DEFAULT_MAX_RUNNING = 64  # requests decoded together when --max-running-request
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
+PREFIX_CACHE_TOKENS = 1 << 16  # prompt tokens the prefix cache holds (least recently used entries go first)
+HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # /health: 503 after this
+REQUEST_STATE_WAIT_TIMEOUT_S = float(os.environ.get("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4))  # how soon a
+# request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
 
@@ -98,13 +106,18 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None,
 }
 # Fields engine.py implements only at their default value (HTTP 400 otherwise, naming the field).
-DEFAULT_ONLY = ("n", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
+DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
                 "regex", "ebnf", "stop_regex", "custom_params", "structural_tag")
 RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class BadRequest(ValueError):
     """A request field is missing, of the wrong type or out of range: answered with HTTP 400 and this message."""
+
+
+class SchemaError(BadRequest):
+    """A /generate field of the wrong JSON type, or a body that is not JSON: HTTP 422, as FastAPI's validation of
+    GenerateReqInput answers (entrypoints/http_server.py), where values out of range are 400."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,6 +220,8 @@ class Req:
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     stream: bool = False
+    cache_ns: tuple = (None, None)  # (extra_key, cache_salt): the prefix cache's namespace of this request
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     created: float = field(default_factory=time.perf_counter)
     output_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # float per output token
@@ -217,6 +232,7 @@ class Req:
     finished_at: float = 0.0
     num_retractions: int = 0
     abort_sent: bool = False  # an /abort_request for this rid was forwarded (SGLang ignores repeats)
+    to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
 
@@ -229,14 +245,65 @@ def max_token_chars(tokenizer) -> int:
     return max(len(t) for t in tokenizer.get_vocab())
 
 
-def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
-    """A validated Req from a /generate body (single prompt). Sizes are checked before the work they bound: a
-    prompt too long for the context is refused before its text is tokenized or its ids are checked one by one."""
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: check(v) or (isinstance(v, list) and all(map(check, v)))
+
+
+# The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
+_STR, _BOOL = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool))
+GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
+    "text": _list_of(_STR), "input_ids": _list_of(lambda v: isinstance(v, list) and all(map(_is_int, v))),
+    "rid": _list_of(_STR), "sampling_params": _list_of(lambda v: isinstance(v, dict)),
+    "return_logprob": _list_of(_BOOL), "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int),
+    "return_text_in_logprobs": _BOOL, "stream": _BOOL, "extra_key": _list_of(_STR), "cache_salt": _list_of(_STR)}
+PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
+            "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
+
+
+def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
+                   token_chars: int) -> tuple[list, bool, int]:
+    """(requests, listed, n) of a /generate body, as 0.5.23 normalises GenerateReqInput (managers/io_struct.py):
+    one prompt, or a batch (`input_ids` a list of lists or `text` a list) whose `rid` is a list of unique strings
+    (a string is a prefix: rid_0, rid_1, ...; absent: random) and whose other per-item fields are given once or as
+    a list; `listed` says the reply is a list. With sampling_params.n > 1 (the same n for every item) each prompt
+    is sent n times, each with a fresh random rid (the client's rid is dropped), prompt-major."""
+    for name, ok in GENERATE_SCHEMA.items():
+        if body.get(name) is not None and not ok(body[name]):
+            raise SchemaError(f"field `{name}` has the wrong type: {json.dumps(body[name])[:80]}")
+    text, ids = body.get("text"), body.get("input_ids")
+    batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    if not batch:
+        items = [body]
+    else:
+        size = len(text if text is not None else ids)
+        if not size:
+            raise BadRequest("field `input_ids`/`text` is an empty batch")
+        rid = body.get("rid")
+        if isinstance(rid, str):
+            body = {**body, "rid": [f"{rid}_{i}" for i in range(size)]}
+        elif isinstance(rid, list) and (len(rid) != size or len(set(rid)) != size):
+            raise BadRequest(f"field `rid` must hold {size} unique strings, one per item of the batch")
+        for k in PER_ITEM:
+            if isinstance(body.get(k), list) and len(body[k]) != size:
+                raise BadRequest(f"field `{k}` holds {len(body[k])} values for a batch of {size}")
+        items = [{**body, "text" if text is not None else "input_ids": (text if text is not None else ids)[i],
+                  **{k: body[k][i] for k in PER_ITEM if isinstance(body.get(k), list)}} for i in range(size)]
+    ns = {(it.get("sampling_params") or {}).get("n", 1) for it in items}
+    n = ns.pop() if len(ns) == 1 else None
+    if not (_is_int(n) and n >= 1):
+        raise BadRequest("field `sampling_params.n` must be one integer >= 1, the same for every item")
+    sp = [{k: v for k, v in (it.get("sampling_params") or {}).items() if k != "n"} for it in items]
+    reqs = [_parse_one({**it, "sampling_params": p, **({"rid": uuid.uuid4().hex} if n > 1 else {})}, tokenizer,
+                       vocab_size, context_len, token_chars) for it, p in zip(items, sp) for _ in range(n)]
+    return reqs, batch or n > 1, n
+
+
+def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
+    """A validated Req from one item of a /generate body. Sizes are checked before the work they bound: a prompt
+    too long for the context is refused before its text is tokenized or its ids are checked one by one."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("exactly one of fields `input_ids` and `text` is required")
-    if isinstance(ids, list) and ids and isinstance(ids[0], list) or isinstance(text, list):
-        raise BadRequest("field `input_ids`/`text` holds a batch; engine.py accepts one prompt per /generate")
     if text is not None:
         if not isinstance(text, str):
             raise BadRequest("field `text` must be a string")
@@ -267,7 +334,7 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int, tok
         logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1,
                                  "an integer >= -1"),
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False),
-        stream=_flag(body, "stream", False))
+        stream=_flag(body, "stream", False), cache_ns=(body.get("extra_key") or None, body.get("cache_salt") or None))
     if req.logprob_start_len >= len(ids):
         raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
     return req
@@ -501,7 +568,7 @@ class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
-                 weight_version: str):
+                 weight_version: str, disable_radix_cache: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.weight_version = weight_version
@@ -526,6 +593,9 @@ class Scheduler:
         self.paused: Optional[str] = None  # None | abort | retract | in_place
         self.released: set = set()
         self.groups: dict = {}  # group_name -> (process group, device of its tensors)
+        self.disable_radix_cache = disable_radix_cache
+        self._cache_clear()  # (namespace, token ids) -> per-layer KV, LRU order; the lengths cached per namespace
+        self.last_output = 0.0  # perf_counter of the last token generated (/health: did the scheduler answer)
         self.generated_tokens = 0  # total, for throughput in /server_info
         self.throughput = 0.0
         self._stop = False
@@ -596,7 +666,9 @@ class Scheduler:
         return self.model(input_ids=ids, **kw).logits
 
     def _admit(self):
-        """Prefill queued requests (FIFO, up to the running limit and the prefill token budget) as one batch."""
+        """Prefill queued requests (FIFO, up to the running limit and the prefill token budget) as one batch. Each
+        starts from the longest cached prefix of its tokens in its namespace (at most all but its last token), so
+        only the rest is computed; row i's cached KV sits left of column C, its new tokens end at the slab's end."""
         new, tokens = [], 0
         while self.waiting and len(self.running) + len(new) < self.max_running:
             n = len(self.waiting[0].input_ids) + len(self.waiting[0].output_ids)
@@ -606,22 +678,37 @@ class Scheduler:
             tokens += n
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
-        width = max(map(len, seqs))
-        ids = torch.full((len(new), width), self.pad_id, dtype=torch.long)
-        kv = KVBatch.empty(self.num_layers, len(new), width + KV_HEADROOM, self.device)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s)
-            kv.mask[i, width - len(s):width] = 1
-        ids = ids.to(self.device)
-        mask = kv.mask[:, :width]
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
         want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
-        logits = self._forward(ids, kv, pos, last_only=not any(want_input_lp))
+        hits = [(0, None) if want else self._cache_match(r.cache_ns, s) for r, s, want in zip(new, seqs, want_input_lp)]
+        cached = max(c for c, _ in hits)
+        width = cached + max(len(s) - c for s, (c, _) in zip(seqs, hits))
+        q = width - cached  # the columns this forward computes
+        ids = torch.full((len(new), q), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(new), q), dtype=torch.long)
+        kv = KVBatch.empty(self.num_layers, len(new), width + KV_HEADROOM, self.device)
+        for i, (s, (c, _)) in enumerate(zip(seqs, hits)):
+            new[i].cached_tokens = c
+            ids[i, q - (len(s) - c):] = torch.tensor(s[c:])
+            pos[i, q - (len(s) - c):] = torch.arange(c, len(s))
+            kv.mask[i, cached - c:cached] = 1
+            kv.mask[i, width - (len(s) - c):width] = 1
+        if cached:  # the slabs start with every row's cached KV (zeros where a row has less)
+            for li in range(self.num_layers):
+                k0 = next(e for c, e in hits if c)[li][0]
+                kb = k0.new_zeros(len(new), k0.shape[0], width + KV_HEADROOM, k0.shape[2])
+                vb = torch.zeros_like(kb)
+                for i, (c, e) in enumerate(hits):
+                    if c:
+                        kb[i, :, cached - c:cached], vb[i, :, cached - c:cached] = e[li]
+                kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM)
+            kv.cache.layers = kv.layers
+        logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
         for i, r in enumerate(new):
             if want_input_lp[i]:
-                self._input_logprobs(r, logits[i, width - len(seqs[i]):], seqs[i])
-        kv.next_pos = mask.sum(1)
-        for r in new:
+                self._input_logprobs(r, logits[i, q - len(seqs[i]):], seqs[i])
+        kv.next_pos = torch.tensor([len(s) for s in seqs], device=self.device)
+        for i, (r, s) in enumerate(zip(new, seqs)):
+            self._cache_insert(r.cache_ns, s, kv, i)
             if r.sp.sampling_seed is not None and r.generator is None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
         live = [i for i, r in enumerate(new) if r.sp.max_new_tokens > len(r.output_ids)]
@@ -640,6 +727,39 @@ class Scheduler:
         self.kv = KVBatch.combine(parts + [(kv, keep)])
         self.running += [new[i] for i in keep]
         self.prefilling = []
+
+    # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: keyed by token ids + namespace) ----------
+    def _cache_match(self, ns: tuple, seq: list) -> tuple:
+        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq in namespace ns, at most
+        all but its last token (one is computed, for the logits); (0, None) when none is cached. A cached sequence
+        matches when it is seq or a prefix of it (SGLang's radix tree also matches part of a longer one)."""
+        for k in sorted(self.cache_lengths.get(ns, ()), reverse=True):
+            entry = self.prefix_cache.get((ns, tuple(seq[:k]))) if k <= len(seq) else None
+            if entry is not None:
+                self.prefix_cache.move_to_end((ns, tuple(seq[:k])))
+                use = min(k, len(seq) - 1)
+                return (use, [(kk[:, :use], vv[:, :use]) for kk, vv in entry]) if use else (0, None)
+        return 0, None
+
+    def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> None:
+        """Cache the KV of row `row` of a prefilled batch (its tokens seq), evicting the least recently used."""
+        key = (ns, tuple(seq))
+        if self.disable_radix_cache or key in self.prefix_cache:
+            return
+        cols = kv.mask[row, :kv.n].nonzero()[:, 0]
+        self.prefix_cache[key] = [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
+                                  for layer in kv.layers]
+        self.cache_lengths.setdefault(ns, collections.Counter())[len(seq)] += 1
+        self.cache_tokens += len(seq)
+        while self.cache_tokens > PREFIX_CACHE_TOKENS:
+            (old_ns, old), _ = self.prefix_cache.popitem(last=False)
+            self.cache_tokens -= len(old)
+            self.cache_lengths[old_ns][len(old)] -= 1
+            if not self.cache_lengths[old_ns][len(old)]:
+                del self.cache_lengths[old_ns][len(old)]
+
+    def _cache_clear(self) -> None:
+        self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
 
     def _decode(self):
         kv = self.kv
@@ -693,6 +813,7 @@ class Scheduler:
         else:
             r.spans.append([v, n, n + 1])
         self.generated_tokens += 1
+        self.last_output = time.perf_counter()
         # SGLang's order (Req.check_finished): length first, then stop tokens (unless ignore_eos), then strings.
         if n + 1 >= r.sp.max_new_tokens:
             self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
@@ -705,6 +826,8 @@ class Scheduler:
                 if s in tail:
                     self._finish(r, {"type": "stop", "matched": s})
                     break
+        if r.finish is None and r.to_finish is not None:  # aborted while paused in place: this was its last pass
+            self._finish(r, r.to_finish)
         if r.finish is None and r.stream and (n + 1) % r.sp.stream_interval == 0:
             r.notify(n + 1, False)
 
@@ -718,7 +841,9 @@ class Scheduler:
 
     def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
         """Abort requests whose rid starts with `rid` (or equals it when exact; all with abort_all). Running ones
-        return their partial output; queued ones "Abort in waiting queue". Returns how many were aborted."""
+        return their partial output; queued ones "Abort in waiting queue". A running request of a server paused
+        in place is only marked: SGLang's aborted request "still runs one decode forward pass" (managers/
+        scheduler.py), which a paused scheduler runs after /continue_generation. Returns how many were aborted."""
         def hit(r):
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
         queued = [r for r in self.waiting if hit(r)]
@@ -727,7 +852,11 @@ class Scheduler:
             self._finish(r, abort_reason("Abort in waiting queue"))
         n, keep = len(queued), []
         for i, r in enumerate(self.running):
-            if hit(r):
+            if hit(r) and self.paused == "in_place":
+                r.to_finish = abort_reason("Aborted")
+                keep.append(i)
+                n += 1
+            elif hit(r):
                 self._finish(r, abort_reason("Aborted"))
                 n += 1
             else:
@@ -757,6 +886,7 @@ class Scheduler:
         it works after a retract pause (the kept requests wait) but not after an in_place one."""
         if self.running or (self.waiting and self.paused is None):
             return False
+        self._cache_clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return True
@@ -792,6 +922,8 @@ class Scheduler:
         if "weights" in tags and self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
+        if "kv_cache" in tags:
+            self._cache_clear()
         self.released |= set(tags)
 
     def resume_memory(self, tags: list) -> None:
@@ -903,6 +1035,8 @@ class Server:
         self.ready = False
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
         self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
+        self.tasks: set = set()  # handlers of abandoned requests (see _gated)
         max_body = int(args.max_request_mb * 2 ** 20)
         self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
         self.app["max_body"] = max_body
@@ -926,7 +1060,7 @@ class Server:
             post(path, fn)
         for path, fn in (("/model_info", self.model_info), ("/get_model_info", self.model_info),
                          ("/server_info", self.server_info), ("/get_server_info", self.server_info),
-                         ("/health", self.health), ("/health_generate", self.health_generate),
+                         ("/health", self.health), ("/health_generate", self.health), ("/ready", self.ready_),
                          ("/v1/loads", self.loads), ("/get_loads", self.loads)):
             get(path, fn)
         self.app.on_startup.append(self._on_startup)
@@ -954,6 +1088,8 @@ class Server:
             return await handler(request)
         except TooLarge as e:
             return _error(str(e), 413)
+        except SchemaError as e:
+            return web.json_response({"detail": [{"type": "model_attributes_type", "msg": str(e)}]}, status=422)
         except BadRequest as e:
             return _error(str(e))
         except TimeoutError as e:
@@ -976,7 +1112,8 @@ class Server:
             text = text[:cut] if cut >= 0 else text
         spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": 0, "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
+                "cached_tokens": r.cached_tokens,
+                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
                 "weight_versions": spans, "num_retractions": r.num_retractions}
         if final:
             meta["e2e_latency"] = r.finished_at - r.created
@@ -990,42 +1127,115 @@ class Server:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
+        try:
+            body = await _body(request)
+        except TooLarge:
+            raise
+        except BadRequest as e:  # FastAPI answers a body that is not a JSON object with 422
+            raise SchemaError(str(e)) from None
         args = (body, self.tokenizer, self.sched.vocab_size, self.sched.context_len, self.token_chars)
         long = any(isinstance(v, (str, list)) and len(v) > 4096 for v in (body.get("text"), body.get("input_ids")))
         # a long prompt is tokenized / checked off the event loop, which meanwhile serves everyone else
-        r = await asyncio.to_thread(parse_generate, *args) if long else parse_generate(*args)
+        reqs, listed, n = await asyncio.to_thread(parse_generate, *args) if long else parse_generate(*args)
+        if listed and any(r.stream for r in reqs):
+            raise BadRequest("field `stream`: engine.py streams single prompts only (send a batch unstreamed)")
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
-        r.notify = lambda n, final: loop.call_soon_threadsafe(updates.put_nowait, (n, final))
-        self.live[r.rid] = r  # registered before the pause gate, as SGLang's tokenizer manager does
+        for i, r in enumerate(reqs):
+            r.notify = lambda n, final, i=i: loop.call_soon_threadsafe(updates.put_nowait, (i, n, final))
+            self.live[r.rid] = r  # registered before the pause gate, as SGLang's tokenizer manager does
+        entered = abandoned = False
         try:
             await self.gate.enter(self.args.wait_timeout)
-            try:
-                if self.args.dispatch_delay_s:  # SGLang tokenizes and sends here: an abort now finds nothing
-                    await asyncio.sleep(self.args.dispatch_delay_s)
-                self.sched.call(lambda: self.sched.add(r))
-                return await self._respond(request, r, updates)
-            finally:
-                if r.finish is None:  # the client went away (cancelled handler, reset stream): free its slot
-                    self.sched.call(lambda: self.sched.abort(r.rid, exact=True))
-                await self.gate.leave()
+            entered = True
+            if self.args.dispatch_delay_s:  # SGLang tokenizes and sends here: an abort now finds nothing
+                await asyncio.sleep(self.args.dispatch_delay_s)
+            if n > 1:  # 0.5.23 first prefills each prompt alone (max_new_tokens 0), so its n samples share the KV
+                await self._warm_up(reqs[::n])
+            self.sched.call(lambda: [self.sched.add(r) for r in reqs])
+            return await self._respond(request, reqs, listed, updates)
+        except asyncio.CancelledError:
+            if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
+                abandoned = True
+                task = asyncio.ensure_future(self._gated(reqs, REQUEST_STATE_WAIT_TIMEOUT_S))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            raise
         finally:
+            if entered:
+                if any(r.finish is None for r in reqs):  # the client went away, or an item failed: free the slots
+                    self.sched.call(lambda: [self.sched.abort(r.rid, exact=True) for r in reqs if r.finish is None])
+                await self.gate.leave()
+            if not abandoned:
+                self._forget(reqs)
+
+    def _forget(self, reqs: list) -> None:
+        for r in reqs:
             if self.live.get(r.rid) is r:
                 del self.live[r.rid]
 
-    async def _respond(self, request: web.Request, r: Req, updates: asyncio.Queue) -> web.StreamResponse:
+    async def _run_to_end(self, reqs: list, timeout: float) -> None:
+        """Submit reqs (their own notify) and wait until all finished, at most `timeout` seconds."""
+        done, left, loop = asyncio.Event(), [len(reqs)], asyncio.get_running_loop()
+
+        def notify(n, final):
+            left[0] -= final
+            if not left[0]:
+                loop.call_soon_threadsafe(done.set)
+        for r in reqs:
+            r.notify = notify
+        self.sched.call(lambda: [self.sched.add(r) for r in reqs])
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout)
+
+    async def _gated(self, reqs, run_s: float) -> None:
+        """Pass the pause gate, then run reqs (a Req or a list) for at most run_s seconds and abort what is left.
+        Serves /health's request and an abandoned one: SGLang's handler of a request whose client left while it
+        waited at the gate is not cancelled, so it is dispatched at /continue_generation and runs until the
+        disconnect is noticed, at the first SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s) without a reply
+        (tokenizer_manager.py: _wait_one_response)."""
+        reqs = reqs if isinstance(reqs, list) else [reqs]
+        try:
+            with contextlib.suppress(TimeoutError):  # (the gate stayed shut: nothing ran)
+                await self.gate.enter(self.args.wait_timeout)
+                try:
+                    await self._run_to_end(reqs, run_s)
+                finally:
+                    self.sched.call(lambda: [self.sched.abort(r.rid, exact=True) for r in reqs if r.finish is None])
+                    await self.gate.leave()
+        finally:
+            self._forget(reqs)
+
+    async def _warm_up(self, prompts: list) -> None:
+        """The prefill-only pass 0.5.23 runs before the n samples of each prompt (tokenizer_manager.py)."""
+        await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
+                                    sp=dataclasses.replace(r.sp, max_new_tokens=0)) for r in prompts],
+                               self.args.wait_timeout)
+
+    async def _respond(self, request: web.Request, reqs: list, listed: bool,
+                       updates: asyncio.Queue) -> web.StreamResponse:
+        """The reply once every item finished, in input order; an item that ends with status_code >= 400 makes
+        the whole call that HTTP error (the finally of generate aborts the rest), as 0.5.23 does."""
+        r = reqs[0]
         if not r.stream:
-            while not (await updates.get())[1]:
-                pass
-            return web.json_response(self._output(r, len(r.output_ids), True))
+            left = len(reqs)
+            while left:
+                i, _, final = await updates.get()
+                if not final:
+                    continue
+                left -= 1
+                code = (reqs[i].finish or {}).get("status_code")
+                if _is_int(code) and code >= 400:
+                    return _error(reqs[i].finish.get("message") or "request failed", code)
+            outs = [self._output(x, len(x.output_ids), True) for x in reqs]
+            return web.json_response(outs if listed else outs[0])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         final = False
         while not final:
-            n, final = await updates.get()
+            _, n, final = await updates.get()
             while not final and not updates.empty():  # coalesce when the client reads slower than we decode
-                n, final = updates.get_nowait()
+                _, n, final = updates.get_nowait()
             out = self._output(r, len(r.output_ids) if final else n, final)
             await resp.write(f"data: {json.dumps(out)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
@@ -1147,18 +1357,20 @@ class Server:
     async def begin_weight_update(self, request):
         body = await _body(request)
         _field(body, "selector", "all", lambda v: isinstance(v, str), "a string")
-        if self.session_open:
-            return web.json_response({"success": False, "message": "a weight-update session is already open; "
-                                      "call end_weight_update() first"}, status=400)
-        self.session_open = True
+        async with self.gate.exclusive(self.args.wait_timeout):  # 0.5.23 takes the writer lock unless paused
+            if self.session_open:
+                return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                          "call end_weight_update() first"}, status=400)
+            self.session_open = True
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request):
         await _body(request)
-        if not self.session_open:
-            return web.json_response({"success": False, "message": "no weight-update session is open; call "
-                                      "begin_weight_update() first"}, status=400)
-        self.session_open = False
+        async with self.gate.exclusive(self.args.wait_timeout):
+            if not self.session_open:
+                return web.json_response({"success": False, "message": "no weight-update session is open; call "
+                                          "begin_weight_update() first"}, status=400)
+            self.session_open = False
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request):
@@ -1247,27 +1459,36 @@ class Server:
         return web.json_response(info)
 
     async def health(self, request):
-        return web.Response(status=200 if self.ready and self.sched.thread.is_alive() else 503)
-
-    async def health_generate(self, request):
-        """A real one-token generation, except while paused or released (then: is the model thread alive)."""
-        s = self.sched
-        if not (self.ready and s.thread.is_alive()):
+        """/health and /health_generate (entrypoints/http_server.py: health_generate): a one-token request through
+        the pause gate; 200 once the scheduler produced any output after the call began, else 503 after
+        SGLANG_HEALTH_CHECK_TIMEOUT (20 s) and the server is marked unhealthy (/ready 503) until one succeeds. So
+        a paused server does not answer 200. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers 200
+        without generating."""
+        if not (self.ready and self.sched.thread.is_alive()):
             return web.Response(status=503)
-        if s.paused or s.released:
+        if request.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0",
+                                                                                                       "false"):
             return web.Response(status=200)
-        done = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        r = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[s.pad_id],
-                sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, s.vocab_size))
-        r.notify = lambda n, final: final and loop.call_soon_threadsafe(done.set)
-        s.call(lambda: s.add(r))
+        t0 = time.perf_counter()
+        r = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, self.sched.vocab_size))
+        task = asyncio.ensure_future(self._gated(r, HEALTH_CHECK_TIMEOUT_S))
         try:
-            await asyncio.wait_for(done.wait(), 20)
-        except asyncio.TimeoutError:
-            s.call(lambda: s.abort(r.rid, exact=True))
-            return web.Response(status=503, text="no token generated within 20 s")
-        return web.Response(status=200)
+            while time.perf_counter() < t0 + HEALTH_CHECK_TIMEOUT_S:
+                await asyncio.sleep(0.02)
+                if self.sched.last_output > t0:
+                    self.healthy = True
+                    return web.Response(status=200)
+        finally:
+            task.cancel()
+        log.error("health check failed: no output from the scheduler within %g s", HEALTH_CHECK_TIMEOUT_S)
+        self.healthy = False
+        return web.Response(status=503, text=f"no token generated within {HEALTH_CHECK_TIMEOUT_S:g} s")
+
+    async def ready_(self, request):
+        """/ready: 503 while paused or unhealthy (tokenizer_manager.py: is_ready)."""
+        ok = self.ready and self.healthy and not self.gate.paused and self.sched.thread.is_alive()
+        return web.Response(status=200 if ok else 503)
 
     async def loads(self, request):
         s = self.sched
@@ -1320,23 +1541,24 @@ class EngineProcess:
 
 
 def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1", timeout: float = 180.0,
-           log_path: Optional[str] = None, **kw) -> tuple[str, EngineProcess]:
+           log_path: Optional[str] = None, env: Optional[dict] = None, **kw) -> tuple[str, EngineProcess]:
     """Start `python engine.py` on a free port (or `port`) and wait until /health answers 200.
     Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8). Returns (url, handle);
-    handle.stop() ends it. The server's log goes to log_path (default: a temporary file, handle.log_path)."""
+    handle.stop() ends it. The server's log goes to log_path (default: a temporary file, handle.log_path); `env`
+    adds environment variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT)."""
     port = port or free_port(host)
     url = f"http://{host}:{port}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_path), "--host", host,
            "--port", str(port)]
     for k, v in kw.items():
-        if v is not None:
-            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        if v is not None and v is not False:
+            cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
         os.close(fd)
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                "PYTHONUNBUFFERED": "1"})
+                                                                                "PYTHONUNBUFFERED": "1", **(env or {})})
     handle = EngineProcess(proc, url, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -1362,6 +1584,8 @@ def main(argv=None):
     p.add_argument("--max-running-requests", type=int, default=None,
                    help=f"requests decoded together; the rest queue (default {DEFAULT_MAX_RUNNING}; /server_info\n"
                         "reports the flag as given, null when absent, and the limit in internal_states)")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
     p.add_argument("--weight-version", default="0", help="weight_version reported until an update changes it")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
@@ -1396,7 +1620,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
-                      args.max_prefill_tokens, str(args.weight_version))
+                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",

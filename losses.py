@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-GREEDY_TEMPERATURE = 1e-5  # below this a request is greedy; the engine then reports log_softmax(logits) (T = 1)
+GREEDY_TEMPERATURE = 1e-6  # below this a request is greedy (SGLang's _SAMPLING_EPS); reported as log_softmax(logits)
 LOG_RATIO_CLAMP = 20.0  # |log(pi_theta / pi_old)| is clamped here so exp() never overflows into inf * 0 = NaN
 
 
@@ -42,7 +42,7 @@ LOG_RATIO_CLAMP = 20.0  # |log(pi_theta / pi_old)| is clamped here so exp() neve
 def effective_temperature(temperature: float) -> float:
     """The temperature the engine's reported log-probs use (contract, ../shared/sglang_api.md).
 
-    Sampling requests (temperature >= 1e-5) report log_softmax(logits / temperature) of the sampled token; greedy
+    Sampling requests (temperature >= 1e-6) report log_softmax(logits / temperature) of the sampled token; greedy
     requests report log_softmax(logits), i.e. temperature 1. top_p / top_k never change the reported log-prob.
     """
     return 1.0 if temperature < GREEDY_TEMPERATURE else float(temperature)

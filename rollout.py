@@ -16,8 +16,10 @@
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
   to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
   those `buffer.update_aborts()` names, which the strategy drops by staleness: aborted first, handed to
-  step_boundary); with partial=false it waits for everything in flight. `resume(version)` continues the paused servers (so the weight
-  update in between ran on paused servers: idle ones, or ones holding the kept requests) and restarts dispatch.
+  step_boundary); with partial=false it waits for everything in flight. in_place updates cannot flush the servers'
+  prefix cache (requests still run), so there every /generate carries `extra_key` = its weight version, the cache's
+  namespace. `resume(version)` continues the paused servers (so the weight update in between ran on paused
+  servers: idle ones, or ones holding the kept requests) and restarts dispatch.
   Aborts by exact rid remain for single trajectories (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
   a repeat. A restored group continues from its partial responses (prompt + partial tokens as input, the remaining
@@ -175,7 +177,7 @@ class Fleet:
     """
 
     def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
-                 request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0, max_retries: int = 5,
+                 request_timeout_s: float = 1500.0, control_timeout_s: float = 600.0, max_retries: int = 5,
                  retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None,
                  api_key: Optional[str] = None, startup_timeout_s: float = 300.0):
         if bool(urls) == bool(router_url):
@@ -367,19 +369,20 @@ class Fleet:
         return [u for u in urls if u not in self.skip]
 
     async def live_workers(self, timeout_s: float) -> list[str]:
-        """The workers answering /health now, waiting up to timeout_s for at least one (FleetError naming them
-        after that); the others are skipped by control calls until the next live_workers (the trainer's weight
-        sync forms its group with the live servers only)."""
+        """The workers answering GET /model_info now, waiting up to timeout_s for at least one (FleetError naming
+        them after that); the others are skipped by control calls until the next live_workers (the trainer's weight
+        sync forms its group with the live servers only). Not /health: 0.5.23's generates a token through the pause
+        gate, so on a paused server it answers 503 after 20 s (and marks the server unhealthy)."""
         self.skip = set()
         deadline = time.monotonic() + timeout_s
         while True:
-            health = await self.health()
+            health = await self.health("/model_info")
             if any(health.values()):
                 self.skip = {u for u, ok in health.items() if not ok}
                 return [u for u, ok in health.items() if ok]
             if time.monotonic() > deadline:
-                raise FleetError(f"no inference server answered /health for rollout.startup_timeout_s={timeout_s} "
-                                 f"s: {', '.join(health)}")
+                raise FleetError(f"no inference server answered /model_info for rollout.startup_timeout_s="
+                                 f"{timeout_s} s: {', '.join(health)}")
             await asyncio.sleep(0.5)
 
     async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
@@ -496,10 +499,10 @@ class Fleet:
         """GET /v1/loads of every worker (running and waiting requests, per DP rank)."""
         return await self._fan_out("GET", "/v1/loads")
 
-    async def health(self) -> dict[str, bool]:
-        """Worker URL -> whether GET /health answers 200 (503 while starting or shutting down)."""
+    async def health(self, path: str = "/health") -> dict[str, bool]:
+        """Worker URL -> whether GET `path` answers 200 (/health: 503 while starting, shutting down or paused)."""
         urls = await self.workers()
-        results = await asyncio.gather(*[self._call(u, "GET", "/health", None, CONNECT_TIMEOUT_S) for u in urls],
+        results = await asyncio.gather(*[self._call(u, "GET", path, None, CONNECT_TIMEOUT_S) for u in urls],
                                        return_exceptions=True)
         return {u: not isinstance(r, Exception) for u, r in zip(urls, results)}
 
@@ -656,8 +659,8 @@ async def _unless(event: asyncio.Event, coro) -> Any:
     finally:
         waiter.cancel()
         if not task.done():
-            task.cancel()
-    return None if task.cancelled() else task.result()
+            task.cancel()  # done only once the loop has run it: until then neither cancelled() nor result()
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
@@ -692,6 +695,8 @@ class RolloutContext:
                 return "length"
             payload = {"input_ids": traj.prompt_ids.tolist() + traj.response_ids.tolist(), "return_logprob": True,
                        "sampling_params": {**r.sampling_params, "max_new_tokens": budget}}
+            if not r.cfg.flush_on_update:  # the prefix cache outlives updates (in_place): one namespace per version
+                payload["extra_key"] = f"weights-{r.version if r.version is not None else 'initial'}"
             sent_version = r.version  # a request kept across an in-place update may end with the older weights
             async with r.http_slots:
                 out = await _unless(self._active.drop,
@@ -1189,8 +1194,9 @@ class Rollout:
         self._dispatching = False
         if self._active:
             await self._abort_active()
-        # Calls given up close their connections, which aborts their requests, before the servers continue: a
-        # request kept by a pause, or waiting at a server's pause gate, must not run on after us.
+        # Calls given up close their connections, which aborts a request kept by a pause before the servers
+        # continue; one still waiting at a server's pause gate is dispatched at continue and runs until SGLang
+        # notices the disconnect (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s), which no client call can shorten.
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -780,13 +780,13 @@ class Actor:
         for name, full in self._full_params():
             if self.rank != 0 or error is not None:
                 continue
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-            if size >= limit:
+            if size >= limit:  # a full bucket goes once the next parameter is there, so the last one is never empty
                 push(bucket, None)
                 bucket, size = [], 0
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
         if self.rank == 0 and error is None:
-            push(bucket, version)  # the last bucket carries the version label and the flush
+            push(bucket, version)  # the last bucket carries tensors, the version label and the flush
         if session and error is None:
             try:
                 self.fleet.end_weight_update()
@@ -840,10 +840,6 @@ class Actor:
 
     def _push_bucket(self, bucket: list, version: Optional[int]) -> None:
         """One /update_weights_from_distributed call per server while rank 0 broadcasts the same tensors."""
-        if not bucket:
-            if version is not None:
-                self.fleet.update_weight_version(version)
-            return
         ws = self.cfg.weight_sync
         fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
                                 [str(t.dtype).replace("torch.", "") for _, t in bucket],

@@ -1,7 +1,7 @@
 """bench/sim_server.py: a simulated SGLang fleet whose requests progress by a latency model on a compressed clock.
 
 Each replica is an aiohttp app on its own port that speaks the subset of ../shared/sglang_api.md the project uses
-(/generate with input_ids, rid, sampling_params, return_logprob; /abort_request by rid prefix; /pause_generation;
+(/generate with input_ids, rid, sampling_params, return_logprob, also as a batch of lists; /abort_request by rid prefix; /pause_generation;
 /continue_generation; /flush_cache; /update_weights_from_disk, /update_weights_from_distributed,
 /update_weight_version; /release_memory_occupation, /resume_memory_occupation; /server_info, /model_info,
 /health, /v1/loads) plus GET /sim_stats (counters for the benchmark's per-phase breakdown).
@@ -328,21 +328,38 @@ def make_app(rep: Replica, wait_timeout_s: float) -> web.Application:
     max_units = wl.max_new_tokens // scale
 
     async def generate(request: web.Request) -> web.Response:
+        """One prompt, or a batch as 0.5.23 takes it (input_ids a list of lists, rid a list of unique strings,
+        sampling_params one dict or one per item): one list in input order once every item finished."""
         body = await _body(request)
-        if "input_ids" not in body or not isinstance(body["input_ids"], list):
-            return _bad("the simulated server needs `input_ids` (a list of token ids)")
+        ids = body.get("input_ids")
+        if not isinstance(ids, list):
+            return _bad("the simulated server needs `input_ids` (a list of token ids, or a list of them)")
+        if body.get("stream"):
+            return _bad("the simulated server does not stream; send stream=false")
+        if not (ids and isinstance(ids[0], list)):
+            return await one(body)
+        rids, sps = body.get("rid"), body.get("sampling_params")
+        if not (isinstance(rids, list) and len(rids) == len(set(rids)) == len(ids)):
+            return _bad(f"field `rid` must hold {len(ids)} unique strings, one per item of the batch")
+        if isinstance(sps, list) and len(sps) != len(ids):
+            return _bad(f"field `sampling_params` holds {len(sps)} values for a batch of {len(ids)}")
+        items = [{**body, "input_ids": x, "rid": rid, "sampling_params": sps[i] if isinstance(sps, list) else sps}
+                 for i, (x, rid) in enumerate(zip(ids, rids))]
+        outs = await asyncio.gather(*[one(it) for it in items])
+        bad = next((o for o in outs if o.status != 200), None)
+        return bad or web.json_response([json.loads(o.body) for o in outs])
+
+    async def one(body: dict) -> web.Response:
+        ids = body["input_ids"]
         sp = body.get("sampling_params") or {}
         unknown = sorted(set(sp) - SAMPLING_KEYS)
         if unknown:
             return _bad(f"unknown field `{unknown[0]}`, expected one of {', '.join(sorted(SAMPLING_KEYS))}")
-        if body.get("stream"):
-            return _bad("the simulated server does not stream; send stream=false")
         try:
             await asyncio.wait_for(rep.resumed.wait(), wait_timeout_s)
         except asyncio.TimeoutError:
             return _bad(f"paused for more than {wait_timeout_s} s without /continue_generation", 503)
         rid = str(body.get("rid") or uuid.uuid4().hex)
-        ids = body["input_ids"]
         epoch, index = parse_rid(rid)
         length, clamped = wl.response_length(",".join(map(str, ids[:prompt_units])), epoch, index)
         target = min(max_units, max(1, round(length / scale)))

@@ -41,7 +41,7 @@ def naive_logprobs(logits, targets, temperature):
 
 def loop_logprobs(logits, targets, temperature):
     """Plain-Python reference: one token at a time, math.exp / math.log on floats."""
-    t = 1.0 if temperature < 1e-5 else temperature
+    t = 1.0 if temperature < 1e-6 else temperature
     rows = logits.reshape(-1, logits.shape[-1]).tolist()
     logp, ent = [], []
     for row, y in zip(rows, targets.reshape(-1).tolist()):
@@ -66,7 +66,7 @@ def test_token_logprobs_hand_computed():
     assert torch.allclose(logp, torch.tensor([math.log(math.sqrt(2) / z), math.log(1 / z)]), atol=1e-6)
     h = -(2 / z * math.log(1 / z) + math.sqrt(2) / z * math.log(math.sqrt(2) / z))
     assert torch.allclose(ent, torch.tensor([h, h]), atol=1e-6)
-    # greedy (temperature < 1e-5) reports temperature-1 log-probs, as the engine does
+    # greedy (temperature < 1e-6) reports temperature-1 log-probs, as the engine does
     assert torch.equal(losses.token_logprobs(logits, targets, 0.0)[0], losses.token_logprobs(logits, targets, 1.0)[0])
     assert losses.token_logprobs(logits, targets, 1.0)[1] is None
 

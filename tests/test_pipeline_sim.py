@@ -86,6 +86,14 @@ def test_sim_server_lengths_abort_and_versions(sim_fleet):
     # a continuation (prompt + partial response) finishes the same target: only the rest is generated
     rest = _generate(sim_fleet, "t-0-5-2-1.", extra=out["output_ids"][:3])["meta_info"]["completion_tokens"]
     assert rest == round(length / 32) - 3
+    # a batch (0.5.23's list form: unique rids, per-item sampling_params) is one list in input order, each item
+    # as it would be alone
+    batch = requests.post(sim_fleet + "/generate", json={
+        "input_ids": [[10, 11, 12, 13, 14, 15]] * 2, "rid": ["t-0-5-2-2.", "t-0-5-3-0."], "return_logprob": True,
+        "sampling_params": [{"max_new_tokens": 640}, {"max_new_tokens": 2}]}, timeout=60).json()
+    assert [o["meta_info"]["id"] for o in batch] == ["t-0-5-2-2.", "t-0-5-3-0."]
+    assert batch[0]["meta_info"]["completion_tokens"] == round(length / 32)
+    assert batch[1]["meta_info"]["completion_tokens"] == min(2, max(1, round(wl.response_length(key, 0, 3)[0] / 32)))
 
     # abort by rid prefix returns the partial output with finish_reason abort (20480 tokens: 0.2 s alone)
     long = next(p for p in ((20, 21, 22, 23, i, j) for i in range(10, 100) for j in range(10, 100))

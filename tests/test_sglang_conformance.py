@@ -1,0 +1,409 @@
+"""Where engine.py behaves like sglang 0.5.23 because a client that relies on anything else fails on a real fleet,
+and the client fixes that depend on it (issue 17). Each test's docstring names the file of the 0.5.23 wheel
+(paths under sglang/srt/) and the function whose behaviour it imitates or guards against.
+
+One engine subprocess (two tiny models of different weights, A served first) serves the module, with
+SGLANG_HEALTH_CHECK_TIMEOUT=2 and SGLANG_REQUEST_STATE_WAIT_TIMEOUT=1 (20 s and 4 s in SGLang) so that waiting for
+them stays short. Tests that change its weights restore A and flush. Run:
+.venv/bin/python -m pytest -q tests/test_sglang_conformance.py
+"""
+import concurrent.futures as cf
+import time
+import types
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+import buffer
+import config
+import engine
+import losses
+import rollout
+import tasks
+
+HEALTH_S, NOTICE_S = 2.0, 1.0  # the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
+LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
+P = [5, 6, 7, 8, 9]
+
+
+def make_model(path: str, seed: int) -> str:
+    """tasks.make_tiny_model with random RMSNorm gains (as tests/test_engine.py): a random-init model's
+    distributions are nearly uniform, which would make log-prob differences between weights vanish."""
+    tasks.make_tiny_model(path, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conformance")
+    paths = {k: make_model(str(root / k), s) for k, s in (("A", 0), ("B", 1))}
+    return paths, {k: AutoModelForCausalLM.from_pretrained(p).eval() for k, p in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def url(models):
+    env = {"SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S), "SGLANG_REQUEST_STATE_WAIT_TIMEOUT": str(NOTICE_S)}
+    url, handle = engine.launch(models[0]["A"], max_running_requests=8, num_threads=1, wait_timeout=60, env=env)
+    yield url
+    handle.stop()
+
+
+def post(url, path, body=None, timeout=60):
+    return requests.post(url + path, json=body if body is not None else {}, timeout=timeout)
+
+
+def gen(url, ids, timeout=60, **kw):
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    for k in ("rid", "extra_key", "cache_salt"):
+        if k in kw:
+            body[k] = kw.pop(k)
+    body["sampling_params"].update(kw)
+    r = post(url, "/generate", body, timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def lps(out):
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def reference_lps(model, prompt, output, temperature=1.0):
+    """The trainer's log-probs (losses.token_logprobs) of `output` after `prompt` under `model`."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits.float()[:, len(prompt) - 1:-1]
+    return losses.token_logprobs(logits, ids[:, len(prompt):], temperature)[0][0].tolist()
+
+
+def running(url):
+    return requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]["num_running_reqs"]
+
+
+def wait_until(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.01)
+
+
+def set_weights(url, path, version, flush=True):
+    r = post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": str(version),
+                                                "flush_cache": flush})
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def version(url):
+    return int(requests.get(url + "/model_info", timeout=10).json()["weight_version"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# /health through the pause gate (breakage 1)
+
+def test_health_generates_through_the_pause_gate(url, models):
+    """entrypoints/http_server.py: health_generate. A paused server's /health waits SGLANG_HEALTH_CHECK_TIMEOUT for
+    output, answers 503 and marks the server unhealthy (/ready 503, tokenizer_manager.py: is_ready); /model_info
+    and /server_info answer while paused; after continue /health is 200 and the server healthy again.
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health is 200 without generating, also while paused."""
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    assert requests.get(url + "/ready", timeout=10).status_code == 200
+    assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        t0 = time.monotonic()
+        assert requests.get(url + "/health", timeout=30).status_code == 503
+        assert time.monotonic() - t0 >= HEALTH_S - 0.1  # it waited for a token that never came
+        assert requests.get(url + "/ready", timeout=10).status_code == 503
+        assert requests.get(url + "/model_info", timeout=10).status_code == 200
+        assert requests.get(url + "/server_info", timeout=10).status_code == 200
+    finally:
+        assert post(url, "/continue_generation").status_code == 200
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+    assert requests.get(url + "/ready", timeout=10).status_code == 200
+    off, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+                                                                    "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
+    try:
+        assert post(off, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        assert requests.get(off + "/health", timeout=10).status_code == 200
+        assert requests.get(off + "/health_generate", timeout=30).status_code == 503  # still generates
+    finally:
+        handle.stop()
+
+
+def test_weight_sync_liveness_answers_on_paused_servers(url):
+    """Breakage 1, the client: train.py's sync_weights runs Fleet.live_workers while the servers are paused
+    (rollout.partial: true). With /health (entrypoints/http_server.py: health_generate) every paused server looked
+    dead and the sync raised after rollout.startup_timeout_s; /model_info passes no gate."""
+    sync = rollout.SyncFleet(rollout.Fleet([url]))
+    try:
+        sync.pause("in_place")
+        try:
+            assert sync.live_workers(HEALTH_S + 1.0) == [url]
+        finally:
+            sync.continue_()
+    finally:
+        sync.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The prefix cache (breakages 2 and 3)
+
+def test_prefix_cache_is_keyed_on_tokens_and_namespace_and_outlives_weight_updates(url, models):
+    """mem_cache/radix_cache.py: RadixKey (token ids + extra_key / cache_salt, never the weight version);
+    managers/scheduler.py: flush_cache. A repeated prompt reuses all but its last token; another extra_key or
+    cache_salt does not; a weight update without a flush leaves the old weights' KV in use, so the log-probs stop
+    matching the trainer's; a flush (or a new namespace) restores them. /flush_cache is refused while a request
+    runs (is_fully_idle)."""
+    paths, refs = models
+    v0 = version(url)
+    assert post(url, "/flush_cache").status_code == 200
+    first = gen(url, P)
+    again = gen(url, P)
+    assert (first["meta_info"]["cached_tokens"], again["meta_info"]["cached_tokens"]) == (0, len(P) - 1)
+    assert again["output_ids"] == first["output_ids"] and max(map(abs, map(float.__sub__, lps(again),
+                                                                           lps(first)))) < 1e-5
+    assert gen(url, P, extra_key="other")["meta_info"]["cached_tokens"] == 0
+    assert gen(url, P, cache_salt="salt")["meta_info"]["cached_tokens"] == 0
+    try:
+        set_weights(url, paths["B"], v0 + 1, flush=False)
+        stale = gen(url, P)
+        fresh = gen(url, P, extra_key=f"weights-{v0 + 1}")
+        assert stale["meta_info"]["cached_tokens"] == len(P) - 1 and fresh["meta_info"]["cached_tokens"] == 0
+        want = reference_lps(refs["B"], P, stale["output_ids"])
+        assert max(abs(a - b) for a, b in zip(lps(stale), want)) > 1e-2  # old KV under the new weights
+        want = reference_lps(refs["B"], P, fresh["output_ids"])
+        assert max(abs(a - b) for a, b in zip(lps(fresh), want)) < 1e-4
+        with cf.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(gen, url, [3, 4], max_new_tokens=LONG, ignore_eos=True, rid="flush-block.")
+            wait_until(lambda: running(url) == 1, 30, "the blocking request to run")
+            assert post(url, "/flush_cache").status_code == 400
+            post(url, "/abort_request", {"rid": "flush-block."})
+            assert fut.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
+        assert post(url, "/flush_cache").status_code == 200
+        flushed = gen(url, P)
+        assert flushed["meta_info"]["cached_tokens"] == 0
+        want = reference_lps(refs["B"], P, flushed["output_ids"])
+        assert max(abs(a - b) for a, b in zip(lps(flushed), want)) < 1e-4
+    finally:
+        set_weights(url, paths["A"], v0 + 2)
+
+
+def test_the_last_weight_bucket_carries_tensors_the_version_and_the_flush():
+    """Breakage 2: a bucket is pushed once it reaches weight_sync.bucket_mb; when that emptied it, the last call was
+    /update_weight_version, which never flushes (managers/scheduler.py: update_weights_from_distributed flushes
+    only with flush_cache), and the radix cache kept serving old-weight prefix KV. Here the last parameter (an
+    untied lm_head) exactly fills its bucket."""
+    import train
+
+    params = [("embed", torch.zeros(1 << 18)), ("layer", torch.zeros(1 << 17)), ("lm_head", torch.zeros(1 << 18))]
+    pushes, calls = [], []
+    fleet = types.SimpleNamespace(begin_weight_update=lambda: calls.append("begin"),
+                                  end_weight_update=lambda *a: calls.append("end"),
+                                  update_weight_version=lambda v: calls.append(("version", v)))
+    actor = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(weight_sync=types.SimpleNamespace(method="distributed", bucket_mb=1)),
+        rank=0, group=object(), fleet=fleet, _full_params=lambda: iter(params),
+        _push_bucket=lambda bucket, v: pushes.append(([n for n, _ in bucket], v)))
+    train.Actor._sync(actor, 7)
+    assert pushes == [(["embed"], None), (["layer", "lm_head"], 7)] and calls == ["begin", "end"]
+
+
+def in_place_cfg(url):
+    return config.load_config(None, [
+        "colocate=false", "fully_async.enable=true", "fully_async.stale_steps=1", "data_source.num_prompts_per_step=2",
+        "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2", "data_source.num_prompts=2",
+        "rollout.sampling.max_new_tokens=6", f"rollout.servers=[{url}]", "rollout.pause_timeout_s=60",
+        "rollout.partial=true", "rollout.pause_mode=in_place", "rollout.reward_pool=inline"])
+
+
+def test_in_place_sends_a_cache_namespace_per_weight_version(url, models):
+    """Breakage 3: with rollout.pause_mode in_place the update cannot flush (requests still run), and the radix
+    cache (mem_cache/radix_cache.py: RadixKey) would give every later request of a prompt seen before the update
+    the old weights' KV. Each /generate carries extra_key = its weight version, so the trajectories generated
+    wholly after the update have the trainer's log-probs under the new weights."""
+    paths, refs = models
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths["A"])
+    cfg = in_place_cfg(url)
+    v0 = version(url)
+    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok, "train")])
+    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, tok)
+    try:
+        ro.start()
+        buf.get(2, timeout=60)  # both prompts generated (and cached) under A
+        ro.pause()
+        # groups in flight now may still be prefilled after the update, under their old namespace (in_place's
+        # known mix of weights): only groups dispatched after resume are checked
+        kept = set(buf.stats(keys=True)["in_flight_keys"])
+        set_weights(url, paths["B"], v0 + 1, flush=False)
+        buf.set_weight_version(v0 + 1)
+        ro.resume(v0 + 1)
+        checked, deadline = 0, time.monotonic() + 60
+        while checked < 4:
+            assert time.monotonic() < deadline, f"only {checked} trajectories wholly of version {v0 + 1} in 60 s"
+            for g in buf.get(1, timeout=60):
+                for t in g.trajectories:
+                    if g.prompt.prompt_id in kept or set(t.versions.tolist()) != {v0 + 1}:
+                        continue
+                    want = reference_lps(refs["B"], t.prompt_ids.tolist(), t.response_ids.tolist())
+                    assert max(abs(a - b) for a, b in zip(t.rollout_log_probs.tolist(), want)) < 1e-4
+                    checked += 1
+        ro.pause()
+    finally:
+        ro.stop()
+        sync.close()
+        buf.close()
+        set_weights(url, paths["A"], v0 + 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pause in place, and requests abandoned at the pause gate (breakages 4 and 5)
+
+def test_in_place_pause_runs_no_forward_and_aborts_answer_at_continue(url):
+    """Breakage 4, managers/scheduler.py (abort handling): an aborted running request "still runs one decode
+    forward pass", which a scheduler paused in place does not run, so the abort's reply comes after
+    /continue_generation, one token longer. (Trajectory timeouts and stop are not instant on a paused server.)"""
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(gen, url, [3, 4], max_new_tokens=LONG, ignore_eos=True, rid="inplace-abort.")
+        wait_until(lambda: running(url) == 1, 30, "the request to run")
+        assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        try:
+            used = requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]["num_used_tokens"]
+            assert post(url, "/abort_request", {"rid": "inplace-abort."}).status_code == 200
+            time.sleep(0.5)
+            assert not fut.done()  # no reply while paused
+            assert requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]["num_used_tokens"] == used
+        finally:
+            assert post(url, "/continue_generation").status_code == 200
+        out = fut.result(30)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    # KV columns at the pause: the 2 prompt tokens and all generated tokens but the newest (used - 1 tokens)
+    assert out["meta_info"]["completion_tokens"] == used - 1 + 1  # plus the token of that last pass
+
+
+def test_a_request_given_up_at_the_pause_gate_runs_after_continue_until_noticed(url):
+    """Breakage 5, managers/tokenizer_manager.py: generate_request / _wait_one_response. The handler of a request
+    whose client left while it waited at the pause gate is not cancelled: at continue it is dispatched and runs
+    until the disconnect is noticed, SGLANG_REQUEST_STATE_WAIT_TIMEOUT later."""
+    assert post(url, "/pause_generation", {"mode": "abort"}).status_code == 200
+    try:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {
+                "max_new_tokens": LONG, "ignore_eos": True}}, timeout=0.5)
+    finally:
+        assert post(url, "/continue_generation").status_code == 200
+    wait_until(lambda: running(url) == 1, 10, "the abandoned request to be dispatched at continue")
+    wait_until(lambda: running(url) == 0, 10 * NOTICE_S, "the abandoned request to be noticed and aborted")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batched /generate, n > 1, and the smaller points
+
+def test_batched_generate_answers_in_order_and_aborts_one_item_only(url):
+    """managers/tokenizer_manager.py: _handle_batch_request, managers/io_struct.py: GenerateReqInput.normalize. A list
+    of input_ids with unique rids and per-item sampling_params is answered as one list in input order once every
+    item finished; aborting one rid ends that item only, with its partial output; an item the server refuses fails
+    the whole call."""
+    rids = ["batch-0.", "batch-1.", "batch-2."]
+    body = {"input_ids": [[5, 6], [7, 8, 9], [10]], "rid": rids, "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": 3, "ignore_eos": True}, {"max_new_tokens": LONG, "ignore_eos": True},
+                                {"max_new_tokens": 5, "ignore_eos": True}]}
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, url, "/generate", body)
+        wait_until(lambda: running(url) == 1, 30, "the long item to be the only one running")
+        assert not fut.done()  # the finished items wait for the last one
+        assert post(url, "/abort_request", {"rid": "batch-1."}).status_code == 200
+        r = fut.result(30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["meta_info"]["id"] for o in out] == rids
+    assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["length", "abort", "length"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 3, 1]
+    assert out[0]["meta_info"]["completion_tokens"] == 3 and out[2]["meta_info"]["completion_tokens"] == 5
+    assert 0 < len(out[1]["output_ids"]) == len(out[1]["meta_info"]["output_token_logprobs"]) < LONG
+    bad = post(url, "/generate", {"input_ids": [[5], [6]], "sampling_params": [{}, {"max_new_tokens": 10 ** 6}]})
+    assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]["message"]
+
+
+def test_n_samples_get_fresh_rids_prompt_major_after_a_prefill_warm_up(url):
+    """managers/tokenizer_manager.py: _handle_batch_request with parallel_sample_num > 1: a prefill-only pass per
+    prompt first (so the n samples reuse its KV), then n requests per prompt with fresh random rids (the client's
+    rid is dropped: they cannot be aborted by it), answered prompt-major."""
+    assert post(url, "/flush_cache").status_code == 200
+    r = post(url, "/generate", {"input_ids": [[5, 6, 7], [8, 9]], "rid": ["n-0.", "n-1."],
+                                "sampling_params": {"n": 3, "max_new_tokens": 4, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [3, 3, 3, 2, 2, 2]
+    assert [o["meta_info"]["cached_tokens"] for o in out] == [2, 2, 2, 1, 1, 1]
+    ids = [o["meta_info"]["id"] for o in out]
+    assert len(set(ids)) == 6 and not {"n-0.", "n-1."} & set(ids)
+    single = post(url, "/generate", {"input_ids": [5], "sampling_params": {"n": 2, "max_new_tokens": 2}}).json()
+    assert isinstance(single, list) and len(single) == 2
+
+
+def test_schema_errors_are_422_and_value_errors_400(url):
+    """entrypoints/http_server.py: generate_request takes GenerateReqInput, which FastAPI validates (422 for a field
+    of the wrong type or a body that is no JSON object); sampling/sampling_params.py: verify and unknown keys are
+    ValueErrors (400)."""
+    for body in ({"input_ids": "abc"}, {"input_ids": [1], "return_logprob": "yes"}, {"input_ids": [1], "rid": 3},
+                 {"input_ids": [1], "sampling_params": "hot"}):
+        r = post(url, "/generate", body)
+        assert r.status_code == 422 and r.json()["detail"], (body, r.text)
+    assert requests.post(url + "/generate", data=b"{no", timeout=10).status_code == 422
+    for sp in ({"top_p": 0}, {"tempreature": 1}):
+        assert post(url, "/generate", {"input_ids": [1], "sampling_params": sp}).status_code == 400
+
+
+def test_greedy_below_1e_6(url, models):
+    """sampling/sampling_params.py: _SAMPLING_EPS = 1e-6. Temperature 5e-6 samples at that temperature (its
+    log-probs); 5e-7 is greedy, whose log-probs are reported at temperature 1 (the log-prob convention)."""
+    ref = models[1]["A"]
+    sampled, greedy = gen(url, P, temperature=5e-6), gen(url, P, temperature=5e-7)
+    assert greedy["output_ids"] == sampled["output_ids"] == gen(url, P, temperature=0)["output_ids"]
+    at_1 = reference_lps(ref, P, greedy["output_ids"])
+    assert min(at_1) < -1e-2  # the two conventions differ here
+    assert max(abs(a - b) for a, b in zip(lps(greedy), at_1)) < 1e-4
+    ids = torch.tensor([P + sampled["output_ids"]])
+    with torch.no_grad():
+        logits = ref(ids).logits.float()[0, len(P) - 1:-1]
+    plain = torch.log_softmax(logits / 5e-6, -1).gather(-1, ids[0, len(P):, None])[:, 0].tolist()
+    at_t = reference_lps(ref, P, sampled["output_ids"], 5e-6)  # the trainer's convention agrees
+    assert max(abs(a - b) for a, b in zip(lps(sampled), plain)) < 1e-3 and max(map(abs, map(float.__sub__, at_t,
+                                                                                      plain))) < 1e-3
+
+
+def test_begin_and_end_weight_update_take_the_writer_lock(url):
+    """managers/tokenizer_control_mixin.py: _weight_update_session_call. On a server that is not paused, begin and
+    end_weight_update take the model-update writer lock: they wait until the running requests are done."""
+    with cf.ThreadPoolExecutor(2) as ex:
+        fut = ex.submit(gen, url, [3, 4], max_new_tokens=LONG, ignore_eos=True, rid="writer.")
+        wait_until(lambda: running(url) == 1, 30, "the request to run")
+        begin = ex.submit(post, url, "/begin_weight_update", {})
+        time.sleep(0.5)
+        assert not begin.done()  # waits for the reader
+        post(url, "/abort_request", {"rid": "writer."})
+        assert fut.result(30)["meta_info"]["finish_reason"]["type"] == "abort"
+        assert begin.result(30).json()["success"] is True
+    assert post(url, "/end_weight_update", {}).json()["success"] is True
+
+
+def test_request_timeout_below_the_routers_is_checked_at_start_up():
+    """sglang_router/router_args.py: request_timeout_secs 1800 (with retry_max_retries 5). With rollout.router_url
+    our /generate timeout must fire first, so the client decides what happens to a request that runs too long."""
+    with pytest.raises(ValueError, match=r"rollout.request_timeout_s \(3600\) must be below "
+                                         r"rollout.router_request_timeout_s \(1800"):
+        config.load_config(None, ["rollout.router_url=http://127.0.0.1:1", "rollout.request_timeout_s=3600"])
+    cfg = config.load_config(None, ["rollout.router_url=http://127.0.0.1:1"])
+    assert cfg.rollout.request_timeout_s < cfg.rollout.router_request_timeout_s == 1800
+    assert config.load_config(None, ["rollout.request_timeout_s=3600"]).rollout.request_timeout_s == 3600
