@@ -175,7 +175,7 @@ class BufferConfig:
 
 @dataclass
 class WeightSyncConfig:
-    method: str = "distributed"  # distributed (broadcast group, SGLang's NCCL path) | disk (safetensors + reload)
+    method: str = "distributed"  # distributed (broadcast group) | tensor (colocate: shared tensors / CUDA IPC) | disk
     bucket_mb: int = 512  # tensors per /update_weights_from_distributed call, in MiB
     timeout_s: float = 600.0  # every weight-sync call and the broadcast group time out after this
     master_port: int = 29700  # port of the trainer-to-servers broadcast group
@@ -514,8 +514,11 @@ def validate(cfg: Config) -> Config:
     if t.resume not in ("none", "auto") and not os.path.isdir(t.resume):
         raise ValueError(f"trainer.resume must be none, auto or an existing checkpoint directory, got '{t.resume}'")
     ws = cfg.weight_sync
-    if ws.method not in ("distributed", "disk"):
-        raise ValueError(f"weight_sync.method must be distributed or disk, got '{ws.method}'")
+    if ws.method not in ("distributed", "tensor", "disk"):
+        raise ValueError(f"weight_sync.method must be distributed, tensor or disk, got '{ws.method}'")
+    if cfg.colocate and ws.method == "distributed" and cfg.device == "cuda":
+        raise ValueError("colocate=true with weight_sync.method=distributed cannot run on device=cuda: NCCL refuses a "
+                         "group of trainer rank 0 and the servers on the same GPUs; use weight_sync.method=tensor")
     _positive(ws.bucket_mb, "weight_sync.bucket_mb")
     _positive(ws.timeout_s, "weight_sync.timeout_s")
     _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")

@@ -10,7 +10,7 @@ Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = engine.init_weight_update_group(addr, port, 0, world_size,
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
-colocate: POST /update_weights_from_tensor with `serialized_named_tensors=[engine.serialize_named_tensors(named)]`.
+colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
 Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
 log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-5, and log_softmax(logits)[token]
@@ -442,26 +442,28 @@ class _TensorUnpickler(pickle.Unpickler):
             "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")}
 
     def find_class(self, module, name):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
         if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
 
 
-def serialize_named_tensors(named: list) -> str:
-    """(name, tensor) pairs -> the base64 MultiprocessingSerializer payload of /update_weights_from_tensor. CPU
-    tensors are moved into shared memory files (file_system sharing: the server opens them by name, no fd passing
-    between unrelated processes); CUDA tensors become IPC handles. Keep the tensors alive until the call returns."""
-    import torch.multiprocessing as tmp
-    from multiprocessing.reduction import ForkingPickler
+def _rebuild_cuda_tensor(*args):
+    """torch's CUDA IPC rebuild, with the device given by UUID (weight_sync.serialize_named_tensors, SGLang's
+    patch_torch): the sender's CUDA_VISIBLE_DEVICES numbers the GPUs differently."""
+    from torch.multiprocessing import reductions
 
-    tmp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return base64.b64encode(buf.getvalue()).decode()
+    dev = args[6]
+    if isinstance(dev, str):
+        dev = next(i for i in range(torch.cuda.device_count())
+                   if str(torch.cuda.get_device_properties(i).uuid) == dev)
+    return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
 
 
 def deserialize_named_tensors(payload: str) -> list:
+    """A /update_weights_from_tensor payload (weight_sync.serialize_named_tensors) -> [(name, tensor)]."""
     import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
 
     named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()

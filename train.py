@@ -58,11 +58,10 @@ import torch.distributed as dist  # noqa: E402
 import buffer as buffer_lib  # noqa: E402
 import config as config_lib  # noqa: E402
 import services as services_lib  # noqa: E402
+import weight_sync as weight_sync_lib  # noqa: E402
 from services import GRACE_S, ChildExited, Services  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
-SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,15 +432,23 @@ class Actor:
     def __init__(self, cfg, model, optimizer, scheduler, device, fleet=None):
         self.cfg, self.model, self.opt, self.sched, self.device = cfg, model, optimizer, scheduler, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
         self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
         self.snapshot_step = -1
-        self.group = None  # weight-update broadcast group (distributed sync), made at the first sync
-        self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
+        self.weights = weight_sync_lib.WeightSync(cfg, model, device, _ctrl_group())
+        self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
         self.group_members: Optional[list] = None  # the server URLs the last sync went to
-        self.store = None  # the TCPStore the group forms on, hosted here for the whole run
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
+        self.released = False  # colocate: the servers' memory is released (set by release / main's launch)
+        self.push_s = 0.0  # seconds of the last push (perf/weight_sync_gbps)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+
+    @property
+    def fleet(self):
+        return self.weights.fleet
+
+    @fleet.setter
+    def fleet(self, fleet) -> None:
+        self.weights.fleet = fleet
 
     # ---- command channel ----
     def _announce(self, cmd: str, arg=None) -> None:
@@ -462,7 +469,7 @@ class Actor:
             if cmd == "stop":
                 return
             {"train": lambda a: self._train(None, *a), "sync": self._sync, "save": self._save,
-             "load": self._load, "export": self._export}[cmd](arg)
+             "load": self._load, "export": self._export, "onload": self._onload}[cmd](arg)
 
     def stop(self) -> None:
         self._announce("stop")
@@ -583,21 +590,15 @@ class Actor:
             live.copy_(s)
             s.copy_(tmp)
 
-    # ---- weights: full tensors gathered from the shards, parameter by parameter ----
-    def _full_params(self):
-        """Yields (name, full tensor) on every rank (all-gather per parameter; rank 0 uses them)."""
-        reshard(self.model)
-        push_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the servers' dtype
-        for name, p in self.model.named_parameters():
-            yield name, p.full_tensor().to(push_dtype)
-
+    # ---- weights: weight_sync.py gathers bucket by bucket and pushes ----
     def sync_weights(self, version: int) -> dict:
-        """Push the weights to every server as `version`: weight_sync.method distributed (bucketed
-        /update_weights_from_distributed + a broadcast from rank 0) or disk (safetensors + /update_weights_from_disk).
-        Every call has weight_sync.timeout_s. The sync goes to the servers that answer /health (waiting up to
-        rollout.startup_timeout_s for one); the weight-update group is formed again when they change or one rank 0
-        launched was relaunched (Services.watch), and a failed sync is retried once with a new group (after the
-        relaunch of a server that died). A second failure stops the run with the server's message."""
+        """Push the weights to every server as `version` (weight_sync.method: distributed, tensor or disk; see
+        weight_sync.py). Every call has weight_sync.timeout_s. The sync goes to the servers that answer /health
+        (waiting up to rollout.startup_timeout_s for one); the weight-update group is formed again when they change
+        or one rank 0 launched was relaunched (Services.watch), and a failed sync is retried once with a new group
+        (after the relaunch of a server that died). A second failure stops the run with the server's message.
+        Colocate: the trainer then offloads its parameters and optimizer state, and the servers take back their
+        KV cache (their weights came back in `resume`, before the push)."""
         if self.fleet is None:
             return {}
         t0 = time.perf_counter()
@@ -609,7 +610,7 @@ class Actor:
                 if self.group_members is not None and live != self.group_members:
                     print(f"[train] warning: the servers answering are now {live} (were {self.group_members}): "
                           "the weight-update group is formed again with them", file=sys.stderr, flush=True)
-                self._drop_weight_group()
+                self.weights.drop_group()
             self.group_members = live
             self._announce("sync", version)
             try:
@@ -627,147 +628,47 @@ class Actor:
                       "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
                       flush=True)
         out = {"timing/update_weights": time.perf_counter() - t0}
+        out["perf/weight_sync_gbps"] = self.weights.last_bytes / 1e9 / max(self.push_s, 1e-9)
+        if self.released:  # stage 2 of colocate's resume: the KV cache, once the trainer has left the GPU
+            t1 = time.perf_counter()
+            self.fleet.resume_memory(["kv_cache", "cuda_graph"])
+            self.released = False
+            out["timing/resume_kv_cache"] = time.perf_counter() - t1
         if self.services is not None:
             out["rollout/server_restarts"] = self.services.server_restarts
         return out
 
     def _sync(self, version: int) -> None:
-        """Every rank gathers every parameter; rank 0 pushes. A push that fails on rank 0 stops the pushing, not
-        the gathering (the other ranks are in the same collectives), and is raised at the end."""
-        if self.cfg.weight_sync.method == "disk":
-            path = os.path.join(self.cfg.run_dir, "sync_weights")
-            self._export(path)
-            if self.rank == 0:
-                self.fleet.update_weights_from_disk(os.path.abspath(path), version, self.cfg.flush_on_update)
-            return
-        error = None
+        """Every rank: the push (weight_sync.WeightSync.push), then colocate's offload."""
+        t0 = time.perf_counter()
+        self.weights.push(version)
+        self.push_s = time.perf_counter() - t0
+        if self.cfg.colocate:
+            self.snapshot = None  # last step's old policy: not needed again
+            self._offload("cpu")
 
-        def push(bucket, version):
-            nonlocal error
-            try:
-                self._push_bucket(bucket, version)
-            except Exception as e:
-                error = e
-        if self.rank == 0 and self.group is None:
-            try:
-                self.group = self._init_weight_group()
-            except Exception as e:
-                error = e
-        session = False  # SGLang 0.5.23 refuses distributed updates outside a begin/end session
-        if self.rank == 0 and error is None:
-            try:
-                self.fleet.begin_weight_update()
-                session = True
-            except Exception as e:
-                error = e
-        limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
-        bucket, size = [], 0
-        for name, full in self._full_params():
-            if self.rank != 0 or error is not None:
-                continue
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-            if size >= limit:
-                push(bucket, None)
-                bucket, size = [], 0
-        if self.rank == 0 and error is None:
-            push(bucket, version)  # the last bucket carries the version label and the flush
-        if session and error is None:
-            try:
-                self.fleet.end_weight_update()
-            except Exception as e:
-                error = e
-        elif session:  # close the session, briefly (a server may be stuck), then report the bucket's error
-            with contextlib.suppress(Exception):
-                self.fleet.end_weight_update(SESSION_END_TIMEOUT_S)
-        if error is not None:
-            raise error
+    # ---- colocate: trainer state off the GPU while the servers generate ----
+    def _offload(self, where) -> None:
+        """Parameters (FSDP2 shards) and optimizer state to `where` ("cpu" after a sync, the device before
+        training), then the CUDA cache emptied, so the servers get the memory (slime's sleep(), verl's
+        offload_fsdp_model_to_cpu). No gradients exist between steps (zero_grad(set_to_none))."""
+        self.model.to(where)
+        for state in self.opt.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(where, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
-    def _drop_weight_group(self) -> None:
-        """Leave the weight-update group (a server in it was replaced); the next _sync forms a new one with every
-        server, under a new name on the same TCPStore. The surviving servers leave it too; a relaunched one has
-        none (its error is expected)."""
-        if self.group is not None:
-            with contextlib.suppress(Exception):
-                self.fleet.destroy_weights_update_group(self.group_name)
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
-        self.group = None
-        self.generation += 1
-        self.group_name = f"{WEIGHT_GROUP}_{self.generation}"
-
-    def _init_weight_group(self):
-        """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
-        a TCPStore hosted here, then the same process group SGLang's init_custom_process_group builds."""
-        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
-
-        ws = self.cfg.weight_sync
-        ranks = self.fleet.engine_ranks()
-        world = 1 + sum(ranks)
-        addr = ws.master_address  # set by main(): 127.0.0.1 for servers rank 0 launched, else this host's IP
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, self.group_name, backend)
-        timeout = datetime.timedelta(seconds=ws.timeout_s)
-        try:
-            if self.store is None:
-                self.store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout,
-                                           wait_for_workers=False)
-            store = PrefixStore(self.group_name, self.store)
-            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=self.group_name,
-                                              timeout=timeout)
-        except Exception as e:
-            raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
-                               f"weight_sync.timeout_s={ws.timeout_s} s ({world - 1} server ranks expected): {e}; "
-                               f"server side: {_future_error(fut)}") from None
-        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
-        fut.result(ws.timeout_s)
-        return pg
-
-    def _push_bucket(self, bucket: list, version: Optional[int]) -> None:
-        """One /update_weights_from_distributed call per server while rank 0 broadcasts the same tensors."""
-        if not bucket:
-            if version is not None:
-                self.fleet.update_weight_version(version)
-            return
-        ws = self.cfg.weight_sync
-        fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
-                                [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                                [list(t.shape) for _, t in bucket], version, self.group_name,
-                                # a flush per bucket would be wasted work; none at all with in-place pauses
-                                flush_cache=version is not None and self.cfg.flush_on_update)
-        deadline = time.monotonic() + ws.timeout_s
-        for name, t in bucket:
-            work = dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)
-            while not work.is_completed():  # poll: a server that answered with an error must not leave us hanging
-                if fut.done() and fut.exception() is not None:
-                    raise RuntimeError(f"weight sync failed while broadcasting {name}: {fut.exception()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"weight sync: broadcast of {name} not received by the servers within "
-                                       f"weight_sync.timeout_s={ws.timeout_s} s")
-                time.sleep(0.001)
-            work.wait()
-        try:
-            fut.result(max(1.0, deadline - time.monotonic()))
-        except Exception as e:
-            raise RuntimeError(f"weight sync: /update_weights_from_distributed failed: {e}") from None
+    def _onload(self, _=None) -> None:
+        self._offload(self.device)
 
     def _export(self, path: str) -> None:
-        """The weights as an HF checkpoint directory (config, tokenizer and safetensors), written by rank 0."""
-        from safetensors.torch import save_file
-
-        state = {}
-        for name, full in self._full_params():
-            if self.rank == 0:
-                state[name] = full.to(getattr(torch, self.cfg.model.dtype)).cpu().contiguous()
-        if self.rank != 0:
-            return
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.cfg.model.path, tmp, ignore=shutil.ignore_patterns(
-            "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt"))
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        """The weights as an HF checkpoint directory in model.dtype (weight_sync.WeightSync.export)."""
+        if self.cfg.colocate:  # the last sync offloaded the trainer
+            self._onload()
+        self.weights.export(path, getattr(torch, self.cfg.model.dtype))
 
     def export_hf(self, path: str) -> None:
         self._announce("export", path)
@@ -815,22 +716,23 @@ class Actor:
         _set_rng_state(run_state["rng"][self.rank] if self.rank < len(run_state["rng"]) else run_state["rng"][0])
         return run_state
 
-    # ---- colocate: the servers give their memory to training and take it back ----
+    # ---- colocate: the servers give their memory to training and take it back, in two stages ----
     def release(self) -> dict:
+        """After generation: the servers release weights, KV cache and CUDA graphs; the trainer onloads."""
         t0 = time.perf_counter()
         self.fleet.release_memory()
-        return {"timing/release_rollout": time.perf_counter() - t0}
+        self.released = True
+        t1 = time.perf_counter()
+        self._announce("onload")
+        self._onload()
+        return {"timing/release_rollout": t1 - t0, "timing/onload_train": time.perf_counter() - t1}
 
     def resume(self) -> dict:
+        """After training, stage 1: the servers' weights only (the push needs them; the trainer is still on the
+        GPU). Stage 2, the KV cache, follows the push and the offload (sync_weights)."""
         t0 = time.perf_counter()
-        self.fleet.resume_memory()
+        self.fleet.resume_memory(["weights"])
         return {"timing/resume_rollout": time.perf_counter() - t0}
-
-
-def _future_error(fut) -> str:
-    if not fut.done():
-        return "no answer yet"
-    return repr(fut.exception()) if fut.exception() is not None else "answered ok"
 
 
 def _memory_metrics(device: torch.device) -> dict:
@@ -1086,6 +988,22 @@ def check_launch(cfg, world: int) -> None:
                              f"rollout-only run; '{d}' has none")
 
 
+def start_fleet(cfg, services, version: int):
+    """Rank 0: launch the servers (unless rollout.servers / rollout.router_url name running ones), set where they
+    reach the broadcast group, and return the SyncFleet once every server answers /health."""
+    import rollout as rollout_lib
+
+    r = cfg.rollout
+    launched = not r.servers and not r.router_url
+    if launched:
+        cfg.rollout.servers = services.launch_servers(version)
+    if cfg.weight_sync.master_address is None:  # where the servers reach this process's broadcast group
+        cfg.weight_sync.master_address = "127.0.0.1" if launched else socket.gethostbyname(socket.gethostname())
+    fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
+    fleet.wait_healthy(r.startup_timeout_s)
+    return fleet
+
+
 def check_inputs(cfg) -> None:
     """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
     row only after the servers started), and a checkpoint given as trainer.resume loads."""
@@ -1156,8 +1074,22 @@ def main(argv: Optional[list[str]] = None) -> None:
         tasks.make_tiny_for(cfg)
     dist.barrier(group=_CTRL)
 
-    services, ok, failed, actor, logger = None, False, False, None, None
+    services, ok, failed, actor, logger, fleet = None, False, False, None, None, None
     try:
+        resume_path = None
+        if rank == 0 and cfg.trainer.resume == "auto":
+            resume_path = latest_checkpoint(cfg.run_dir)
+        elif rank == 0 and cfg.trainer.resume != "none":
+            resume_path = cfg.trainer.resume
+
+        # ---- colocate: the servers start first and release their memory before the model loads ----
+        if cfg.colocate and cfg.run_mode == "default":
+            if rank == 0:
+                services = Services(cfg)
+                fleet = start_fleet(cfg, services, load_run_state(resume_path)["step"] if resume_path else 0)
+                fleet.release_memory()
+            dist.barrier(group=_CTRL)  # the other ranks load the model once the servers have let go of the GPUs
+
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
             from torch.distributed.device_mesh import init_device_mesh
@@ -1166,6 +1098,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             model, _ = load_model(cfg, mesh, device, rank)
             opt, sched = build_optimizer(model, cfg.trainer)
             actor = Actor(cfg, model, opt, sched, device)
+            actor.released = fleet is not None
         elif rank != 0:
             return
 
@@ -1174,11 +1107,6 @@ def main(argv: Optional[list[str]] = None) -> None:
             actor.follow()  # also loads the checkpoint rank 0 chose when it says so
             ok = True
             return
-        resume_path = None
-        if cfg.trainer.resume == "auto":
-            resume_path = latest_checkpoint(cfg.run_dir)
-        elif cfg.trainer.resume != "none":
-            resume_path = cfg.trainer.resume
         run_state = None
         if resume_path:
             run_state = actor.load_checkpoint(resume_path) if actor else load_run_state(resume_path)
@@ -1197,15 +1125,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
             ro = NoRollout()
         else:
-            services = Services(cfg)
-            launched = not r.servers and not r.router_url
-            if launched:
-                cfg.rollout.servers = services.launch_servers(start_step)
-            if cfg.weight_sync.master_address is None:  # where the servers reach this process's broadcast group
-                cfg.weight_sync.master_address = "127.0.0.1" if launched else \
-                    socket.gethostbyname(socket.gethostname())
-            fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
-            fleet.wait_healthy(r.startup_timeout_s)
+            if fleet is None:
+                services = Services(cfg)
+                fleet = start_fleet(cfg, services, start_step)
             resolved = os.path.join(cfg.run_dir, "config.yaml")
             with open(resolved, "w") as f:
                 import yaml
@@ -1224,6 +1146,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             buf.load_state_dict(run_state["buffer"])
         # The servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step.
         t0 = time.perf_counter()
+        if getattr(actor, "released", False):
+            actor.resume()
         actor.sync_weights(start_step)
         buf.set_weight_version(start_step)
         print(f"[train] weights version {start_step} on the servers ({time.perf_counter() - t0:.1f} s)", flush=True)

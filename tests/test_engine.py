@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import engine
 import losses
 import tasks
+import weight_sync
 
 MAX_RUNNING = 8
 LONG = 3000  # max_new_tokens of requests meant to be still running when the test acts on them
@@ -428,7 +429,7 @@ def test_update_weights_from_shared_tensors(url, models, restore_weights):
         views.append((n, flat[off:off + t.numel()].view(t.shape)))
         off += t.numel()
     v = str(version(url) + 1)
-    body = {"serialized_named_tensors": [engine.serialize_named_tensors(views)], "weight_version": v}
+    body = {"serialized_named_tensors": [weight_sync.serialize_named_tensors(views)], "weight_version": v}
     r = post(url, "/update_weights_from_tensor", body)
     assert r.status_code == 400 and "update_weights_from_tensor must run between" in r.json()["message"]
     assert post(url, "/begin_weight_update", {}).json()["success"] is True
