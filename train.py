@@ -521,6 +521,10 @@ class Actor:
                                               with_entropy=True)
             loss, met = losses.policy_loss(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm,
                                            denom, entropy=ent)
+            if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
+                gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
+                met = {**met, "train/rollout_logprob_diff_max": gap.max(),
+                       "train/rollout_logprob_diff_mean": gap.sum() / b["mask"].sum().clamp(min=1)}
             # FSDP averages gradients over ranks; the losses already sum to the mini-batch loss, so undo the mean.
             (loss * self.world).backward()
             n = float(b["mask"].sum())
