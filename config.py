@@ -22,6 +22,9 @@ from typing import Any, Optional
 import yaml
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
+# model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa:
+# tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class ModelConfig:
     tiny_pretrain_steps: int = 300  # supervised steps of the tiny base on its task's pretraining task (0 = random)
     dtype: str = "float32"  # training parameter dtype on GPU mixed precision: float32 | bfloat16
     activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
+    attn_implementation: str = "auto"  # auto (flash_attention_2 on cuda if installed, else sdpa) | eager | sdpa | ...
 
 
 @dataclass
@@ -103,7 +107,8 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple = (0.9, 0.999)  # AdamW betas
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
-    micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank
+    micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank (padded: rows x longest)
+    packing: bool = True  # a micro-batch is one row of concatenated sequences (restarting position_ids, no padding)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
@@ -507,6 +512,11 @@ def validate(cfg: Config) -> Config:
     _positive(t.num_gpus_per_node, "trainer.num_gpus_per_node")
     _positive(t.lr, "trainer.lr")
     _positive(t.micro_batch_tokens, "trainer.micro_batch_tokens")
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got "
+                         f"'{cfg.model.attn_implementation}'")
+    if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
+        raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:

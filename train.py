@@ -24,9 +24,10 @@ Multi-node (GPU), on each of the trainer nodes, with SGLang servers launched by 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29400 \
         train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 
-Simplifications: one sequence per row (padded micro-batches, no packing); the model is a HF causal LM sharded by
-FSDP2 over its decoder layers (data parallel only, no tensor/pipeline/expert parallelism); GPU-only paths (nccl,
-bf16 compute, launching SGLang) are switched on by device=cuda / rollout.launch=sglang and untested on CPU.
+Simplifications: the model is a HF causal LM sharded by FSDP2 over its decoder layers (data parallel only, no
+tensor/pipeline/expert parallelism); micro-batches are packed rows (trainer.packing) unpacked to one sequence per
+row for losses.py; GPU-only paths (nccl, bf16 compute, flash_attention_2, CUDA IPC weight sync, launching SGLang)
+are switched on by device=cuda / rollout.launch=sglang and run by bench/gpu_smoke.sh, not on CPU.
 Log-prob convention (shared with engine.py and losses.py): log_softmax(logits / temperature) of the sampled token.
 """
 from __future__ import annotations
@@ -313,7 +314,8 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                 attn_implementation=attn_implementation(cfg, device))
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
@@ -332,6 +334,17 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     return model, hf_config
 
 
+def attn_implementation(cfg, device: torch.device) -> str:
+    """model.attn_implementation with auto resolved: flash_attention_2 (varlen over packed rows) on cuda when
+    flash_attn is installed, else sdpa."""
+    import importlib.util
+
+    name = cfg.model.attn_implementation
+    if name != "auto":
+        return name
+    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
 def build_optimizer(model, t):
     """AdamW with linear warmup over trainer.warmup_steps optimizer updates, constant after."""
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -341,7 +354,7 @@ def build_optimizer(model, t):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Mini-batches: sequences, balanced split over ranks, padded micro-batches
+# Mini-batches: sequences, balanced split over ranks, packed (or padded) micro-batches
 # ---------------------------------------------------------------------------------------------------------------
 
 def make_sequences(groups: list, cfg) -> list[dict]:
@@ -373,9 +386,21 @@ def split_balanced(seqs: list[dict], parts: int) -> list[list[dict]]:
     return shares
 
 
-def plan_micro_batches(share: list[dict], max_tokens: int) -> list[list[dict]]:
-    """Consecutive (length-sorted) sequences while rows x longest row <= max_tokens (at least one row each)."""
-    out, cur = [], []
+def plan_micro_batches(share: list[dict], max_tokens: int, packing: bool = False) -> list[list[dict]]:
+    """packing: first-fit decreasing, each micro-batch at most max_tokens real tokens (a longer sequence alone);
+    padded: consecutive length-sorted sequences while rows x longest row <= max_tokens (at least one row each)."""
+    out: list = []
+    if packing:
+        load: list = []
+        for s in sorted(share, key=_length, reverse=True):
+            i = next((i for i, n in enumerate(load) if n + _length(s) <= max_tokens), len(out))
+            if i == len(out):
+                out.append([])
+                load.append(0)
+            out[i].append(s)
+            load[i] += _length(s)
+        return out
+    cur: list = []
     for s in sorted(share, key=_length, reverse=True):
         if cur and (len(cur) + 1) * _length(cur[0]) > max_tokens:
             out.append(cur)
@@ -388,10 +413,14 @@ def plan_micro_batches(share: list[dict], max_tokens: int) -> list[list[dict]]:
 DUMMY = {"prompt": [0], "response": [0], "mask": [0], "rollout_lp": [0.0], "versions": [0], "adv": 0.0}
 
 
-def collate(seqs: list[dict], mask_offpolicy: bool = False) -> dict:
-    """Right-padded [b, L] inputs; the loss tensors live on the L - 1 target positions (position j predicts token
-    j + 1), so a response token at index P + t sits at position P + t - 1. mask_offpolicy: loss mask 0 on tokens
-    older than their trajectory's newest version (rollout.mask_offpolicy_in_partial_rollout)."""
+def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = False) -> dict:
+    """The loss tensors are [b, L - 1] on the target positions (position j predicts token j + 1), so a response
+    token at index P + t sits at position P + t - 1; mask_offpolicy: loss mask 0 on tokens older than their
+    trajectory's newest version (rollout.mask_offpolicy_in_partial_rollout). The model's input:
+      padded: right-padded ids [b, L] and attn [b, L];
+      packing: ids [1, n] of the sequences back to back with pos [1, n] restarting at 0 for each (the attention
+        keeps each sequence to itself: tests/test_packing.py), no padding; index [b, L - 1] maps each loss
+        position to its position in the packed row (-1 off the sequence), see unpack."""
     import losses
 
     L = max(_length(s) for s in seqs)
@@ -408,8 +437,40 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False) -> dict:
             ver[i, P - 1:P - 1 + T] = torch.tensor(s["versions"])
     if mask_offpolicy:
         mask = losses.offpolicy_token_mask(ver, mask)
-    return {"ids": ids, "attn": attn, "mask": mask, "rollout_lp": rlp,
-            "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    out = {"mask": mask, "rollout_lp": rlp, "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    if not packing:
+        return {"ids": ids, "attn": attn, **out}
+    lengths = [_length(s) for s in seqs]
+    index = torch.full((b, L - 1), -1, dtype=torch.long)
+    off = 0
+    for i, n in enumerate(lengths):
+        index[i, :n - 1] = torch.arange(off, off + n - 1)
+        off += n
+    return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
+            "index": index, **out}
+
+
+def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token values of the packed row [1, n - 1] -> the padded loss layout [b, L - 1] (0 off the sequences);
+    differentiable, so the loss (losses.py, one sequence per row) and its gradient are the padded path's."""
+    flat = packed[0][index.clamp(min=0)]
+    return torch.where(index >= 0, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False) -> tuple:
+    """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
+    as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
+    per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them)."""
+    import losses
+
+    if "pos" in b:
+        logits = model(input_ids=b["ids"], position_ids=b["pos"], use_cache=False).logits[:, :-1]
+    else:
+        logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
+    logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], temperature, chunk_tokens, with_entropy=with_entropy)
+    if "pos" in b:
+        logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
+    return logp, ent
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -481,11 +542,12 @@ class Actor:
 
         cfg = self.cfg
         seqs = make_sequences(groups, cfg)
-        plans = [[collate(mb, cfg.rollout.mask_offpolicy_in_partial_rollout)
-                  for mb in plan_micro_batches(share, cfg.trainer.micro_batch_tokens)]
+        pack = cfg.trainer.packing
+        plans = [[collate(mb, cfg.rollout.mask_offpolicy_in_partial_rollout, pack)
+                  for mb in plan_micro_batches(share, cfg.trainer.micro_batch_tokens, pack)]
                  for share in split_balanced(seqs, self.world)]
         n_micro = max(len(p) for p in plans)  # FSDP collectives need the same number of forwards on every rank
-        plans = [p + [collate([DUMMY])] * (n_micro - len(p)) for p in plans]
+        plans = [p + [collate([DUMMY], packing=pack)] * (n_micro - len(p)) for p in plans]
         # The denominator of the loss aggregation over the WHOLE mini-batch (all ranks, all micro-batches), so
         # the micro-batch losses sum to the mini-batch loss (losses.py, "Loss aggregation").
         mode, norm = cfg.algorithm.loss_agg_mode, cfg.rollout.sampling.max_new_tokens
@@ -510,15 +572,12 @@ class Actor:
             dist.scatter_object_list(out, None, src=0, group=_ctrl_group())
             plan = out[0]
         cfg, t = self.cfg, self.cfg.trainer
-        temp = cfg.rollout.sampling.temperature
         batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in plan]
         old = self._old_log_probs(batches, step)
         self.model.train()
         sums, weights, extremes = {}, {}, {}
         for b, old_lp in zip(batches, old):
-            logits = self.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
-            logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], temp, t.logprob_chunk_tokens,
-                                              with_entropy=True)
+            logp, ent = self._token_logprobs(b, with_entropy=True)
             loss, met = losses.policy_loss(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm,
                                            denom, entropy=ent)
             if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
@@ -563,8 +622,6 @@ class Actor:
         """log pi_old per micro-batch: the step-start weights (spec section 2). At the step's first call they are
         the live weights, and a copy of this rank's shards is kept; later calls swap that copy in, compute, and
         swap back. trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
-        import losses
-
         if self.cfg.trainer.use_rollout_log_probs:
             return [b["rollout_lp"] for b in batches]
         first = step != self.snapshot_step
@@ -575,15 +632,16 @@ class Actor:
         elif not first:
             self._swap_snapshot()
         self.model.eval()
-        out = []
-        for b in batches:
-            logits = self.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
-            out.append(losses.token_logprobs(logits, b["ids"][:, 1:], self.cfg.rollout.sampling.temperature,
-                                             self.cfg.trainer.logprob_chunk_tokens)[0])
+        out = [self._token_logprobs(b)[0] for b in batches]
         reshard(self.model)
         if not first:
             self._swap_snapshot()
         return out
+
+    def _token_logprobs(self, b: dict, with_entropy: bool = False) -> tuple:
+        t = self.cfg.trainer
+        return token_logprobs(self.model, b, self.cfg.rollout.sampling.temperature, t.logprob_chunk_tokens,
+                              with_entropy)
 
     def _swap_snapshot(self) -> None:
         """Exchange the live local shards with the snapshot in place (one tensor's worth of extra memory)."""
