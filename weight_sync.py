@@ -134,11 +134,6 @@ class WeightSync:
         self.store = None  # the TCPStore the group forms on, hosted here for the whole run
         self.last_bytes = 0  # bytes pushed by the last sync (perf/weight_sync_gbps)
 
-    def buckets(self):
-        """Yields gathered Buckets on every rank; bucket k + 1 is gathered while the caller pushes bucket k."""
-        for spec in plan_buckets(self.model, self.dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20):
-            yield gather_bucket(self.model, spec, self.dtype, self.device)
-
     # ---- one sync ----
     def push(self, version: int) -> None:
         """Every rank gathers; rank 0 pushes. A push that fails on rank 0 stops the pushing, not the gathering

@@ -2,9 +2,9 @@
 
 A random ~100M-parameter Qwen3 (hidden 768, 11 layers, vocab 32000, tied embeddings; float32 on CPU, so ~0.4 GB
 per sync) is loaded by --ranks trainer processes (gloo, FSDP2, torchrun) exactly as train.py loads it, one engine.py
-server serves it, and `Actor.sync_weights` pushes it --repeats times per method. Printed per method: the first
-sync (it forms the broadcast group) and the median of the others, in seconds and GB/s (parameter bytes in the
-servers' dtype / seconds). --code DIR runs the Actor of another checkout (e.g. the code before the rewrite:
+server serves it, and `Actor.sync_weights` pushes it --repeats times per method (a fresh engine and trainer per
+method). Printed per method: the first sync (it forms the broadcast group) and the median of the others, in
+seconds and GB/s (parameter bytes in the servers' dtype / seconds). --code DIR runs the Actor of another checkout (e.g. the code before the rewrite:
 `git archive 50d6948 | tar -x -C /tmp/before`), whose engine.py serves too; methods it lacks are skipped.
 The machine is shared and loaded: compare figures of one run, or of runs taken back to back.
 
@@ -44,6 +44,9 @@ def make_model(path: str) -> int:
 
 def worker(a) -> None:
     """One trainer rank under torchrun; rank 0 times the syncs and prints RESULT {...}."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(a.hang_s, exit=True)  # a hang prints every thread's stack, then exits
     sys.path.insert(0, a.code)
     import torch
     import torch.distributed as dist
@@ -57,6 +60,7 @@ def worker(a) -> None:
     train._CTRL = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config_lib.load_config(None, [f"model.path={a.model}", f"run_dir={a.run_dir}", "device=cpu",
+                                        f"weight_sync.method={a.methods}",
                                         "colocate=false", f"weight_sync.bucket_mb={a.bucket_mb}",
                                         f"weight_sync.master_port={a.port + 1}", "weight_sync.master_address=127.0.0.1",
                                         f"trainer.num_gpus_per_node={world}"])
@@ -69,8 +73,7 @@ def worker(a) -> None:
         actor.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet([a.url]))
         nbytes = sum(p.numel() for p in model.parameters()) * 4
         out, version = {}, 0
-        for method in a.methods.split(","):
-            cfg.weight_sync.method = method
+        for method in a.methods.split(","):  # one per run (main): the other ranks read the same config
             times = []
             for _ in range(a.repeats):
                 version += 1
@@ -92,6 +95,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=24310, help="the engine's port; the broadcast group uses port + 1")
+    p.add_argument("--hang-s", type=float, default=900, help="a trainer rank that runs longer prints its stacks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
@@ -105,22 +109,27 @@ def main() -> None:
 
     if not os.path.exists(os.path.join(a.code, "weight_sync.py")):  # the code before the rewrite: no tensor path
         a.methods = ",".join(m for m in a.methods.split(",") if m != "tensor")
+    res = {"times": {}}
     with tempfile.TemporaryDirectory() as d:
         model = os.path.join(d, "model")
         n = make_model(model)
-        url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600)
-        try:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.ranks),
-                   os.path.abspath(__file__), "--worker", "--code", a.code, "--model", model, "--url", url,
-                   "--run-dir", os.path.join(d, "run"), "--methods", a.methods, "--bucket-mb", str(a.bucket_mb),
-                   "--repeats", str(a.repeats), "--port", str(a.port)]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-            if r.returncode != 0 or not lines:
-                raise SystemExit(f"the trainer ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
-        finally:
-            handle.stop()
-    res = json.loads(lines[-1][len("RESULT "):])
+        for method in a.methods.split(","):  # a fresh engine and trainer per method: every rank runs its config
+            url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600)
+            try:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                       str(a.ranks), os.path.abspath(__file__), "--worker", "--code", a.code, "--model", model,
+                       "--url", url, "--run-dir", os.path.join(d, "run"), "--methods", method, "--bucket-mb",
+                       str(a.bucket_mb), "--repeats", str(a.repeats), "--port", str(a.port), "--hang-s",
+                       str(a.hang_s)]
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+                if r.returncode != 0 or not lines:
+                    raise SystemExit(f"the trainer ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+            finally:
+                handle.stop()
+            one = json.loads(lines[-1][len("RESULT "):])
+            res["bytes"] = one["bytes"]
+            res["times"].update(one["times"])
     gb = res["bytes"] / 1e9
     print(f"code {a.code}: {n / 1e6:.0f}M parameters ({gb:.2f} GB float32), {a.ranks} trainer ranks (gloo), one "
           f"engine.py, bucket_mb {a.bucket_mb}; shared, loaded machine")
