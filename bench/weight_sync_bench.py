@@ -121,10 +121,14 @@ def main() -> None:
                        "--url", url, "--run-dir", os.path.join(d, "run"), "--methods", method, "--bucket-mb",
                        str(a.bucket_mb), "--repeats", str(a.repeats), "--port", str(a.port), "--hang-s",
                        str(a.hang_s)]
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-                if r.returncode != 0 or not lines:
-                    raise SystemExit(f"the trainer ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+                # to a file, not a pipe: torch_shm_manager (tensor on CPU) inherits it and outlives torchrun
+                with open(os.path.join(d, f"{method}.log"), "w+") as log:
+                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+                    log.seek(0)
+                    text = log.read()
+                lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+                if rc != 0 or not lines:
+                    raise SystemExit(f"the trainer ranks failed:\n{text[-6000:]}")
             finally:
                 handle.stop()
             one = json.loads(lines[-1][len("RESULT "):])
