@@ -22,6 +22,9 @@ from typing import Any, Optional
 import yaml
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
+# model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa:
+# tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class ModelConfig:
     tiny_pretrain_steps: int = 300  # supervised steps of the tiny base on its task's pretraining task (0 = random)
     dtype: str = "float32"  # training parameter dtype on GPU mixed precision: float32 | bfloat16
     activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
+    attn_implementation: str = "auto"  # auto (flash_attention_2 on cuda if installed, else sdpa) | eager | sdpa | ...
 
 
 @dataclass
@@ -103,7 +107,8 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple = (0.9, 0.999)  # AdamW betas
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
-    micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank
+    micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank (padded: rows x longest)
+    packing: bool = True  # a micro-batch is one row of concatenated sequences (restarting position_ids, no padding)
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: param/grad shards and AdamW state in host memory, step on CPU
     snapshot: str = "device"  # where the old-policy copy of the weight shards lives: device | cpu (host memory)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
@@ -189,7 +194,7 @@ class BufferConfig:
 
 @dataclass
 class WeightSyncConfig:
-    method: str = "distributed"  # distributed (broadcast group, SGLang's NCCL path) | disk (safetensors + reload)
+    method: str = "distributed"  # distributed (broadcast group) | tensor (colocate: shared tensors / CUDA IPC) | disk
     bucket_mb: int = 512  # tensors per /update_weights_from_distributed call, in MiB
     timeout_s: float = 600.0  # every weight-sync call and the broadcast group time out after this
     master_port: int = 29700  # port of the trainer-to-servers broadcast group
@@ -575,6 +580,11 @@ def validate(cfg: Config) -> Config:
     _positive(t.micro_batch_tokens, "trainer.micro_batch_tokens")
     if t.snapshot not in ("device", "cpu"):
         raise ValueError(f"trainer.snapshot must be device or cpu, got '{t.snapshot}'")
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got "
+                         f"'{cfg.model.attn_implementation}'")
+    if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
+        raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:
@@ -582,8 +592,11 @@ def validate(cfg: Config) -> Config:
     if t.resume not in ("none", "auto") and not os.path.isdir(t.resume):
         raise ValueError(f"trainer.resume must be none, auto or an existing checkpoint directory, got '{t.resume}'")
     ws = cfg.weight_sync
-    if ws.method not in ("distributed", "disk"):
-        raise ValueError(f"weight_sync.method must be distributed or disk, got '{ws.method}'")
+    if ws.method not in ("distributed", "tensor", "disk"):
+        raise ValueError(f"weight_sync.method must be distributed, tensor or disk, got '{ws.method}'")
+    if cfg.colocate and ws.method == "distributed" and cfg.device == "cuda":
+        raise ValueError("colocate=true with weight_sync.method=distributed cannot run on device=cuda: NCCL refuses a "
+                         "group of trainer rank 0 and the servers on the same GPUs; use weight_sync.method=tensor")
     _positive(ws.bucket_mb, "weight_sync.bucket_mb")
     _positive(ws.timeout_s, "weight_sync.timeout_s")
     _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")

@@ -1,14 +1,16 @@
 """engine.py: an SGLang-compatible HTTP inference server around any transformers causal LM.
 
 It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/sglang_api.md: /generate, aborts,
-pause/continue, weight updates from disk or over a torch.distributed group, weight versions, memory release,
+pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate),
+weight versions, memory release,
 loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this engine on a laptop.
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = engine.init_weight_update_group(addr, port, 0, world_size,
-group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed.
+group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
+colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
 Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
 log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-6, and log_softmax(logits)[token]
@@ -53,14 +55,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import contextlib
 import datetime
 import inspect
+import io
 import json
 import logging
 import os
+import pickle
 import queue
 import socket
 import subprocess
@@ -489,6 +494,50 @@ def broadcast_tensors(pg, tensors: list, timeout_s: float = 300.0, src: int = 0)
     for i, w in enumerate(works):
         if not w.wait(datetime.timedelta(seconds=timeout_s)):
             raise TimeoutError(f"broadcast of tensor {i} of {len(tensors)} did not complete within {timeout_s}s")
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Loads what torch's ForkingPickler wrote for (name, tensor) pairs and nothing else: SGLang's SafeUnpickler
+    (utils/common.py) allow-list, cut to plain containers, dtypes and torch's tensor/storage rebuild functions."""
+    ALLOWED = {("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "float", "bool", "slice")} | {
+        ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
+        ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
+        ("torch.nn.parameter", "Parameter"), ("torch._utils", "_rebuild_parameter")} | {
+        ("torch.multiprocessing.reductions", n) for n in (
+            "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_filename",
+            "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")}
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
+
+
+def _rebuild_cuda_tensor(*args):
+    """torch's CUDA IPC rebuild, with the device given by UUID (weight_sync.serialize_named_tensors, SGLang's
+    patch_torch): the sender's CUDA_VISIBLE_DEVICES numbers the GPUs differently."""
+    from torch.multiprocessing import reductions
+
+    dev = args[6]
+    if isinstance(dev, str):
+        dev = next(i for i in range(torch.cuda.device_count())
+                   if str(torch.cuda.get_device_properties(i).uuid) == dev)
+    return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
+
+
+def deserialize_named_tensors(payload: str) -> list:
+    """A /update_weights_from_tensor payload (weight_sync.serialize_named_tensors) -> [(name, tensor)]."""
+    import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
+
+    named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    if not (isinstance(named, list) and all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
+                                            and isinstance(x[1], torch.Tensor) for x in named)):
+        raise ValueError("expected a list of (name, tensor) pairs")
+    return [(n, t) for n, t in named]
 
 
 def _parse_dtype(name: str) -> torch.dtype:
@@ -1410,9 +1459,41 @@ class Server:
                                   + (f" Weight version updated to {version}." if version else "")})
 
     async def update_weights_from_tensor(self, request):
-        return web.json_response({"success": False, "message": "engine.py does not implement "
-                                  "/update_weights_from_tensor; use /update_weights_from_distributed or "
-                                  "/update_weights_from_disk"}, status=400)
+        """Colocate's path (sglang managers/scheduler_components/weight_updater.py update_weights_from_tensor):
+        `serialized_named_tensors[tp_rank]` is a MultiprocessingSerializer payload (base64 ForkingPickler bytes) of
+        (name, tensor) pairs; on CPU the tensors travel as shared-memory files (torch's file_system sharing), on
+        GPU as CUDA IPC handles. Refused outside a weight-update session, as the distributed path."""
+        body = await _body(request)
+        payloads = _field(body, "serialized_named_tensors", None,
+                          lambda v: isinstance(v, list) and v and all(isinstance(x, str) for x in v),
+                          "a non-empty list of base64 strings, one per TP rank")
+        if payloads is None:
+            raise BadRequest("field `serialized_named_tensors` is required")
+        _field(body, "load_format", None, lambda v: v in ("direct",), "null or 'direct' (engine.py loads by "
+               "parameter name; 'flattened_bucket' needs sglang's classes)")
+        _field(body, "selector", "all", lambda v: v in ("target", "draft", "all"), "'target', 'draft' or 'all'")
+        _flag(body, "torch_empty_cache", False)
+        flush = _flag(body, "flush_cache", True)
+        abort_all = _flag(body, "abort_all_requests", False)
+        version = self._version_field(body)
+        if not self.session_open:
+            return web.json_response({"success": False, "message": SESSION_REQUIRED.replace(
+                "update_weights_from_distributed", "update_weights_from_tensor")}, status=400)
+        try:  # this engine is TP rank 0 of 1
+            named = deserialize_named_tensors(payloads[0])
+        except Exception as e:
+            raise BadRequest(f"field `serialized_named_tensors`: payload 0 does not deserialize: {e}") from None
+        if abort_all:
+            await self._run(lambda: self.sched.abort(abort_all=True))
+        async with self.gate.exclusive(self.args.wait_timeout):
+            try:
+                await self._run(lambda: self.sched.load_tensors(named, version))
+            except BadRequest as e:
+                return web.json_response({"success": False, "message": str(e)}, status=400)
+        if flush and not await self._run(self.sched.flush_cache):
+            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
+        return web.json_response({"success": True, "message": "Success"
+                                  + (f" Weight version updated to {version}." if version else "")})
 
     async def update_weight_version(self, request):
         body = await _body(request)

@@ -482,6 +482,18 @@ class Fleet:
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
             "weight_version": None if version is None else str(version)})
 
+    async def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,
+                                         flush_cache: bool = True) -> list:
+        """Worker i loads payloads[i]: one MultiprocessingSerializer payload per TP rank (weight_sync.py), inside a
+        begin_weight_update ... end_weight_update session."""
+        urls = await self.workers()
+        if len(urls) != len(payloads):
+            raise ValueError(f"{len(payloads)} tensor payload lists for {len(urls)} workers")
+        body = {"flush_cache": flush_cache, "weight_version": None if version is None else str(version)}
+        return list(await asyncio.gather(*[self._call(u, "POST", "/update_weights_from_tensor",
+                                                      {**body, "serialized_named_tensors": p})
+                                           for u, p in zip(urls, payloads)]))
+
     async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> list:
         return await self._fan_out("POST", "/update_weight_version",
                                    {"new_version": str(version), "abort_all_requests": abort_all_requests})

@@ -27,9 +27,10 @@ Multi-node (GPU), on each trainer node K; each node's local rank 0 launches its 
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank K --rdzv_backend static --master_addr HEAD \
         --master_port 29400 train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 
-Simplifications: one sequence per row (padded micro-batches, no packing); the model is a HF causal LM sharded by
-FSDP2 over its decoder layers (data parallel only, no tensor/pipeline/expert parallelism); GPU-only paths (nccl,
-bf16 compute, launching SGLang) are switched on by device=cuda / rollout.launch=sglang and untested on CPU.
+Simplifications: the model is a HF causal LM sharded by FSDP2 over its decoder layers (data parallel only, no
+tensor/pipeline/expert parallelism); micro-batches are packed rows (trainer.packing) unpacked to one sequence per
+row for losses.py; GPU-only paths (nccl, bf16 compute, flash_attention_2, CUDA IPC weight sync, launching SGLang)
+are switched on by device=cuda / rollout.launch=sglang and run by bench/gpu_smoke.sh, not on CPU.
 Log-prob convention (shared with engine.py and losses.py): log_softmax(logits / temperature) of the sampled token.
 """
 from __future__ import annotations
@@ -60,11 +61,10 @@ import torch.distributed as dist  # noqa: E402
 import buffer as buffer_lib  # noqa: E402
 import config as config_lib  # noqa: E402
 import services as services_lib  # noqa: E402
+import weight_sync as weight_sync_lib  # noqa: E402
 from services import GRACE_S, ChildExited, Services  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
-SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
 STARTUP_ERROR_WAIT_S = 30.0  # a rank other than 0 that refused the config waits this long for torchrun to stop it
 
 
@@ -372,7 +372,8 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                 attn_implementation=attn_implementation(cfg, device))
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
@@ -439,6 +440,17 @@ def memory_report(cfg, model, world: int, device: torch.device) -> str:
     return line
 
 
+def attn_implementation(cfg, device: torch.device) -> str:
+    """model.attn_implementation with auto resolved: flash_attention_2 (varlen over packed rows) on cuda when
+    flash_attn is installed, else sdpa."""
+    import importlib.util
+
+    name = cfg.model.attn_implementation
+    if name != "auto":
+        return name
+    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
 def build_optimizer(model, t):
     """AdamW with linear warmup over trainer.warmup_steps optimizer updates, constant after."""
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -448,7 +460,7 @@ def build_optimizer(model, t):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Mini-batches: sequences, balanced split over ranks, padded micro-batches
+# Mini-batches: sequences, balanced split over ranks, packed (or padded) micro-batches
 # ---------------------------------------------------------------------------------------------------------------
 
 def make_sequences(groups: list, cfg) -> list[dict]:
@@ -480,9 +492,21 @@ def split_balanced(seqs: list[dict], parts: int) -> list[list[dict]]:
     return shares
 
 
-def plan_micro_batches(share: list[dict], max_tokens: int) -> list[list[dict]]:
-    """Consecutive (length-sorted) sequences while rows x longest row <= max_tokens (at least one row each)."""
-    out, cur = [], []
+def plan_micro_batches(share: list[dict], max_tokens: int, packing: bool = False) -> list[list[dict]]:
+    """packing: first-fit decreasing, each micro-batch at most max_tokens real tokens (a longer sequence alone);
+    padded: consecutive length-sorted sequences while rows x longest row <= max_tokens (at least one row each)."""
+    out: list = []
+    if packing:
+        load: list = []
+        for s in sorted(share, key=_length, reverse=True):
+            i = next((i for i, n in enumerate(load) if n + _length(s) <= max_tokens), len(out))
+            if i == len(out):
+                out.append([])
+                load.append(0)
+            out[i].append(s)
+            load[i] += _length(s)
+        return out
+    cur: list = []
     for s in sorted(share, key=_length, reverse=True):
         if cur and (len(cur) + 1) * _length(cur[0]) > max_tokens:
             out.append(cur)
@@ -495,10 +519,14 @@ def plan_micro_batches(share: list[dict], max_tokens: int) -> list[list[dict]]:
 DUMMY = {"prompt": [0], "response": [0], "mask": [0], "rollout_lp": [0.0], "versions": [0], "adv": 0.0}
 
 
-def collate(seqs: list[dict], mask_offpolicy: bool = False) -> dict:
-    """Right-padded [b, L] inputs; the loss tensors live on the L - 1 target positions (position j predicts token
-    j + 1), so a response token at index P + t sits at position P + t - 1. mask_offpolicy: loss mask 0 on tokens
-    older than their trajectory's newest version (rollout.mask_offpolicy_in_partial_rollout)."""
+def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = False) -> dict:
+    """The loss tensors are [b, L - 1] on the target positions (position j predicts token j + 1), so a response
+    token at index P + t sits at position P + t - 1; mask_offpolicy: loss mask 0 on tokens older than their
+    trajectory's newest version (rollout.mask_offpolicy_in_partial_rollout). The model's input:
+      padded: right-padded ids [b, L] and attn [b, L];
+      packing: ids [1, n] of the sequences back to back with pos [1, n] restarting at 0 for each (the attention
+        keeps each sequence to itself: tests/test_packing.py), no padding; index [b, L - 1] maps each loss
+        position to its position in the packed row (-1 off the sequence), see unpack."""
     import losses
 
     L = max(_length(s) for s in seqs)
@@ -515,8 +543,40 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False) -> dict:
             ver[i, P - 1:P - 1 + T] = torch.tensor(s["versions"])
     if mask_offpolicy:
         mask = losses.offpolicy_token_mask(ver, mask)
-    return {"ids": ids, "attn": attn, "mask": mask, "rollout_lp": rlp,
-            "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    out = {"mask": mask, "rollout_lp": rlp, "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    if not packing:
+        return {"ids": ids, "attn": attn, **out}
+    lengths = [_length(s) for s in seqs]
+    index = torch.full((b, L - 1), -1, dtype=torch.long)
+    off = 0
+    for i, n in enumerate(lengths):
+        index[i, :n - 1] = torch.arange(off, off + n - 1)
+        off += n
+    return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
+            "index": index, **out}
+
+
+def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token values of the packed row [1, n - 1] -> the padded loss layout [b, L - 1] (0 off the sequences);
+    differentiable, so the loss (losses.py, one sequence per row) and its gradient are the padded path's."""
+    flat = packed[0][index.clamp(min=0)]
+    return torch.where(index >= 0, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False) -> tuple:
+    """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
+    as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
+    per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them)."""
+    import losses
+
+    if "pos" in b:
+        logits = model(input_ids=b["ids"], position_ids=b["pos"], use_cache=False).logits[:, :-1]
+    else:
+        logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
+    logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], temperature, chunk_tokens, with_entropy=with_entropy)
+    if "pos" in b:
+        logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
+    return logp, ent
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -539,15 +599,23 @@ class Actor:
     def __init__(self, cfg, model, optimizer, scheduler, device, fleet=None):
         self.cfg, self.model, self.opt, self.sched, self.device = cfg, model, optimizer, scheduler, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
         self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
         self.snapshot_step = -1
-        self.group = None  # weight-update broadcast group (distributed sync), made at the first sync
-        self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
+        self.weights = weight_sync_lib.WeightSync(cfg, model, device, _ctrl_group())
+        self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
         self.group_members: Optional[list] = None  # the server URLs the last sync went to
-        self.store = None  # the TCPStore the group forms on, hosted here for the whole run
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
+        self.released = False  # colocate: the servers' memory is released (set by release / main's launch)
+        self.push_s = 0.0  # seconds of the last push (perf/weight_sync_gbps)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+
+    @property
+    def fleet(self):
+        return self.weights.fleet
+
+    @fleet.setter
+    def fleet(self, fleet) -> None:
+        self.weights.fleet = fleet
 
     # ---- command channel ----
     def _announce(self, cmd: str, arg=None) -> None:
@@ -568,7 +636,7 @@ class Actor:
             if cmd == "stop":
                 return
             {"train": lambda a: self._train(None, *a), "sync": self._sync, "save": self._save,
-             "load": self._load, "export": self._export}[cmd](arg)
+             "load": self._load, "export": self._export, "onload": self._onload}[cmd](arg)
 
     def stop(self) -> None:
         self._announce("stop")
@@ -580,11 +648,12 @@ class Actor:
 
         cfg = self.cfg
         seqs = make_sequences(groups, cfg)
-        plans = [[collate(mb, cfg.rollout.mask_offpolicy_in_partial_rollout)
-                  for mb in plan_micro_batches(share, cfg.trainer.micro_batch_tokens)]
+        pack = cfg.trainer.packing
+        plans = [[collate(mb, cfg.rollout.mask_offpolicy_in_partial_rollout, pack)
+                  for mb in plan_micro_batches(share, cfg.trainer.micro_batch_tokens, pack)]
                  for share in split_balanced(seqs, self.world)]
         n_micro = max(len(p) for p in plans)  # FSDP collectives need the same number of forwards on every rank
-        plans = [p + [collate([DUMMY])] * (n_micro - len(p)) for p in plans]
+        plans = [p + [collate([DUMMY], packing=pack)] * (n_micro - len(p)) for p in plans]
         # The denominator of the loss aggregation over the WHOLE mini-batch (all ranks, all micro-batches), so
         # the micro-batch losses sum to the mini-batch loss (losses.py, "Loss aggregation").
         mode, norm = cfg.algorithm.loss_agg_mode, cfg.rollout.sampling.max_new_tokens
@@ -609,17 +678,18 @@ class Actor:
             dist.scatter_object_list(out, None, src=0, group=_ctrl_group())
             plan = out[0]
         cfg, t = self.cfg, self.cfg.trainer
-        temp = cfg.rollout.sampling.temperature
         batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in plan]
         old = self._old_log_probs(batches, step)
         self.model.train()
         sums, weights, extremes = {}, {}, {}
         for b, old_lp in zip(batches, old):
-            logits = self.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
-            logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], temp, t.logprob_chunk_tokens,
-                                              with_entropy=True)
+            logp, ent = self._token_logprobs(b, with_entropy=True)
             loss, met = losses.policy_loss(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm,
                                            denom, entropy=ent)
+            if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
+                gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
+                met = {**met, "train/rollout_logprob_diff_max": gap.max(),
+                       "train/rollout_logprob_diff_mean": gap.sum() / b["mask"].sum().clamp(min=1)}
             # FSDP averages gradients over ranks; the losses already sum to the mini-batch loss, so undo the mean.
             (loss * self.world).backward()
             n = float(b["mask"].sum())
@@ -660,8 +730,6 @@ class Actor:
         shards, compute, and put the live shards back. Those wait in a clone meanwhile, in the memory this call's
         gradients take later (the last update's zero_grad freed it), so the peak is not raised by a full copy.
         trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
-        import losses
-
         if self.cfg.trainer.use_rollout_log_probs:
             return [b["rollout_lp"] for b in batches]
         first = step != self.snapshot_step
@@ -675,11 +743,7 @@ class Actor:
             for p, s in zip(params, self.snapshot):
                 p.copy_(s)
         self.model.eval()
-        out = []
-        for b in batches:
-            logits = self.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
-            out.append(losses.token_logprobs(logits, b["ids"][:, 1:], self.cfg.rollout.sampling.temperature,
-                                             self.cfg.trainer.logprob_chunk_tokens)[0])
+        out = [self._token_logprobs(b)[0] for b in batches]
         reshard(self.model)
         for p, x in zip(params, live or []):
             p.copy_(x)
@@ -698,21 +762,20 @@ class Actor:
             s.copy_(p)
         self.snapshot_step = step
 
-    # ---- weights: full tensors gathered from the shards, parameter by parameter ----
-    def _full_params(self):
-        """Yields (name, full tensor) on every rank (all-gather per parameter; rank 0 uses them)."""
-        reshard(self.model)
-        push_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the servers' dtype
-        for name, p in self.model.named_parameters():
-            yield name, p.full_tensor().to(push_dtype)
+    def _token_logprobs(self, b: dict, with_entropy: bool = False) -> tuple:
+        t = self.cfg.trainer
+        return token_logprobs(self.model, b, self.cfg.rollout.sampling.temperature, t.logprob_chunk_tokens,
+                              with_entropy)
 
+    # ---- weights: weight_sync.py gathers bucket by bucket and pushes ----
     def sync_weights(self, version: int) -> dict:
-        """Push the weights to every server as `version`: weight_sync.method distributed (bucketed
-        /update_weights_from_distributed + a broadcast from rank 0) or disk (safetensors + /update_weights_from_disk).
-        Every call has weight_sync.timeout_s. The sync goes to the servers that answer /health (waiting up to
-        rollout.startup_timeout_s for one); the weight-update group is formed again when they change or one rank 0
-        launched was relaunched (Services.watch), and a failed sync is retried once with a new group (after the
-        relaunch of a server that died). A second failure stops the run with the server's message."""
+        """Push the weights to every server as `version` (weight_sync.method: distributed, tensor or disk; see
+        weight_sync.py). Every call has weight_sync.timeout_s. The sync goes to the servers that answer /health
+        (waiting up to rollout.startup_timeout_s for one); the weight-update group is formed again when they change
+        or one rank 0 launched was relaunched (Services.watch), and a failed sync is retried once with a new group
+        (after the relaunch of a server that died). A second failure stops the run with the server's message.
+        Colocate: the trainer then offloads its parameters and optimizer state, and the servers take back their
+        KV cache (their weights came back in `resume`, before the push)."""
         if self.fleet is None:
             return {}
         t0 = time.perf_counter()
@@ -724,7 +787,7 @@ class Actor:
                 if self.group_members is not None and live != self.group_members:
                     print(f"[train] warning: the servers answering are now {live} (were {self.group_members}): "
                           "the weight-update group is formed again with them", file=sys.stderr, flush=True)
-                self._drop_weight_group()
+                self.weights.drop_group()
             self.group_members = live
             self._announce("sync", version)
             try:
@@ -742,143 +805,47 @@ class Actor:
                       "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
                       flush=True)
         out = {"timing/update_weights": time.perf_counter() - t0}
+        out["perf/weight_sync_gbps"] = self.weights.last_bytes / 1e9 / max(self.push_s, 1e-9)
+        if self.released:  # stage 2 of colocate's resume: the KV cache, once the trainer has left the GPU
+            t1 = time.perf_counter()
+            self.fleet.resume_memory(["kv_cache", "cuda_graph"])
+            self.released = False
+            out["timing/resume_kv_cache"] = time.perf_counter() - t1
         if self.services is not None:
             out["rollout/server_restarts"] = self.services.server_restarts
         return out
 
     def _sync(self, version: int) -> None:
-        """Every rank gathers every parameter; rank 0 pushes. A push that fails on rank 0 stops the pushing, not
-        the gathering (the other ranks are in the same collectives), and is raised at the end."""
-        if self.cfg.weight_sync.method == "disk":
-            path = os.path.join(self.cfg.run_dir, "sync_weights")
-            self._export(path)
-            if self.rank == 0:
-                self.fleet.update_weights_from_disk(os.path.abspath(path), version, self.cfg.flush_on_update)
-            return
-        error = None
+        """Every rank: the push (weight_sync.WeightSync.push), then colocate's offload."""
+        t0 = time.perf_counter()
+        self.weights.push(version)
+        self.push_s = time.perf_counter() - t0
+        if self.cfg.colocate:
+            self.snapshot = None  # last step's old policy: not needed again
+            self._offload("cpu")
 
-        def push(bucket, version):
-            nonlocal error
-            try:
-                self._push_bucket(bucket, version)
-            except Exception as e:
-                error = e
-        if self.rank == 0 and self.group is None:
-            try:
-                self.group = self._init_weight_group()
-            except Exception as e:
-                error = e
-        session = False  # SGLang 0.5.23 refuses distributed updates outside a begin/end session
-        if self.rank == 0 and error is None:
-            try:
-                self.fleet.begin_weight_update()
-                session = True
-            except Exception as e:
-                error = e
-        limit = self.cfg.weight_sync.bucket_mb * 2 ** 20
-        bucket, size = [], 0
-        for name, full in self._full_params():
-            if self.rank != 0 or error is not None:
-                continue
-            if size >= limit:  # a full bucket goes once the next parameter is there, so the last one is never empty
-                push(bucket, None)
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-        if self.rank == 0 and error is None:
-            push(bucket, version)  # the last bucket carries tensors, the version label and the flush
-        if session and error is None:
-            try:
-                self.fleet.end_weight_update()
-            except Exception as e:
-                error = e
-        elif session:  # close the session, briefly (a server may be stuck), then report the bucket's error
-            with contextlib.suppress(Exception):
-                self.fleet.end_weight_update(SESSION_END_TIMEOUT_S)
-        if error is not None:
-            raise error
+    # ---- colocate: trainer state off the GPU while the servers generate ----
+    def _offload(self, where) -> None:
+        """Parameters (FSDP2 shards) and optimizer state to `where` ("cpu" after a sync, the device before
+        training), then the CUDA cache emptied, so the servers get the memory (slime's sleep(), verl's
+        offload_fsdp_model_to_cpu). No gradients exist between steps (zero_grad(set_to_none))."""
+        self.model.to(where)
+        for state in self.opt.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(where, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
-    def _drop_weight_group(self) -> None:
-        """Leave the weight-update group (a server in it was replaced); the next _sync forms a new one with every
-        server, under a new name on the same TCPStore. The surviving servers leave it too; a relaunched one has
-        none (its error is expected)."""
-        if self.group is not None:
-            with contextlib.suppress(Exception):
-                self.fleet.destroy_weights_update_group(self.group_name)
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
-        self.group = None
-        self.generation += 1
-        self.group_name = f"{WEIGHT_GROUP}_{self.generation}"
-
-    def _init_weight_group(self):
-        """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
-        a TCPStore hosted here, then the same process group SGLang's init_custom_process_group builds."""
-        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
-
-        ws = self.cfg.weight_sync
-        ranks = self.fleet.engine_ranks()
-        world = 1 + sum(ranks)
-        addr = ws.master_address  # set by main(): 127.0.0.1 for servers rank 0 launched, else this host's IP
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, self.group_name, backend)
-        timeout = datetime.timedelta(seconds=ws.timeout_s)
-        try:
-            if self.store is None:
-                self.store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout,
-                                           wait_for_workers=False)
-            store = PrefixStore(self.group_name, self.store)
-            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=self.group_name,
-                                              timeout=timeout)
-        except Exception as e:
-            raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
-                               f"weight_sync.timeout_s={ws.timeout_s} s ({world - 1} server ranks expected): {e}; "
-                               f"server side: {_future_error(fut)}") from None
-        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
-        fut.result(ws.timeout_s)
-        return pg
-
-    def _push_bucket(self, bucket: list, version: Optional[int]) -> None:
-        """One /update_weights_from_distributed call per server while rank 0 broadcasts the same tensors."""
-        ws = self.cfg.weight_sync
-        fut = self.fleet.submit("update_weights_from_distributed", [n for n, _ in bucket],
-                                [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                                [list(t.shape) for _, t in bucket], version, self.group_name,
-                                # a flush per bucket would be wasted work; none at all with in-place pauses
-                                flush_cache=version is not None and self.cfg.flush_on_update)
-        deadline = time.monotonic() + ws.timeout_s
-        for name, t in bucket:
-            work = dist.broadcast(t.contiguous(), group=self.group, group_src=0, async_op=True)
-            while not work.is_completed():  # poll: a server that answered with an error must not leave us hanging
-                if fut.done() and fut.exception() is not None:
-                    raise RuntimeError(f"weight sync failed while broadcasting {name}: {fut.exception()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"weight sync: broadcast of {name} not received by the servers within "
-                                       f"weight_sync.timeout_s={ws.timeout_s} s")
-                time.sleep(0.001)
-            work.wait()
-        try:
-            fut.result(max(1.0, deadline - time.monotonic()))
-        except Exception as e:
-            raise RuntimeError(f"weight sync: /update_weights_from_distributed failed: {e}") from None
+    def _onload(self, _=None) -> None:
+        self._offload(self.device)
 
     def _export(self, path: str) -> None:
-        """The weights as an HF checkpoint directory (config, tokenizer and safetensors), written by rank 0."""
-        from safetensors.torch import save_file
-
-        state = {}
-        for name, full in self._full_params():
-            if self.rank == 0:
-                state[name] = full.to(getattr(torch, self.cfg.model.dtype)).cpu().contiguous()
-        if self.rank != 0:
-            return
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.cfg.model.path, tmp, ignore=shutil.ignore_patterns(
-            "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt"))
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        """The weights as an HF checkpoint directory in model.dtype (weight_sync.WeightSync.export)."""
+        if self.cfg.colocate:  # the last sync offloaded the trainer
+            self._onload()
+        self.weights.export(path, getattr(torch, self.cfg.model.dtype))
 
     def export_hf(self, path: str) -> None:
         self._announce("export", path)
@@ -926,22 +893,23 @@ class Actor:
         _set_rng_state(run_state["rng"][self.rank] if self.rank < len(run_state["rng"]) else run_state["rng"][0])
         return run_state
 
-    # ---- colocate: the servers give their memory to training and take it back ----
+    # ---- colocate: the servers give their memory to training and take it back, in two stages ----
     def release(self) -> dict:
+        """After generation: the servers release weights, KV cache and CUDA graphs; the trainer onloads."""
         t0 = time.perf_counter()
         self.fleet.release_memory()
-        return {"timing/release_rollout": time.perf_counter() - t0}
+        self.released = True
+        t1 = time.perf_counter()
+        self._announce("onload")
+        self._onload()
+        return {"timing/release_rollout": t1 - t0, "timing/onload_train": time.perf_counter() - t1}
 
     def resume(self) -> dict:
+        """After training, stage 1: the servers' weights only (the push needs them; the trainer is still on the
+        GPU). Stage 2, the KV cache, follows the push and the offload (sync_weights)."""
         t0 = time.perf_counter()
-        self.fleet.resume_memory()
+        self.fleet.resume_memory(["weights"])
         return {"timing/resume_rollout": time.perf_counter() - t0}
-
-
-def _future_error(fut) -> str:
-    if not fut.done():
-        return "no answer yet"
-    return repr(fut.exception()) if fut.exception() is not None else "answered ok"
 
 
 def _memory_metrics(device: torch.device) -> dict:
@@ -1199,6 +1167,31 @@ def check_launch(cfg, world: int) -> None:
                              f"rollout-only run; '{d}' has none")
 
 
+def start_fleet(cfg, services, version: int, launched: bool):
+    """Rank 0: the servers of rollout.server_layout (this node's launched here, the other nodes' published by their
+    local rank 0, see node_services; or rollout.servers / rollout.router_url already running), where they reach the
+    broadcast group, and the SyncFleet once every server answers /health."""
+    import rollout as rollout_lib
+
+    if launched:
+        cfg.rollout.servers = services.launch_fleet(version)
+    cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
+    fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
+    fleet.wait_healthy(cfg.rollout.startup_timeout_s)
+    return fleet
+
+
+def node_services(cfg, local_rank: int, launched: bool):
+    """Ranks other than 0: local rank 0 of a node with servers in rollout.server_layout launches them, publishes
+    their URLs for rank 0 and supervises them (Services.serve_node); None elsewhere."""
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    if local_rank != 0 or not launched or not any(s.node == node for s in cfg.rollout.server_layout):
+        return None
+    services = Services(cfg)
+    services.serve_node(node)
+    return services
+
+
 def check_inputs(cfg) -> None:
     """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
     row only after the servers started), its prompts fit rollout.max_prompt_tokens (with the tokenizer of
@@ -1284,9 +1277,26 @@ def main(argv: Optional[list[str]] = None) -> None:
         tasks.make_tiny_for(cfg)
     dist.barrier(group=_CTRL)
 
-    services, ok, failed, actor, logger = None, False, 0, None, None
+    services, ok, failed, actor, logger, fleet = None, False, 0, None, None, None
     launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
     try:
+        resume_path = None
+        if rank == 0 and cfg.trainer.resume == "auto":
+            resume_path = latest_checkpoint(cfg.run_dir)
+        elif rank == 0 and cfg.trainer.resume != "none":
+            resume_path = cfg.trainer.resume
+
+        # ---- colocate: the servers start first and release their memory before the model loads ----
+        if cfg.colocate and cfg.run_mode == "default":
+            if rank == 0:
+                services = Services(cfg)
+                fleet = start_fleet(cfg, services, load_run_state(resume_path)["step"] if resume_path else 0,
+                                    launched)
+                fleet.release_memory()
+            else:
+                services = node_services(cfg, local_rank, launched)
+            dist.barrier(group=_CTRL)  # the other ranks load the model once the servers have let go of the GPUs
+
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing) ----
         if cfg.run_mode != "rollout-only":
             from torch.distributed.device_mesh import init_device_mesh
@@ -1297,23 +1307,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(memory_report(cfg, model, world, device), flush=True)
             opt, sched = build_optimizer(model, cfg.trainer)
             actor = Actor(cfg, model, opt, sched, device)
+            actor.released = fleet is not None
         elif rank != 0:
             return
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) for rank 0 ----
         if rank != 0:
-            node = int(os.environ.get("GROUP_RANK", "0"))
-            if local_rank == 0 and launched and any(s.node == node for s in r.server_layout):
-                services = Services(cfg)  # this node's servers: launched, published for rank 0, supervised
-                services.serve_node(node)
+            if services is None:  # colocate started them before the model loaded
+                services = node_services(cfg, local_rank, launched)
             actor.follow()  # also loads the checkpoint rank 0 chose when it says so
             ok = True
             return
-        resume_path = None
-        if cfg.trainer.resume == "auto":
-            resume_path = latest_checkpoint(cfg.run_dir)
-        elif cfg.trainer.resume != "none":
-            resume_path = cfg.trainer.resume
         run_state = None
         if resume_path:
             run_state = actor.load_checkpoint(resume_path) if actor else load_run_state(resume_path)
@@ -1332,12 +1336,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
             ro = NoRollout()
         else:
-            services = Services(cfg)
-            if launched:
-                cfg.rollout.servers = services.launch_fleet(start_step)
-            cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
-            fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
-            fleet.wait_healthy(r.startup_timeout_s)
+            if fleet is None:
+                services = Services(cfg)
+                fleet = start_fleet(cfg, services, start_step, launched)
             resolved = os.path.join(cfg.run_dir, "config.yaml")
             with open(resolved, "w") as f:
                 import yaml
@@ -1356,6 +1357,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             buf.load_state_dict(run_state["buffer"])
         # The servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step.
         t0 = time.perf_counter()
+        if getattr(actor, "released", False):
+            actor.resume()
         actor.sync_weights(start_step)
         buf.set_weight_version(start_step)
         print(f"[train] weights version {start_step} on the servers ({time.perf_counter() - t0:.1f} s)", flush=True)

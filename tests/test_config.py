@@ -23,6 +23,7 @@ def _cfg(*overrides, base=None):
 def test_defaults_and_fully_async_base_are_valid():
     config.validate(_cfg())
     config.validate(_cfg(base=FULLY_ASYNC))
+    config.validate(_cfg("device=cuda", "weight_sync.method=tensor"))  # colocate on GPUs
 
 
 @pytest.mark.parametrize("overrides,base,flush", [
@@ -110,6 +111,8 @@ RULES = [
     (["trainer.warmup_steps=-1"], None, ["trainer.warmup_steps"]),
     (["trainer.resume=/nonexistent/checkpoint"], None, ["trainer.resume"]),
     (["weight_sync.method=nfs"], None, ["weight_sync.method"]),
+    # a config rule, before any device check: refused on a machine without a GPU too
+    (["device=cuda"], None, ["colocate=true", "weight_sync.method=distributed", "device=cuda", "method=tensor"]),
     (["weight_sync.bucket_mb=0"], None, ["weight_sync.bucket_mb"]),
     (["weight_sync.timeout_s=0"], None, ["weight_sync.timeout_s"]),
     (["buffer.get_timeout_s=0"], None, ["buffer.get_timeout_s"]),

@@ -7,8 +7,11 @@ One engine subprocess (tiny Qwen3, max 8 running requests) serves the whole modu
 restore them. Run: .venv/bin/python -m pytest -q tests/test_engine.py
 """
 import asyncio
+import base64
 import concurrent.futures as cf
 import json
+import os
+import pickle
 import random
 import socket
 import threading
@@ -23,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import engine
 import losses
 import tasks
+import weight_sync
 
 MAX_RUNNING = 8
 LONG = 3000  # max_new_tokens of requests meant to be still running when the test acts on them
@@ -191,7 +195,7 @@ def test_info_endpoints(url, models):
     assert {"num_running_reqs", "num_waiting_reqs"} <= set(ld) and ld["num_running_reqs"] == 0
     assert post(url, "/flush_cache").status_code == 200
     r = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": []})
-    assert r.status_code == 400 and "update_weights_from_distributed" in r.json()["message"]
+    assert r.status_code == 400 and "serialized_named_tensors" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,6 +415,33 @@ def test_update_weights_over_gloo_group(url, models, restore_weights):
     assert post(url, "/destroy_weights_update_group", {"group_name": "test_group"}).json()["success"] is True
     r = post(url, "/update_weights_from_distributed", {**body, "weight_version": None})
     assert r.status_code == 400 and "test_group" in r.json()["error"]["message"]
+
+
+def test_update_weights_from_shared_tensors(url, models, restore_weights):
+    """Colocate's path: ForkingPickler payloads of shared-memory tensors (views of one flat buffer, as the trainer
+    sends a bucket), refused outside a session, and a payload naming a forbidden global is refused unread."""
+    _, refs, _ = models
+    prompt = [7, 11, 15]
+    named = list(refs["B"].state_dict().items())
+    flat = torch.cat([t.reshape(-1) for _, t in named])
+    views, off = [], 0
+    for n, t in named:
+        views.append((n, flat[off:off + t.numel()].view(t.shape)))
+        off += t.numel()
+    v = str(version(url) + 1)
+    body = {"serialized_named_tensors": [weight_sync.serialize_named_tensors(views)], "weight_version": v}
+    r = post(url, "/update_weights_from_tensor", body)
+    assert r.status_code == 400 and "update_weights_from_tensor must run between" in r.json()["message"]
+    assert post(url, "/begin_weight_update", {}).json()["success"] is True
+    r = post(url, "/update_weights_from_tensor", body)
+    evil = base64.b64encode(pickle.dumps([("x", os.system)])).decode()
+    bad = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+    assert post(url, "/end_weight_update", {}).json()["success"] is True
+    assert r.json() == {"success": True, "message": f"Success Weight version updated to {v}."}, r.text
+    assert bad.status_code == 400 and "posix.system is not allowed" in bad.json()["error"]["message"]
+    out = generate(url, prompt, max_new_tokens=20, temperature=0, ignore_eos=True)
+    assert out["output_ids"] == hf_greedy(refs["B"], prompt, 20) != hf_greedy(refs["A"], prompt, 20)
+    assert out["meta_info"]["weight_version"] == v
 
 
 def test_weight_versions_spans_after_in_place_update(url, models, restore_weights):

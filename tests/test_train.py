@@ -1,5 +1,5 @@
 """train.py: the step loop's helpers, every start-up validation, the old-policy snapshot, weight sync fidelity
-(engine log-probs == trainer log-probs after a sync, both methods), SIGKILL + resume, and the spec's metrics.
+(engine log-probs == trainer log-probs after a sync, every method), SIGKILL + resume, and the spec's metrics.
 
 CPU only. The multi-process checks run this file as a script under torchrun (2 gloo ranks):
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_train.py snapshot '{...}'
@@ -452,7 +452,7 @@ def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
 def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_model):
     r = _torchrun_self("sync", {"model": tiny_model, "run_dir": str(tmp_path), "port": _free_port(),
                                 "master_port": _free_port()})
-    for method in ("distributed", "disk"):
+    for method in ("distributed", "tensor", "disk"):
         m = r[method]
         assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
         assert m["after_sync"] < 1e-4, m  # float32, same weights, same convention
@@ -525,7 +525,7 @@ def _sync_script(args):
         if rank == 0:
             urls = services.launch_fleet(0)
             actor.fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet(urls))
-        for version, method in ((1, "distributed"), (2, "disk")):
+        for version, method in ((1, "distributed"), (2, "tensor"), (3, "disk")):
             cfg.weight_sync.method = method
             with torch.no_grad():  # move the trainer's weights away from the engine's
                 train.reshard(actor.model)
@@ -555,13 +555,14 @@ def _sync_script(args):
             results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
                                "weight_version": msg["version"], "version": str(version)}
         if rank == 0:  # a bucket pushed outside a session: the server refuses it without joining the broadcast
+            import weight_sync
+
             t0 = time.monotonic()
-            try:
-                name, param = next(iter(actor.model.named_parameters()))  # (full_tensor would be a collective)
-                actor._push_bucket([(name, torch.zeros(param.shape))], 3)
-                results["no_session"] = {"error": None}
-            except RuntimeError as e:
-                results["no_session"] = {"error": str(e), "seconds": time.monotonic() - t0}
+            cfg.weight_sync.method = "distributed"
+            name, param = next(iter(actor.model.named_parameters()))  # (full_tensor would be a collective)
+            bucket = weight_sync.Bucket([(None, [(name, tuple(param.shape))])], torch.float32, torch.device("cpu"))
+            err = actor.weights._finish(actor.weights._start(bucket, 4, [[0]], None), None)
+            results["no_session"] = {"error": str(err), "seconds": time.monotonic() - t0}
             print("RESULT " + json.dumps(results), flush=True)
     finally:
         if services is not None:

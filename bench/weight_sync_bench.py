@@ -1,0 +1,147 @@
+"""bench/weight_sync_bench.py: trainer -> server weight-sync throughput on CPU, GB/s per weight_sync.method.
+
+A random ~100M-parameter Qwen3 (hidden 768, 11 layers, vocab 32000, tied embeddings; float32 on CPU, so ~0.4 GB
+per sync) is loaded by --ranks trainer processes (gloo, FSDP2, torchrun) exactly as train.py loads it, one engine.py
+server serves it, and `Actor.sync_weights` pushes it --repeats times per method (a fresh engine and trainer per
+method). Printed per method: the first sync (it forms the broadcast group) and the median of the others, in
+seconds and GB/s (parameter bytes in the servers' dtype / seconds). --code DIR runs the Actor of another checkout (e.g. the code before the rewrite:
+`git archive 50d6948 | tar -x -C /tmp/before`), whose engine.py serves too; methods it lacks are skipped.
+The machine is shared and loaded: compare figures of one run, or of runs taken back to back.
+
+Run: python bench/weight_sync_bench.py [--code DIR] [--ranks 2] [--methods distributed,tensor,disk]
+                                       [--bucket-mb 512] [--repeats 3] [--port 24310]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_model(path: str) -> int:
+    """A random ~100M-parameter Qwen3 at `path` (the character tokenizer of tasks.make_tiny_model); its size."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import tasks
+
+    tasks.make_tiny_model(path)  # tokenizer and generation config
+    cfg = Qwen3Config(hidden_size=768, num_hidden_layers=11, intermediate_size=2304, num_attention_heads=12,
+                      num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=True,
+                      max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def worker(a) -> None:
+    """One trainer rank under torchrun; rank 0 times the syncs and prints RESULT {...}."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(a.hang_s, exit=True)  # a hang prints every thread's stack, then exits
+    sys.path.insert(0, a.code)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import config as config_lib
+    import rollout as rollout_lib
+    import train
+
+    dist.init_process_group("gloo")
+    train._CTRL = dist.new_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config_lib.load_config(None, [f"model.path={a.model}", f"run_dir={a.run_dir}", "device=cpu",
+                                        f"weight_sync.method={a.methods}",
+                                        "colocate=false", f"weight_sync.bucket_mb={a.bucket_mb}",
+                                        f"weight_sync.master_port={a.port + 1}", "weight_sync.master_address=127.0.0.1",
+                                        f"trainer.num_gpus_per_node={world}"])
+    model, _ = train.load_model(cfg, init_device_mesh("cpu", (world,)), torch.device("cpu"), rank)
+    opt, sched = train.build_optimizer(model, cfg.trainer)
+    actor = train.Actor(cfg, model, opt, sched, torch.device("cpu"))
+    if rank != 0:
+        actor.follow()
+    else:
+        actor.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet([a.url]))
+        nbytes = sum(p.numel() for p in model.parameters()) * 4
+        out, version = {}, 0
+        for method in a.methods.split(","):  # one per run (main): the other ranks read the same config
+            times = []
+            for _ in range(a.repeats):
+                version += 1
+                t0 = time.perf_counter()
+                actor.sync_weights(version)
+                times.append(time.perf_counter() - t0)
+            out[method] = times
+        actor.stop()
+        print("RESULT " + json.dumps({"bytes": nbytes, "times": out}), flush=True)
+    dist.barrier(group=train._CTRL)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--code", default=ROOT, help="checkout whose train.py / engine.py run (default: this one)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--methods", default="distributed,tensor,disk")
+    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--port", type=int, default=24310, help="the engine's port; the broadcast group uses port + 1")
+    p.add_argument("--hang-s", type=float, default=900, help="a trainer rank that runs longer prints its stacks")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.code = os.path.abspath(a.code)
+    if a.worker:
+        return worker(a)
+    sys.path.insert(0, a.code)
+    import engine
+
+    if not os.path.exists(os.path.join(a.code, "weight_sync.py")):  # the code before the rewrite: no tensor path
+        a.methods = ",".join(m for m in a.methods.split(",") if m != "tensor")
+    res = {"times": {}}
+    with tempfile.TemporaryDirectory() as d:
+        model = os.path.join(d, "model")
+        n = make_model(model)
+        for method in a.methods.split(","):  # a fresh engine and trainer per method: every rank runs its config
+            url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600)
+            try:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                       str(a.ranks), os.path.abspath(__file__), "--worker", "--code", a.code, "--model", model,
+                       "--url", url, "--run-dir", os.path.join(d, "run"), "--methods", method, "--bucket-mb",
+                       str(a.bucket_mb), "--repeats", str(a.repeats), "--port", str(a.port), "--hang-s",
+                       str(a.hang_s)]
+                # to a file, not a pipe: torch_shm_manager (tensor on CPU) inherits it and outlives torchrun
+                with open(os.path.join(d, f"{method}.log"), "w+") as log:
+                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
+                    log.seek(0)
+                    text = log.read()
+                lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+                if rc != 0 or not lines:
+                    raise SystemExit(f"the trainer ranks failed:\n{text[-6000:]}")
+            finally:
+                handle.stop()
+            one = json.loads(lines[-1][len("RESULT "):])
+            res["bytes"] = one["bytes"]
+            res["times"].update(one["times"])
+    gb = res["bytes"] / 1e9
+    print(f"code {a.code}: {n / 1e6:.0f}M parameters ({gb:.2f} GB float32), {a.ranks} trainer ranks (gloo), one "
+          f"engine.py, bucket_mb {a.bucket_mb}; shared, loaded machine")
+    for method, times in res["times"].items():
+        rest = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        print(f"  {method:<12} first {times[0]:6.2f} s ({gb / times[0]:.3f} GB/s)   then median {rest:6.2f} s "
+              f"({gb / rest:.3f} GB/s) over {max(1, len(times) - 1)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""weight_sync.py: the trainer's weights to the inference servers, bucket by bucket (train.py's Actor drives it).
+
+weight_sync.method:
+  distributed: trainer rank 0 is rank 0 of a broadcast group with every server rank (SGLang
+      /init_weights_update_group); each bucket is one /update_weights_from_distributed call while rank 0 broadcasts
+      its tensors (async ops, one wait per bucket). NCCL refuses two ranks on one GPU, so not for colocate on GPUs.
+  tensor: colocate. Each bucket is one /update_weights_from_tensor call carrying, per server TP rank, a
+      MultiprocessingSerializer payload of (name, tensor) views of one flat buffer: CUDA IPC handles made by the
+      trainer rank on that GPU (server s, TP rank j <- trainer rank (first rank of s + j) % world), shared-memory
+      files on CPU. Nothing is copied through the HTTP body but handles.
+  disk: an HF checkpoint directory (safetensors shards, as save_pretrained writes them) + /update_weights_from_disk.
+All in a /begin_weight_update ... /end_weight_update session (0.5.23 refuses updates outside one).
+
+Gathering: the parameters of one FSDP2 unit (a decoder layer, or the root's embeddings/norm/head) are all-gathered
+together by FSDP2's own unshard, in its param dtype (bf16 on GPU: cast before the gather, half the bytes), and
+copied into the bucket's flat buffer in the servers' dtype. Buckets (weight_sync.bucket_mb, whole units) overlap:
+unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. The weight version and flush_cache
+travel on the last bucket that carries tensors, never on an empty trailing call.
+
+Run the throughput bench: python bench/weight_sync_bench.py
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import io
+import json
+import os
+import shutil
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
+SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
+SHARD_BYTES = 5 * 2 ** 30  # disk path: safetensors shard size (save_pretrained's default max_shard_size)
+
+
+def serialize_named_tensors(named: list) -> str:
+    """(name, tensor) pairs -> one base64 MultiprocessingSerializer payload of /update_weights_from_tensor. CPU
+    tensors move into shared-memory files (file_system sharing: the server opens them by name; no fd passing
+    between unrelated processes); CUDA tensors become IPC handles naming their device by UUID, as SGLang's
+    patch_torch does, since the server's CUDA_VISIBLE_DEVICES numbers the GPUs differently. Keep the tensors
+    alive until the call has returned."""
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+    from torch.multiprocessing import reductions
+
+    tmp.set_sharing_strategy("file_system")
+
+    class Pickler(ForkingPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:  # arg 6 of the CUDA rebuild is the device index
+                fn, args = reductions.reduce_tensor(obj)
+                return fn, (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+            return NotImplemented
+    buf = io.BytesIO()
+    Pickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def fsdp_units(model) -> list:
+    """[(FSDP2 module, [parameter names it all-gathers])]: each decoder layer, then the root (the rest)."""
+    layers = list(model.model.layers)
+    units, seen = [], set()
+    for i, layer in enumerate(layers):
+        names = [f"model.layers.{i}.{n}" for n, _ in layer.named_parameters()]
+        units.append((layer, names))
+        seen.update(names)
+    units.append((model, [n for n, _ in model.named_parameters() if n not in seen]))
+    return units
+
+
+def plan_buckets(model, dtype: torch.dtype, limit_bytes: int) -> list:
+    """Whole FSDP units per bucket, a new bucket once one reaches limit_bytes: [[(module, [(name, shape)])]]."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # DTensor: the global shape
+    out, cur, size = [], [], 0
+    for module, names in fsdp_units(model):
+        if not names:
+            continue
+        cur.append((module, [(n, shapes[n]) for n in names]))
+        size += sum(torch.Size(shapes[n]).numel() for n in names) * dtype.itemsize
+        if size >= limit_bytes:
+            out, cur, size = out + [cur], [], 0
+    return out + ([cur] if cur else [])
+
+
+class Bucket:
+    """One flat buffer of full tensors in the push dtype and (name, view) pairs into it."""
+
+    def __init__(self, spec: list, dtype: torch.dtype, device: torch.device):
+        total = sum(torch.Size(s).numel() for _, names in spec for _, s in names)
+        self.flat = torch.empty(total, dtype=dtype, device=device)
+        self.named, off = [], 0
+        for _, names in spec:
+            for n, s in names:
+                k = torch.Size(s).numel()
+                self.named.append((n, self.flat[off:off + k].view(s)))
+                off += k
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def gather_bucket(model, spec: list, dtype: torch.dtype, device: torch.device) -> Bucket:
+    """All ranks: unshard each unit of the bucket (FSDP2 all-gather in its param dtype), copy, reshard."""
+    bucket = Bucket(spec, dtype, device)
+    views = dict(bucket.named)
+    with torch.no_grad():
+        for module, names in spec:
+            module.unshard()
+            params = dict(model.named_parameters())
+            for n, _ in names:
+                views[n].copy_(params[n])
+            module.reshard()
+    return bucket
+
+
+class WeightSync:
+    """The push of one weight version from every trainer rank (all gather; rank 0 talks to the servers). fleet and
+    services are set on rank 0 by train.main; ctrl is train.py's gloo command group."""
+
+    def __init__(self, cfg, model, device: torch.device, ctrl):
+        self.cfg, self.model, self.device, self.ctrl = cfg, model, device, ctrl
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.fleet = None  # rollout.SyncFleet on rank 0 when there are servers
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the servers' dtype
+        self.group = None  # weight-update broadcast group (distributed), made at the first sync
+        self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
+        self.store = None  # the TCPStore the group forms on, hosted here for the whole run
+        self.last_bytes = 0  # bytes pushed by the last sync (perf/weight_sync_gbps)
+
+    # ---- one sync ----
+    def push(self, version: int) -> None:
+        """Every rank gathers; rank 0 pushes. A push that fails on rank 0 stops the pushing, not the gathering
+        (the other ranks are in the same collectives), and is raised at the end."""
+        method = self.cfg.weight_sync.method
+        if method == "disk":
+            path = os.path.join(self.cfg.run_dir, "sync_weights")
+            self.export(path, self.dtype)
+            if self.rank == 0:
+                self.fleet.update_weights_from_disk(os.path.abspath(path), version, self.cfg.flush_on_update)
+            return
+        error, session, targets = None, False, [[0]]
+        if self.rank == 0:
+            try:
+                if method == "distributed" and self.group is None:
+                    self.group = self._init_weight_group()
+                if method == "tensor":
+                    targets = [[(sum(ranks[:i]) + j) % self.world for j in range(r)]
+                               for ranks in [self.fleet.engine_ranks()] for i, r in enumerate(ranks)]
+                self.fleet.begin_weight_update()
+                session = True
+            except Exception as e:
+                error = e
+        if method == "tensor" and self.world > 1:  # server s, TP rank j <- trainer rank targets[s][j]
+            box = [targets]
+            dist.broadcast_object_list(box, src=0, group=self.ctrl)
+            targets = box[0]
+        plan = plan_buckets(self.model, self.dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20)
+        pending, self.last_bytes = None, 0  # the bucket in flight and its handles
+        for k, spec in enumerate(plan):
+            bucket = gather_bucket(self.model, spec, self.dtype, self.device)  # overlaps the previous push
+            if pending is not None:
+                error = self._finish(pending, error)
+            self.last_bytes += bucket.nbytes
+            # the last bucket (it always carries tensors) carries the version label and the flush
+            pending = self._start(bucket, version if k == len(plan) - 1 else None, targets, error)
+        if pending is not None:
+            error = self._finish(pending, error)
+        if session:
+            try:
+                self.fleet.end_weight_update(None if error is None else SESSION_END_TIMEOUT_S)
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
+
+    def _start(self, bucket: Bucket, version: Optional[int], targets: list, error) -> dict:
+        """Start pushing a bucket: the HTTP call(s) as a future, and (distributed) the async broadcasts."""
+        ws, flush = self.cfg.weight_sync, version is not None and self.cfg.flush_on_update
+        p = {"bucket": bucket, "fut": None, "works": [], "deadline": time.monotonic() + ws.timeout_s, "error": error}
+        if ws.method == "tensor":
+            mine = self.rank in {r for server in targets for r in server}
+            payload = serialize_named_tensors(bucket.named) if mine and error is None else None
+            payloads = [None] * self.world
+            if self.world > 1:
+                dist.gather_object(payload, payloads if self.rank == 0 else None, dst=0, group=self.ctrl)
+            else:
+                payloads = [payload]
+            if self.rank == 0 and error is None:
+                p["fut"] = self.fleet.submit("update_weights_from_tensor", [[payloads[r] for r in s] for s in targets],
+                                             version, flush)
+            return p
+        if self.rank != 0 or error is not None:
+            return p
+        named = bucket.named
+        p["fut"] = self.fleet.submit("update_weights_from_distributed", [n for n, _ in named],
+                                     [str(t.dtype).replace("torch.", "") for _, t in named],
+                                     [list(t.shape) for _, t in named], version, self.group_name, flush)
+        p["works"] = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for _, t in named]
+        return p
+
+    def _finish(self, p: dict, error):
+        """Wait for a started bucket: its broadcasts (one poll loop: a server that answered with an error must not
+        leave us hanging), then its HTTP answers. Returns the first error."""
+        error = error or p["error"]
+        ws, fut = self.cfg.weight_sync, p["fut"]
+        if fut is not None and error is None and p["works"]:
+            last = p["works"][-1]
+            while not last.is_completed() and error is None:
+                if fut.done() and fut.exception() is not None:
+                    error = RuntimeError(f"weight sync failed while broadcasting: {fut.exception()}")
+                elif time.monotonic() > p["deadline"]:
+                    error = TimeoutError(f"weight sync: a bucket's broadcast was not received by the servers within "
+                                         f"weight_sync.timeout_s={ws.timeout_s} s")
+                time.sleep(0.001)
+            if error is None:
+                for w in p["works"]:
+                    w.wait()
+        if fut is not None and error is None:
+            try:
+                fut.result(max(1.0, p["deadline"] - time.monotonic()))
+            except Exception as e:
+                error = RuntimeError(f"weight sync: /update_weights_from_{ws.method} failed: {e}")
+        if ws.method == "tensor" and self.world > 1:  # the servers hold the handles: now every rank may free
+            dist.barrier(group=self.ctrl)
+        return error
+
+    # ---- the broadcast group (distributed) ----
+    def _init_weight_group(self):
+        """Trainer rank 0 is rank 0 of a group with every server's ranks (SGLang /init_weights_update_group):
+        a TCPStore hosted here, then the same process group SGLang's init_custom_process_group builds."""
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+        ws = self.cfg.weight_sync
+        world = 1 + sum(self.fleet.engine_ranks())
+        addr = ws.master_address  # set by main(): 127.0.0.1 for servers rank 0 launched, else this host's IP
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        fut = self.fleet.submit("init_weights_update_group", addr, ws.master_port, world, self.group_name, backend)
+        timeout = datetime.timedelta(seconds=ws.timeout_s)
+        try:
+            if self.store is None:
+                self.store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout,
+                                           wait_for_workers=False)
+            store = PrefixStore(self.group_name, self.store)
+            pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=self.group_name,
+                                              timeout=timeout)
+        except Exception as e:
+            raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
+                               f"weight_sync.timeout_s={ws.timeout_s} s ({world - 1} server ranks expected): {e}; "
+                               f"server side: {_future_error(fut)}") from None
+        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        fut.result(ws.timeout_s)
+        return pg
+
+    def drop_group(self) -> None:
+        """Leave the weight-update group (a server in it was replaced); the next push forms a new one with every
+        server, under a new name on the same TCPStore. The surviving servers leave it too; a relaunched one has
+        none (its error is expected)."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.fleet.destroy_weights_update_group(self.group_name)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
+        self.generation += 1
+        self.group_name = f"{WEIGHT_GROUP}_{self.generation}"
+
+    # ---- disk: an HF checkpoint directory ----
+    def export(self, path: str, dtype: torch.dtype) -> None:
+        """The weights as an HF checkpoint directory (config and tokenizer of model.path, safetensors shards and
+        their index as save_pretrained writes them), gathered bucket by bucket; written by rank 0."""
+        from huggingface_hub import split_torch_state_dict_into_shards
+        from safetensors.torch import save_file
+
+        state, self.last_bytes = {}, 0
+        for spec in plan_buckets(self.model, dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20):
+            bucket = gather_bucket(self.model, spec, dtype, self.device)
+            self.last_bytes += bucket.nbytes
+            if self.rank == 0:
+                state.update((n, t.cpu()) for n, t in bucket.named)
+        if self.rank != 0:
+            return
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.cfg.model.path, tmp, ignore=shutil.ignore_patterns(
+            "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt"))
+        split = split_torch_state_dict_into_shards(state, max_shard_size=SHARD_BYTES)
+        for file, names in split.filename_to_tensors.items():
+            save_file({n: state[n].contiguous() for n in names}, os.path.join(tmp, file), metadata={"format": "pt"})
+        if split.is_sharded:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+
+
+def _future_error(fut) -> str:
+    if not fut.done():
+        return "no answer yet"
+    return repr(fut.exception()) if fut.exception() is not None else "answered ok"
