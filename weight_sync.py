@@ -163,15 +163,18 @@ class WeightSync:
             targets = box[0]
         plan = plan_buckets(self.model, self.dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20)
         pending, self.last_bytes = None, 0  # the bucket in flight and its handles
-        for k, spec in enumerate(plan):
-            bucket = gather_bucket(self.model, spec, self.dtype, self.device)  # overlaps the previous push
+        try:
+            for k, spec in enumerate(plan):
+                bucket = gather_bucket(self.model, spec, self.dtype, self.device)  # overlaps the previous push
+                if pending is not None:
+                    error = self._finish(pending, error)
+                self.last_bytes += bucket.nbytes
+                # the last bucket (it always carries tensors) carries the version label and the flush
+                pending = self._start(bucket, version if k == len(plan) - 1 else None, targets, error)
             if pending is not None:
                 error = self._finish(pending, error)
-            self.last_bytes += bucket.nbytes
-            # the last bucket (it always carries tensors) carries the version label and the flush
-            pending = self._start(bucket, version if k == len(plan) - 1 else None, targets, error)
-        if pending is not None:
-            error = self._finish(pending, error)
+        except Exception as e:  # e.g. a broadcast on a group a dead server left: the session must still close, or
+            error = error or e  # the retry's /begin_weight_update finds it open and the run stops
         if session:
             try:
                 self.fleet.end_weight_update(None if error is None else SESSION_END_TIMEOUT_S)

@@ -22,24 +22,11 @@ import engine
 import losses
 import rollout
 import tasks
+from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
 
 HEALTH_S, NOTICE_S = 2.0, 1.0  # the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
 LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
 P = [5, 6, 7, 8, 9]
-
-
-def make_model(path: str, seed: int) -> str:
-    """tasks.make_tiny_model with random RMSNorm gains (as tests/test_engine.py): a random-init model's
-    distributions are nearly uniform, which would make log-prob differences between weights vanish."""
-    tasks.make_tiny_model(path, seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(2 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -196,24 +183,35 @@ def test_prefix_cache_is_keyed_on_tokens_and_namespace_and_outlives_weight_updat
         set_weights(url, paths["A"], v0 + 2)
 
 
-def test_the_last_weight_bucket_carries_tensors_the_version_and_the_flush():
+def test_the_last_weight_bucket_carries_tensors_the_version_and_the_flush(tmp_path, monkeypatch):
     """Breakage 2: a bucket is pushed once it reaches weight_sync.bucket_mb; when that emptied it, the last call was
     /update_weight_version, which never flushes (managers/scheduler.py: update_weights_from_distributed flushes
-    only with flush_cache), and the radix cache kept serving old-weight prefix KV. Here the last parameter (an
-    untied lm_head) exactly fills its bucket."""
-    import train
+    only with flush_cache), and the radix cache kept serving old-weight prefix KV. Here the last FSDP unit (the
+    root: embeddings, final norm, head) exactly fills its bucket; weight_sync.WeightSync.push runs with the
+    gathering and the HTTP/broadcast of each bucket recorded instead."""
+    import weight_sync
 
-    params = [("embed", torch.zeros(1 << 18)), ("layer", torch.zeros(1 << 17)), ("lm_head", torch.zeros(1 << 18))]
-    pushes, calls = [], []
-    fleet = types.SimpleNamespace(begin_weight_update=lambda: calls.append("begin"),
-                                  end_weight_update=lambda *a: calls.append("end"),
-                                  update_weight_version=lambda v: calls.append(("version", v)))
-    actor = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(weight_sync=types.SimpleNamespace(method="distributed", bucket_mb=1)),
-        rank=0, group=object(), fleet=fleet, _full_params=lambda: iter(params),
-        _push_bucket=lambda bucket, v: pushes.append(([n for n, _ in bucket], v)))
-    train.Actor._sync(actor, 7)
-    assert pushes == [(["embed"], None), (["layer", "lm_head"], 7)] and calls == ["begin", "end"]
+    model = AutoModelForCausalLM.from_pretrained(make_model(str(tmp_path / "m"), 0))
+    units = weight_sync.fsdp_units(model)
+    params = dict(model.named_parameters())
+    root_mb = sum(params[n].numel() for n in units[-1][1]) * 4 / 2 ** 20  # float32 on CPU
+    ws = object.__new__(weight_sync.WeightSync)
+    ws.cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(method="distributed", bucket_mb=root_mb),
+                                   flush_on_update=True)
+    ws.model, ws.device, ws.dtype, ws.rank, ws.world = model, torch.device("cpu"), torch.float32, 0, 1
+    ws.group, ws.group_name, ws.last_bytes = object(), "g", 0
+    calls, pushes = [], []
+    ws.fleet = types.SimpleNamespace(begin_weight_update=lambda: calls.append("begin"),
+                                     end_weight_update=lambda *a: calls.append("end"))
+    monkeypatch.setattr(weight_sync, "gather_bucket", lambda m, spec, dtype, device: weight_sync.Bucket(spec, dtype,
+                                                                                                       device))
+    ws._start = lambda bucket, version, targets, error: pushes.append(([n for n, _ in bucket.named], version)) or {}
+    ws._finish = lambda p, error: error
+    ws.push(7)
+    assert len(pushes) >= 2 and all(names for names, _ in pushes), pushes
+    assert [v for _, v in pushes] == [None] * (len(pushes) - 1) + [7]  # the version (and the flush) on the last
+    assert pushes[-1][0] == units[-1][1] and calls == ["begin", "end"]
+    assert [n for names, _ in pushes for n in names] == [n for _, names in units for n in names]
 
 
 def in_place_cfg(url):
