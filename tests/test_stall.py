@@ -118,8 +118,9 @@ class _Actor:
         return {}
 
 
-class _Producer:
-    """A rollout without servers: generates every group the buffer lets out, all rewards 0.0 until `vary` is set."""
+class _Producer(train.NoRollout):
+    """A rollout without servers: generates every group the buffer lets out, all rewards 0.0 until `vary` is set
+    (pause, resume and step_metrics do nothing, as train.NoRollout's)."""
 
     def __init__(self, srv):
         self.srv, self.vary, self.stopped = srv, threading.Event(), threading.Event()
@@ -134,15 +135,6 @@ class _Producer:
     def start(self):
         if not self.thread.is_alive():
             self.thread.start()
-
-    def pause(self):
-        return {}
-
-    def resume(self, version):
-        pass
-
-    def step_metrics(self):
-        return {}
 
 
 @pytest.mark.parametrize("mode", ["fully-async", "synchronous, colocate"])
