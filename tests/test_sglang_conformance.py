@@ -23,6 +23,7 @@ import losses
 import rollout
 import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
+from test_rollout import wait_until
 
 HEALTH_S, NOTICE_S = 2.0, 1.0  # the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
 LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
@@ -73,14 +74,6 @@ def reference_lps(model, prompt, output, temperature=1.0):
 
 def running(url):
     return requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]["num_running_reqs"]
-
-
-def wait_until(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout} s for {what}")
-        time.sleep(0.01)
 
 
 def set_weights(url, path, version, flush=True):
