@@ -419,7 +419,10 @@ def test_update_weights_over_gloo_group(url, models, restore_weights):
 
 def test_update_weights_from_shared_tensors(url, models, restore_weights):
     """Colocate's path: ForkingPickler payloads of shared-memory tensors (views of one flat buffer, as the trainer
-    sends a bucket), refused outside a session, and a payload naming a forbidden global is refused unread."""
+    sends a bucket), refused outside a session, and a payload naming a forbidden global is refused unread.
+    sglang 0.5.23: entrypoints/http_server.py update_weights_from_tensor (200 / 400 with success and message) and
+    managers/io_struct.py UpdateWeightsFromTensorReqInput (serialized_named_tensors: one base64
+    MultiprocessingSerializer payload per TP rank; load_format, flush_cache, abort_all_requests, weight_version)."""
     _, refs, _ = models
     prompt = [7, 11, 15]
     named = list(refs["B"].state_dict().items())
