@@ -10,8 +10,11 @@
   rotation until its /health answers again. `SyncFleet` runs a Fleet on its own event-loop thread, so synchronous
   code (the trainer, tests) can call it too.
 - `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
-  asks the buffer for prompt groups (`buffer.dispatch`), runs N trajectories per group through the rollout function
-  (`rollout.function`), scores them in a pool off the loop, and puts every finished trajectory to the buffer.
+  asks the buffer for prompt groups (`buffer.dispatch`), generates N trajectories per group, scores them (inline or
+  in a pool off the loop) and puts every finished trajectory to the buffer. With the built-in `single_turn` a group
+  is one /generate list request (one item per trajectory; the reply lists them in order when all have finished; an
+  abort by rid ends one item): one task, one HTTP call and one scoring pass per group.
+  Other rollout functions (`rollout.function`) run one request per trajectory.
   `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
   to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
@@ -20,36 +23,39 @@
   prefix cache (requests still run), so there every /generate carries `extra_key` = its weight version, the cache's
   namespace. `resume(version)` continues the paused servers (so the weight update in between ran on paused
   servers: idle ones, or ones holding the kept requests) and restarts dispatch.
-  Aborts by exact rid remain for single trajectories (`rollout.trajectory_timeout_s`, stop); they cannot stop a
+  Aborts by exact rid remain for single requests (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
   a repeat. A restored group continues from its partial responses (prompt + partial tokens as input, the remaining
   max_new_tokens); its finished trajectories are put back as they are. `rollout.trajectory_timeout_s` aborts a
   request that runs too long (its clock also runs while a kept request waits on a paused server) and marks its
-  trajectory failed.
+  unfinished trajectories failed.
 - `serve` / `RemoteRollout`: the rollout process (RPC worker "rollout") and the trainer's proxy of it.
 - Standalone: generate and score a dataset against running servers, without training (JSONL + a summary line).
 
 Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP layer
 counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in flight (the
 producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all of its N
-trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once; a semaphore of S requests
-at the HTTP layer backs this for custom rollout functions. S above the fleet's concurrency (the sum of the servers'
+trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once (a rollout function runs
+one request per trajectory at a time). S above the fleet's concurrency (the sum of the servers'
 limits, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming both numbers. A server's limit
 is the one it enforces, `internal_states[i]["effective_max_running_requests_per_dp"]` of /server_info (times the DP size
 over the entries), else the `--max-running-requests` flag it reports; when neither is known a warning says that S is not
 clamped. Set S above the global batch B x N; otherwise the capacity C already bounds generation and S is redundant.
 Unset, only the strategy's capacity C bounds the groups in flight.
 
-Rids are f"{run_tag}-{epoch}-{seq}-{index}-{attempt}." (`attempt` counts every request of a trajectory: turns,
-retries, continuations); the trailing dot keeps any rid from being a prefix of another, since SGLang aborts by
-prefix. Weight versions are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
+Every /generate is a list request (one item per trajectory) with one string rid, f"{run_tag}-{epoch}-{seq}-{index}-
+{attempt}." of its first trajectory (`attempt` counts every request of a trajectory: turns, retries, continuations);
+SGLang names its items f"{rid}_{i}". The trailing dot keeps a request's rid from being a prefix of another's, since
+SGLang aborts by prefix; within a request item 1 is a prefix of item 10, so the producer aborts a request's items
+together. (The sglang router takes a batch only with one string rid and one sampling_params object.) Weight versions are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
 
 A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
 (environment tokens, loss mask 0). Built in: `single_turn`, `multi_turn_tool` (tasks.make_env). Or
 rollout.function=module:function.
 
-Simplifications: one request per trajectory at a time (turns are sequential); the response budget
+Simplifications: one request per trajectory at a time (turns are sequential; `sampling_params.n` is never used, since
+SGLang gives its samples random rids, which no abort could name); the response budget
 rollout.sampling.max_new_tokens counts every response token, environment tokens included; a restored multi-turn
 trajectory rebuilds its environment by replaying the turns it already has; rewards see the decoded response only.
 
@@ -194,8 +200,8 @@ class Fleet:
         self._probes: set = set()
         self.router_max_concurrent_requests = router_max_concurrent_requests
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.in_flight = {u: 0 for u in self.urls}  # our /generate requests per server (least-loaded routing)
-        self.requests_in_flight = 0  # our /generate requests in flight, all servers together
+        self.in_flight = {u: 0 for u in self.urls}  # samples of our /generate requests per server (least-loaded)
+        self.requests_in_flight = 0  # samples of our /generate requests in flight, all servers together
         self.retries = 0  # /generate retries since the Fleet was made
         self._abort_down: dict[str, list] = {}  # url -> [consecutive failures, time of the last, retry after]
         self.abort_failures: dict[str, list] = {}  # url -> [failed aborts, last error], see take_abort_failures
@@ -211,7 +217,7 @@ class Fleet:
                    api_key=r.sglang_args.api_key, startup_timeout_s=r.startup_timeout_s)
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:  # limit=0: our own bounds (semaphore, groups) decide the concurrency, not aiohttp's
+        if self._session is None:  # limit=0: our own bound (groups in flight) decides the concurrency, not aiohttp's
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
         return self._session
 
@@ -276,6 +282,8 @@ class Fleet:
         last_error = ""
         avoid = None
         attempt = 0
+        ids = payload.get("input_ids")
+        size = len(ids) if ids and isinstance(ids[0], list) else 1  # samples: what least-loaded routing counts
         while attempt <= self.max_retries:
             if stop is not None and stop.is_set():
                 return None
@@ -284,9 +292,9 @@ class Fleet:
                 return None
             if next_rid is not None:
                 payload["rid"] = next_rid()
-            self.requests_in_flight += 1
+            self.requests_in_flight += size
             if url in self.in_flight:
-                self.in_flight[url] += 1
+                self.in_flight[url] += size
             try:
                 async with self._http().post(url + "/generate", json=payload, timeout=self._generate_timeout) as resp:
                     if resp.status < 400:
@@ -307,9 +315,9 @@ class Fleet:
             else:
                 lost = False
             finally:
-                self.requests_in_flight -= 1
+                self.requests_in_flight -= size
                 if url in self.in_flight:
-                    self.in_flight[url] -= 1
+                    self.in_flight[url] -= size
             avoid = url
             if lost and not self.router_url:
                 self._mark_down(url, last_error)
@@ -650,16 +658,22 @@ def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency
 
 @dataclass
 class _Active:
-    """A trajectory being generated: the event that stops it (pause or timeout), the one that gives up its HTTP call
-    (`drop`: the servers are paused and it is not among their requests), whether it timed out, and the rid of its
-    live request. Aborts name that exact rid: real SGLang drops an /abort_request whose rid is not a live request
-    (its prefix matching happens only behind that check), so a prefix alone would abort nothing there."""
-    prefix: str
+    """A live request: one turn of one trajectory, or the unfinished trajectories of a group in one list request.
+    It holds the event that stops it (pause or timeout), the one that gives up its HTTP call (`drop`: the servers
+    are paused and it is not among their requests), whether it timed out, and the rids of its items. Aborts name
+    those exact rids: real SGLang drops an /abort_request whose rid is not a live request (its prefix matching
+    happens only behind that check), so a prefix alone would abort nothing there."""
+    prefix: str  # the rid prefix of its trajectories: the group's (list request) or the trajectory's
+    size: int  # trajectories it generates
     stop: asyncio.Event
     drop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     timed_out: bool = False
-    rid: Optional[str] = None
+    rids: dict = dataclasses.field(default_factory=dict)  # first trajectory index -> item rids of its request
     timer: Optional[asyncio.TimerHandle] = None  # the trajectory timeout, then the grace before cancelling
+
+    def item_rids(self) -> list[str]:
+        """The rids to abort it by, all of its items: aborting item 1 by prefix also aborts items 10-19."""
+        return [rid for rids in self.rids.values() for rid in rids]
 
 
 async def _unless(event: asyncio.Event, coro) -> Any:
@@ -698,40 +712,7 @@ class RolloutContext:
         """One model turn from prompt + response so far, within the remaining budget. Appends the new tokens (loss
         mask 1) with their log-probs and versions, sets traj.status from the finish reason and returns its type
         (stop | length | abort). A server-side abort we did not ask for is continued, up to max_retries times."""
-        r = self.rollout
-        unasked_aborts = 0
-        while True:
-            budget = self.max_new_tokens - len(traj.response_ids)
-            if budget <= 0:
-                traj.status = TRUNCATED
-                return "length"
-            payload = {"input_ids": traj.prompt_ids.tolist() + traj.response_ids.tolist(), "return_logprob": True,
-                       "sampling_params": {**r.sampling_params, "max_new_tokens": budget}}
-            if not r.cfg.flush_on_update:  # the prefix cache outlives updates (in_place): one namespace per version
-                payload["extra_key"] = f"weights-{r.version if r.version is not None else 'initial'}"
-            sent_version = r.version  # a request kept across an in-place update may end with the older weights
-            async with r.http_slots:
-                out = await _unless(self._active.drop,
-                                    r.fleet.generate(payload, lambda: r.next_rid(traj), self._active.stop))
-            if out is None:  # stopped before a server took the request, or dropped while the servers are paused
-                traj.status = ABORTED
-                return "abort"
-            gen = parse_generate_response(out)
-            _extend(traj, gen.ids, gen.log_probs, gen.versions, 1)
-            r.stats["generated_tokens"] += len(gen.ids)
-            if gen.versions and sent_version is not None and gen.versions[-1] < sent_version:
-                r.old_version_response(gen.versions[-1])
-            traj.metadata["finish_reason"] = gen.finish_reason
-            status_code = gen.finish_reason.get("status_code") if isinstance(gen.finish_reason, dict) else None
-            if (gen.finish == "abort" and not self._active.stop.is_set() and not (status_code and status_code < 500)
-                    and unasked_aborts < r.cfg.rollout.max_retries):
-                unasked_aborts += 1
-                continue
-            traj.status = STATUS_OF_FINISH[gen.finish]
-            if gen.finish == "abort" and not self._active.stop.is_set():
-                traj.status = FAILED
-                traj.metadata["error"] = f"the server aborted the request: {gen.finish_reason}"
-            return gen.finish
+        return (await self.rollout._generate(self._active, [traj]))[0]
 
     def append_env(self, traj: Trajectory, text: str) -> bool:
         """Environment tokens (loss mask 0, log-prob 0, the version of the turn before them). False, and status
@@ -748,7 +729,9 @@ class RolloutContext:
 
 
 async def single_turn(ctx: RolloutContext, traj: Trajectory) -> None:
-    """One model turn from the prompt (or from a restored partial response) to stop, length or abort."""
+    """One model turn from the prompt (or from a restored partial response) to stop, length or abort. As
+    rollout.function, the producer does not call it per trajectory: it sends each group's unfinished trajectories
+    as one list request (Rollout._generate), which is this turn for all of them."""
     await ctx.generate(traj)
 
 
@@ -834,7 +817,7 @@ class Rollout:
         self.max_groups: Optional[int] = None  # max_samples // N
         self.version: Optional[int] = None  # the last resume(version): the weights every server should now serve
         self._version_warned = False
-        self.http_slots: Any = None
+        self.max_new_tokens = r.sampling.max_new_tokens
         self.stats = _new_stats()
         self._groups: dict[tuple[int, int], _GroupRun] = {}
         self._active: dict[str, _Active] = {}
@@ -847,7 +830,7 @@ class Rollout:
         self._error: Optional[BaseException] = None
         self._tasks: set = set()
         self._started = False
-        self._in_flight_t = time.monotonic()
+        self._in_flight, self._in_flight_t = 0, time.monotonic()  # trajectories in live requests (self._active)
         self._retries_seen = self._down_seen = 0
         self._pool: Optional[concurrent.futures.Executor] = None  # reward_pool inline: scored on the event loop
         if r.reward_pool == "process":
@@ -908,7 +891,6 @@ class Rollout:
         self.max_groups = None if self.max_samples is None else self.max_samples // self.n
         if self.max_samples is not None:  # the buffer enforces (and reports) the clamped cap, not the configured one
             await asyncio.to_thread(self.buffer.set_max_concurrent_samples, self.max_samples)
-        self.http_slots = asyncio.Semaphore(self.max_samples) if self.max_samples else contextlib.nullcontext()
         self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._dispatch_lock = asyncio.Lock()
@@ -953,12 +935,20 @@ class Rollout:
             raise ValueError(f"restored group {key} has {len(g.partial)} partial trajectories, expected N={self.n}")
         self._groups[key] = _GroupRun(g, self.n)
         self._idle.clear()
-        for i in range(self.n):
-            # A restored trajectory is copied (tensors are only ever replaced, metadata is deep-copied), so that an
-            # in-process buffer's restored lane never sees it change.
-            traj = (dataclasses.replace(g.partial[i], metadata=copy.deepcopy(g.partial[i].metadata)) if g.partial
-                    else Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=ABORTED))
-            self._spawn(self._run_trajectory(g, traj))
+        # A restored trajectory is copied (tensors are only ever replaced, metadata is deep-copied), so that an
+        # in-process buffer's restored lane never sees it change.
+        trajs = [dataclasses.replace(t, metadata=copy.deepcopy(t.metadata)) for t in g.partial] if g.partial else \
+            [Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=ABORTED) for i in range(self.n)]
+        for traj in trajs:
+            if traj.status != ABORTED:  # finished before the pause that restored its group: returned as it is
+                self._emit(traj)
+        todo = [t for t in trajs if t.status == ABORTED]
+        if self.fn is single_turn:  # the group is one list request
+            if todo:
+                self._spawn(self._run(g, todo))
+        else:
+            for traj in todo:
+                self._spawn(self._run(g, [traj]))
 
     def old_version_response(self, version: int) -> None:
         """A server answered with weights older than those of resume(version) before the request was sent: it missed
@@ -970,77 +960,143 @@ class Rollout:
             log.warning("a server generated with weight version %d after resume(%d): it missed a weight update; "
                         "counted in rollout/old_version_responses", version, self.version)
 
-    def next_rid(self, traj: Trajectory) -> str:
-        attempt = traj.metadata.get("attempts", 0)
-        traj.metadata["attempts"] = attempt + 1
-        rid = make_rid(self.run_tag, traj.epoch, traj.seq, traj.index, attempt)
-        active = self._active.get(trajectory_rid_prefix(self.run_tag, traj.epoch, traj.seq, traj.index))
-        if active is not None:
-            active.rid = rid
+    def _rid(self, active: _Active, trajs: list) -> str:
+        """The rid of the next request of trajs (one more attempt each): make_rid of its first trajectory. SGLang
+        names the items of a list request f"{rid}_{i}"; those are remembered for aborts."""
+        for traj in trajs:
+            traj.metadata["attempts"] = traj.metadata.get("attempts", 0) + 1
+        t = trajs[0]
+        rid = make_rid(self.run_tag, t.epoch, t.seq, t.index, t.metadata["attempts"] - 1)
+        active.rids[t.index] = [f"{rid}_{i}" for i in range(len(trajs))]
         return rid
 
     def _count_in_flight(self, delta: int) -> None:
         now = time.monotonic()
-        self.stats["in_flight_area"] += len(self._active) * (now - self._in_flight_t)
-        self._in_flight_t = now
-        self.stats["in_flight_max"] = max(self.stats["in_flight_max"], len(self._active) + delta)
+        self.stats["in_flight_area"] += self._in_flight * (now - self._in_flight_t)
+        self._in_flight_t, self._in_flight = now, self._in_flight + delta
+        self.stats["in_flight_max"] = max(self.stats["in_flight_max"], self._in_flight)
 
-    async def _run_trajectory(self, g: PromptGroup, traj: Trajectory) -> None:
-        if traj.status != ABORTED:  # finished before the pause that restored its group: returned as it is
-            self._emit(traj)
-            return
-        prefix = trajectory_rid_prefix(self.run_tag, traj.epoch, traj.seq, traj.index)
-        active = _Active(prefix, asyncio.Event())
+    async def _generate(self, active: _Active, trajs: list) -> list[str]:
+        """One model turn of each of trajs, from prompt + response so far within the remaining budget, as /generate
+        list requests: one per remaining budget (one for a new group), since the sglang router takes one
+        `sampling_params` and one string `rid` for a whole batch. The reply lists the items in input order once all
+        have finished. Appends each item's new tokens (loss mask 1) with their log-probs and versions, sets its
+        status from the finish reason and returns the finish types (stop | length | abort). An item the server
+        aborted without our asking is sent again, up to rollout.max_retries times."""
+        finish, retried, todo = ["abort"] * len(trajs), [0] * len(trajs), list(range(len(trajs)))
+        while todo:
+            by_budget: dict[int, list[int]] = {}
+            for i in todo:
+                budget = self.max_new_tokens - len(trajs[i].response_ids)
+                if budget <= 0:
+                    trajs[i].status, finish[i] = TRUNCATED, "length"
+                else:
+                    by_budget.setdefault(budget, []).append(i)
+            sent_version = self.version  # a request kept across an in-place update may end with the older weights
+            outs = await asyncio.gather(*[self._request(active, [trajs[i] for i in idx], budget)
+                                          for budget, idx in by_budget.items()])
+            todo = []
+            for idx, out in zip(by_budget.values(), outs):
+                for i, item in zip(idx, out or [None] * len(idx)):
+                    t = trajs[i]
+                    if item is None:  # stopped before a server took it, or dropped while the servers are paused
+                        t.status = ABORTED
+                        continue
+                    gen = parse_generate_response(item)
+                    _extend(t, gen.ids, gen.log_probs, gen.versions, 1)
+                    self.stats["generated_tokens"] += len(gen.ids)
+                    if gen.versions and sent_version is not None and gen.versions[-1] < sent_version:
+                        self.old_version_response(gen.versions[-1])
+                    t.metadata["finish_reason"], finish[i] = gen.finish_reason, gen.finish
+                    code = gen.finish_reason.get("status_code") if isinstance(gen.finish_reason, dict) else None
+                    if gen.finish == "abort" and not active.stop.is_set() and not (code and code < 500):
+                        if retried[i] < self.cfg.rollout.max_retries:  # not ours: continue it
+                            retried[i] += 1
+                            todo.append(i)
+                            continue
+                        t.status = FAILED
+                        t.metadata["error"] = f"the server aborted the request: {gen.finish_reason}"
+                    else:
+                        t.status = STATUS_OF_FINISH[gen.finish]
+        return finish
+
+    async def _request(self, active: _Active, trajs: list, budget: int) -> Optional[list]:
+        """One /generate list request of trajs with max_new_tokens=budget: the reply's items, or None when it was
+        stopped or dropped first."""
+        payload = {"input_ids": [t.prompt_ids.tolist() + t.response_ids.tolist() for t in trajs],
+                   "return_logprob": True, "sampling_params": {**self.sampling_params, "max_new_tokens": budget}}
+        if not self.cfg.flush_on_update:  # the prefix cache outlives updates (in_place): one namespace per version
+            payload["extra_key"] = f"weights-{self.version if self.version is not None else 'initial'}"
+        out = await _unless(active.drop, self.fleet.generate(payload, lambda: self._rid(active, trajs), active.stop))
+        if out is not None and (not isinstance(out, list) or len(out) != len(trajs)):
+            raise ValueError(f"/generate answered a list request of {len(trajs)} items with "
+                             f"{len(out) if isinstance(out, list) else type(out).__name__}")
+        return out
+
+    async def _run(self, g: PromptGroup, trajs: list) -> None:
+        """Generate trajs of group g: the group's unfinished trajectories in one list request (rollout.function
+        single_turn), or one trajectory through the rollout function. Then each is finished, scored and emitted."""
+        t0 = trajs[0]
+        prefix = (f"{self.run_tag}-{g.epoch}-{g.seq}-" if self.fn is single_turn
+                  else trajectory_rid_prefix(self.run_tag, t0.epoch, t0.seq, t0.index))
+        active = _Active(prefix, len(trajs), asyncio.Event())
         if self._stopping:
             active.stop.set()
-        self._count_in_flight(+1)
+        self._count_in_flight(len(trajs))
         self._active[prefix] = active
-        restored = len(traj.response_ids) > 0
-        task = self._spawn(self.fn(RolloutContext(self, g, active), traj))
-        loop = asyncio.get_running_loop()
+        restored = [len(t.response_ids) > 0 for t in trajs]
+        task = self._spawn(self._generate(active, trajs) if self.fn is single_turn
+                           else self.fn(RolloutContext(self, g, active), t0))
         timeout = self.cfg.rollout.trajectory_timeout_s
-        active.timer = loop.call_later(timeout, self._on_timeout, active, task)
+        active.timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, active, task)
         try:
             await asyncio.wait({task})
         finally:
             active.timer.cancel()
-            self._count_in_flight(-1)
+            self._count_in_flight(-len(trajs))
             del self._active[prefix]
-        if active.timed_out:
-            traj.status = FAILED
-            traj.metadata["error"] = f"rollout.trajectory_timeout_s={timeout} s exceeded; the request was aborted"
-            self.stats["timeouts"] += 1
-        elif not task.cancelled() and task.exception() is not None:
-            traj.status = FAILED
-            traj.metadata["error"] = repr(task.exception())
-            log.warning("trajectory %s failed: %r", prefix, task.exception())
-        elif traj.status == ABORTED and not (self._stopping or g.prompt_id in self._aborting):
-            traj.status = FAILED
-            traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
-        if len(traj.response_ids):
-            traj.start_version, traj.end_version = int(traj.versions[0]), int(traj.versions[-1])
-        if restored:
-            traj.metadata["restored"] = traj.metadata.get("restored", 0) + 1
-        if traj.status == ABORTED:  # pausing with rollout.partial=true: to buffer.step_boundary
-            self._partials.append(traj)
-            self._done(g.prompt_id)
-            return
-        if (self.cfg.rollout.mask_offpolicy_in_partial_rollout
-                and traj.start_version != traj.end_version):  # versions never decrease: equal ends, nothing to mask
-            # The spec masks restored tokens of older versions when the trajectory is restored; the rule is the
-            # trainer's (losses.offpolicy_token_mask), so applying it here too changes nothing there.
-            traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
-        if traj.status in (COMPLETED, TRUNCATED):
-            await self._score(g, traj)
-        self._emit(traj)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.warning("trajectories %s failed: %r", prefix, error)
+        scored = []
+        for traj, was_restored in zip(trajs, restored):
+            if active.timed_out and (task.cancelled() or traj.status == ABORTED):
+                traj.status = FAILED
+                traj.metadata["error"] = f"rollout.trajectory_timeout_s={timeout} s exceeded; the request was aborted"
+                self.stats["timeouts"] += 1
+            elif error is not None:
+                traj.status = FAILED
+                traj.metadata["error"] = repr(error)
+            elif traj.status == ABORTED and not (self._stopping or g.prompt_id in self._aborting):
+                traj.status = FAILED
+                traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
+            if len(traj.response_ids):
+                traj.start_version, traj.end_version = int(traj.versions[0]), int(traj.versions[-1])
+            if was_restored:
+                traj.metadata["restored"] = traj.metadata.get("restored", 0) + 1
+            if traj.status == ABORTED:  # pausing with rollout.partial=true: to buffer.step_boundary
+                self._partials.append(traj)
+                self._done(g.prompt_id)
+                continue
+            if (self.cfg.rollout.mask_offpolicy_in_partial_rollout
+                    and traj.start_version != traj.end_version):  # versions never decrease: equal ends, nothing to mask
+                # The spec masks restored tokens of older versions when the trajectory is restored; the rule is the
+                # trainer's (losses.offpolicy_token_mask), so applying it here too changes nothing there.
+                traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
+            if traj.status in (COMPLETED, TRUNCATED):
+                scored.append(traj)
+        await asyncio.gather(*[self._score(g, t) for t in scored])
+        for traj in trajs:
+            if traj.status != ABORTED:
+                self._emit(traj)
 
     def _on_timeout(self, active: _Active, task: asyncio.Task) -> None:
         active.timed_out = True
         active.stop.set()
         # If the server does not return the abort either, the rollout function is cancelled ABORT_GRACE_S later.
         active.timer = asyncio.get_running_loop().call_later(ABORT_GRACE_S, task.cancel)
-        if active.rid is not None:
-            self._spawn(self.fleet.abort(active.rid))
+        for rid in active.item_rids():
+            self._spawn(self.fleet.abort(rid))
 
     async def _score(self, g: PromptGroup, traj: Trajectory) -> None:
         text = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
@@ -1093,20 +1149,19 @@ class Rollout:
         self._dispatching = False
         r = self.cfg.rollout
         deadline = t0 + r.pause_timeout_s
+        async with self._dispatch_lock:  # groups being dispatched right now are launched (and counted) first
+            pass
         if r.partial and r.pause_mode != "abort":
             # The servers keep every request (in_place: with its KV cache; retract: recomputed after continue); the
             # weight update runs on the paused servers and resume() continues them. Nothing is aborted, restored or
-            # re-sent: the groups stay in flight. A dispatch in progress (up to DISPATCH_WAIT_S) is not waited for:
-            # its requests wait at the servers' pause gate and stay in flight too.
+            # re-sent: the groups stay in flight (requests not yet at a server wait at its pause gate).
             self._servers_paused = True
             partials = await self._abort_groups(await asyncio.to_thread(self.buffer.update_aborts), deadline)
             await self.fleet.pause(r.pause_mode, max(1.0, deadline - time.monotonic()))
             metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, True) or {})
-            metrics["rollout/partial_kept_count"] = len(self._active)
+            metrics["rollout/partial_kept_count"] = self._in_flight
             metrics["timing/pause_delay"] = time.monotonic() - t0
             return metrics
-        async with self._dispatch_lock:  # groups being dispatched right now are launched before we go on
-            pass
         if r.partial:
             self._stopping = True
             for active in self._active.values():
@@ -1142,8 +1197,8 @@ class Rollout:
             prefixes = tuple(f"{self.run_tag}-{e}-{s}-" for e, s in self._aborting)
             for active in [a for a in self._active.values() if a.prefix.startswith(prefixes)] if prefixes else []:
                 active.stop.set()
-                if active.rid is not None:
-                    self._spawn(self.fleet.abort(active.rid))
+                for rid in active.item_rids():
+                    self._spawn(self.fleet.abort(rid))
             while self._aborting & set(self._groups):
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"pause: the groups aborted by staleness {sorted(self._aborting)} did not come "
@@ -1162,7 +1217,7 @@ class Rollout:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"pause did not finish within rollout.pause_timeout_s={self.cfg.rollout.pause_timeout_s} s: "
-                    f"{len(self._active)} trajectories still generating ({', '.join(list(self._active)[:5])}), "
+                    f"{self._in_flight} trajectories still generating ({', '.join(list(self._active)[:5])}), "
                     f"{len(self._groups)} groups not yet put to the buffer") from None
 
     async def _resume(self, version: int) -> None:
@@ -1200,7 +1255,7 @@ class Rollout:
 
     async def _abort_active(self) -> None:
         """Abort every live request of this producer, each by its exact rid on every worker."""
-        await asyncio.gather(*[self.fleet.abort(a.rid) for a in list(self._active.values()) if a.rid is not None])
+        await asyncio.gather(*[self.fleet.abort(rid) for a in list(self._active.values()) for rid in a.item_rids()])
 
     async def _stop(self) -> None:
         self._dispatching = False
