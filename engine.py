@@ -438,13 +438,16 @@ class KVBatch:
         mask = kv0.mask.new_zeros(batch, cap)
         layers = []
         for li, layer0 in enumerate(kv0.layers):
-            kb = layer0.kb.new_zeros(batch, layer0.kb.shape[1], cap, layer0.kb.shape[3])
-            vb = layer0.vb.new_zeros(batch, layer0.vb.shape[1], cap, layer0.vb.shape[3])
+            # Uninitialised but for the left padding (attention reads it, masked: it must be finite); the columns
+            # right of `length` are written before they are read. Zeroing whole slabs cost more than the forward.
+            kb = layer0.kb.new_empty(batch, layer0.kb.shape[1], cap, layer0.kb.shape[3])
+            vb = layer0.vb.new_empty(batch, layer0.vb.shape[1], cap, layer0.vb.shape[3])
             r = 0
             for kv, idx, start, ln in pieces:
                 src = kv.layers[li]
-                kb[r:r + len(idx), :, length - ln:length] = src.kb[idx, :, start:kv.n]
-                vb[r:r + len(idx), :, length - ln:length] = src.vb[idx, :, start:kv.n]
+                for dst, t in ((kb, src.kb), (vb, src.vb)):
+                    dst[r:r + len(idx), :, :length - ln].zero_()
+                    dst[r:r + len(idx), :, length - ln:length] = t[idx, :, start:kv.n]
                 r += len(idx)
             layers.append(_SlabLayer(kb, vb, length, cap))
         r = 0
