@@ -1,9 +1,9 @@
 """engine.py: an SGLang-compatible HTTP inference server around any transformers causal LM.
 
 It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/sglang_api.md: /generate, aborts,
-pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate),
-weight versions, memory release,
-loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this engine on a laptop.
+pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
+versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this
+engine on a laptop.
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
@@ -12,44 +12,36 @@ Trainer side of the weight-update group: `pg = engine.init_weight_update_group(a
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
 colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
-Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
-log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-6, and log_softmax(logits)[token]
-(temperature 1) for greedy requests (temperature < 1e-6, as SGLang, which turns greedy into temperature 1 + top_k 1).
-top_p / top_k / min_p and the min_new_tokens ban change which token is drawn but never the reported log-prob: RL
-runs sample with top_p=1, top_k=-1 so that the reported value is the probability the token was drawn with.
+Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, per sampled token,
+log_softmax(logits / temperature)[token] in float32, with temperature 1 for greedy requests (temperature < 1e-6, as
+SGLang, which turns greedy into temperature 1 + top_k 1). top_p / top_k / min_p and the min_new_tokens ban change
+which token is drawn, never the reported log-prob: RL runs sample with top_p=1, top_k=-1 so that it is the
+probability the token was drawn with.
 
 How it works: one model thread owns the model and every request's state. Each iteration it runs the control calls
 queued by the HTTP handlers (abort, pause, weight update, ...), prefills newly admitted requests as one left-padded
 batch, and advances ALL running requests with ONE batched forward of one token each (continuous batching). The KV
 cache is one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their
-prefilled slab in and leave by compacting rows, and leading all-padding columns are trimmed. At most
---max-running-requests run; the rest wait in a FIFO queue (/v1/loads shows both). The HTTP side (aiohttp) only
-parses, validates and formats, so it stays responsive while the model computes. It protects itself from bad
-requests: a body over --max-request-mb is refused (413) from its Content-Length before it is read, a `text` longer
-than the context could hold is refused before it is tokenized, and large bodies and long prompts are parsed and
-tokenized off the event loop, so other requests are not held up.
+prefilled slab in and leave by compacting rows. At most --max-running-requests run; the rest wait in a FIFO queue.
+The HTTP side (aiohttp) only parses, validates and formats, so it stays responsive while the model computes; it
+refuses a body over --max-request-mb (413) from its Content-Length and a `text` too long for the context before
+tokenizing it, and parses large bodies and long prompts off the event loop.
 
-Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts", and
-tests/test_sglang_conformance.py, which names the source of each): /abort_request is forwarded only when its rid is
-a registered request and only once per rid; the scheduler then aborts every request whose rid starts with it. A
-request is registered before it waits at the pause gate and dispatched after it (--dispatch-delay-s widens that
-window for tests), so an abort in between is lost; a request whose client left at the gate is still dispatched at
-continue and runs until the disconnect is noticed (SGLANG_REQUEST_STATE_WAIT_TIMEOUT). `/pause_generation abort`
-repeats abort-all until no request holds the lock; on a server paused in place an aborted running request answers
-only after continue (its last forward pass). /health generates a token through the pause gate (503 after
-SGLANG_HEALTH_CHECK_TIMEOUT, so never 200 while paused). The prefix cache is keyed on token ids + extra_key /
-cache_salt, not on the weight version: only /flush_cache (refused while requests run) or a new namespace keeps
-old-weight KV out. Batched /generate (lists of prompts and unique rids) answers one list when every item finished;
-n > 1 gives fresh rids. Schema errors are 422, bad values 400; /update_weights_from_distributed is 400 outside
-/begin_weight_update ... /end_weight_update, which take the writer lock unless paused. --api-key guards every path
-but /health* and /metrics. /server_info reports `version` (or --report-version) and the enforced limit in
-`internal_states[0]["effective_max_running_requests_per_dp"]`; its top-level `max_running_requests` is the raw flag.
+Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts"; tests/
+test_sglang_conformance.py names the source of each): /abort_request is forwarded once per registered rid and
+aborts every rid it prefixes; an abort between registration and dispatch past the pause gate (--dispatch-delay-s
+widens it) is lost, and a request abandoned at the gate still runs after continue until the disconnect is noticed;
+`/pause_generation abort` repeats until no request holds the lock; /health generates through the pause gate; the
+prefix cache ignores the weight version (only /flush_cache or a new extra_key / cache_salt keeps old-weight KV
+out); schema errors are 422, bad values 400; /update_weights_from_distributed needs /begin_weight_update ...
+/end_weight_update; --api-key guards all but /health* and /metrics; /server_info reports `version`, the raw flag as
+`max_running_requests` and the enforced limit in `internal_states[0]["effective_max_running_requests_per_dp"]`.
 
 Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (a request matches a cached
-sequence that is its tokens or a prefix of them, not part of a longer one; output tokens are not cached), in at
-most PREFIX_CACHE_TOKENS tokens, LRU; batches do not stream; no penalties, logit_bias, grammars or custom logit
-processors (accepted at their defaults, else 400); `spaces_between_special_tokens` is ignored. Full-attention
-decoders only (Llama/Qwen/Mistral-style). Released weights stay in host memory and generation waits until resumed.
+sequence that is its tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens;
+batches do not stream; no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults,
+else 400); `spaces_between_special_tokens` is ignored. Full-attention decoders only (Llama/Qwen/Mistral-style).
+Released weights stay in host memory and generation waits until resumed.
 """
 from __future__ import annotations
 
@@ -75,8 +67,7 @@ import threading
 import time
 import urllib.request
 import uuid
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -137,6 +128,24 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """One value that passes check, or a list of them (a batch's per-item field)."""
+    return lambda v: check(v) or (isinstance(v, list) and all(map(check, v)))
+
+
+def _all_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A list of values that each pass check."""
+    return lambda v: isinstance(v, list) and all(map(check, v))
+
+
 def _field(body: dict, name: str, default, check: Callable[[Any], bool], expected: str, where: str = ""):
     """body[name], or `default` when absent (null is accepted when the default is null); BadRequest naming the
     field when `check` fails."""
@@ -148,8 +157,14 @@ def _field(body: dict, name: str, default, check: Callable[[Any], bool], expecte
     return v
 
 
+def _required(body: dict, name: str, check: Callable[[Any], bool], expected: str):
+    if body.get(name) is None:
+        raise BadRequest(f"field `{name}` is required")
+    return _field(body, name, None, check, expected)
+
+
 def _flag(body: dict, name: str, default: bool, where: str = "") -> bool:
-    return _field(body, name, default, lambda v: isinstance(v, bool), "true or false", where)
+    return _field(body, name, default, _is_bool, "true or false", where)
 
 
 @dataclass
@@ -191,10 +206,8 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     top_p = g("top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
     top_k = g("top_k", lambda v: _is_int(v) and (v == -1 or v >= 1), "-1 (disabled) or an integer >= 1")
     min_p = g("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")
-    stop = g("stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-             "a string or a list of strings")
-    stop_ids = g("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) and 0 <= t < vocab_size
-                                                                          for t in v),
+    stop = g("stop", _list_of(_is_str), "a string or a list of strings")
+    stop_ids = g("stop_token_ids", _all_of(lambda t: _is_int(t) and 0 <= t < vocab_size),
                  f"a list of token ids in [0, {vocab_size})")
     flags = {name: _flag(sp, name, SAMPLING_DEFAULTS[name], "sampling_params.")
              for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")}
@@ -250,17 +263,13 @@ def max_token_chars(tokenizer) -> int:
     return max(len(t) for t in tokenizer.get_vocab())
 
 
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: check(v) or (isinstance(v, list) and all(map(check, v)))
-
-
 # The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
-_STR, _BOOL = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool))
 GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
-    "text": _list_of(_STR), "input_ids": _list_of(lambda v: isinstance(v, list) and all(map(_is_int, v))),
-    "rid": _list_of(_STR), "sampling_params": _list_of(lambda v: isinstance(v, dict)),
-    "return_logprob": _list_of(_BOOL), "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int),
-    "return_text_in_logprobs": _BOOL, "stream": _BOOL, "extra_key": _list_of(_STR), "cache_salt": _list_of(_STR)}
+    "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)),
+    "rid": _list_of(_is_str), "sampling_params": _list_of(lambda v: isinstance(v, dict)),
+    "return_logprob": _list_of(_is_bool), "logprob_start_len": _list_of(_is_int),
+    "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool, "stream": _is_bool,
+    "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -325,7 +334,7 @@ def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_c
         raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
-    rid = _field(body, "rid", None, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
     sp = parse_sampling_params(body.get("sampling_params"), vocab_size)
     if sp.max_new_tokens is None:
         sp.max_new_tokens = context_len - len(ids)
@@ -888,9 +897,6 @@ class Scheduler:
         r.notify(len(r.output_ids), True)
 
     # -- control calls (run on the model thread via call()) -----------------------------------------------------
-    def add(self, r: Req):
-        self.waiting.append(r)
-
     def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
         """Abort requests whose rid starts with `rid` (or equals it when exact; all with abort_all). Running ones
         return their partial output; queued ones "Abort in waiting queue". A running request of a server paused
@@ -951,7 +957,10 @@ class Scheduler:
     def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> None:
         """New weights; requests kept by a pause continue with them (their KV cache stays)."""
         device = next(self.model.parameters()).device  # host memory while released
-        self.model = load_model(path, device, dtype)
+        try:
+            self.model = load_model(path, device, dtype)
+        except Exception as e:  # the /update_weights_from_disk answer
+            raise BadRequest(f"loading {path} failed: {e}") from e
         if version is not None:
             self.weight_version = version
 
@@ -1044,6 +1053,11 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+def _fail(message: str, **extra) -> web.Response:
+    """A weight-update call that failed, answered as SGLang does: 400 with success false and the message."""
+    return web.json_response({"success": False, "message": message, **extra}, status=400)
+
+
 class TooLarge(BadRequest):
     """The request body exceeds --max-request-mb: HTTP 413."""
 
@@ -1057,7 +1071,8 @@ def _too_large(size: Optional[int], limit: int) -> TooLarge:
                     "(engine.py --max-request-mb)")
 
 
-async def _body(request: web.Request, required: bool = True) -> dict:
+async def _body(request: web.Request, required: bool = True, error: type = BadRequest) -> dict:
+    """The request's JSON object ({} for an empty body unless required); `error` is raised when it is not one."""
     limit = request.app["max_body"]
     if request.content_length is not None and request.content_length > limit:  # refused before reading it
         raise _too_large(request.content_length, limit)
@@ -1067,14 +1082,14 @@ async def _body(request: web.Request, required: bool = True) -> dict:
         raise _too_large(None, limit) from None
     if not raw.strip():
         if required:
-            raise BadRequest("request body must be a JSON object (send {} for defaults)")
+            raise error("request body must be a JSON object (send {} for defaults)")
         return {}
     try:
         body = json.loads(raw) if len(raw) < BIG_BODY else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
+        raise error(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise error("request body must be a JSON object")
     return body
 
 
@@ -1094,18 +1109,11 @@ class Server:
         self.app["max_body"] = max_body
         self.token_chars = max_token_chars(tokenizer)
         post, get = self.app.router.add_post, self.app.router.add_get
-        post("/generate", self.generate)
-        post("/abort_request", self.abort_request)
-        post("/pause_generation", self.pause_generation)
-        post("/continue_generation", self.continue_generation)
-        post("/update_weights_from_disk", self.update_weights_from_disk)
-        post("/init_weights_update_group", self.init_weights_update_group)
-        post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        post("/begin_weight_update", self.begin_weight_update)
-        post("/end_weight_update", self.end_weight_update)
-        post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        post("/update_weight_version", self.update_weight_version)
+        for name in ("generate", "abort_request", "pause_generation", "continue_generation", "update_weights_from_disk",
+                     "init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
+                     "end_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
+                     "update_weight_version"):  # POST /name is served by the method of that name
+            post(f"/{name}", getattr(self, name))
         for path, fn in (("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
                          ("/resume_memory_occupation", self.resume_memory)):
             get(path, fn)
@@ -1179,12 +1187,7 @@ class Server:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await _body(request)
-        except TooLarge:
-            raise
-        except BadRequest as e:  # FastAPI answers a body that is not a JSON object with 422
-            raise SchemaError(str(e)) from None
+        body = await _body(request, error=SchemaError)  # FastAPI answers a body that is not a JSON object with 422
         args = (body, self.tokenizer, self.sched.vocab_size, self.sched.context_len, self.token_chars)
         long = any(isinstance(v, (str, list)) and len(v) > 4096 for v in (body.get("text"), body.get("input_ids")))
         # a long prompt is tokenized / checked off the event loop, which meanwhile serves everyone else
@@ -1204,7 +1207,7 @@ class Server:
                 await asyncio.sleep(self.args.dispatch_delay_s)
             if n > 1:  # 0.5.23 first prefills each prompt alone (max_new_tokens 0), so its n samples share the KV
                 await self._warm_up(reqs[::n])
-            self.sched.call(lambda: [self.sched.add(r) for r in reqs])
+            self.sched.call(lambda: self.sched.waiting.extend(reqs))
             return await self._respond(request, reqs, listed, updates)
         except asyncio.CancelledError:
             if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
@@ -1236,7 +1239,7 @@ class Server:
                 loop.call_soon_threadsafe(done.set)
         for r in reqs:
             r.notify = notify
-        self.sched.call(lambda: [self.sched.add(r) for r in reqs])
+        self.sched.call(lambda: self.sched.waiting.extend(reqs))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), timeout)
 
@@ -1261,7 +1264,7 @@ class Server:
     async def _warm_up(self, prompts: list) -> None:
         """The prefill-only pass 0.5.23 runs before the n samples of each prompt (tokenizer_manager.py)."""
         await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
-                                    sp=dataclasses.replace(r.sp, max_new_tokens=0)) for r in prompts],
+                                    sp=replace(r.sp, max_new_tokens=0)) for r in prompts],
                                self.args.wait_timeout)
 
     async def _respond(self, request: web.Request, reqs: list, listed: bool,
@@ -1296,7 +1299,7 @@ class Server:
     # -- control endpoints ------------------------------------------------------------------------------------
     async def abort_request(self, request):
         body = await _body(request, required=False)
-        rid = _field(body, "rid", "", lambda v: isinstance(v, str), "a string")
+        rid = _field(body, "rid", "", _is_str, "a string")
         abort_all = _flag(body, "abort_all", False)
         if not abort_all:  # SGLang's HTTP layer: only a registered rid, only once (then prefix-matched)
             r = self.live.get(rid)
@@ -1338,128 +1341,113 @@ class Server:
                "requests, the operation will not be performed.)"
         return web.Response(text=text, status=200 if ok else 400)
 
-    def _version_field(self, body: dict) -> Optional[str]:
-        v = _field(body, "weight_version", None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
-                   "a string")
+    def _version_field(self, body: dict, name: str = "weight_version") -> Optional[str]:
+        v = _field(body, name, None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool), "a string")
         return None if v is None else str(v)
 
-    async def update_weights_from_disk(self, request):
-        body = await _body(request)
-        path = _field(body, "model_path", None, lambda v: isinstance(v, str), "a string")
-        if path is None:
-            raise BadRequest("field `model_path` is required")
-        _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
-        abort_all = _flag(body, "abort_all_requests", False)
-        flush = _flag(body, "flush_cache", True)
-        version = self._version_field(body)
-        if not Path(path).is_dir():
-            return web.json_response({"success": False, "message": f"model_path {path} is not a directory",
-                                      "num_paused_requests": 0}, status=400)
+    def _update_options(self, body: dict) -> tuple:
+        """(flush_cache, abort_all_requests, weight_version) of a weight-update body."""
+        return _flag(body, "flush_cache", True), _flag(body, "abort_all_requests", False), self._version_field(body)
+
+    async def _update(self, load: Callable[[], Any], options: tuple, message: str, **extra) -> web.Response:
+        """The shared tail of the three weight updates: abort if asked, await load() under the writer lock (its
+        failure is the 400 answer, as SGLang's scheduler answers success false), then flush the prefix cache: SGLang
+        fails the call when the flush is refused. `extra` fields go into every answer."""
+        flush, abort_all, version = options
         if abort_all:
             await self._run(lambda: self.sched.abort(abort_all=True))
         async with self.gate.exclusive(self.args.wait_timeout):
             try:
-                await self._run(lambda: self.sched.load_from_disk(path, version, self.args.dtype))
+                await load()
             except Exception as e:  # reported to the caller
-                return web.json_response({"success": False, "message": f"loading {path} failed: {e}",
-                                          "num_paused_requests": 0}, status=400)
+                return _fail(str(e), **extra)
         if flush and not await self._run(self.sched.flush_cache):
-            return web.json_response({"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0},
-                                     status=400)
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}."
-                                  + (f" Weight version updated to {version}." if version else ""),
-                                  "num_paused_requests": 0})  # 0.5.23's scheduler always answers 0
+            return _fail(FLUSH_REFUSED, **extra)
+        return web.json_response({"success": True, **extra, "message": message
+                                  + (f" Weight version updated to {version}." if version else "")})
+
+    async def update_weights_from_disk(self, request):
+        body = await _body(request)
+        path = _required(body, "model_path", _is_str, "a string")
+        _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
+        options = self._update_options(body)
+        if not Path(path).is_dir():
+            return _fail(f"model_path {path} is not a directory", num_paused_requests=0)
+        return await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, options[2],
+                                                                                      self.args.dtype)),
+                                  options, f"Succeeded to update model weights from {path}.",
+                                  num_paused_requests=0)  # 0.5.23's scheduler always answers 0
 
     async def init_weights_update_group(self, request):
         body = await _body(request)
-        b = {}
-        for name, check, expected in (("master_address", lambda v: isinstance(v, str), "a string"),
-                                      ("master_port", lambda v: _is_int(v) and 0 < v < 65536, "a port number"),
-                                      ("rank_offset", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-                                      ("world_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2")):
-            if name not in body:
-                raise BadRequest(f"field `{name}` is required")
-            b[name] = _field(body, name, None, check, expected)
-        if b["rank_offset"] >= b["world_size"]:
-            raise BadRequest(f"field `rank_offset` ({b['rank_offset']}) must be < world_size ({b['world_size']})")
-        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        addr = _required(body, "master_address", _is_str, "a string")
+        port = _required(body, "master_port", lambda v: _is_int(v) and 0 < v < 65536, "a port number")
+        rank = _required(body, "rank_offset", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        world = _required(body, "world_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2")
+        if rank >= world:
+            raise BadRequest(f"field `rank_offset` ({rank}) must be < world_size ({world})")
+        group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
         backend = _field(body, "backend", "nccl", lambda v: v in ("nccl", "gloo"), "'nccl' or 'gloo'")
         if backend == "nccl" and self.sched.device.type != "cuda":
             raise BadRequest("field `backend` is 'nccl' but this engine runs on CPU; use 'gloo'")
         if group in self.sched.groups:
             raise BadRequest(f"field `group_name`: group {group!r} already exists; destroy it first")
         try:  # off the model thread: generation goes on while the trainer joins
-            pg = await asyncio.to_thread(init_weight_update_group, b["master_address"], b["master_port"],
-                                         b["rank_offset"], b["world_size"], group, backend, self.args.dist_timeout)
+            pg = await asyncio.to_thread(init_weight_update_group, addr, port, rank, world, group, backend,
+                                         self.args.dist_timeout)
         except RuntimeError as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
+            return _fail(str(e))
         self.sched.groups[group] = (pg, self.sched.device if backend == "nccl" else torch.device("cpu"))
         return web.json_response({"success": True, "message": f"Succeeded to initialize group {group!r}."})
 
     async def destroy_weights_update_group(self, request):
         body = await _body(request, required=False)
-        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
         entry = self.sched.groups.pop(group, None)
         if entry is None:
-            return web.json_response({"success": False, "message": f"no weight-update group {group!r}"}, status=400)
+            return _fail(f"no weight-update group {group!r}")
         with contextlib.suppress(Exception):
             entry[0].shutdown()
         return web.json_response({"success": True, "message": f"Succeeded to destroy group {group!r}."})
 
     async def begin_weight_update(self, request):
-        body = await _body(request)
-        _field(body, "selector", "all", lambda v: isinstance(v, str), "a string")
-        async with self.gate.exclusive(self.args.wait_timeout):  # 0.5.23 takes the writer lock unless paused
-            if self.session_open:
-                return web.json_response({"success": False, "message": "a weight-update session is already open; "
-                                          "call end_weight_update() first"}, status=400)
-            self.session_open = True
-        return web.json_response({"success": True, "message": "Success"})
+        _field(await _body(request), "selector", "all", _is_str, "a string")
+        return await self._session(True, "a weight-update session is already open; call end_weight_update() first")
 
     async def end_weight_update(self, request):
         await _body(request)
-        async with self.gate.exclusive(self.args.wait_timeout):
-            if not self.session_open:
-                return web.json_response({"success": False, "message": "no weight-update session is open; call "
-                                          "begin_weight_update() first"}, status=400)
-            self.session_open = False
+        return await self._session(False, "no weight-update session is open; call begin_weight_update() first")
+
+    async def _session(self, open_: bool, refusal: str) -> web.Response:
+        async with self.gate.exclusive(self.args.wait_timeout):  # 0.5.23 takes the writer lock unless paused
+            if self.session_open == open_:
+                return _fail(refusal)
+            self.session_open = open_
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request):
         body = await _body(request)
-        lists = {}
-        for name, check in (("names", lambda v: isinstance(v, str)), ("dtypes", lambda v: isinstance(v, str)),
-                            ("shapes", lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v))):
-            if name not in body:
-                raise BadRequest(f"field `{name}` is required")
-            lists[name] = _field(body, name, None, lambda v, check=check: isinstance(v, list) and all(map(check, v)),
-                                 "a list of " + ("strings" if name != "shapes" else "shapes (lists of ints)"))
-        if not len(lists["names"]) == len(lists["dtypes"]) == len(lists["shapes"]):
+        names = _required(body, "names", _all_of(_is_str), "a list of strings")
+        dtypes = _required(body, "dtypes", _all_of(_is_str), "a list of strings")
+        shapes = _required(body, "shapes", _all_of(_all_of(lambda d: _is_int(d) and d >= 0)),
+                           "a list of shapes (lists of ints)")
+        if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest("fields `names`, `dtypes` and `shapes` must have the same length")
-        dtypes = [_parse_dtype(d) for d in lists["dtypes"]]
-        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        dtypes = [_parse_dtype(d) for d in dtypes]
+        group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
         _field(body, "load_format", None, lambda v: False, "null (the only supported load_format)")
-        flush = _flag(body, "flush_cache", True)
-        abort_all = _flag(body, "abort_all_requests", False)
-        version = self._version_field(body)
+        options = self._update_options(body)
         if group not in self.sched.groups:
             raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
         if not self.session_open:  # refused before joining the broadcast: a client that broadcasts anyway hangs
-            return web.json_response({"success": False, "message": SESSION_REQUIRED}, status=400)
+            return _fail(SESSION_REQUIRED)
         pg, device = self.sched.groups[group]
-        if abort_all:
-            await self._run(lambda: self.sched.abort(abort_all=True))
-        async with self.gate.exclusive(self.args.wait_timeout):
-            tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(lists["shapes"], dtypes)]
-            try:  # receive off the model thread, then swap between two steps
-                await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
-                await self._run(lambda: self.sched.load_tensors(list(zip(lists["names"], tensors)), version))
-            except (BadRequest, TimeoutError, RuntimeError) as e:
-                return web.json_response({"success": False, "message": str(e)}, status=400)
-        if flush and not await self._run(self.sched.flush_cache):  # SGLang fails the call when the flush is refused
-            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
-        return web.json_response({"success": True, "message": f"Succeeded to update {len(tensors)} parameters."
-                                  + (f" Weight version updated to {version}." if version else "")})
+
+        async def load():  # receive off the model thread, then swap between two steps
+            tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(shapes, dtypes)]
+            await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
+            await self._run(lambda: self.sched.load_tensors(list(zip(names, tensors)), options[2]))
+        return await self._update(load, options, f"Succeeded to update {len(names)} parameters.")
 
     async def update_weights_from_tensor(self, request):
         """Colocate's path (sglang managers/scheduler_components/weight_updater.py update_weights_from_tensor):
@@ -1467,62 +1455,45 @@ class Server:
         (name, tensor) pairs; on CPU the tensors travel as shared-memory files (torch's file_system sharing), on
         GPU as CUDA IPC handles. Refused outside a weight-update session, as the distributed path."""
         body = await _body(request)
-        payloads = _field(body, "serialized_named_tensors", None,
-                          lambda v: isinstance(v, list) and v and all(isinstance(x, str) for x in v),
-                          "a non-empty list of base64 strings, one per TP rank")
-        if payloads is None:
-            raise BadRequest("field `serialized_named_tensors` is required")
+        payloads = _required(body, "serialized_named_tensors", lambda v: _all_of(_is_str)(v) and len(v) > 0,
+                             "a non-empty list of base64 strings, one per TP rank")
         _field(body, "load_format", None, lambda v: v in ("direct",), "null or 'direct' (engine.py loads by "
                "parameter name; 'flattened_bucket' needs sglang's classes)")
         _field(body, "selector", "all", lambda v: v in ("target", "draft", "all"), "'target', 'draft' or 'all'")
         _flag(body, "torch_empty_cache", False)
-        flush = _flag(body, "flush_cache", True)
-        abort_all = _flag(body, "abort_all_requests", False)
-        version = self._version_field(body)
+        options = self._update_options(body)
         if not self.session_open:
-            return web.json_response({"success": False, "message": SESSION_REQUIRED.replace(
-                "update_weights_from_distributed", "update_weights_from_tensor")}, status=400)
+            return _fail(SESSION_REQUIRED.replace("update_weights_from_distributed", "update_weights_from_tensor"))
         try:  # this engine is TP rank 0 of 1
             named = deserialize_named_tensors(payloads[0])
         except Exception as e:
             raise BadRequest(f"field `serialized_named_tensors`: payload 0 does not deserialize: {e}") from None
-        if abort_all:
-            await self._run(lambda: self.sched.abort(abort_all=True))
-        async with self.gate.exclusive(self.args.wait_timeout):
-            try:
-                await self._run(lambda: self.sched.load_tensors(named, version))
-            except BadRequest as e:
-                return web.json_response({"success": False, "message": str(e)}, status=400)
-        if flush and not await self._run(self.sched.flush_cache):
-            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
-        return web.json_response({"success": True, "message": "Success"
-                                  + (f" Weight version updated to {version}." if version else "")})
+        return await self._update(lambda: self._run(lambda: self.sched.load_tensors(named, options[2])), options,
+                                  "Success")
 
     async def update_weight_version(self, request):
         body = await _body(request)
-        v = _field(body, "new_version", None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
-                   "a string")
+        v = self._version_field(body, "new_version")
         if v is None:
             raise BadRequest("field `new_version` is required")
         abort_all = _flag(body, "abort_all_requests", True)
-        await self._run(lambda: self.sched.set_version(str(v), abort_all))
-        return web.json_response({"success": True, "message": f"Weight version updated to {v}.",
-                                  "new_version": str(v)})
+        await self._run(lambda: self.sched.set_version(v, abort_all))
+        return web.json_response({"success": True, "message": f"Weight version updated to {v}.", "new_version": v})
 
-    def _tags(self, body: dict) -> list:
-        tags = _field(body, "tags", None, lambda v: isinstance(v, list) and all(t in RELEASE_TAGS for t in v),
+    async def _memory(self, request, fn: Callable[[list], None], done: str) -> web.Response:
+        """/release_memory_occupation and /resume_memory_occupation: `tags` absent means all of RELEASE_TAGS."""
+        tags = _field(await _body(request, required=False), "tags", None,
+                      lambda v: isinstance(v, list) and all(t in RELEASE_TAGS for t in v),
                       "a list of " + ", ".join(RELEASE_TAGS))
-        return list(RELEASE_TAGS) if tags is None else tags
+        tags = list(RELEASE_TAGS) if tags is None else tags
+        await self._run(lambda: fn(tags))
+        return web.json_response({"success": True, "message": f"{done} {tags}."})
 
     async def release_memory(self, request):
-        tags = self._tags(await _body(request, required=False))
-        await self._run(lambda: self.sched.release(tags))
-        return web.json_response({"success": True, "message": f"Released {tags}."})
+        return await self._memory(request, self.sched.release, "Released")
 
     async def resume_memory(self, request):
-        tags = self._tags(await _body(request, required=False))
-        await self._run(lambda: self.sched.resume_memory(tags))
-        return web.json_response({"success": True, "message": f"Resumed {tags}."})
+        return await self._memory(request, self.sched.resume_memory, "Resumed")
 
     # -- info endpoints ---------------------------------------------------------------------------------------
     async def model_info(self, request):
@@ -1616,12 +1587,6 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1", timeout: float = 180.0,
