@@ -2,8 +2,7 @@
 
 It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/sglang_api.md: /generate, aborts,
 pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
-versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this
-engine on a laptop.
+versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang or this engine.
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
@@ -19,23 +18,21 @@ which token is drawn, never the reported log-prob: RL runs sample with top_p=1, 
 probability the token was drawn with.
 
 How it works: one model thread owns the model and every request's state. Each iteration it runs the control calls
-queued by the HTTP handlers (abort, pause, weight update, ...), prefills newly admitted requests as one left-padded
-batch, and advances ALL running requests with ONE batched forward of one token each (continuous batching). The KV
-cache is one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their
-prefilled slab in and leave by compacting rows. At most --max-running-requests run; the rest wait in a FIFO queue.
-The HTTP side (aiohttp) only parses, validates and formats, so it stays responsive while the model computes; it
-refuses a body over --max-request-mb (413) from its Content-Length and a `text` too long for the context before
-tokenizing it, and parses large bodies and long prompts off the event loop.
+queued by the HTTP handlers, prefills newly admitted requests as one left-padded batch, and advances ALL running
+requests with ONE batched forward of one token each (continuous batching), at most --max-running-requests of them
+(the rest wait in a FIFO queue). The KV cache is one left-padded [B, H, capacity, D] slab per layer with an
+attention mask; requests join by merging their prefilled slab in and leave by compacting rows. The HTTP side
+(aiohttp) only parses, validates and formats; it refuses a body over --max-request-mb (413) before reading it and a
+`text` too long for the context before tokenizing it, and parses large bodies and long prompts off the event loop.
 
 Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts"; tests/
-test_sglang_conformance.py names the source of each): /abort_request is forwarded once per registered rid and
-aborts every rid it prefixes; an abort between registration and dispatch past the pause gate (--dispatch-delay-s
-widens it) is lost, and a request abandoned at the gate still runs after continue until the disconnect is noticed;
-`/pause_generation abort` repeats until no request holds the lock; /health generates through the pause gate; the
-prefix cache ignores the weight version (only /flush_cache or a new extra_key / cache_salt keeps old-weight KV
-out); schema errors are 422, bad values 400; /update_weights_from_distributed needs /begin_weight_update ...
-/end_weight_update; --api-key guards all but /health* and /metrics; /server_info reports `version`, the raw flag as
-`max_running_requests` and the enforced limit in `internal_states[0]["effective_max_running_requests_per_dp"]`.
+test_sglang_conformance.py names the source of each): an /abort_request is forwarded once per registered rid and
+aborts every rid it prefixes, and one sent before the request passed the pause gate is lost; a request abandoned at
+the gate still runs after continue; pause "abort" repeats until no request holds the lock; /health generates
+through the pause gate; the prefix cache ignores the weight version (only /flush_cache or a new extra_key /
+cache_salt keeps old-weight KV out); schema errors are 422, bad values 400; /update_weights_from_distributed needs
+/begin_weight_update ... /end_weight_update; --api-key guards all but /health* and /metrics; /server_info reports
+`version`, the raw --max-running-requests and, in internal_states, the enforced one.
 
 Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (a request matches a cached
 sequence that is its tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens;
@@ -81,13 +78,13 @@ log = logging.getLogger("engine")
 GREEDY_EPS = 1e-6  # temperature below this is greedy (SGLang's _SAMPLING_EPS, sampling/sampling_params.py)
 KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose HTTP API this engine serves (/server_info "version")
-DEFAULT_MAX_RUNNING = 64  # requests decoded together when --max-running-requests is not given (SGLang sizes it
-# from the KV pool; it reports it as effective_max_running_requests_per_dp either way)
+DEFAULT_MAX_RUNNING = 64  # requests decoded together without --max-running-requests (SGLang sizes it from its KV pool)
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
 PREFIX_CACHE_TOKENS = 1 << 16  # prompt tokens the prefix cache holds (least recently used entries go first)
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # /health: 503 after this
+HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") not in ("0", "false")  # /health
 REQUEST_STATE_WAIT_TIMEOUT_S = float(os.environ.get("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4))  # how soon a
 # request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
@@ -99,8 +96,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "no_stop_trim": False, "min_new_tokens": 0, "n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
     "repetition_penalty": 1.0, "sampling_seed": None, "logit_bias": None, "json_schema": None, "regex": None,
-    "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None,
-}
+    "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None}
 # Fields engine.py implements only at their default value (HTTP 400 otherwise, naming the field).
 DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
                 "regex", "ebnf", "stop_regex", "custom_params", "structural_tag")
@@ -116,9 +112,7 @@ class SchemaError(BadRequest):
     GenerateReqInput answers (entrypoints/http_server.py), where values out of range are 400."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Request parsing and validation
-# ----------------------------------------------------------------------------------------------------------------
+# -- Request parsing and validation --------------------------------------------------------------------------------
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -128,12 +122,7 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _is_str(v) -> bool:
-    return isinstance(v, str)
-
-
-def _is_bool(v) -> bool:
-    return isinstance(v, bool)
+_is_str, _is_bool = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool))
 
 
 def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -147,8 +136,7 @@ def _all_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 def _field(body: dict, name: str, default, check: Callable[[Any], bool], expected: str, where: str = ""):
-    """body[name], or `default` when absent (null is accepted when the default is null); BadRequest naming the
-    field when `check` fails."""
+    """body[name], `default` when absent (null too when the default is null); BadRequest when `check` fails."""
     v = body.get(name, default)
     if v is None and default is None:
         return None
@@ -187,8 +175,7 @@ class SamplingParams:
 
 def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     """Validate an SGLang sampling_params dict; unknown keys are rejected the way SGLang rejects them."""
-    if sp is None:
-        sp = {}
+    sp = {} if sp is None else sp
     if not isinstance(sp, dict):
         raise BadRequest("field `sampling_params` must be a JSON object")
     for k in sp:
@@ -210,7 +197,8 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     stop_ids = g("stop_token_ids", _all_of(lambda t: _is_int(t) and 0 <= t < vocab_size),
                  f"a list of token ids in [0, {vocab_size})")
     flags = {name: _flag(sp, name, SAMPLING_DEFAULTS[name], "sampling_params.")
-             for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")}
+             for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim")}
+    _flag(sp, "spaces_between_special_tokens", True, "sampling_params.")  # validated, then ignored
     min_new = g("min_new_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     seed = g("sampling_seed", _is_int, "an integer")
     interval = g("stream_interval", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
@@ -218,12 +206,10 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         raise BadRequest(f"field `sampling_params.min_new_tokens` ({min_new}) must be <= max_new_tokens ({max_new})")
     greedy = temperature < GREEDY_EPS
     return SamplingParams(
-        max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy,
-        top_p=float(top_p), top_k=top_k, min_p=float(min_p),
-        stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
-        stop_token_ids=list(stop_ids or []), ignore_eos=flags["ignore_eos"],
-        skip_special_tokens=flags["skip_special_tokens"], no_stop_trim=flags["no_stop_trim"],
-        min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1)
+        max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy, top_p=float(top_p),
+        top_k=top_k, min_p=float(min_p), stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
+        stop_token_ids=list(stop_ids or []), min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1,
+        **flags)
 
 
 @dataclass
@@ -256,10 +242,8 @@ class Req:
 
 
 def max_token_chars(tokenizer) -> int:
-    """The most characters one token stands for (its longest vocabulary string; a byte-level token's string has one
-    character per byte, so no longer than the text it encodes). A text longer than context_len times this cannot
-    fit the context, which is known without tokenizing it (for tokenizers whose normalizer deletes no characters,
-    as LLM BPE and SentencePiece tokenizers)."""
+    """The most characters one token stands for (a byte-level token's string has one per byte): a longer text than
+    context_len times this cannot fit the context (for normalizers that delete no characters, as BPE/SentencePiece)."""
     return max(len(t) for t in tokenizer.get_vocab())
 
 
@@ -277,10 +261,9 @@ PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "to
 def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
                    token_chars: int) -> tuple[list, bool, int]:
     """(requests, listed, n) of a /generate body, as 0.5.23 normalises GenerateReqInput (managers/io_struct.py):
-    one prompt, or a batch (`input_ids` a list of lists or `text` a list) whose `rid` is a list of unique strings
-    (a string is a prefix: rid_0, rid_1, ...; absent: random) and whose other per-item fields are given once or as
-    a list; `listed` says the reply is a list. With sampling_params.n > 1 (the same n for every item) each prompt
-    is sent n times, each with a fresh random rid (the client's rid is dropped), prompt-major."""
+    one prompt, or a batch (`input_ids` a list of lists or `text` a list) with unique rids (a string rid is a prefix:
+    rid_0, rid_1, ...) and other per-item fields given once or as a list; `listed`: the reply is a list. With
+    sampling_params.n > 1 (one n for all) each prompt is sent n times, prompt-major, each with a fresh random rid."""
     for name, ok in GENERATE_SCHEMA.items():
         if body.get(name) is not None and not ok(body[name]):
             raise SchemaError(f"field `{name}` has the wrong type: {json.dumps(body[name])[:80]}")
@@ -318,19 +301,15 @@ def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_c
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("exactly one of fields `input_ids` and `text` is required")
-    if text is not None:
-        if not isinstance(text, str):
-            raise BadRequest("field `text` must be a string")
+    if text is not None:  # (GENERATE_SCHEMA made text a string and input_ids a list of integers)
         if len(text) > context_len * token_chars:
             raise BadRequest(f"field `text` has {len(text)} characters, more than the model's context length of "
                              f"{context_len} tokens can hold (a token is at most {token_chars} characters)")
         ids = tokenizer.encode(text)
-    elif not isinstance(ids, list):
-        raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if len(ids) >= context_len:
         raise BadRequest(f"field `{'input_ids' if text is None else 'text'}` has {len(ids)} tokens; the model's "
                          f"context length is {context_len}")
-    if text is None and not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+    if text is None and not all(0 <= t < vocab_size for t in ids):
         raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
@@ -358,14 +337,11 @@ def abort_reason(message: str, status_code: Optional[int] = None, err_type: Opti
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# KV cache: one left-padded slab per layer
-# ----------------------------------------------------------------------------------------------------------------
+# -- KV cache: one left-padded slab per layer ----------------------------------------------------------------------
 
 class _SlabLayer(DynamicLayer):
-    """One layer's K/V in a preallocated [B, H, capacity, D] buffer. Appending a step writes into the slab
-    instead of torch.cat-ing the whole cache (DynamicLayer's O(T^2) total copying); `keys`/`values` are views
-    of the first `n` columns, which is what the attention and the mask code read."""
+    """One layer's K/V in a preallocated [B, H, capacity, D] buffer: a step writes into it instead of torch.cat-ing
+    the whole cache (DynamicLayer's O(T^2) copying); `keys`/`values`, what attention reads, view the first n columns."""
 
     def __init__(self, kb: Optional[torch.Tensor], vb: Optional[torch.Tensor], n: int, cap: int):
         super().__init__()
@@ -467,18 +443,15 @@ class KVBatch:
                        torch.cat([p[0].last_tok[p[1]] for p in pieces]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Torch distributed weight-update group (both sides use these helpers)
-# ----------------------------------------------------------------------------------------------------------------
+# -- Torch distributed weight-update group (both sides use these helpers) ------------------------------------------
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str = "weight_update_group", backend: str = "gloo",
                              timeout_s: float = 300.0):
-    """A ProcessGroupGloo/NCCL of `world_size` ranks rendezvousing on a TCPStore at master_address:master_port
-    (rank 0, the trainer, hosts the store). It is NOT the default process group, so a trainer under torchrun can
-    own it next to its own. The store prefixes mirror SGLang's init_custom_process_group (PrefixStore(group_name)
-    then torch's "<group_name>/<device>/"), so the trainer side can also face real SGLang over NCCL.
-    Blocks until all ranks joined; raises after timeout_s naming what did not arrive."""
+    """A ProcessGroupGloo/NCCL of `world_size` ranks on a TCPStore at master_address:master_port (hosted by rank 0,
+    the trainer), NOT the default process group, so a trainer under torchrun owns it next to its own. The store
+    prefixes mirror SGLang's init_custom_process_group (PrefixStore(group_name), then torch's "<group_name>/<device>/"),
+    so the trainer side can also face real SGLang over NCCL. Blocks until all ranks joined, raises after timeout_s."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -533,7 +506,6 @@ def _rebuild_cuda_tensor(*args):
     """torch's CUDA IPC rebuild, with the device given by UUID (weight_sync.serialize_named_tensors, SGLang's
     patch_torch): the sender's CUDA_VISIBLE_DEVICES numbers the GPUs differently."""
     from torch.multiprocessing import reductions
-
     dev = args[6]
     if isinstance(dev, str):
         dev = next(i for i in range(torch.cuda.device_count())
@@ -544,7 +516,6 @@ def _rebuild_cuda_tensor(*args):
 def deserialize_named_tensors(payload: str) -> list:
     """A /update_weights_from_tensor payload (weight_sync.serialize_named_tensors) -> [(name, tensor)]."""
     import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
-
     named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
     if not (isinstance(named, list) and all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
                                             and isinstance(x[1], torch.Tensor) for x in named)):
@@ -559,9 +530,7 @@ def _parse_dtype(name: str) -> torch.dtype:
     return dt
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------------------------
+# -- Sampling ------------------------------------------------------------------------------------------------------
 
 def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
     """One token per row of logits [B, V] under SamplingParams params[i]. Returns (logp [B, V], tokens [B]) where
@@ -609,9 +578,7 @@ def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
     return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The model thread
-# ----------------------------------------------------------------------------------------------------------------
+# -- The model thread ----------------------------------------------------------------------------------------------
 
 def load_model(path: str, device: torch.device, dtype: str):
     from transformers import AutoModelForCausalLM
@@ -700,7 +667,10 @@ class Scheduler:
                 if not self._busy():
                     continue
                 try:
-                    self._step()
+                    if self.waiting and len(self.running) < self.max_running:
+                        self._admit()
+                    if self.running:
+                        self._decode()
                 except Exception as e:  # fail the batch, keep serving
                     log.exception("model step failed; aborting the requests in it")
                     for req in self.running + self.prefilling:
@@ -711,12 +681,6 @@ class Scheduler:
                 if now - tick_t > 2.0:
                     self.throughput = (self.generated_tokens - tick_n) / (now - tick_t)
                     tick_t, tick_n = now, self.generated_tokens
-
-    def _step(self):
-        if self.waiting and len(self.running) < self.max_running:
-            self._admit()
-        if self.running:
-            self._decode()
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch, pos: torch.Tensor, last_only: bool) -> torch.Tensor:
         q = ids.shape[1]
@@ -764,18 +728,16 @@ class Scheduler:
                 kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM)
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
-        for i, r in enumerate(new):
-            if want_input_lp[i]:
-                self._input_logprobs(r, logits[i, q - len(seqs[i]):], seqs[i])
         kv.next_pos = torch.tensor([len(s) for s in seqs], device=self.device)
         for i, (r, s) in enumerate(zip(new, seqs)):
+            if want_input_lp[i]:
+                self._input_logprobs(r, logits[i, q - len(s):], s)
             self._cache_insert(r.cache_ns, s, kv, i)
             if r.sp.sampling_seed is not None and r.generator is None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
-        live = [i for i, r in enumerate(new) if r.sp.max_new_tokens > len(r.output_ids)]
-        for i, r in enumerate(new):
-            if i not in live:  # max_new_tokens 0 (or a retracted request already at its limit)
+            if r.sp.max_new_tokens <= len(r.output_ids):  # max_new_tokens 0 (or a retracted request at its limit)
                 self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
+        live = [i for i, r in enumerate(new) if r.finish is None]
         if not live:
             self.prefilling = []
             return
@@ -815,9 +777,7 @@ class Scheduler:
         while self.cache_tokens > PREFIX_CACHE_TOKENS:
             (old_ns, old), _ = self.prefix_cache.popitem(last=False)
             self.cache_tokens -= len(old)
-            self.cache_lengths[old_ns][len(old)] -= 1
-            if not self.cache_lengths[old_ns][len(old)]:
-                del self.cache_lengths[old_ns][len(old)]
+            self.cache_lengths[old_ns] -= collections.Counter([len(old)])  # (drops the lengths counted 0)
 
     def _cache_clear(self) -> None:
         self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
@@ -858,8 +818,7 @@ class Scheduler:
         """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""
         lp = torch.log_softmax(logits.float() / r.sp.temperature, -1)
         tgt = torch.tensor(seq[1:], device=lp.device)
-        vals = lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
-        full = [None] + vals
+        full = [None] + lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
         r.input_logprobs = [(full[j], seq[j]) for j in range(r.logprob_start_len, len(seq))]
 
     def _append(self, r: Req, tok: int, lp: float, top: Optional[list]):
@@ -898,27 +857,23 @@ class Scheduler:
 
     # -- control calls (run on the model thread via call()) -----------------------------------------------------
     def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
-        """Abort requests whose rid starts with `rid` (or equals it when exact; all with abort_all). Running ones
-        return their partial output; queued ones "Abort in waiting queue". A running request of a server paused
-        in place is only marked: SGLang's aborted request "still runs one decode forward pass" (managers/
-        scheduler.py), which a paused scheduler runs after /continue_generation. Returns how many were aborted."""
+        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all); queued
+        ones "Abort in waiting queue". Paused in place, a running one is only marked: SGLang's aborted request "still
+        runs one decode forward pass" (managers/scheduler.py), which a paused scheduler runs after continue."""
         def hit(r):
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:
             self._finish(r, abort_reason("Abort in waiting queue"))
-        n, keep = len(queued), []
+        n, keep = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):
-            if hit(r) and self.paused == "in_place":
-                r.to_finish = abort_reason("Aborted")
-                keep.append(i)
-                n += 1
-            elif hit(r):
+            if hit(r) and self.paused != "in_place":
                 self._finish(r, abort_reason("Aborted"))
-                n += 1
             else:
                 keep.append(i)
+                if hit(r):  # paused in place: finished by its next forward pass
+                    r.to_finish = abort_reason("Aborted")
         if len(keep) < len(self.running):
             self._remove(keep)
         return n
@@ -993,9 +948,7 @@ class Scheduler:
         self.released -= set(tags)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# HTTP server
-# ----------------------------------------------------------------------------------------------------------------
+# -- HTTP server ---------------------------------------------------------------------------------------------------
 
 class Gate:
     """Who may start a /generate: SGLang's pause flag (new requests wait while paused) plus its model-update
@@ -1155,21 +1108,18 @@ class Server:
         except TimeoutError as e:
             return _error(str(e), 503)
 
-    async def _run(self, fn: Callable[[], Any], timeout: Optional[float] = None):
-        """Run fn on the model thread and await its result."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.sched.call(fn)), timeout or self.args.wait_timeout)
+    async def _run(self, fn: Callable[[], Any]):
+        """Run fn on the model thread and await its result (at most --wait-timeout)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.sched.call(fn)), self.args.wait_timeout)
 
     # -- /generate --------------------------------------------------------------------------------------------
     def _output(self, r: Req, n: int, final: bool) -> dict:
         ids = r.output_ids[:n]
         fin = r.finish if final else None
-        text_ids = ids
-        if fin and fin["type"] == "stop" and _is_int(fin.get("matched")) and not r.sp.no_stop_trim:
-            text_ids = ids[:-1]
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=r.sp.skip_special_tokens)
-        if fin and fin["type"] == "stop" and isinstance(fin.get("matched"), str) and not r.sp.no_stop_trim:
-            cut = text.find(fin["matched"])
-            text = text[:cut] if cut >= 0 else text
+        trim = fin.get("matched") if fin and fin["type"] == "stop" and not r.sp.no_stop_trim else None  # id or str
+        text = self.tokenizer.decode(ids[:-1] if _is_int(trim) else ids, skip_special_tokens=r.sp.skip_special_tokens)
+        if isinstance(trim, str) and trim in text:
+            text = text[:text.find(trim)]
         spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
                 "cached_tokens": r.cached_tokens,
@@ -1206,7 +1156,9 @@ class Server:
             if self.args.dispatch_delay_s:  # SGLang tokenizes and sends here: an abort now finds nothing
                 await asyncio.sleep(self.args.dispatch_delay_s)
             if n > 1:  # 0.5.23 first prefills each prompt alone (max_new_tokens 0), so its n samples share the KV
-                await self._warm_up(reqs[::n])
+                await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
+                                            sp=replace(r.sp, max_new_tokens=0)) for r in reqs[::n]],
+                                       self.args.wait_timeout)  # (tokenizer_manager.py)
             self.sched.call(lambda: self.sched.waiting.extend(reqs))
             return await self._respond(request, reqs, listed, updates)
         except asyncio.CancelledError:
@@ -1231,25 +1183,17 @@ class Server:
 
     async def _run_to_end(self, reqs: list, timeout: float) -> None:
         """Submit reqs (their own notify) and wait until all finished, at most `timeout` seconds."""
-        done, left, loop = asyncio.Event(), [len(reqs)], asyncio.get_running_loop()
-
-        def notify(n, final):
-            left[0] -= final
-            if not left[0]:
-                loop.call_soon_threadsafe(done.set)
-        for r in reqs:
-            r.notify = notify
+        loop = asyncio.get_running_loop()
+        done = [loop.create_future() for _ in reqs]
+        for r, fut in zip(reqs, done):  # a request is notified final once
+            r.notify = lambda n, final, fut=fut: final and loop.call_soon_threadsafe(fut.set_result, None)
         self.sched.call(lambda: self.sched.waiting.extend(reqs))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout)
+        await asyncio.wait(done, timeout=timeout)
 
     async def _gated(self, reqs, run_s: float) -> None:
-        """Pass the pause gate, then run reqs (a Req or a list) for at most run_s seconds and abort what is left.
-        Serves /health's request and an abandoned one: SGLang's handler of a request whose client left while it
-        waited at the gate is not cancelled, so it is dispatched at /continue_generation and runs until the
-        disconnect is noticed, at the first SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s) without a reply
-        (tokenizer_manager.py: _wait_one_response)."""
-        reqs = reqs if isinstance(reqs, list) else [reqs]
+        """Pass the pause gate, run reqs for at most run_s seconds, abort what is left: /health's request, and one
+        whose client left at the gate (SGLang's handler goes on: dispatched at continue, it runs until the disconnect
+        is noticed, SGLANG_REQUEST_STATE_WAIT_TIMEOUT without a reply, tokenizer_manager.py _wait_one_response)."""
         try:
             with contextlib.suppress(TimeoutError):  # (the gate stayed shut: nothing ran)
                 await self.gate.enter(self.args.wait_timeout)
@@ -1261,24 +1205,14 @@ class Server:
         finally:
             self._forget(reqs)
 
-    async def _warm_up(self, prompts: list) -> None:
-        """The prefill-only pass 0.5.23 runs before the n samples of each prompt (tokenizer_manager.py)."""
-        await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
-                                    sp=replace(r.sp, max_new_tokens=0)) for r in prompts],
-                               self.args.wait_timeout)
-
     async def _respond(self, request: web.Request, reqs: list, listed: bool,
                        updates: asyncio.Queue) -> web.StreamResponse:
         """The reply once every item finished, in input order; an item that ends with status_code >= 400 makes
         the whole call that HTTP error (the finally of generate aborts the rest), as 0.5.23 does."""
         r = reqs[0]
-        if not r.stream:
-            left = len(reqs)
-            while left:
-                i, _, final = await updates.get()
-                if not final:
-                    continue
-                left -= 1
+        if not r.stream:  # (only a streamed request is notified before it finishes)
+            for _ in reqs:
+                i = (await updates.get())[0]
                 code = (reqs[i].finish or {}).get("status_code")
                 if _is_int(code) and code >= 400:
                     return _error(reqs[i].finish.get("message") or "request failed", code)
@@ -1350,9 +1284,8 @@ class Server:
         return _flag(body, "flush_cache", True), _flag(body, "abort_all_requests", False), self._version_field(body)
 
     async def _update(self, load: Callable[[], Any], options: tuple, message: str, **extra) -> web.Response:
-        """The shared tail of the three weight updates: abort if asked, await load() under the writer lock (its
-        failure is the 400 answer, as SGLang's scheduler answers success false), then flush the prefix cache: SGLang
-        fails the call when the flush is refused. `extra` fields go into every answer."""
+        """The three weight updates' shared tail: abort if asked, await load() under the writer lock (a failure is
+        the 400 answer with success false), flush the cache (SGLang fails the call when that is refused)."""
         flush, abort_all, version = options
         if abort_all:
             await self._run(lambda: self.sched.abort(abort_all=True))
@@ -1450,10 +1383,9 @@ class Server:
         return await self._update(load, options, f"Succeeded to update {len(names)} parameters.")
 
     async def update_weights_from_tensor(self, request):
-        """Colocate's path (sglang managers/scheduler_components/weight_updater.py update_weights_from_tensor):
-        `serialized_named_tensors[tp_rank]` is a MultiprocessingSerializer payload (base64 ForkingPickler bytes) of
-        (name, tensor) pairs; on CPU the tensors travel as shared-memory files (torch's file_system sharing), on
-        GPU as CUDA IPC handles. Refused outside a weight-update session, as the distributed path."""
+        """Colocate (sglang managers/scheduler_components/weight_updater.py update_weights_from_tensor): each
+        `serialized_named_tensors[tp_rank]` is base64 ForkingPickler bytes of (name, tensor) pairs, shared-memory
+        files on CPU (torch's file_system sharing), CUDA IPC handles on GPU. Refused outside a weight-update session."""
         body = await _body(request)
         payloads = _required(body, "serialized_named_tensors", lambda v: _all_of(_is_str)(v) and len(v) > 0,
                              "a non-empty list of base64 strings, one per TP rank")
@@ -1514,20 +1446,18 @@ class Server:
         return web.json_response(info)
 
     async def health(self, request):
-        """/health and /health_generate (entrypoints/http_server.py: health_generate): a one-token request through
-        the pause gate; 200 once the scheduler produced any output after the call began, else 503 after
-        SGLANG_HEALTH_CHECK_TIMEOUT (20 s) and the server is marked unhealthy (/ready 503) until one succeeds. So
-        a paused server does not answer 200. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers 200
-        without generating."""
+        """/health, /health_generate (entrypoints/http_server.py health_generate): a one-token request through the
+        pause gate, so never 200 while paused; 200 once the scheduler output anything after the call began, else 503
+        after SGLANG_HEALTH_CHECK_TIMEOUT and unhealthy (/ready 503) until one succeeds. With
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false /health answers 200 without generating."""
         if not (self.ready and self.sched.thread.is_alive()):
             return web.Response(status=503)
-        if request.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0",
-                                                                                                       "false"):
+        if request.path == "/health" and not HEALTH_GENERATES:
             return web.Response(status=200)
         t0 = time.perf_counter()
         r = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                 sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, self.sched.vocab_size))
-        task = asyncio.ensure_future(self._gated(r, HEALTH_CHECK_TIMEOUT_S))
+        task = asyncio.ensure_future(self._gated([r], HEALTH_CHECK_TIMEOUT_S))
         try:
             while time.perf_counter() < t0 + HEALTH_CHECK_TIMEOUT_S:
                 await asyncio.sleep(0.02)
@@ -1546,21 +1476,17 @@ class Server:
         return web.Response(status=200 if ok else 503)
 
     async def loads(self, request):
-        s = self.sched
-        kv = s.kv
+        s, kv = self.sched, self.sched.kv
         # a request that just finished leaves the batch at the end of its step: count only unfinished ones
-        running = sum(r.finish is None for r in list(s.running))
-        waiting = len(s.waiting)
-        used = int(kv.n * len(s.running)) if kv is not None else 0
+        running, waiting = sum(r.finish is None for r in list(s.running)), len(s.waiting)
+        used = kv.n * len(s.running) if kv is not None else 0
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
             "num_total_reqs": running + waiting, "num_used_tokens": used,
             "max_running_requests": s.max_running, "paused": s.paused}]})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launching (CLI and subprocess helper)
-# ----------------------------------------------------------------------------------------------------------------
+# -- Launching (CLI and subprocess helper) -------------------------------------------------------------------------
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -1591,10 +1517,9 @@ class EngineProcess:
 
 def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1", timeout: float = 180.0,
            log_path: Optional[str] = None, env: Optional[dict] = None, **kw) -> tuple[str, EngineProcess]:
-    """Start `python engine.py` on a free port (or `port`) and wait until /health answers 200.
-    Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8). Returns (url, handle);
-    handle.stop() ends it. The server's log goes to log_path (default: a temporary file, handle.log_path); `env`
-    adds environment variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT)."""
+    """Start `python engine.py` on a free port (or `port`), wait until /health answers 200 and return (url, handle).
+    Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8); `env` adds environment
+    variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT); the log goes to log_path (default: a temporary file)."""
     port = port or free_port(host)
     url = f"http://{host}:{port}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_path), "--host", host,
