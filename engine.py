@@ -17,28 +17,25 @@ SGLang, which turns greedy into temperature 1 + top_k 1). top_p / top_k / min_p 
 which token is drawn, never the reported log-prob: RL runs sample with top_p=1, top_k=-1 so that it is the
 probability the token was drawn with.
 
-How it works: one model thread owns the model and every request's state. Each iteration it runs the control calls
-queued by the HTTP handlers, prefills newly admitted requests as one left-padded batch, and advances ALL running
-requests with ONE batched forward of one token each (continuous batching), at most --max-running-requests of them
-(the rest wait in a FIFO queue). The KV cache is one left-padded [B, H, capacity, D] slab per layer with an
-attention mask; requests join by merging their prefilled slab in and leave by compacting rows. The HTTP side
-(aiohttp) only parses, validates and formats; it refuses a body over --max-request-mb (413) before reading it and a
-`text` too long for the context before tokenizing it, and parses large bodies and long prompts off the event loop.
+How it works: one model thread owns the model and all request state. Each iteration it runs the control calls the
+HTTP handlers queued, prefills newly admitted requests as one batch, and advances ALL running requests (at most
+--max-running-requests; the rest wait in a FIFO queue) with ONE batched forward of one token each. The KV cache is
+one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their prefilled
+slab in and leave by compacting rows. The HTTP side (aiohttp) only parses, validates and formats, refuses oversized
+bodies (413, before reading) and texts (before tokenizing), and parses large ones off the event loop.
 
-Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts"; tests/
-test_sglang_conformance.py names the source of each): an /abort_request is forwarded once per registered rid and
-aborts every rid it prefixes, and one sent before the request passed the pause gate is lost; a request abandoned at
-the gate still runs after continue; pause "abort" repeats until no request holds the lock; /health generates
-through the pause gate; the prefix cache ignores the weight version (only /flush_cache or a new extra_key /
-cache_salt keeps old-weight KV out); schema errors are 422, bad values 400; /update_weights_from_distributed needs
-/begin_weight_update ... /end_weight_update; --api-key guards all but /health* and /metrics; /server_info reports
-`version`, the raw --max-running-requests and, in internal_states, the enforced one.
+Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts";
+tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
+lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
+repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight
+version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors are 422, bad values 400;
+group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
-Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (a request matches a cached
-sequence that is its tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens;
-batches do not stream; no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults,
-else 400); `spaces_between_special_tokens` is ignored. Full-attention decoders only (Llama/Qwen/Mistral-style).
-Released weights stay in host memory and generation waits until resumed.
+Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
+tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens; batches do not stream;
+no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+`spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
+(generation waits until they are resumed).
 """
 from __future__ import annotations
 
@@ -180,8 +177,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         raise BadRequest("field `sampling_params` must be a JSON object")
     for k in sp:
         if k not in SAMPLING_DEFAULTS:
-            raise BadRequest(f"unknown field `{k}`, expected one of "
-                             + ", ".join(f"`{n}`" for n in SAMPLING_DEFAULTS))
+            raise BadRequest(f"unknown field `{k}`, expected one of " + ", ".join(f"`{n}`" for n in SAMPLING_DEFAULTS))
     for k in DEFAULT_ONLY:
         if k in sp and sp[k] is not None and sp[k] != SAMPLING_DEFAULTS[k]:
             raise BadRequest(f"field `sampling_params.{k}` is not supported by engine.py; only its default "
@@ -241,19 +237,12 @@ class Req:
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
 
 
-def max_token_chars(tokenizer) -> int:
-    """The most characters one token stands for (a byte-level token's string has one per byte): a longer text than
-    context_len times this cannot fit the context (for normalizers that delete no characters, as BPE/SentencePiece)."""
-    return max(len(t) for t in tokenizer.get_vocab())
-
-
 # The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
 GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
-    "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)),
-    "rid": _list_of(_is_str), "sampling_params": _list_of(lambda v: isinstance(v, dict)),
-    "return_logprob": _list_of(_is_bool), "logprob_start_len": _list_of(_is_int),
-    "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool, "stream": _is_bool,
-    "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
+    "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
+    "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
+    "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
+    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -321,11 +310,9 @@ def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_c
         raise BadRequest(f"field `sampling_params.max_new_tokens` ({sp.max_new_tokens}) plus the {len(ids)} input "
                          f"tokens exceeds the model's context length {context_len}")
     req = Req(
-        rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp,
-        return_logprob=_flag(body, "return_logprob", False),
+        rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp, return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-        logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1,
-                                 "an integer >= -1"),
+        logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False),
         stream=_flag(body, "stream", False), cache_ns=(body.get("extra_key") or None, body.get("cache_salt") or None))
     if req.logprob_start_len >= len(ids):
@@ -459,8 +446,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
         store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
                               multi_tenant=True)
         device = "cuda" if backend == "nccl" else "cpu"
-        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",
-                                                               dist.PrefixStore(group_name, store)))
+        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
         if backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         opts = dist.ProcessGroupNCCL.Options()
@@ -508,8 +494,7 @@ def _rebuild_cuda_tensor(*args):
     from torch.multiprocessing import reductions
     dev = args[6]
     if isinstance(dev, str):
-        dev = next(i for i in range(torch.cuda.device_count())
-                   if str(torch.cuda.get_device_properties(i).uuid) == dev)
+        dev = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev)
     return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
 
 
@@ -533,9 +518,8 @@ def _parse_dtype(name: str) -> torch.dtype:
 # -- Sampling ------------------------------------------------------------------------------------------------------
 
 def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
-    """One token per row of logits [B, V] under SamplingParams params[i]. Returns (logp [B, V], tokens [B]) where
-    logp = log_softmax(logits / temperature) in float32 is what the log-prob convention reports. banned[i] lists
-    token ids row i may not draw (min_new_tokens); generators[i] (or None) seeds row i's draw."""
+    """One token per row of logits [B, V] under params[i] (banned[i]: ids it may not draw; generators[i]: its seed or
+    None). Returns (logp [B, V], tokens [B]); logp = log_softmax(logits / temperature) in float32 is what's reported."""
     logits = logits.float()
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev)
@@ -563,8 +547,7 @@ def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -
 
 
 def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
-    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf; greedy rows and
-    rows at the defaults are left alone."""
+    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf (not in greedy rows)."""
     dev, vocab = scores.device, scores.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in params], device=dev)
     top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=dev)
@@ -598,8 +581,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
                  weight_version: str, disable_radix_cache: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
-        self.weight_version = weight_version
+        self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
         cfg = model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -684,8 +666,7 @@ class Scheduler:
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch, pos: torch.Tensor, last_only: bool) -> torch.Tensor:
         q = ids.shape[1]
-        kw = {self.cache_kw: kv.cache, "attention_mask": kv.mask[:, :kv.n + q], "position_ids": pos,
-              "use_cache": True}
+        kw = {self.cache_kw: kv.cache, "attention_mask": kv.mask[:, :kv.n + q], "position_ids": pos, "use_cache": True}
         if last_only and self.logits_to_keep:
             kw["logits_to_keep"] = 1
         return self.model(input_ids=ids, **kw).logits
@@ -799,8 +780,7 @@ class Scheduler:
 
     # -- sampling -----------------------------------------------------------------------------------------------
     def _sample_and_append(self, reqs: list, logits: torch.Tensor) -> torch.Tensor:
-        """Draw one token per row, append it (with its log-prob and weight version) to each request and finish
-        the ones that hit a stop condition. Returns the drawn tokens (device tensor)."""
+        """Draw one token per row, append it (with log-prob, weight version) to its request, finish those that stop."""
         banned = [r.sp.stop_token_ids + ([] if r.sp.ignore_eos else self.eos_ids)
                   if len(r.output_ids) < r.sp.min_new_tokens else [] for r in reqs]
         logp, toks = sample(logits, [r.sp for r in reqs], [r.generator for r in reqs], banned)
@@ -842,10 +822,9 @@ class Scheduler:
         elif r.sp.stop_strs:
             width = max(len(s) for s in r.sp.stop_strs) + 1
             tail = self.tokenizer.decode(r.output_ids[-width:], skip_special_tokens=r.sp.skip_special_tokens)
-            for s in r.sp.stop_strs:
-                if s in tail:
-                    self._finish(r, {"type": "stop", "matched": s})
-                    break
+            matched = next((s for s in r.sp.stop_strs if s in tail), None)
+            if matched is not None:
+                self._finish(r, {"type": "stop", "matched": matched})
         if r.finish is None and r.to_finish is not None:  # aborted while paused in place: this was its last pass
             self._finish(r, r.to_finish)
         if r.finish is None and r.stream and (n + 1) % r.sp.stream_interval == 0:
@@ -912,10 +891,7 @@ class Scheduler:
     def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> None:
         """New weights; requests kept by a pause continue with them (their KV cache stays)."""
         device = next(self.model.parameters()).device  # host memory while released
-        try:
-            self.model = load_model(path, device, dtype)
-        except Exception as e:  # the /update_weights_from_disk answer
-            raise BadRequest(f"loading {path} failed: {e}") from e
+        self.model = load_model(path, device, dtype)
         if version is not None:
             self.weight_version = version
 
@@ -951,9 +927,8 @@ class Scheduler:
 # -- HTTP server ---------------------------------------------------------------------------------------------------
 
 class Gate:
-    """Who may start a /generate: SGLang's pause flag (new requests wait while paused) plus its model-update
-    reader/writer lock (every /generate is a reader for its lifetime; an update while not paused is the writer:
-    it waits for the readers to finish and new requests wait for it)."""
+    """Who may start a /generate: SGLang's pause flag (new requests wait while paused) and its model-update lock
+    (every /generate reads for its lifetime; an update while not paused writes: it waits for readers, new ones wait)."""
 
     def __init__(self):
         self.cond = asyncio.Condition()
@@ -1011,28 +986,27 @@ def _fail(message: str, **extra) -> web.Response:
     return web.json_response({"success": False, "message": message, **extra}, status=400)
 
 
-class TooLarge(BadRequest):
-    """The request body exceeds --max-request-mb: HTTP 413."""
-
-
 BIG_BODY = 1 << 20  # bodies above this many bytes are parsed off the event loop, so other requests go on meanwhile
 
 
-def _too_large(size: Optional[int], limit: int) -> TooLarge:
-    got = f"{size / 2 ** 20:.1f} MiB" if size is not None else "more"
-    return TooLarge(f"request body of {got} exceeds the server's limit of {limit / 2 ** 20:g} MiB "
-                    "(engine.py --max-request-mb)")
+class TooLarge(BadRequest):
+    """The request body (of `size` bytes; None: not known) exceeds --max-request-mb (`limit` bytes): HTTP 413."""
+
+    def __init__(self, size: Optional[int], limit: int):
+        got = f"{size / 2 ** 20:.1f} MiB" if size is not None else "more"
+        super().__init__(f"request body of {got} exceeds the server's limit of {limit / 2 ** 20:g} MiB "
+                         "(engine.py --max-request-mb)")
 
 
 async def _body(request: web.Request, required: bool = True, error: type = BadRequest) -> dict:
     """The request's JSON object ({} for an empty body unless required); `error` is raised when it is not one."""
     limit = request.app["max_body"]
     if request.content_length is not None and request.content_length > limit:  # refused before reading it
-        raise _too_large(request.content_length, limit)
+        raise TooLarge(request.content_length, limit)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:  # a chunked body, counted while read
-        raise _too_large(None, limit) from None
+        raise TooLarge(None, limit) from None
     if not raw.strip():
         if required:
             raise error("request body must be a JSON object (send {} for defaults)")
@@ -1060,7 +1034,9 @@ class Server:
         max_body = int(args.max_request_mb * 2 ** 20)
         self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
         self.app["max_body"] = max_body
-        self.token_chars = max_token_chars(tokenizer)
+        # the most characters a token stands for (a byte-level token's string has one per byte): a longer text than
+        # context_len times this cannot fit the context (for normalizers that delete no characters: BPE, SentencePiece)
+        self.token_chars = max(len(t) for t in tokenizer.get_vocab())
         post, get = self.app.router.add_post, self.app.router.add_get
         for name in ("generate", "abort_request", "pause_generation", "continue_generation", "update_weights_from_disk",
                      "init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
@@ -1122,9 +1098,8 @@ class Server:
             text = text[:text.find(trim)]
         spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens,
-                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
-                "weight_versions": spans, "num_retractions": r.num_retractions}
+                "cached_tokens": r.cached_tokens, "weight_versions": spans, "num_retractions": r.num_retractions,
+                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version}
         if final:
             meta["e2e_latency"] = r.finished_at - r.created
         if r.return_logprob:
@@ -1244,8 +1219,7 @@ class Server:
         return web.Response(status=200)
 
     async def pause_generation(self, request):
-        body = await _body(request)
-        mode = _field(body, "mode", "abort", lambda v: v in ("abort", "retract", "in_place"),
+        mode = _field(await _body(request), "mode", "abort", lambda v: v in ("abort", "retract", "in_place"),
                       "one of abort, retract, in_place")
         await self.gate.set_paused(True)
         deadline = time.monotonic() + self.args.wait_timeout
@@ -1263,8 +1237,7 @@ class Server:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request):
-        body = await _body(request, required=False)
-        _flag(body, "torch_empty_cache", True)
+        _flag(await _body(request, required=False), "torch_empty_cache", True)
         await self._run(self.sched.resume_generation)
         await self.gate.set_paused(False)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
@@ -1283,9 +1256,9 @@ class Server:
         """(flush_cache, abort_all_requests, weight_version) of a weight-update body."""
         return _flag(body, "flush_cache", True), _flag(body, "abort_all_requests", False), self._version_field(body)
 
-    async def _update(self, load: Callable[[], Any], options: tuple, message: str, **extra) -> web.Response:
-        """The three weight updates' shared tail: abort if asked, await load() under the writer lock (a failure is
-        the 400 answer with success false), flush the cache (SGLang fails the call when that is refused)."""
+    async def _update(self, load: Callable[[], Any], options: tuple, message: str, failed: str = "", **extra):
+        """The three weight updates' shared tail: abort if asked, await load() under the writer lock (a failure answers
+        400, success false, `failed` + its message), flush the cache (SGLang fails the call when that is refused)."""
         flush, abort_all, version = options
         if abort_all:
             await self._run(lambda: self.sched.abort(abort_all=True))
@@ -1293,7 +1266,7 @@ class Server:
             try:
                 await load()
             except Exception as e:  # reported to the caller
-                return _fail(str(e), **extra)
+                return _fail(failed + str(e), **extra)
         if flush and not await self._run(self.sched.flush_cache):
             return _fail(FLUSH_REFUSED, **extra)
         return web.json_response({"success": True, **extra, "message": message
@@ -1306,9 +1279,9 @@ class Server:
         options = self._update_options(body)
         if not Path(path).is_dir():
             return _fail(f"model_path {path} is not a directory", num_paused_requests=0)
-        return await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, options[2],
-                                                                                      self.args.dtype)),
-                                  options, f"Succeeded to update model weights from {path}.",
+        version, dtype = options[2], self.args.dtype
+        return await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
+                                  f"Succeeded to update model weights from {path}.", f"loading {path} failed: ",
                                   num_paused_requests=0)  # 0.5.23's scheduler always answers 0
 
     async def init_weights_update_group(self, request):
@@ -1334,8 +1307,7 @@ class Server:
         return web.json_response({"success": True, "message": f"Succeeded to initialize group {group!r}."})
 
     async def destroy_weights_update_group(self, request):
-        body = await _body(request, required=False)
-        group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
+        group = _field(await _body(request, required=False), "group_name", "weight_update_group", _is_str, "a string")
         entry = self.sched.groups.pop(group, None)
         if entry is None:
             return _fail(f"no weight-update group {group!r}")
@@ -1414,8 +1386,7 @@ class Server:
 
     async def _memory(self, request, fn: Callable[[list], None], done: str) -> web.Response:
         """/release_memory_occupation and /resume_memory_occupation: `tags` absent means all of RELEASE_TAGS."""
-        tags = _field(await _body(request, required=False), "tags", None,
-                      lambda v: isinstance(v, list) and all(t in RELEASE_TAGS for t in v),
+        tags = _field(await _body(request, required=False), "tags", None, _all_of(lambda t: t in RELEASE_TAGS),
                       "a list of " + ", ".join(RELEASE_TAGS))
         tags = list(RELEASE_TAGS) if tags is None else tags
         await self._run(lambda: fn(tags))
@@ -1438,9 +1409,8 @@ class Server:
 
     async def server_info(self, request):
         info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}
-        info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1,
-                     "device": str(self.sched.device), "weight_version": self.sched.weight_version,
-                     "context_length": self.sched.context_len,
+        info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
+                     "weight_version": self.sched.weight_version, "context_length": self.sched.context_len,
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
                                           "effective_max_running_requests_per_dp": self.sched.max_running}]})
         return web.json_response(info)
@@ -1448,8 +1418,8 @@ class Server:
     async def health(self, request):
         """/health, /health_generate (entrypoints/http_server.py health_generate): a one-token request through the
         pause gate, so never 200 while paused; 200 once the scheduler output anything after the call began, else 503
-        after SGLANG_HEALTH_CHECK_TIMEOUT and unhealthy (/ready 503) until one succeeds. With
-        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false /health answers 200 without generating."""
+        after SGLANG_HEALTH_CHECK_TIMEOUT and unhealthy (/ready 503) until one succeeds.
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers 200 without generating."""
         if not (self.ready and self.sched.thread.is_alive()):
             return web.Response(status=503)
         if request.path == "/health" and not HEALTH_GENERATES:
@@ -1481,9 +1451,8 @@ class Server:
         running, waiting = sum(r.finish is None for r in list(s.running)), len(s.waiting)
         used = kv.n * len(s.running) if kv is not None else 0
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting, "num_used_tokens": used,
-            "max_running_requests": s.max_running, "paused": s.paused}]})
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
+            "num_used_tokens": used, "max_running_requests": s.max_running, "paused": s.paused}]})
 
 
 # -- Launching (CLI and subprocess helper) -------------------------------------------------------------------------
