@@ -1,9 +1,8 @@
 """engine.py: an SGLang-compatible HTTP inference server around any transformers causal LM.
 
 It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/sglang_api.md: /generate, aborts,
-pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate),
-weight versions, memory release,
-loads), so rollout.py and train.py run one code path against real SGLang on GPUs or this engine on a laptop.
+pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
+versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang or this engine.
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
@@ -12,44 +11,31 @@ Trainer side of the weight-update group: `pg = engine.init_weight_update_group(a
 group_name, backend)` then `engine.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
 colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
-Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, for each sampled token,
-log_softmax(logits / temperature)[token] computed in float32 when temperature >= 1e-6, and log_softmax(logits)[token]
-(temperature 1) for greedy requests (temperature < 1e-6, as SGLang, which turns greedy into temperature 1 + top_k 1).
-top_p / top_k / min_p and the min_new_tokens ban change which token is drawn but never the reported log-prob: RL
-runs sample with top_p=1, top_k=-1 so that the reported value is the probability the token was drawn with.
+Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, per sampled token,
+log_softmax(logits / temperature)[token] in float32, with temperature 1 for greedy requests (temperature < 1e-6, as
+SGLang, which turns greedy into temperature 1 + top_k 1). top_p / top_k / min_p and the min_new_tokens ban change
+which token is drawn, never the reported log-prob: RL runs sample with top_p=1, top_k=-1 so that it is the
+probability the token was drawn with.
 
-How it works: one model thread owns the model and every request's state. Each iteration it runs the control calls
-queued by the HTTP handlers (abort, pause, weight update, ...), prefills newly admitted requests as one left-padded
-batch, and advances ALL running requests with ONE batched forward of one token each (continuous batching). The KV
-cache is one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their
-prefilled slab in and leave by compacting rows, and leading all-padding columns are trimmed. At most
---max-running-requests run; the rest wait in a FIFO queue (/v1/loads shows both). The HTTP side (aiohttp) only
-parses, validates and formats, so it stays responsive while the model computes. It protects itself from bad
-requests: a body over --max-request-mb is refused (413) from its Content-Length before it is read, a `text` longer
-than the context could hold is refused before it is tokenized, and large bodies and long prompts are parsed and
-tokenized off the event loop, so other requests are not held up.
+How it works: one model thread owns the model and all request state. Each iteration it runs the control calls the
+HTTP handlers queued, prefills newly admitted requests as one batch, and advances ALL running requests (at most
+--max-running-requests; the rest wait in a FIFO queue) with ONE batched forward of one token each. The KV cache is
+one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their prefilled
+slab in and leave by compacting rows. The HTTP side (aiohttp) only parses, validates and formats, refuses oversized
+bodies (413, before reading) and texts (before tokenizing), and parses large ones off the event loop.
 
-Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md, "Facts", and
-tests/test_sglang_conformance.py, which names the source of each): /abort_request is forwarded only when its rid is
-a registered request and only once per rid; the scheduler then aborts every request whose rid starts with it. A
-request is registered before it waits at the pause gate and dispatched after it (--dispatch-delay-s widens that
-window for tests), so an abort in between is lost; a request whose client left at the gate is still dispatched at
-continue and runs until the disconnect is noticed (SGLANG_REQUEST_STATE_WAIT_TIMEOUT). `/pause_generation abort`
-repeats abort-all until no request holds the lock; on a server paused in place an aborted running request answers
-only after continue (its last forward pass). /health generates a token through the pause gate (503 after
-SGLANG_HEALTH_CHECK_TIMEOUT, so never 200 while paused). The prefix cache is keyed on token ids + extra_key /
-cache_salt, not on the weight version: only /flush_cache (refused while requests run) or a new namespace keeps
-old-weight KV out. Batched /generate (lists of prompts and unique rids) answers one list when every item finished;
-n > 1 gives fresh rids. Schema errors are 422, bad values 400; /update_weights_from_distributed is 400 outside
-/begin_weight_update ... /end_weight_update, which take the writer lock unless paused. --api-key guards every path
-but /health* and /metrics. /server_info reports `version` (or --report-version) and the enforced limit in
-`internal_states[0]["effective_max_running_requests_per_dp"]`; its top-level `max_running_requests` is the raw flag.
+Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts";
+tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
+lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
+repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight
+version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors are 422, bad values 400;
+group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
-Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (a request matches a cached
-sequence that is its tokens or a prefix of them, not part of a longer one; output tokens are not cached), in at
-most PREFIX_CACHE_TOKENS tokens, LRU; batches do not stream; no penalties, logit_bias, grammars or custom logit
-processors (accepted at their defaults, else 400); `spaces_between_special_tokens` is ignored. Full-attention
-decoders only (Llama/Qwen/Mistral-style). Released weights stay in host memory and generation waits until resumed.
+Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
+tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens; batches do not stream;
+no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+`spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
+(generation waits until they are resumed).
 """
 from __future__ import annotations
 
@@ -75,8 +61,7 @@ import threading
 import time
 import urllib.request
 import uuid
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -90,13 +75,13 @@ log = logging.getLogger("engine")
 GREEDY_EPS = 1e-6  # temperature below this is greedy (SGLang's _SAMPLING_EPS, sampling/sampling_params.py)
 KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose HTTP API this engine serves (/server_info "version")
-DEFAULT_MAX_RUNNING = 64  # requests decoded together when --max-running-requests is not given (SGLang sizes it
-# from the KV pool; it reports it as effective_max_running_requests_per_dp either way)
+DEFAULT_MAX_RUNNING = 64  # requests decoded together without --max-running-requests (SGLang sizes it from its KV pool)
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
 PREFIX_CACHE_TOKENS = 1 << 16  # prompt tokens the prefix cache holds (least recently used entries go first)
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # /health: 503 after this
+HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") not in ("0", "false")  # /health
 REQUEST_STATE_WAIT_TIMEOUT_S = float(os.environ.get("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4))  # how soon a
 # request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
@@ -108,8 +93,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "stop_token_ids": None, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "no_stop_trim": False, "min_new_tokens": 0, "n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
     "repetition_penalty": 1.0, "sampling_seed": None, "logit_bias": None, "json_schema": None, "regex": None,
-    "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None,
-}
+    "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None}
 # Fields engine.py implements only at their default value (HTTP 400 otherwise, naming the field).
 DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
                 "regex", "ebnf", "stop_regex", "custom_params", "structural_tag")
@@ -125,9 +109,7 @@ class SchemaError(BadRequest):
     GenerateReqInput answers (entrypoints/http_server.py), where values out of range are 400."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Request parsing and validation
-# ----------------------------------------------------------------------------------------------------------------
+# -- Request parsing and validation --------------------------------------------------------------------------------
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -137,9 +119,21 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+_is_str, _is_bool = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool))
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """One value that passes check, or a list of them (a batch's per-item field)."""
+    return lambda v: check(v) or (isinstance(v, list) and all(map(check, v)))
+
+
+def _all_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A list of values that each pass check."""
+    return lambda v: isinstance(v, list) and all(map(check, v))
+
+
 def _field(body: dict, name: str, default, check: Callable[[Any], bool], expected: str, where: str = ""):
-    """body[name], or `default` when absent (null is accepted when the default is null); BadRequest naming the
-    field when `check` fails."""
+    """body[name], `default` when absent (null too when the default is null); BadRequest when `check` fails."""
     v = body.get(name, default)
     if v is None and default is None:
         return None
@@ -148,8 +142,14 @@ def _field(body: dict, name: str, default, check: Callable[[Any], bool], expecte
     return v
 
 
+def _required(body: dict, name: str, check: Callable[[Any], bool], expected: str):
+    if body.get(name) is None:
+        raise BadRequest(f"field `{name}` is required")
+    return _field(body, name, None, check, expected)
+
+
 def _flag(body: dict, name: str, default: bool, where: str = "") -> bool:
-    return _field(body, name, default, lambda v: isinstance(v, bool), "true or false", where)
+    return _field(body, name, default, _is_bool, "true or false", where)
 
 
 @dataclass
@@ -172,14 +172,12 @@ class SamplingParams:
 
 def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     """Validate an SGLang sampling_params dict; unknown keys are rejected the way SGLang rejects them."""
-    if sp is None:
-        sp = {}
+    sp = {} if sp is None else sp
     if not isinstance(sp, dict):
         raise BadRequest("field `sampling_params` must be a JSON object")
     for k in sp:
         if k not in SAMPLING_DEFAULTS:
-            raise BadRequest(f"unknown field `{k}`, expected one of "
-                             + ", ".join(f"`{n}`" for n in SAMPLING_DEFAULTS))
+            raise BadRequest(f"unknown field `{k}`, expected one of " + ", ".join(f"`{n}`" for n in SAMPLING_DEFAULTS))
     for k in DEFAULT_ONLY:
         if k in sp and sp[k] is not None and sp[k] != SAMPLING_DEFAULTS[k]:
             raise BadRequest(f"field `sampling_params.{k}` is not supported by engine.py; only its default "
@@ -191,13 +189,12 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     top_p = g("top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
     top_k = g("top_k", lambda v: _is_int(v) and (v == -1 or v >= 1), "-1 (disabled) or an integer >= 1")
     min_p = g("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")
-    stop = g("stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-             "a string or a list of strings")
-    stop_ids = g("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) and 0 <= t < vocab_size
-                                                                          for t in v),
+    stop = g("stop", _list_of(_is_str), "a string or a list of strings")
+    stop_ids = g("stop_token_ids", _all_of(lambda t: _is_int(t) and 0 <= t < vocab_size),
                  f"a list of token ids in [0, {vocab_size})")
     flags = {name: _flag(sp, name, SAMPLING_DEFAULTS[name], "sampling_params.")
-             for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")}
+             for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim")}
+    _flag(sp, "spaces_between_special_tokens", True, "sampling_params.")  # validated, then ignored
     min_new = g("min_new_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     seed = g("sampling_seed", _is_int, "an integer")
     interval = g("stream_interval", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
@@ -205,12 +202,10 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         raise BadRequest(f"field `sampling_params.min_new_tokens` ({min_new}) must be <= max_new_tokens ({max_new})")
     greedy = temperature < GREEDY_EPS
     return SamplingParams(
-        max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy,
-        top_p=float(top_p), top_k=top_k, min_p=float(min_p),
-        stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
-        stop_token_ids=list(stop_ids or []), ignore_eos=flags["ignore_eos"],
-        skip_special_tokens=flags["skip_special_tokens"], no_stop_trim=flags["no_stop_trim"],
-        min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1)
+        max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy, top_p=float(top_p),
+        top_k=top_k, min_p=float(min_p), stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
+        stop_token_ids=list(stop_ids or []), min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1,
+        **flags)
 
 
 @dataclass
@@ -242,25 +237,12 @@ class Req:
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
 
 
-def max_token_chars(tokenizer) -> int:
-    """The most characters one token stands for (its longest vocabulary string; a byte-level token's string has one
-    character per byte, so no longer than the text it encodes). A text longer than context_len times this cannot
-    fit the context, which is known without tokenizing it (for tokenizers whose normalizer deletes no characters,
-    as LLM BPE and SentencePiece tokenizers)."""
-    return max(len(t) for t in tokenizer.get_vocab())
-
-
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: check(v) or (isinstance(v, list) and all(map(check, v)))
-
-
 # The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
-_STR, _BOOL = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool))
 GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
-    "text": _list_of(_STR), "input_ids": _list_of(lambda v: isinstance(v, list) and all(map(_is_int, v))),
-    "rid": _list_of(_STR), "sampling_params": _list_of(lambda v: isinstance(v, dict)),
-    "return_logprob": _list_of(_BOOL), "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int),
-    "return_text_in_logprobs": _BOOL, "stream": _BOOL, "extra_key": _list_of(_STR), "cache_salt": _list_of(_STR)}
+    "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
+    "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
+    "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
+    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -268,10 +250,9 @@ PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "to
 def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
                    token_chars: int) -> tuple[list, bool, int]:
     """(requests, listed, n) of a /generate body, as 0.5.23 normalises GenerateReqInput (managers/io_struct.py):
-    one prompt, or a batch (`input_ids` a list of lists or `text` a list) whose `rid` is a list of unique strings
-    (a string is a prefix: rid_0, rid_1, ...; absent: random) and whose other per-item fields are given once or as
-    a list; `listed` says the reply is a list. With sampling_params.n > 1 (the same n for every item) each prompt
-    is sent n times, each with a fresh random rid (the client's rid is dropped), prompt-major."""
+    one prompt, or a batch (`input_ids` a list of lists or `text` a list) with unique rids (a string rid is a prefix:
+    rid_0, rid_1, ...) and other per-item fields given once or as a list; `listed`: the reply is a list. With
+    sampling_params.n > 1 (one n for all) each prompt is sent n times, prompt-major, each with a fresh random rid."""
     for name, ok in GENERATE_SCHEMA.items():
         if body.get(name) is not None and not ok(body[name]):
             raise SchemaError(f"field `{name}` has the wrong type: {json.dumps(body[name])[:80]}")
@@ -309,23 +290,19 @@ def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_c
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("exactly one of fields `input_ids` and `text` is required")
-    if text is not None:
-        if not isinstance(text, str):
-            raise BadRequest("field `text` must be a string")
+    if text is not None:  # (GENERATE_SCHEMA made text a string and input_ids a list of integers)
         if len(text) > context_len * token_chars:
             raise BadRequest(f"field `text` has {len(text)} characters, more than the model's context length of "
                              f"{context_len} tokens can hold (a token is at most {token_chars} characters)")
         ids = tokenizer.encode(text)
-    elif not isinstance(ids, list):
-        raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if len(ids) >= context_len:
         raise BadRequest(f"field `{'input_ids' if text is None else 'text'}` has {len(ids)} tokens; the model's "
                          f"context length is {context_len}")
-    if text is None and not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+    if text is None and not all(0 <= t < vocab_size for t in ids):
         raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
-    rid = _field(body, "rid", None, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
     sp = parse_sampling_params(body.get("sampling_params"), vocab_size)
     if sp.max_new_tokens is None:
         sp.max_new_tokens = context_len - len(ids)
@@ -333,11 +310,9 @@ def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_c
         raise BadRequest(f"field `sampling_params.max_new_tokens` ({sp.max_new_tokens}) plus the {len(ids)} input "
                          f"tokens exceeds the model's context length {context_len}")
     req = Req(
-        rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp,
-        return_logprob=_flag(body, "return_logprob", False),
+        rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp, return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-        logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1,
-                                 "an integer >= -1"),
+        logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False),
         stream=_flag(body, "stream", False), cache_ns=(body.get("extra_key") or None, body.get("cache_salt") or None))
     if req.logprob_start_len >= len(ids):
@@ -349,14 +324,11 @@ def abort_reason(message: str, status_code: Optional[int] = None, err_type: Opti
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# KV cache: one left-padded slab per layer
-# ----------------------------------------------------------------------------------------------------------------
+# -- KV cache: one left-padded slab per layer ----------------------------------------------------------------------
 
 class _SlabLayer(DynamicLayer):
-    """One layer's K/V in a preallocated [B, H, capacity, D] buffer. Appending a step writes into the slab
-    instead of torch.cat-ing the whole cache (DynamicLayer's O(T^2) total copying); `keys`/`values` are views
-    of the first `n` columns, which is what the attention and the mask code read."""
+    """One layer's K/V in a preallocated [B, H, capacity, D] buffer: a step writes into it instead of torch.cat-ing
+    the whole cache (DynamicLayer's O(T^2) copying); `keys`/`values`, what attention reads, view the first n columns."""
 
     def __init__(self, kb: Optional[torch.Tensor], vb: Optional[torch.Tensor], n: int, cap: int):
         super().__init__()
@@ -458,18 +430,15 @@ class KVBatch:
                        torch.cat([p[0].last_tok[p[1]] for p in pieces]))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Torch distributed weight-update group (both sides use these helpers)
-# ----------------------------------------------------------------------------------------------------------------
+# -- Torch distributed weight-update group (both sides use these helpers) ------------------------------------------
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str = "weight_update_group", backend: str = "gloo",
                              timeout_s: float = 300.0):
-    """A ProcessGroupGloo/NCCL of `world_size` ranks rendezvousing on a TCPStore at master_address:master_port
-    (rank 0, the trainer, hosts the store). It is NOT the default process group, so a trainer under torchrun can
-    own it next to its own. The store prefixes mirror SGLang's init_custom_process_group (PrefixStore(group_name)
-    then torch's "<group_name>/<device>/"), so the trainer side can also face real SGLang over NCCL.
-    Blocks until all ranks joined; raises after timeout_s naming what did not arrive."""
+    """A ProcessGroupGloo/NCCL of `world_size` ranks on a TCPStore at master_address:master_port (hosted by rank 0,
+    the trainer), NOT the default process group, so a trainer under torchrun owns it next to its own. The store
+    prefixes mirror SGLang's init_custom_process_group (PrefixStore(group_name), then torch's "<group_name>/<device>/"),
+    so the trainer side can also face real SGLang over NCCL. Blocks until all ranks joined, raises after timeout_s."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -477,8 +446,7 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
         store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
                               multi_tenant=True)
         device = "cuda" if backend == "nccl" else "cpu"
-        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",
-                                                               dist.PrefixStore(group_name, store)))
+        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
         if backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         opts = dist.ProcessGroupNCCL.Options()
@@ -524,18 +492,15 @@ def _rebuild_cuda_tensor(*args):
     """torch's CUDA IPC rebuild, with the device given by UUID (weight_sync.serialize_named_tensors, SGLang's
     patch_torch): the sender's CUDA_VISIBLE_DEVICES numbers the GPUs differently."""
     from torch.multiprocessing import reductions
-
     dev = args[6]
     if isinstance(dev, str):
-        dev = next(i for i in range(torch.cuda.device_count())
-                   if str(torch.cuda.get_device_properties(i).uuid) == dev)
+        dev = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev)
     return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
 
 
 def deserialize_named_tensors(payload: str) -> list:
     """A /update_weights_from_tensor payload (weight_sync.serialize_named_tensors) -> [(name, tensor)]."""
     import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
-
     named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
     if not (isinstance(named, list) and all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
                                             and isinstance(x[1], torch.Tensor) for x in named)):
@@ -550,14 +515,11 @@ def _parse_dtype(name: str) -> torch.dtype:
     return dt
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------------------------
+# -- Sampling ------------------------------------------------------------------------------------------------------
 
 def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
-    """One token per row of logits [B, V] under SamplingParams params[i]. Returns (logp [B, V], tokens [B]) where
-    logp = log_softmax(logits / temperature) in float32 is what the log-prob convention reports. banned[i] lists
-    token ids row i may not draw (min_new_tokens); generators[i] (or None) seeds row i's draw."""
+    """One token per row of logits [B, V] under params[i] (banned[i]: ids it may not draw; generators[i]: its seed or
+    None). Returns (logp [B, V], tokens [B]); logp = log_softmax(logits / temperature) in float32 is what's reported."""
     logits = logits.float()
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev)
@@ -585,8 +547,7 @@ def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -
 
 
 def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
-    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf; greedy rows and
-    rows at the defaults are left alone."""
+    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf (not in greedy rows)."""
     dev, vocab = scores.device, scores.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in params], device=dev)
     top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=dev)
@@ -600,9 +561,7 @@ def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
     return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The model thread
-# ----------------------------------------------------------------------------------------------------------------
+# -- The model thread ----------------------------------------------------------------------------------------------
 
 def load_model(path: str, device: torch.device, dtype: str):
     from transformers import AutoModelForCausalLM
@@ -622,8 +581,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
                  weight_version: str, disable_radix_cache: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
-        self.weight_version = weight_version
+        self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
         cfg = model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -691,7 +649,10 @@ class Scheduler:
                 if not self._busy():
                     continue
                 try:
-                    self._step()
+                    if self.waiting and len(self.running) < self.max_running:
+                        self._admit()
+                    if self.running:
+                        self._decode()
                 except Exception as e:  # fail the batch, keep serving
                     log.exception("model step failed; aborting the requests in it")
                     for req in self.running + self.prefilling:
@@ -703,16 +664,9 @@ class Scheduler:
                     self.throughput = (self.generated_tokens - tick_n) / (now - tick_t)
                     tick_t, tick_n = now, self.generated_tokens
 
-    def _step(self):
-        if self.waiting and len(self.running) < self.max_running:
-            self._admit()
-        if self.running:
-            self._decode()
-
     def _forward(self, ids: torch.Tensor, kv: KVBatch, pos: torch.Tensor, last_only: bool) -> torch.Tensor:
         q = ids.shape[1]
-        kw = {self.cache_kw: kv.cache, "attention_mask": kv.mask[:, :kv.n + q], "position_ids": pos,
-              "use_cache": True}
+        kw = {self.cache_kw: kv.cache, "attention_mask": kv.mask[:, :kv.n + q], "position_ids": pos, "use_cache": True}
         if last_only and self.logits_to_keep:
             kw["logits_to_keep"] = 1
         return self.model(input_ids=ids, **kw).logits
@@ -755,18 +709,16 @@ class Scheduler:
                 kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM)
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
-        for i, r in enumerate(new):
-            if want_input_lp[i]:
-                self._input_logprobs(r, logits[i, q - len(seqs[i]):], seqs[i])
         kv.next_pos = torch.tensor([len(s) for s in seqs], device=self.device)
         for i, (r, s) in enumerate(zip(new, seqs)):
+            if want_input_lp[i]:
+                self._input_logprobs(r, logits[i, q - len(s):], s)
             self._cache_insert(r.cache_ns, s, kv, i)
             if r.sp.sampling_seed is not None and r.generator is None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
-        live = [i for i, r in enumerate(new) if r.sp.max_new_tokens > len(r.output_ids)]
-        for i, r in enumerate(new):
-            if i not in live:  # max_new_tokens 0 (or a retracted request already at its limit)
+            if r.sp.max_new_tokens <= len(r.output_ids):  # max_new_tokens 0 (or a retracted request at its limit)
                 self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
+        live = [i for i, r in enumerate(new) if r.finish is None]
         if not live:
             self.prefilling = []
             return
@@ -806,9 +758,7 @@ class Scheduler:
         while self.cache_tokens > PREFIX_CACHE_TOKENS:
             (old_ns, old), _ = self.prefix_cache.popitem(last=False)
             self.cache_tokens -= len(old)
-            self.cache_lengths[old_ns][len(old)] -= 1
-            if not self.cache_lengths[old_ns][len(old)]:
-                del self.cache_lengths[old_ns][len(old)]
+            self.cache_lengths[old_ns] -= collections.Counter([len(old)])  # (drops the lengths counted 0)
 
     def _cache_clear(self) -> None:
         self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
@@ -830,8 +780,7 @@ class Scheduler:
 
     # -- sampling -----------------------------------------------------------------------------------------------
     def _sample_and_append(self, reqs: list, logits: torch.Tensor) -> torch.Tensor:
-        """Draw one token per row, append it (with its log-prob and weight version) to each request and finish
-        the ones that hit a stop condition. Returns the drawn tokens (device tensor)."""
+        """Draw one token per row, append it (with log-prob, weight version) to its request, finish those that stop."""
         banned = [r.sp.stop_token_ids + ([] if r.sp.ignore_eos else self.eos_ids)
                   if len(r.output_ids) < r.sp.min_new_tokens else [] for r in reqs]
         logp, toks = sample(logits, [r.sp for r in reqs], [r.generator for r in reqs], banned)
@@ -849,8 +798,7 @@ class Scheduler:
         """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""
         lp = torch.log_softmax(logits.float() / r.sp.temperature, -1)
         tgt = torch.tensor(seq[1:], device=lp.device)
-        vals = lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
-        full = [None] + vals
+        full = [None] + lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
         r.input_logprobs = [(full[j], seq[j]) for j in range(r.logprob_start_len, len(seq))]
 
     def _append(self, r: Req, tok: int, lp: float, top: Optional[list]):
@@ -874,10 +822,9 @@ class Scheduler:
         elif r.sp.stop_strs:
             width = max(len(s) for s in r.sp.stop_strs) + 1
             tail = self.tokenizer.decode(r.output_ids[-width:], skip_special_tokens=r.sp.skip_special_tokens)
-            for s in r.sp.stop_strs:
-                if s in tail:
-                    self._finish(r, {"type": "stop", "matched": s})
-                    break
+            matched = next((s for s in r.sp.stop_strs if s in tail), None)
+            if matched is not None:
+                self._finish(r, {"type": "stop", "matched": matched})
         if r.finish is None and r.to_finish is not None:  # aborted while paused in place: this was its last pass
             self._finish(r, r.to_finish)
         if r.finish is None and r.stream and (n + 1) % r.sp.stream_interval == 0:
@@ -888,31 +835,24 @@ class Scheduler:
         r.notify(len(r.output_ids), True)
 
     # -- control calls (run on the model thread via call()) -----------------------------------------------------
-    def add(self, r: Req):
-        self.waiting.append(r)
-
     def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
-        """Abort requests whose rid starts with `rid` (or equals it when exact; all with abort_all). Running ones
-        return their partial output; queued ones "Abort in waiting queue". A running request of a server paused
-        in place is only marked: SGLang's aborted request "still runs one decode forward pass" (managers/
-        scheduler.py), which a paused scheduler runs after /continue_generation. Returns how many were aborted."""
+        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all); queued
+        ones "Abort in waiting queue". Paused in place, a running one is only marked: SGLang's aborted request "still
+        runs one decode forward pass" (managers/scheduler.py), which a paused scheduler runs after continue."""
         def hit(r):
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:
             self._finish(r, abort_reason("Abort in waiting queue"))
-        n, keep = len(queued), []
+        n, keep = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):
-            if hit(r) and self.paused == "in_place":
-                r.to_finish = abort_reason("Aborted")
-                keep.append(i)
-                n += 1
-            elif hit(r):
+            if hit(r) and self.paused != "in_place":
                 self._finish(r, abort_reason("Aborted"))
-                n += 1
             else:
                 keep.append(i)
+                if hit(r):  # paused in place: finished by its next forward pass
+                    r.to_finish = abort_reason("Aborted")
         if len(keep) < len(self.running):
             self._remove(keep)
         return n
@@ -984,14 +924,11 @@ class Scheduler:
         self.released -= set(tags)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# HTTP server
-# ----------------------------------------------------------------------------------------------------------------
+# -- HTTP server ---------------------------------------------------------------------------------------------------
 
 class Gate:
-    """Who may start a /generate: SGLang's pause flag (new requests wait while paused) plus its model-update
-    reader/writer lock (every /generate is a reader for its lifetime; an update while not paused is the writer:
-    it waits for the readers to finish and new requests wait for it)."""
+    """Who may start a /generate: SGLang's pause flag (new requests wait while paused) and its model-update lock
+    (every /generate reads for its lifetime; an update while not paused writes: it waits for readers, new ones wait)."""
 
     def __init__(self):
         self.cond = asyncio.Condition()
@@ -1044,37 +981,42 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-class TooLarge(BadRequest):
-    """The request body exceeds --max-request-mb: HTTP 413."""
+def _fail(message: str, **extra) -> web.Response:
+    """A weight-update call that failed, answered as SGLang does: 400 with success false and the message."""
+    return web.json_response({"success": False, "message": message, **extra}, status=400)
 
 
 BIG_BODY = 1 << 20  # bodies above this many bytes are parsed off the event loop, so other requests go on meanwhile
 
 
-def _too_large(size: Optional[int], limit: int) -> TooLarge:
-    got = f"{size / 2 ** 20:.1f} MiB" if size is not None else "more"
-    return TooLarge(f"request body of {got} exceeds the server's limit of {limit / 2 ** 20:g} MiB "
-                    "(engine.py --max-request-mb)")
+class TooLarge(BadRequest):
+    """The request body (of `size` bytes; None: not known) exceeds --max-request-mb (`limit` bytes): HTTP 413."""
+
+    def __init__(self, size: Optional[int], limit: int):
+        got = f"{size / 2 ** 20:.1f} MiB" if size is not None else "more"
+        super().__init__(f"request body of {got} exceeds the server's limit of {limit / 2 ** 20:g} MiB "
+                         "(engine.py --max-request-mb)")
 
 
-async def _body(request: web.Request, required: bool = True) -> dict:
+async def _body(request: web.Request, required: bool = True, error: type = BadRequest) -> dict:
+    """The request's JSON object ({} for an empty body unless required); `error` is raised when it is not one."""
     limit = request.app["max_body"]
     if request.content_length is not None and request.content_length > limit:  # refused before reading it
-        raise _too_large(request.content_length, limit)
+        raise TooLarge(request.content_length, limit)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:  # a chunked body, counted while read
-        raise _too_large(None, limit) from None
+        raise TooLarge(None, limit) from None
     if not raw.strip():
         if required:
-            raise BadRequest("request body must be a JSON object (send {} for defaults)")
+            raise error("request body must be a JSON object (send {} for defaults)")
         return {}
     try:
         body = json.loads(raw) if len(raw) < BIG_BODY else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
+        raise error(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise error("request body must be a JSON object")
     return body
 
 
@@ -1092,20 +1034,15 @@ class Server:
         max_body = int(args.max_request_mb * 2 ** 20)
         self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
         self.app["max_body"] = max_body
-        self.token_chars = max_token_chars(tokenizer)
+        # the most characters a token stands for (a byte-level token's string has one per byte): a longer text than
+        # context_len times this cannot fit the context (for normalizers that delete no characters: BPE, SentencePiece)
+        self.token_chars = max(len(t) for t in tokenizer.get_vocab())
         post, get = self.app.router.add_post, self.app.router.add_get
-        post("/generate", self.generate)
-        post("/abort_request", self.abort_request)
-        post("/pause_generation", self.pause_generation)
-        post("/continue_generation", self.continue_generation)
-        post("/update_weights_from_disk", self.update_weights_from_disk)
-        post("/init_weights_update_group", self.init_weights_update_group)
-        post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        post("/begin_weight_update", self.begin_weight_update)
-        post("/end_weight_update", self.end_weight_update)
-        post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        post("/update_weight_version", self.update_weight_version)
+        for name in ("generate", "abort_request", "pause_generation", "continue_generation", "update_weights_from_disk",
+                     "init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
+                     "end_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
+                     "update_weight_version"):  # POST /name is served by the method of that name
+            post(f"/{name}", getattr(self, name))
         for path, fn in (("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
                          ("/resume_memory_occupation", self.resume_memory)):
             get(path, fn)
@@ -1147,26 +1084,22 @@ class Server:
         except TimeoutError as e:
             return _error(str(e), 503)
 
-    async def _run(self, fn: Callable[[], Any], timeout: Optional[float] = None):
-        """Run fn on the model thread and await its result."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.sched.call(fn)), timeout or self.args.wait_timeout)
+    async def _run(self, fn: Callable[[], Any]):
+        """Run fn on the model thread and await its result (at most --wait-timeout)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.sched.call(fn)), self.args.wait_timeout)
 
     # -- /generate --------------------------------------------------------------------------------------------
     def _output(self, r: Req, n: int, final: bool) -> dict:
         ids = r.output_ids[:n]
         fin = r.finish if final else None
-        text_ids = ids
-        if fin and fin["type"] == "stop" and _is_int(fin.get("matched")) and not r.sp.no_stop_trim:
-            text_ids = ids[:-1]
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=r.sp.skip_special_tokens)
-        if fin and fin["type"] == "stop" and isinstance(fin.get("matched"), str) and not r.sp.no_stop_trim:
-            cut = text.find(fin["matched"])
-            text = text[:cut] if cut >= 0 else text
+        trim = fin.get("matched") if fin and fin["type"] == "stop" and not r.sp.no_stop_trim else None  # id or str
+        text = self.tokenizer.decode(ids[:-1] if _is_int(trim) else ids, skip_special_tokens=r.sp.skip_special_tokens)
+        if isinstance(trim, str) and trim in text:
+            text = text[:text.find(trim)]
         spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens,
-                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version,
-                "weight_versions": spans, "num_retractions": r.num_retractions}
+                "cached_tokens": r.cached_tokens, "weight_versions": spans, "num_retractions": r.num_retractions,
+                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version}
         if final:
             meta["e2e_latency"] = r.finished_at - r.created
         if r.return_logprob:
@@ -1179,12 +1112,7 @@ class Server:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await _body(request)
-        except TooLarge:
-            raise
-        except BadRequest as e:  # FastAPI answers a body that is not a JSON object with 422
-            raise SchemaError(str(e)) from None
+        body = await _body(request, error=SchemaError)  # FastAPI answers a body that is not a JSON object with 422
         args = (body, self.tokenizer, self.sched.vocab_size, self.sched.context_len, self.token_chars)
         long = any(isinstance(v, (str, list)) and len(v) > 4096 for v in (body.get("text"), body.get("input_ids")))
         # a long prompt is tokenized / checked off the event loop, which meanwhile serves everyone else
@@ -1203,8 +1131,10 @@ class Server:
             if self.args.dispatch_delay_s:  # SGLang tokenizes and sends here: an abort now finds nothing
                 await asyncio.sleep(self.args.dispatch_delay_s)
             if n > 1:  # 0.5.23 first prefills each prompt alone (max_new_tokens 0), so its n samples share the KV
-                await self._warm_up(reqs[::n])
-            self.sched.call(lambda: [self.sched.add(r) for r in reqs])
+                await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
+                                            sp=replace(r.sp, max_new_tokens=0)) for r in reqs[::n]],
+                                       self.args.wait_timeout)  # (tokenizer_manager.py)
+            self.sched.call(lambda: self.sched.waiting.extend(reqs))
             return await self._respond(request, reqs, listed, updates)
         except asyncio.CancelledError:
             if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
@@ -1228,25 +1158,17 @@ class Server:
 
     async def _run_to_end(self, reqs: list, timeout: float) -> None:
         """Submit reqs (their own notify) and wait until all finished, at most `timeout` seconds."""
-        done, left, loop = asyncio.Event(), [len(reqs)], asyncio.get_running_loop()
-
-        def notify(n, final):
-            left[0] -= final
-            if not left[0]:
-                loop.call_soon_threadsafe(done.set)
-        for r in reqs:
-            r.notify = notify
-        self.sched.call(lambda: [self.sched.add(r) for r in reqs])
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout)
+        loop = asyncio.get_running_loop()
+        done = [loop.create_future() for _ in reqs]
+        for r, fut in zip(reqs, done):  # a request is notified final once
+            r.notify = lambda n, final, fut=fut: final and loop.call_soon_threadsafe(fut.set_result, None)
+        self.sched.call(lambda: self.sched.waiting.extend(reqs))
+        await asyncio.wait(done, timeout=timeout)
 
     async def _gated(self, reqs, run_s: float) -> None:
-        """Pass the pause gate, then run reqs (a Req or a list) for at most run_s seconds and abort what is left.
-        Serves /health's request and an abandoned one: SGLang's handler of a request whose client left while it
-        waited at the gate is not cancelled, so it is dispatched at /continue_generation and runs until the
-        disconnect is noticed, at the first SGLANG_REQUEST_STATE_WAIT_TIMEOUT (4 s) without a reply
-        (tokenizer_manager.py: _wait_one_response)."""
-        reqs = reqs if isinstance(reqs, list) else [reqs]
+        """Pass the pause gate, run reqs for at most run_s seconds, abort what is left: /health's request, and one
+        whose client left at the gate (SGLang's handler goes on: dispatched at continue, it runs until the disconnect
+        is noticed, SGLANG_REQUEST_STATE_WAIT_TIMEOUT without a reply, tokenizer_manager.py _wait_one_response)."""
         try:
             with contextlib.suppress(TimeoutError):  # (the gate stayed shut: nothing ran)
                 await self.gate.enter(self.args.wait_timeout)
@@ -1258,24 +1180,14 @@ class Server:
         finally:
             self._forget(reqs)
 
-    async def _warm_up(self, prompts: list) -> None:
-        """The prefill-only pass 0.5.23 runs before the n samples of each prompt (tokenizer_manager.py)."""
-        await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
-                                    sp=dataclasses.replace(r.sp, max_new_tokens=0)) for r in prompts],
-                               self.args.wait_timeout)
-
     async def _respond(self, request: web.Request, reqs: list, listed: bool,
                        updates: asyncio.Queue) -> web.StreamResponse:
         """The reply once every item finished, in input order; an item that ends with status_code >= 400 makes
         the whole call that HTTP error (the finally of generate aborts the rest), as 0.5.23 does."""
         r = reqs[0]
-        if not r.stream:
-            left = len(reqs)
-            while left:
-                i, _, final = await updates.get()
-                if not final:
-                    continue
-                left -= 1
+        if not r.stream:  # (only a streamed request is notified before it finishes)
+            for _ in reqs:
+                i = (await updates.get())[0]
                 code = (reqs[i].finish or {}).get("status_code")
                 if _is_int(code) and code >= 400:
                     return _error(reqs[i].finish.get("message") or "request failed", code)
@@ -1296,7 +1208,7 @@ class Server:
     # -- control endpoints ------------------------------------------------------------------------------------
     async def abort_request(self, request):
         body = await _body(request, required=False)
-        rid = _field(body, "rid", "", lambda v: isinstance(v, str), "a string")
+        rid = _field(body, "rid", "", _is_str, "a string")
         abort_all = _flag(body, "abort_all", False)
         if not abort_all:  # SGLang's HTTP layer: only a registered rid, only once (then prefix-matched)
             r = self.live.get(rid)
@@ -1307,8 +1219,7 @@ class Server:
         return web.Response(status=200)
 
     async def pause_generation(self, request):
-        body = await _body(request)
-        mode = _field(body, "mode", "abort", lambda v: v in ("abort", "retract", "in_place"),
+        mode = _field(await _body(request), "mode", "abort", lambda v: v in ("abort", "retract", "in_place"),
                       "one of abort, retract, in_place")
         await self.gate.set_paused(True)
         deadline = time.monotonic() + self.args.wait_timeout
@@ -1326,8 +1237,7 @@ class Server:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request):
-        body = await _body(request, required=False)
-        _flag(body, "torch_empty_cache", True)
+        _flag(await _body(request, required=False), "torch_empty_cache", True)
         await self._run(self.sched.resume_generation)
         await self.gate.set_paused(False)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
@@ -1338,191 +1248,155 @@ class Server:
                "requests, the operation will not be performed.)"
         return web.Response(text=text, status=200 if ok else 400)
 
-    def _version_field(self, body: dict) -> Optional[str]:
-        v = _field(body, "weight_version", None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
-                   "a string")
+    def _version_field(self, body: dict, name: str = "weight_version") -> Optional[str]:
+        v = _field(body, name, None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool), "a string")
         return None if v is None else str(v)
 
-    async def update_weights_from_disk(self, request):
-        body = await _body(request)
-        path = _field(body, "model_path", None, lambda v: isinstance(v, str), "a string")
-        if path is None:
-            raise BadRequest("field `model_path` is required")
-        _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
-        abort_all = _flag(body, "abort_all_requests", False)
-        flush = _flag(body, "flush_cache", True)
-        version = self._version_field(body)
-        if not Path(path).is_dir():
-            return web.json_response({"success": False, "message": f"model_path {path} is not a directory",
-                                      "num_paused_requests": 0}, status=400)
+    def _update_options(self, body: dict) -> tuple:
+        """(flush_cache, abort_all_requests, weight_version) of a weight-update body."""
+        return _flag(body, "flush_cache", True), _flag(body, "abort_all_requests", False), self._version_field(body)
+
+    async def _update(self, load: Callable[[], Any], options: tuple, message: str, failed: str = "", **extra):
+        """The three weight updates' shared tail: abort if asked, await load() under the writer lock (a failure answers
+        400, success false, `failed` + its message), flush the cache (SGLang fails the call when that is refused)."""
+        flush, abort_all, version = options
         if abort_all:
             await self._run(lambda: self.sched.abort(abort_all=True))
         async with self.gate.exclusive(self.args.wait_timeout):
             try:
-                await self._run(lambda: self.sched.load_from_disk(path, version, self.args.dtype))
+                await load()
             except Exception as e:  # reported to the caller
-                return web.json_response({"success": False, "message": f"loading {path} failed: {e}",
-                                          "num_paused_requests": 0}, status=400)
+                return _fail(failed + str(e), **extra)
         if flush and not await self._run(self.sched.flush_cache):
-            return web.json_response({"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0},
-                                     status=400)
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}."
-                                  + (f" Weight version updated to {version}." if version else ""),
-                                  "num_paused_requests": 0})  # 0.5.23's scheduler always answers 0
+            return _fail(FLUSH_REFUSED, **extra)
+        return web.json_response({"success": True, **extra, "message": message
+                                  + (f" Weight version updated to {version}." if version else "")})
+
+    async def update_weights_from_disk(self, request):
+        body = await _body(request)
+        path = _required(body, "model_path", _is_str, "a string")
+        _field(body, "load_format", None, lambda v: v in ("auto", "safetensors"), "null, 'auto' or 'safetensors'")
+        options = self._update_options(body)
+        if not Path(path).is_dir():
+            return _fail(f"model_path {path} is not a directory", num_paused_requests=0)
+        version, dtype = options[2], self.args.dtype
+        return await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
+                                  f"Succeeded to update model weights from {path}.", f"loading {path} failed: ",
+                                  num_paused_requests=0)  # 0.5.23's scheduler always answers 0
 
     async def init_weights_update_group(self, request):
         body = await _body(request)
-        b = {}
-        for name, check, expected in (("master_address", lambda v: isinstance(v, str), "a string"),
-                                      ("master_port", lambda v: _is_int(v) and 0 < v < 65536, "a port number"),
-                                      ("rank_offset", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-                                      ("world_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2")):
-            if name not in body:
-                raise BadRequest(f"field `{name}` is required")
-            b[name] = _field(body, name, None, check, expected)
-        if b["rank_offset"] >= b["world_size"]:
-            raise BadRequest(f"field `rank_offset` ({b['rank_offset']}) must be < world_size ({b['world_size']})")
-        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        addr = _required(body, "master_address", _is_str, "a string")
+        port = _required(body, "master_port", lambda v: _is_int(v) and 0 < v < 65536, "a port number")
+        rank = _required(body, "rank_offset", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        world = _required(body, "world_size", lambda v: _is_int(v) and v >= 2, "an integer >= 2")
+        if rank >= world:
+            raise BadRequest(f"field `rank_offset` ({rank}) must be < world_size ({world})")
+        group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
         backend = _field(body, "backend", "nccl", lambda v: v in ("nccl", "gloo"), "'nccl' or 'gloo'")
         if backend == "nccl" and self.sched.device.type != "cuda":
             raise BadRequest("field `backend` is 'nccl' but this engine runs on CPU; use 'gloo'")
         if group in self.sched.groups:
             raise BadRequest(f"field `group_name`: group {group!r} already exists; destroy it first")
         try:  # off the model thread: generation goes on while the trainer joins
-            pg = await asyncio.to_thread(init_weight_update_group, b["master_address"], b["master_port"],
-                                         b["rank_offset"], b["world_size"], group, backend, self.args.dist_timeout)
+            pg = await asyncio.to_thread(init_weight_update_group, addr, port, rank, world, group, backend,
+                                         self.args.dist_timeout)
         except RuntimeError as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
+            return _fail(str(e))
         self.sched.groups[group] = (pg, self.sched.device if backend == "nccl" else torch.device("cpu"))
         return web.json_response({"success": True, "message": f"Succeeded to initialize group {group!r}."})
 
     async def destroy_weights_update_group(self, request):
-        body = await _body(request, required=False)
-        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        group = _field(await _body(request, required=False), "group_name", "weight_update_group", _is_str, "a string")
         entry = self.sched.groups.pop(group, None)
         if entry is None:
-            return web.json_response({"success": False, "message": f"no weight-update group {group!r}"}, status=400)
+            return _fail(f"no weight-update group {group!r}")
         with contextlib.suppress(Exception):
             entry[0].shutdown()
         return web.json_response({"success": True, "message": f"Succeeded to destroy group {group!r}."})
 
     async def begin_weight_update(self, request):
-        body = await _body(request)
-        _field(body, "selector", "all", lambda v: isinstance(v, str), "a string")
-        async with self.gate.exclusive(self.args.wait_timeout):  # 0.5.23 takes the writer lock unless paused
-            if self.session_open:
-                return web.json_response({"success": False, "message": "a weight-update session is already open; "
-                                          "call end_weight_update() first"}, status=400)
-            self.session_open = True
-        return web.json_response({"success": True, "message": "Success"})
+        _field(await _body(request), "selector", "all", _is_str, "a string")
+        return await self._session(True, "a weight-update session is already open; call end_weight_update() first")
 
     async def end_weight_update(self, request):
         await _body(request)
-        async with self.gate.exclusive(self.args.wait_timeout):
-            if not self.session_open:
-                return web.json_response({"success": False, "message": "no weight-update session is open; call "
-                                          "begin_weight_update() first"}, status=400)
-            self.session_open = False
+        return await self._session(False, "no weight-update session is open; call begin_weight_update() first")
+
+    async def _session(self, open_: bool, refusal: str) -> web.Response:
+        async with self.gate.exclusive(self.args.wait_timeout):  # 0.5.23 takes the writer lock unless paused
+            if self.session_open == open_:
+                return _fail(refusal)
+            self.session_open = open_
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request):
         body = await _body(request)
-        lists = {}
-        for name, check in (("names", lambda v: isinstance(v, str)), ("dtypes", lambda v: isinstance(v, str)),
-                            ("shapes", lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v))):
-            if name not in body:
-                raise BadRequest(f"field `{name}` is required")
-            lists[name] = _field(body, name, None, lambda v, check=check: isinstance(v, list) and all(map(check, v)),
-                                 "a list of " + ("strings" if name != "shapes" else "shapes (lists of ints)"))
-        if not len(lists["names"]) == len(lists["dtypes"]) == len(lists["shapes"]):
+        names = _required(body, "names", _all_of(_is_str), "a list of strings")
+        dtypes = _required(body, "dtypes", _all_of(_is_str), "a list of strings")
+        shapes = _required(body, "shapes", _all_of(_all_of(lambda d: _is_int(d) and d >= 0)),
+                           "a list of shapes (lists of ints)")
+        if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest("fields `names`, `dtypes` and `shapes` must have the same length")
-        dtypes = [_parse_dtype(d) for d in lists["dtypes"]]
-        group = _field(body, "group_name", "weight_update_group", lambda v: isinstance(v, str), "a string")
+        dtypes = [_parse_dtype(d) for d in dtypes]
+        group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
         _field(body, "load_format", None, lambda v: False, "null (the only supported load_format)")
-        flush = _flag(body, "flush_cache", True)
-        abort_all = _flag(body, "abort_all_requests", False)
-        version = self._version_field(body)
+        options = self._update_options(body)
         if group not in self.sched.groups:
             raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
         if not self.session_open:  # refused before joining the broadcast: a client that broadcasts anyway hangs
-            return web.json_response({"success": False, "message": SESSION_REQUIRED}, status=400)
+            return _fail(SESSION_REQUIRED)
         pg, device = self.sched.groups[group]
-        if abort_all:
-            await self._run(lambda: self.sched.abort(abort_all=True))
-        async with self.gate.exclusive(self.args.wait_timeout):
-            tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(lists["shapes"], dtypes)]
-            try:  # receive off the model thread, then swap between two steps
-                await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
-                await self._run(lambda: self.sched.load_tensors(list(zip(lists["names"], tensors)), version))
-            except (BadRequest, TimeoutError, RuntimeError) as e:
-                return web.json_response({"success": False, "message": str(e)}, status=400)
-        if flush and not await self._run(self.sched.flush_cache):  # SGLang fails the call when the flush is refused
-            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
-        return web.json_response({"success": True, "message": f"Succeeded to update {len(tensors)} parameters."
-                                  + (f" Weight version updated to {version}." if version else "")})
+
+        async def load():  # receive off the model thread, then swap between two steps
+            tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(shapes, dtypes)]
+            await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
+            await self._run(lambda: self.sched.load_tensors(list(zip(names, tensors)), options[2]))
+        return await self._update(load, options, f"Succeeded to update {len(names)} parameters.")
 
     async def update_weights_from_tensor(self, request):
-        """Colocate's path (sglang managers/scheduler_components/weight_updater.py update_weights_from_tensor):
-        `serialized_named_tensors[tp_rank]` is a MultiprocessingSerializer payload (base64 ForkingPickler bytes) of
-        (name, tensor) pairs; on CPU the tensors travel as shared-memory files (torch's file_system sharing), on
-        GPU as CUDA IPC handles. Refused outside a weight-update session, as the distributed path."""
+        """Colocate (sglang managers/scheduler_components/weight_updater.py update_weights_from_tensor): each
+        `serialized_named_tensors[tp_rank]` is base64 ForkingPickler bytes of (name, tensor) pairs, shared-memory
+        files on CPU (torch's file_system sharing), CUDA IPC handles on GPU. Refused outside a weight-update session."""
         body = await _body(request)
-        payloads = _field(body, "serialized_named_tensors", None,
-                          lambda v: isinstance(v, list) and v and all(isinstance(x, str) for x in v),
-                          "a non-empty list of base64 strings, one per TP rank")
-        if payloads is None:
-            raise BadRequest("field `serialized_named_tensors` is required")
+        payloads = _required(body, "serialized_named_tensors", lambda v: _all_of(_is_str)(v) and len(v) > 0,
+                             "a non-empty list of base64 strings, one per TP rank")
         _field(body, "load_format", None, lambda v: v in ("direct",), "null or 'direct' (engine.py loads by "
                "parameter name; 'flattened_bucket' needs sglang's classes)")
         _field(body, "selector", "all", lambda v: v in ("target", "draft", "all"), "'target', 'draft' or 'all'")
         _flag(body, "torch_empty_cache", False)
-        flush = _flag(body, "flush_cache", True)
-        abort_all = _flag(body, "abort_all_requests", False)
-        version = self._version_field(body)
+        options = self._update_options(body)
         if not self.session_open:
-            return web.json_response({"success": False, "message": SESSION_REQUIRED.replace(
-                "update_weights_from_distributed", "update_weights_from_tensor")}, status=400)
+            return _fail(SESSION_REQUIRED.replace("update_weights_from_distributed", "update_weights_from_tensor"))
         try:  # this engine is TP rank 0 of 1
             named = deserialize_named_tensors(payloads[0])
         except Exception as e:
             raise BadRequest(f"field `serialized_named_tensors`: payload 0 does not deserialize: {e}") from None
-        if abort_all:
-            await self._run(lambda: self.sched.abort(abort_all=True))
-        async with self.gate.exclusive(self.args.wait_timeout):
-            try:
-                await self._run(lambda: self.sched.load_tensors(named, version))
-            except BadRequest as e:
-                return web.json_response({"success": False, "message": str(e)}, status=400)
-        if flush and not await self._run(self.sched.flush_cache):
-            return web.json_response({"success": False, "message": FLUSH_REFUSED}, status=400)
-        return web.json_response({"success": True, "message": "Success"
-                                  + (f" Weight version updated to {version}." if version else "")})
+        return await self._update(lambda: self._run(lambda: self.sched.load_tensors(named, options[2])), options,
+                                  "Success")
 
     async def update_weight_version(self, request):
         body = await _body(request)
-        v = _field(body, "new_version", None, lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
-                   "a string")
+        v = self._version_field(body, "new_version")
         if v is None:
             raise BadRequest("field `new_version` is required")
         abort_all = _flag(body, "abort_all_requests", True)
-        await self._run(lambda: self.sched.set_version(str(v), abort_all))
-        return web.json_response({"success": True, "message": f"Weight version updated to {v}.",
-                                  "new_version": str(v)})
+        await self._run(lambda: self.sched.set_version(v, abort_all))
+        return web.json_response({"success": True, "message": f"Weight version updated to {v}.", "new_version": v})
 
-    def _tags(self, body: dict) -> list:
-        tags = _field(body, "tags", None, lambda v: isinstance(v, list) and all(t in RELEASE_TAGS for t in v),
+    async def _memory(self, request, fn: Callable[[list], None], done: str) -> web.Response:
+        """/release_memory_occupation and /resume_memory_occupation: `tags` absent means all of RELEASE_TAGS."""
+        tags = _field(await _body(request, required=False), "tags", None, _all_of(lambda t: t in RELEASE_TAGS),
                       "a list of " + ", ".join(RELEASE_TAGS))
-        return list(RELEASE_TAGS) if tags is None else tags
+        tags = list(RELEASE_TAGS) if tags is None else tags
+        await self._run(lambda: fn(tags))
+        return web.json_response({"success": True, "message": f"{done} {tags}."})
 
     async def release_memory(self, request):
-        tags = self._tags(await _body(request, required=False))
-        await self._run(lambda: self.sched.release(tags))
-        return web.json_response({"success": True, "message": f"Released {tags}."})
+        return await self._memory(request, self.sched.release, "Released")
 
     async def resume_memory(self, request):
-        tags = self._tags(await _body(request, required=False))
-        await self._run(lambda: self.sched.resume_memory(tags))
-        return web.json_response({"success": True, "message": f"Resumed {tags}."})
+        return await self._memory(request, self.sched.resume_memory, "Resumed")
 
     # -- info endpoints ---------------------------------------------------------------------------------------
     async def model_info(self, request):
@@ -1535,28 +1409,25 @@ class Server:
 
     async def server_info(self, request):
         info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}
-        info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1,
-                     "device": str(self.sched.device), "weight_version": self.sched.weight_version,
-                     "context_length": self.sched.context_len,
+        info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
+                     "weight_version": self.sched.weight_version, "context_length": self.sched.context_len,
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
                                           "effective_max_running_requests_per_dp": self.sched.max_running}]})
         return web.json_response(info)
 
     async def health(self, request):
-        """/health and /health_generate (entrypoints/http_server.py: health_generate): a one-token request through
-        the pause gate; 200 once the scheduler produced any output after the call began, else 503 after
-        SGLANG_HEALTH_CHECK_TIMEOUT (20 s) and the server is marked unhealthy (/ready 503) until one succeeds. So
-        a paused server does not answer 200. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers 200
-        without generating."""
+        """/health, /health_generate (entrypoints/http_server.py health_generate): a one-token request through the
+        pause gate, so never 200 while paused; 200 once the scheduler output anything after the call began, else 503
+        after SGLANG_HEALTH_CHECK_TIMEOUT and unhealthy (/ready 503) until one succeeds.
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers 200 without generating."""
         if not (self.ready and self.sched.thread.is_alive()):
             return web.Response(status=503)
-        if request.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0",
-                                                                                                       "false"):
+        if request.path == "/health" and not HEALTH_GENERATES:
             return web.Response(status=200)
         t0 = time.perf_counter()
         r = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                 sp=parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, self.sched.vocab_size))
-        task = asyncio.ensure_future(self._gated(r, HEALTH_CHECK_TIMEOUT_S))
+        task = asyncio.ensure_future(self._gated([r], HEALTH_CHECK_TIMEOUT_S))
         try:
             while time.perf_counter() < t0 + HEALTH_CHECK_TIMEOUT_S:
                 await asyncio.sleep(0.02)
@@ -1575,21 +1446,16 @@ class Server:
         return web.Response(status=200 if ok else 503)
 
     async def loads(self, request):
-        s = self.sched
-        kv = s.kv
+        s, kv = self.sched, self.sched.kv
         # a request that just finished leaves the batch at the end of its step: count only unfinished ones
-        running = sum(r.finish is None for r in list(s.running))
-        waiting = len(s.waiting)
-        used = int(kv.n * len(s.running)) if kv is not None else 0
+        running, waiting = sum(r.finish is None for r in list(s.running)), len(s.waiting)
+        used = kv.n * len(s.running) if kv is not None else 0
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting, "num_used_tokens": used,
-            "max_running_requests": s.max_running, "paused": s.paused}]})
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
+            "num_used_tokens": used, "max_running_requests": s.max_running, "paused": s.paused}]})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Launching (CLI and subprocess helper)
-# ----------------------------------------------------------------------------------------------------------------
+# -- Launching (CLI and subprocess helper) -------------------------------------------------------------------------
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -1617,19 +1483,12 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait(timeout)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1", timeout: float = 180.0,
            log_path: Optional[str] = None, env: Optional[dict] = None, **kw) -> tuple[str, EngineProcess]:
-    """Start `python engine.py` on a free port (or `port`) and wait until /health answers 200.
-    Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8). Returns (url, handle);
-    handle.stop() ends it. The server's log goes to log_path (default: a temporary file, handle.log_path); `env`
-    adds environment variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT)."""
+    """Start `python engine.py` on a free port (or `port`), wait until /health answers 200 and return (url, handle).
+    Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8); `env` adds environment
+    variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT); the log goes to log_path (default: a temporary file)."""
     port = port or free_port(host)
     url = f"http://{host}:{port}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_path), "--host", host,
