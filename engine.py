@@ -1121,8 +1121,17 @@ class Server:
             raise BadRequest("field `stream`: engine.py streams single prompts only (send a batch unstreamed)")
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
+        left = [len(reqs)]  # unstreamed items wake the handler once: when the last finished, or one failed
+
+        def notify(i: int, n: int, final: bool) -> None:  # on the model thread
+            if final and not reqs[i].stream:
+                left[0] -= 1
+                code = (reqs[i].finish or {}).get("status_code")
+                if left[0] and not (_is_int(code) and code >= 400):
+                    return
+            loop.call_soon_threadsafe(updates.put_nowait, (i, n, final))
         for i, r in enumerate(reqs):
-            r.notify = lambda n, final, i=i: loop.call_soon_threadsafe(updates.put_nowait, (i, n, final))
+            r.notify = lambda n, final, i=i: notify(i, n, final)
             self.live[r.rid] = r  # registered before the pause gate, as SGLang's tokenizer manager does
         entered = abandoned = False
         try:
@@ -1185,12 +1194,11 @@ class Server:
         """The reply once every item finished, in input order; an item that ends with status_code >= 400 makes
         the whole call that HTTP error (the finally of generate aborts the rest), as 0.5.23 does."""
         r = reqs[0]
-        if not r.stream:  # (only a streamed request is notified before it finishes)
-            for _ in reqs:
-                i = (await updates.get())[0]
-                code = (reqs[i].finish or {}).get("status_code")
-                if _is_int(code) and code >= 400:
-                    return _error(reqs[i].finish.get("message") or "request failed", code)
+        if not r.stream:  # woken once: every item finished, or item i failed
+            i = (await updates.get())[0]
+            code = (reqs[i].finish or {}).get("status_code")
+            if _is_int(code) and code >= 400:
+                return _error(reqs[i].finish.get("message") or "request failed", code)
             outs = [self._output(x, len(x.output_ids), True) for x in reqs]
             return web.json_response(outs if listed else outs[0])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
