@@ -339,6 +339,8 @@ def make_app(rep: Replica, wait_timeout_s: float) -> web.Application:
         if not (ids and isinstance(ids[0], list)):
             return await one(body)
         rids, sps = body.get("rid"), body.get("sampling_params")
+        if isinstance(rids, str):  # SGLang's GenerateReqInput: a string rid names the items rid_0, rid_1, ...
+            rids = [f"{rids}_{i}" for i in range(len(ids))]
         if not (isinstance(rids, list) and len(rids) == len(set(rids)) == len(ids)):
             return _bad(f"field `rid` must hold {len(ids)} unique strings, one per item of the batch")
         if isinstance(sps, list) and len(sps) != len(ids):

@@ -210,7 +210,7 @@ def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
                           "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
                           "trainer.mini_batch_size=8", "trainer.total_steps=4", "trainer.eval_freq=0",
                           f"rollout.base_port={port}", f"weight_sync.master_port={port + 1}",
-                          "buffer.get_timeout_s=600", "rollout.startup_timeout_s=120"],
+                          "buffer.get_timeout_s=600", "rollout.startup_timeout_s=120", "rollout.filter_stop_groups=null"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out = []

@@ -341,7 +341,8 @@ def _wait_steps(run_dir, steps: int, p, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
                len([r for r in _read_rows(run_dir) if r["step"] > 0]) >= steps):
-        assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:] if p.poll() else "timeout"
+        assert p.poll() is None and time.monotonic() < deadline, \
+            p.stdout.read()[-3000:] + p.stderr.read()[-5000:] if p.poll() else "timeout"
         time.sleep(0.1)
 
 
