@@ -47,7 +47,8 @@ Every /generate is a list request (one item per trajectory) with one string rid,
 {attempt}." of its first trajectory (`attempt` counts every request of a trajectory: turns, retries, continuations);
 SGLang names its items f"{rid}_{i}". The trailing dot keeps a request's rid from being a prefix of another's, since
 SGLang aborts by prefix; within a request item 1 is a prefix of item 10, so the producer aborts a request's items
-together. (The sglang router takes a batch only with one string rid and one sampling_params object.) Weight versions are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
+together. (The sglang router takes a batch only with one string rid and one sampling_params object.) Weight versions
+are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
 
 A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
@@ -691,11 +692,10 @@ async def _unless(event: asyncio.Event, coro) -> Any:
 
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
     """Append tokens; built from lists in one go (4 small tensors, not 8 and 4 cats: the producer's hot path)."""
-    T = len(traj.response_ids)
-    ids, versions = torch.tensor(traj.response_ids.tolist() + ids), torch.tensor(traj.versions.tolist() + versions)
+    traj.loss_mask = torch.tensor(traj.loss_mask.tolist() + [mask] * len(ids), dtype=torch.long)
+    traj.response_ids = torch.tensor(traj.response_ids.tolist() + ids, dtype=torch.long)
     traj.rollout_log_probs = torch.tensor(traj.rollout_log_probs.tolist() + log_probs, dtype=torch.float32)
-    traj.loss_mask = torch.tensor(traj.loss_mask.tolist() + [mask] * (len(ids) - T), dtype=torch.long)
-    traj.response_ids, traj.versions = ids, versions
+    traj.versions = torch.tensor(traj.versions.tolist() + versions, dtype=torch.long)
 
 
 class RolloutContext:
@@ -705,7 +705,7 @@ class RolloutContext:
         self.rollout, self.group, self._active = rollout, group, active
         self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
         self.task = rollout.cfg.data_sources[group.source].task
-        self.max_new_tokens = rollout.cfg.rollout.sampling.max_new_tokens
+        self.max_new_tokens = rollout.max_new_tokens
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
