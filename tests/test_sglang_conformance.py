@@ -326,6 +326,23 @@ def test_batched_generate_answers_in_order_and_aborts_one_item_only(url):
     assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]["message"]
 
 
+def test_a_batch_with_one_string_rid_names_its_items_rid_i(url):
+    """managers/io_struct.py: GenerateReqInput._normalize_rid turns a batch's string rid into f"{rid}_{i}" (the only
+    form sglang-router 0.3.2 forwards: it refuses a list of rids, and of sampling_params). The producer sends this:
+    its aborts name those item rids, so an item is abortable by its own name."""
+    body = {"input_ids": [[5, 6], [7, 8, 9]], "rid": "one.", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, url, "/generate", body)
+        wait_until(lambda: running(url) == 2, 30, "both items to run")
+        assert post(url, "/abort_request", {"rid": "one._0"}).status_code == 200
+        assert post(url, "/abort_request", {"rid": "one._1"}).status_code == 200
+        r = fut.result(30)
+    assert r.status_code == 200, r.text
+    assert [o["meta_info"]["id"] for o in r.json()] == ["one._0", "one._1"]
+    assert [o["meta_info"]["finish_reason"]["type"] for o in r.json()] == ["abort", "abort"]
+
+
 def test_n_samples_get_fresh_rids_prompt_major_after_a_prefill_warm_up(url):
     """managers/tokenizer_manager.py: _handle_batch_request with parallel_sample_num > 1: a prefill-only pass per
     prompt first (so the n samples reuse its KV), then n requests per prompt with fresh random rids (the client's
