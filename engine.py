@@ -20,9 +20,10 @@ probability the token was drawn with.
 How it works: one model thread owns the model and all request state. Each iteration it runs the control calls the
 HTTP handlers queued, prefills newly admitted requests as one batch, and advances ALL running requests (at most
 --max-running-requests; the rest wait in a FIFO queue) with ONE batched forward of one token each. The KV cache is
-one left-padded [B, H, capacity, D] slab per layer with an attention mask; requests join by merging their prefilled
-slab in and leave by compacting rows. The HTTP side (aiohttp) only parses, validates and formats, refuses oversized
-bodies (413, before reading) and texts (before tokenizing), and parses large ones off the event loop.
+one left-padded [rows, H, capacity, D] slab per layer with an attention mask; requests join by writing their
+prefilled rows into spare rows and leave by moving the last row into their place (KVBatch). The HTTP side (aiohttp)
+only parses, validates and formats, refuses oversized bodies (413, before reading) and texts (before tokenizing),
+and parses large ones off the event loop.
 
 Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts";
 tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
@@ -73,7 +74,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 log = logging.getLogger("engine")
 
 GREEDY_EPS = 1e-6  # temperature below this is greedy (SGLang's _SAMPLING_EPS, sampling/sampling_params.py)
-KV_HEADROOM = 64  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
+KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose HTTP API this engine serves (/server_info "version")
 DEFAULT_MAX_RUNNING = 64  # requests decoded together without --max-running-requests (SGLang sizes it from its KV pool)
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -327,17 +328,18 @@ def abort_reason(message: str, status_code: Optional[int] = None, err_type: Opti
 # -- KV cache: one left-padded slab per layer ----------------------------------------------------------------------
 
 class _SlabLayer(DynamicLayer):
-    """One layer's K/V in a preallocated [B, H, capacity, D] buffer: a step writes into it instead of torch.cat-ing
-    the whole cache (DynamicLayer's O(T^2) copying); `keys`/`values`, what attention reads, view the first n columns."""
+    """One layer's K/V in a preallocated [row capacity, H, column capacity, D] buffer: a step writes into it instead
+    of torch.cat-ing the whole cache (DynamicLayer's O(T^2) copying); `keys`/`values`, what attention reads, view
+    the first `rows` rows and `n` columns."""
 
-    def __init__(self, kb: Optional[torch.Tensor], vb: Optional[torch.Tensor], n: int, cap: int):
+    def __init__(self, kb: Optional[torch.Tensor], vb: Optional[torch.Tensor], n: int, cap: int, rows: int):
         super().__init__()
-        self.kb, self.vb, self.n, self.cap = kb, vb, n, cap
+        self.kb, self.vb, self.n, self.cap, self.rows = kb, vb, n, cap, rows
         if kb is not None:
             self._views()
 
     def _views(self):
-        self.keys, self.values = self.kb[:, :, :self.n], self.vb[:, :, :self.n]
+        self.keys, self.values = self.kb[:self.rows, :, :self.n], self.vb[:self.rows, :, :self.n]
         self.is_initialized, self.device = True, self.kb.device
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -346,74 +348,108 @@ class _SlabLayer(DynamicLayer):
             b, h, _, d = key_states.shape
             self.kb = key_states.new_zeros(b, h, self.cap, d)
             self.vb = value_states.new_zeros(b, h, self.cap, value_states.shape[-1])
-        assert self.n + q <= self.kb.shape[2], "KVBatch.reserve must run before the forward"
-        self.kb[:, :, self.n:self.n + q] = key_states
-        self.vb[:, :, self.n:self.n + q] = value_states
+        assert self.n + q <= self.cap, "the running batch is compacted (KVBatch.combine) before it overflows"
+        self.kb[:self.rows, :, self.n:self.n + q] = key_states
+        self.vb[:self.rows, :, self.n:self.n + q] = value_states
         self.n += q
         self._views()
         return self.keys, self.values
 
-    def grow(self, cap: int):
-        if self.kb is not None:
-            self.kb, self.vb = (torch.cat([t, t.new_zeros(*t.shape[:2], cap - t.shape[2], t.shape[3])], 2)
-                                for t in (self.kb, self.vb))
-            self._views()
-        self.cap = cap
-
 
 class KVBatch:
-    """The running batch's cache: per-layer slabs, a [B, capacity] attention mask (1 = real token; rows are
-    left-padded so every row's newest token sits in column n-1), each row's next position id and last token."""
+    """The running batch's cache: per-layer slabs, a [rows, capacity] attention mask (1 = real token; rows are
+    left-padded so every row's newest token sits in column n-1), each row's next position id and last token.
+
+    Rows leave and join in place (SGLang's filter_batch / merge_batch move request indices, not KV): a leaving row
+    is overwritten by the last row, a joining one is written into spare rows, right-aligned. Only when the columns
+    or the rows run out is the batch rebuilt (combine), which also drops the leading columns no row uses."""
 
     def __init__(self, layers: list, mask: torch.Tensor, next_pos: torch.Tensor, last_tok: torch.Tensor):
-        self.layers, self.mask, self.next_pos, self.last_tok = layers, mask, next_pos, last_tok
+        self.layers, self._mask, self.next_pos, self.last_tok = layers, mask, next_pos, last_tok
         self.cache = DynamicCache()
         self.cache.layers = layers
 
     @classmethod
     def empty(cls, num_layers: int, batch: int, cap: int, device) -> "KVBatch":
         z = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls([_SlabLayer(None, None, 0, cap) for _ in range(num_layers)],
+        return cls([_SlabLayer(None, None, 0, cap, batch) for _ in range(num_layers)],
                    torch.zeros(batch, cap, dtype=torch.long, device=device), z, z.clone())
 
-    @property
-    def n(self) -> int:
-        return self.layers[0].n
+    n = property(lambda self: self.layers[0].n)  # columns in use (every row's newest token is in column n-1)
+    rows = property(lambda self: self.layers[0].rows)
+    mask = property(lambda self: self._mask[:self.rows])
 
-    def reserve(self, q: int):
-        """Make room for q more columns (doubling), before a forward appends them."""
-        cap = self.mask.shape[1]
-        if self.n + q > cap:
-            cap = max(2 * cap, self.n + q + KV_HEADROOM)
-            self.mask = torch.cat([self.mask, self.mask.new_zeros(self.mask.shape[0], cap - self.mask.shape[1])], 1)
-            for layer in self.layers:
-                layer.grow(cap)
+    def _set_rows(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.rows = rows
+            layer._views()
+
+    def _span(self, rows) -> tuple:
+        """(first, width) of the columns any of `rows` uses (they end at column n)."""
+        start = int(self.mask[rows, :self.n].any(0).int().argmax())
+        return start, self.n - start
+
+    def remove(self, dead: list) -> list:
+        """Drop rows `dead` in place, each hole filled by one of the last live rows; returns, for each remaining row
+        in its new order, its old index (the caller reorders its requests the same way)."""
+        left, gone = self.rows - len(dead), set(dead)
+        order = list(range(left))
+        holes = [i for i in range(left) if i in gone]
+        tail = [i for i in range(left, self.rows) if i not in gone]
+        if holes:
+            dst, src = torch.tensor(holes, device=self._mask.device), torch.tensor(tail, device=self._mask.device)
+            for t in [layer.kb for layer in self.layers] + [layer.vb for layer in self.layers]:
+                t[dst, :, :self.n] = t[src, :, :self.n]
+            for t in (self._mask, self.next_pos, self.last_tok):
+                t[dst] = t[src]
+            for h, t in zip(holes, tail):
+                order[h] = t
+        self.next_pos, self.last_tok = self.next_pos[:left], self.last_tok[:left]
+        self._set_rows(left)
+        return order
+
+    def join(self, other: "KVBatch", keep: list) -> bool:
+        """Append rows `keep` of `other` (a prefilled batch) in place, right-aligned to column n; False when they do
+        not fit in the spare rows or are longer than n (the caller combines)."""
+        idx = torch.tensor(keep, device=self._mask.device)
+        start, width = other._span(idx)
+        r0, k, n = self.rows, len(keep), self.n
+        if r0 + k > self.layers[0].kb.shape[0] or width > n:
+            return False
+        for layer, new in zip(self.layers, other.layers):
+            for dst, src in ((layer.kb, new.kb), (layer.vb, new.vb)):
+                dst[r0:r0 + k, :, :n - width].zero_()  # masked, but attention reads it: finite
+                dst[r0:r0 + k, :, n - width:n] = src[idx, :, start:other.n]
+        self._mask[r0:r0 + k] = 0
+        self._mask[r0:r0 + k, n - width:n] = other.mask[idx, start:other.n]
+        self.next_pos = torch.cat([self.next_pos, other.next_pos[idx]])
+        self.last_tok = torch.cat([self.last_tok, other.last_tok[idx]])
+        self._set_rows(r0 + k)
+        return True
 
     @staticmethod
-    def combine(parts: list) -> Optional["KVBatch"]:
+    def combine(parts: list, row_cap: int = 0) -> Optional["KVBatch"]:
         """A new batch made of `rows` of each (KVBatch, rows) part, right-aligned to a common length with the
-        leading all-padding columns dropped. Serves both leaving (one part, fewer rows) and joining (two parts)."""
+        leading all-padding columns dropped, with KV_HEADROOM spare columns and room for row_cap rows."""
         pieces = []
         for kv, rows in parts:
             if not rows:
                 continue
             idx = torch.tensor(rows, device=kv.mask.device)
-            used = kv.mask[idx, :kv.n].any(0)
-            start = int(used.int().argmax())  # first column any selected row uses
-            pieces.append((kv, idx, start, kv.n - start))
+            pieces.append((kv, idx, *kv._span(idx)))
         if not pieces:
             return None
         length = max(p[3] for p in pieces)
         cap = length + KV_HEADROOM
         batch = sum(len(p[1]) for p in pieces)
         kv0 = pieces[0][0]
-        mask = kv0.mask.new_zeros(batch, cap)
+        mask = kv0.mask.new_zeros(max(batch, row_cap), cap)
         layers = []
         for li, layer0 in enumerate(kv0.layers):
             # Uninitialised but for the left padding (attention reads it, masked: it must be finite); the columns
             # right of `length` are written before they are read. Zeroing whole slabs cost more than the forward.
-            kb = layer0.kb.new_empty(batch, layer0.kb.shape[1], cap, layer0.kb.shape[3])
-            vb = layer0.vb.new_empty(batch, layer0.vb.shape[1], cap, layer0.vb.shape[3])
+            kb = layer0.kb.new_empty(max(batch, row_cap), layer0.kb.shape[1], cap, layer0.kb.shape[3])
+            vb = layer0.vb.new_empty(max(batch, row_cap), layer0.vb.shape[1], cap, layer0.vb.shape[3])
             r = 0
             for kv, idx, start, ln in pieces:
                 src = kv.layers[li]
@@ -421,7 +457,7 @@ class KVBatch:
                     dst[r:r + len(idx), :, :length - ln].zero_()
                     dst[r:r + len(idx), :, length - ln:length] = t[idx, :, start:kv.n]
                 r += len(idx)
-            layers.append(_SlabLayer(kb, vb, length, cap))
+            layers.append(_SlabLayer(kb, vb, length, cap, batch))
         r = 0
         for kv, idx, start, ln in pieces:
             mask[r:r + len(idx), length - ln:length] = kv.mask[idx, start:kv.n]
@@ -706,7 +742,7 @@ class Scheduler:
                 for i, (c, e) in enumerate(hits):
                     if c:
                         kb[i, :, cached - c:cached], vb[i, :, cached - c:cached] = e[li]
-                kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM)
+                kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM, len(new))
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
         kv.next_pos = torch.tensor([len(s) for s in seqs], device=self.device)
@@ -727,8 +763,9 @@ class Scheduler:
         kv.last_tok = torch.zeros(len(new), dtype=torch.long, device=self.device)
         kv.last_tok[sel] = toks
         keep = [i for i in live if new[i].finish is None]
-        parts = [(self.kv, list(range(len(self.running))))] if self.kv is not None else []
-        self.kv = KVBatch.combine(parts + [(kv, keep)])
+        if keep and not (self.kv is not None and self.kv.join(kv, keep)):
+            parts = [(self.kv, list(range(len(self.running))))] if self.kv is not None else []
+            self.kv = KVBatch.combine(parts + [(kv, keep)], self._row_cap(len(self.running) + len(keep)))
         self.running += [new[i] for i in keep]
         self.prefilling = []
 
@@ -764,19 +801,27 @@ class Scheduler:
         self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
 
     def _decode(self):
+        if self.kv.n + 1 > self.kv._mask.shape[1]:  # out of columns: rebuild, dropping those no row uses any more
+            self.kv = KVBatch.combine([(self.kv, list(range(len(self.running))))], self._row_cap(len(self.running)))
         kv = self.kv
-        kv.reserve(1)
         kv.mask[:, kv.n] = 1
         logits = self._forward(kv.last_tok[:, None], kv, kv.next_pos[:, None], last_only=True)
         kv.next_pos = kv.next_pos + 1
         kv.last_tok = self._sample_and_append(self.running, logits[:, -1])
-        if any(r.finish is not None for r in self.running):
-            self._remove([i for i, r in enumerate(self.running) if r.finish is None])
+        dead = [i for i, r in enumerate(self.running) if r.finish is not None]
+        if dead:
+            self._remove(dead)
 
-    def _remove(self, keep: list):
-        """Keep only rows `keep` of the running batch (the others finished or were aborted)."""
-        self.kv = KVBatch.combine([(self.kv, keep)])
-        self.running = [self.running[i] for i in keep]
+    def _remove(self, dead: list):
+        """Drop rows `dead` of the running batch (finished or aborted), in place."""
+        if len(dead) == len(self.running):
+            self.kv, self.running = None, []
+        else:
+            self.running = [self.running[i] for i in self.kv.remove(dead)]
+
+    def _row_cap(self, rows: int) -> int:
+        """Rows a rebuilt batch has room for: twice its rows (joins then rarely rebuild), within the running limit."""
+        return min(self.max_running, max(2 * rows, 16))
 
     # -- sampling -----------------------------------------------------------------------------------------------
     def _sample_and_append(self, reqs: list, logits: torch.Tensor) -> torch.Tensor:
@@ -845,16 +890,15 @@ class Scheduler:
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:
             self._finish(r, abort_reason("Abort in waiting queue"))
-        n, keep = len(queued) + sum(map(hit, self.running)), []
+        n, dead = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):
             if hit(r) and self.paused != "in_place":
                 self._finish(r, abort_reason("Aborted"))
-            else:
-                keep.append(i)
-                if hit(r):  # paused in place: finished by its next forward pass
-                    r.to_finish = abort_reason("Aborted")
-        if len(keep) < len(self.running):
-            self._remove(keep)
+                dead.append(i)
+            elif hit(r):  # paused in place: finished by its next forward pass
+                r.to_finish = abort_reason("Aborted")
+        if dead:
+            self._remove(dead)
         return n
 
     def pause(self, mode: str) -> int:

@@ -210,6 +210,25 @@ def test_greedy_equals_transformers_generate(url, models):
         assert o["output_ids"] == hf_greedy(ref, p, 24)
 
 
+def test_greedy_equals_transformers_as_rows_leave_and_join_in_place(url, models):
+    """Rows leave the running batch in place (the last row moves into the hole) and join it in place (written into
+    spare rows, right-aligned) at different steps: each request's greedy output still equals its own
+    transformers generate."""
+    ref = models[1]["A"]
+    rng = random.Random(1)
+    reqs = [([rng.randrange(3, 60) for _ in range(rng.randint(1, 12))], rng.randint(1, 16)) for _ in range(24)]
+
+    def one(i):
+        time.sleep(0.01 * (i % 8))  # staggered: some join a running batch, some start one
+        p, k = reqs[i]
+        return generate(url, p, max_new_tokens=k, temperature=0, ignore_eos=True)["output_ids"]
+
+    with cf.ThreadPoolExecutor(len(reqs)) as ex:
+        outs = list(ex.map(one, range(len(reqs))))
+    for (p, k), o in zip(reqs, outs):
+        assert o == hf_greedy(ref, p, k), (p, k)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
 def test_logprobs_equal_trainer_logprobs(url, models, temperature):
     ref = models[1]["A"]
