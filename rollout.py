@@ -33,10 +33,10 @@
 - Standalone: generate and score a dataset against running servers, without training (JSONL + a summary line).
 
 Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP layer
-counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in flight (the
-producer passes the free slots to `buffer.dispatch(max_groups)`, and a group stays in flight until all of its N
-trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once (a rollout function runs
-one request per trajectory at a time). S above the fleet's concurrency (the sum of the servers'
+counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in flight
+(the producer asks `buffer.dispatch` / `buffer.exchange` for at most its free slots, and a group stays in flight until
+all of its N trajectories are put or returned), so at most N * (S // N) <= S trajectories generate at once (a rollout
+function runs one request per trajectory at a time). S above the fleet's concurrency (the sum of the servers'
 limits, or rollout.router_max_concurrent_requests) is clamped to it with a warning naming both numbers. A server's limit
 is the one it enforces, `internal_states[i]["effective_max_running_requests_per_dp"]` of /server_info (times the DP size
 over the entries), else the `--max-running-requests` flag it reports; when neither is known a warning says that S is not
@@ -84,7 +84,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -925,8 +925,9 @@ class Rollout:
                 continue
             async with self._dispatch_lock:  # a pause waits for a dispatch in progress to be launched
                 # The buffer waits (up to DISPATCH_WAIT_S) until its strategy allows a group: it learns of the
-                # trainer's consumption, we do not.
-                for g in await asyncio.to_thread(self.buffer.dispatch, free, DISPATCH_WAIT_S):
+                # trainer's consumption, we do not. (Counted again: _flush may have dispatched meanwhile.)
+                free = None if self.max_groups is None else self.max_groups - len(self._groups)
+                for g in await asyncio.to_thread(self.buffer.dispatch, free, DISPATCH_WAIT_S) if free != 0 else []:
                     self._launch(g)
 
     def _launch(self, g: PromptGroup) -> None:
@@ -1127,15 +1128,27 @@ class Rollout:
         self._outbox_ready.set()
 
     async def _flush(self) -> None:
-        """Put finished trajectories to the buffer, batched: one call carries whatever finished meanwhile."""
+        """Put finished trajectories to the buffer, batched: one call carries whatever finished meanwhile, and asks
+        for as many new groups as the groups it completes free (buffer.exchange: one round trip per batch)."""
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
             batch, self._outbox = self._outbox, []
-            if batch:
+            if not batch:
+                continue
+            free = 0  # the slots this batch frees (None: unbounded), unless a dispatch is under way
+            if self._dispatching and not self._dispatch_lock.locked():
+                ending = Counter(t.prompt_id for t in batch)
+                free = None if self.max_groups is None else self.max_groups - len(self._groups) + sum(
+                    self._groups[k].remaining == c for k, c in ending.items())
+            if free == 0:  # (the producer's own dispatch, waiting in the buffer, is woken by this put)
                 await asyncio.to_thread(self.buffer.put, batch)
-                for traj in batch:
-                    self._done(traj.prompt_id)
+            else:
+                async with self._dispatch_lock:  # a pause waits for the groups dispatched here to be launched
+                    for g in await asyncio.to_thread(self.buffer.exchange, batch, free):
+                        self._launch(g)
+            for traj in batch:
+                self._done(traj.prompt_id)
 
     def _done(self, key: tuple[int, int]) -> None:
         run = self._groups[key]
@@ -1335,7 +1348,10 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int) -> N
     sync = SyncFleet(Fleet.from_config(cfg))
     try:
         try:
-            sync.wait_healthy(cfg.rollout.startup_timeout_s)
+            # The trainer waited for /health and checked versions (train.start_fleet); a colocated server has
+            # released its memory since, so its /health (a generated token) would wait 20 s and fail: reachable is
+            # what is asked here.
+            sync.live_workers(cfg.rollout.startup_timeout_s)
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             _ROLLOUT = Rollout(cfg, buffer_mod.RemoteBuffer("buffer", cfg.buffer.rpc_timeout_s), sync, tokenizer)
         finally:
@@ -1377,6 +1393,10 @@ class DatasetBuffer:
                 self.results.setdefault(t.seq, []).append(t)
             if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
                 self.done.set()
+
+    def exchange(self, trajs: list[Trajectory], max_groups: Optional[int]) -> list[PromptGroup]:
+        self.put(trajs)
+        return self.dispatch(max_groups) if max_groups != 0 else []
 
     def step_boundary(self, returned: list[Trajectory]) -> dict:
         return {}

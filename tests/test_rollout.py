@@ -376,6 +376,10 @@ class RecordingBuffer:
         self.put_keys += [t.prompt_id + (t.index,) for t in trajs]
         return self.inner.put(trajs)
 
+    def exchange(self, trajs, max_groups):
+        self.put(trajs)
+        return self.dispatch(max_groups) if max_groups != 0 else []
+
     def step_boundary(self, returned, keep_in_flight=False):
         self.returned.append(copy.deepcopy(returned))
         return self.inner.step_boundary(returned, keep_in_flight)
