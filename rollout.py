@@ -99,7 +99,7 @@ log = logging.getLogger("rollout")
 
 CONNECT_TIMEOUT_S = 10.0  # TCP connect timeout of every HTTP call (a dead server is a retry, not a long wait)
 MAX_BACKOFF_S = 30.0  # cap of the doubling /generate retry delay
-PROBE_MAX_S = 5.0  # cap of the doubling /health probe delay of a server out of rotation (how soon it is back)
+PROBE_MAX_S = 2.0  # cap of the doubling /health probe delay of a server out of rotation (how soon it is back)
 ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
 DISPATCH_WAIT_S = 0.05  # buffer.dispatch waits up to this long for the strategy to allow a group (bounds pause delay)
 PAUSE_GRACE_S = 2.0  # after /pause_generation returned, the aborted responses still on their way arrive within this
