@@ -439,9 +439,8 @@ def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
     """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
     live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
     without pinning, which needs an accelerator), whose update is the same as the plain one's."""
-    plain = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
-    offload = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path),
-                                          "overrides": ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]})
+    plain, offload = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path), "variants": [
+        [], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]]})  # one torchrun, a fresh model for each
     for r in (plain, offload):
         assert r["old_vs_step_start"] < 1e-6
         assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
@@ -462,18 +461,19 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_mod
     assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
-def _script_setup(args):
+def _script_setup(args, overrides=()):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo")
-    train._CTRL = dist.new_group(backend="gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        train._CTRL = dist.new_group(backend="gloo")
     rank = dist.get_rank()
     cfg = config.load_config(TINY, [f"model.path={args['model']}", f"run_dir={args['run_dir']}", "trainer.lr=0.01",
                                     "trainer.mini_batch_size=128",  # several training calls per step: a snapshot
                                     f"rollout.base_port={args.get('port', 31000)}",
                                     f"weight_sync.master_port={args.get('master_port', 29700)}",
-                                    "weight_sync.master_address=127.0.0.1", *args.get("overrides", [])])
+                                    "weight_sync.master_address=127.0.0.1", *overrides])
     model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
     opt, sched = train.build_optimizer(model, cfg.trainer)
     return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
@@ -491,24 +491,26 @@ def _log_probs(actor, batch, temperature=1.0):
 def _snapshot_script(args):
     import torch.distributed as dist
 
-    cfg, rank, actor = _script_setup(args)
-    g = torch.Generator().manual_seed(0)  # the same data on both ranks
-    seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
-             "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6, "rollout_lp": [-2.0] * 6,
-             "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
-    first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
-    step_start = _log_probs(actor, first)
-    actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
-    live = _log_probs(actor, first)
-    old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
-    after = _log_probs(actor, first)
+    results = []
+    for overrides in args["variants"]:  # each from model.path's weights, with a new optimizer
+        cfg, rank, actor = _script_setup(args, overrides)
+        g = torch.Generator().manual_seed(0)  # the same data on both ranks and in every variant
+        seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
+                 "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6,
+                 "rollout_lp": [-2.0] * 6, "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
+        first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
+        step_start = _log_probs(actor, first)
+        actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
+        live = _log_probs(actor, first)
+        old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
+        after = _log_probs(actor, first)
+        results.append({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
+                        "live_vs_step_start": float((live - step_start).abs().max()),
+                        "live_after_vs_before": float((after - live).abs().max()),
+                        "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
+                        ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu})
     if rank == 0:
-        print("RESULT " + json.dumps({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
-                                      "live_vs_step_start": float((live - step_start).abs().max()),
-                                      "live_after_vs_before": float((after - live).abs().max()),
-                                      "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
-                                      ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu}),
-              flush=True)
+        print("RESULT " + json.dumps(results), flush=True)
     dist.barrier()  # both ranks tear their groups down together (see train.main)
     dist.destroy_process_group()
 
