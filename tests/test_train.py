@@ -346,6 +346,14 @@ def _wait_steps(run_dir, steps: int, p, timeout: float = 180.0) -> None:
         time.sleep(0.1)
 
 
+def _wait_log(path, text: str, p, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(path) and text in open(path, errors="replace").read()):
+        assert p.poll() is None, p.stdout.read()[-3000:] + p.stderr.read()[-5000:]
+        assert time.monotonic() < deadline, f"{path} did not say '{text}' within {timeout} s"
+        time.sleep(0.1)
+
+
 def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model):
     """The buffer process is SIGKILLed mid-run: within 10 s the run stops, and its error names the process, the
     signal and the log, before any RPC / tensorpipe message or traceback."""
@@ -409,7 +417,7 @@ def test_a_connected_server_that_dies_and_returns_gets_the_weights_again(tmp_pat
         _wait_steps(str(run_dir), 1, p)
         handle.proc.kill()
         handle.proc.wait(10)
-        time.sleep(2)
+        _wait_log(run_dir / "logs" / "rollout.log", f"inference server {url} does not answer", p)  # its absence seen
         url, handle = engine.launch(tiny_model, port=port, weight_version=0)
         out, err = p.communicate(timeout=180)
         version = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
