@@ -443,12 +443,19 @@ def _torchrun_self(mode: str, args: dict, timeout: float = 240) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
+@pytest.fixture(scope="module")
+def actor_checks(tmp_path_factory, tiny_model) -> dict:
+    """One torchrun (one start-up) for the snapshot and weight-sync checks, each on a fresh model from model.path."""
+    return _torchrun_self("actor", {"model": tiny_model, "run_dir": str(tmp_path_factory.mktemp("actor")),
+                                    "port": _free_port(), "master_port": _free_port(),
+                                    "variants": [[], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]]})
+
+
+def test_old_policy_snapshot_gives_step_start_log_probs(actor_checks):
     """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
     live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
     without pinning, which needs an accelerator), whose update is the same as the plain one's."""
-    plain, offload = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path), "variants": [
-        [], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]]})  # one torchrun, a fresh model for each
+    plain, offload = actor_checks["snapshot"]
     for r in (plain, offload):
         assert r["old_vs_step_start"] < 1e-6
         assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
@@ -457,9 +464,8 @@ def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
     assert offload["live"] == pytest.approx(plain["live"], abs=1e-5)  # the same training step
 
 
-def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_model):
-    r = _torchrun_self("sync", {"model": tiny_model, "run_dir": str(tmp_path), "port": _free_port(),
-                                "master_port": _free_port()})
+def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
+    r = actor_checks["sync"]
     for method in ("distributed", "tensor", "disk"):
         m = r[method]
         assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
@@ -496,9 +502,18 @@ def _log_probs(actor, batch, temperature=1.0):
     return losses.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
 
 
-def _snapshot_script(args):
+def _actor_script(args):
+    """The multi-process checks of the actor: _snapshot_checks, then _sync_checks (rank 0 prints their results)."""
     import torch.distributed as dist
 
+    results = {"snapshot": _snapshot_checks(args), "sync": _sync_checks(args)}
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    dist.barrier()  # both ranks tear their groups down together (see train.main), after rank 0 stopped the engine
+    dist.destroy_process_group()
+
+
+def _snapshot_checks(args) -> list:
     results = []
     for overrides in args["variants"]:  # each from model.path's weights, with a new optimizer
         cfg, rank, actor = _script_setup(args, overrides)
@@ -517,13 +532,10 @@ def _snapshot_script(args):
                         "live_after_vs_before": float((after - live).abs().max()),
                         "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
                         ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu})
-    if rank == 0:
-        print("RESULT " + json.dumps(results), flush=True)
-    dist.barrier()  # both ranks tear their groups down together (see train.main)
-    dist.destroy_process_group()
+    return results
 
 
-def _sync_script(args):
+def _sync_checks(args) -> dict:
     import requests
     import torch.distributed as dist
 
@@ -574,12 +586,10 @@ def _sync_script(args):
             bucket = weight_sync.Bucket([(None, [(name, tuple(param.shape))])], torch.float32, torch.device("cpu"))
             err = actor.weights._finish(actor.weights._start(bucket, 4, [[0]], None), None)
             results["no_session"] = {"error": str(err), "seconds": time.monotonic() - t0}
-            print("RESULT " + json.dumps(results), flush=True)
     finally:
         if services is not None:
             services.close(ok=False)
-    dist.barrier()  # both ranks tear their groups down together, after rank 0 stopped the engine
-    dist.destroy_process_group()
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -710,4 +720,4 @@ def test_plot_writes_a_png(resumed_run, tmp_path):
 
 
 if __name__ == "__main__":
-    {"snapshot": _snapshot_script, "sync": _sync_script}[sys.argv[1]](json.loads(sys.argv[2]))
+    {"actor": _actor_script}[sys.argv[1]](json.loads(sys.argv[2]))
