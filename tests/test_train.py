@@ -346,6 +346,14 @@ def _wait_steps(run_dir, steps: int, p, timeout: float = 180.0) -> None:
         time.sleep(0.1)
 
 
+def _wait_log(path, text: str, p, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(path) and text in open(path, errors="replace").read()):
+        assert p.poll() is None, p.stdout.read()[-3000:] + p.stderr.read()[-5000:]
+        assert time.monotonic() < deadline, f"{path} did not say '{text}' within {timeout} s"
+        time.sleep(0.1)
+
+
 def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model):
     """The buffer process is SIGKILLed mid-run: within 10 s the run stops, and its error names the process, the
     signal and the log, before any RPC / tensorpipe message or traceback."""
@@ -409,7 +417,7 @@ def test_a_connected_server_that_dies_and_returns_gets_the_weights_again(tmp_pat
         _wait_steps(str(run_dir), 1, p)
         handle.proc.kill()
         handle.proc.wait(10)
-        time.sleep(2)
+        _wait_log(run_dir / "logs" / "rollout.log", f"inference server {url} does not answer", p)  # its absence seen
         url, handle = engine.launch(tiny_model, port=port, weight_version=0)
         out, err = p.communicate(timeout=180)
         version = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
@@ -435,13 +443,19 @@ def _torchrun_self(mode: str, args: dict, timeout: float = 240) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
+@pytest.fixture(scope="module")
+def actor_checks(tmp_path_factory, tiny_model) -> dict:
+    """One torchrun (one start-up) for the snapshot and weight-sync checks, each on a fresh model from model.path."""
+    return _torchrun_self("actor", {"model": tiny_model, "run_dir": str(tmp_path_factory.mktemp("actor")),
+                                    "port": _free_port(), "master_port": _free_port(),
+                                    "variants": [[], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]]})
+
+
+def test_old_policy_snapshot_gives_step_start_log_probs(actor_checks):
     """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
     live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
     without pinning, which needs an accelerator), whose update is the same as the plain one's."""
-    plain = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path)})
-    offload = _torchrun_self("snapshot", {"model": tiny_model, "run_dir": str(tmp_path),
-                                          "overrides": ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]})
+    plain, offload = actor_checks["snapshot"]
     for r in (plain, offload):
         assert r["old_vs_step_start"] < 1e-6
         assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
@@ -450,9 +464,8 @@ def test_old_policy_snapshot_gives_step_start_log_probs(tmp_path, tiny_model):
     assert offload["live"] == pytest.approx(plain["live"], abs=1e-5)  # the same training step
 
 
-def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_model):
-    r = _torchrun_self("sync", {"model": tiny_model, "run_dir": str(tmp_path), "port": _free_port(),
-                                "master_port": _free_port()})
+def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
+    r = actor_checks["sync"]
     for method in ("distributed", "tensor", "disk"):
         m = r[method]
         assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
@@ -462,18 +475,19 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(tmp_path, tiny_mod
     assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
-def _script_setup(args):
+def _script_setup(args, overrides=()):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo")
-    train._CTRL = dist.new_group(backend="gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+        train._CTRL = dist.new_group(backend="gloo")
     rank = dist.get_rank()
     cfg = config.load_config(TINY, [f"model.path={args['model']}", f"run_dir={args['run_dir']}", "trainer.lr=0.01",
                                     "trainer.mini_batch_size=128",  # several training calls per step: a snapshot
                                     f"rollout.base_port={args.get('port', 31000)}",
                                     f"weight_sync.master_port={args.get('master_port', 29700)}",
-                                    "weight_sync.master_address=127.0.0.1", *args.get("overrides", [])])
+                                    "weight_sync.master_address=127.0.0.1", *overrides])
     model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
     opt, sched = train.build_optimizer(model, cfg.trainer)
     return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
@@ -488,32 +502,40 @@ def _log_probs(actor, batch, temperature=1.0):
     return losses.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
 
 
-def _snapshot_script(args):
+def _actor_script(args):
+    """The multi-process checks of the actor: _snapshot_checks, then _sync_checks (rank 0 prints their results)."""
     import torch.distributed as dist
 
-    cfg, rank, actor = _script_setup(args)
-    g = torch.Generator().manual_seed(0)  # the same data on both ranks
-    seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
-             "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6, "rollout_lp": [-2.0] * 6,
-             "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
-    first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
-    step_start = _log_probs(actor, first)
-    actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
-    live = _log_probs(actor, first)
-    old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
-    after = _log_probs(actor, first)
-    if rank == 0:
-        print("RESULT " + json.dumps({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
-                                      "live_vs_step_start": float((live - step_start).abs().max()),
-                                      "live_after_vs_before": float((after - live).abs().max()),
-                                      "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
-                                      ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu}),
-              flush=True)
-    dist.barrier()  # both ranks tear their groups down together (see train.main)
+    results = {"snapshot": _snapshot_checks(args), "sync": _sync_checks(args)}
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    dist.barrier()  # both ranks tear their groups down together (see train.main), after rank 0 stopped the engine
     dist.destroy_process_group()
 
 
-def _sync_script(args):
+def _snapshot_checks(args) -> list:
+    results = []
+    for overrides in args["variants"]:  # each from model.path's weights, with a new optimizer
+        cfg, rank, actor = _script_setup(args, overrides)
+        g = torch.Generator().manual_seed(0)  # the same data on both ranks and in every variant
+        seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
+                 "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6,
+                 "rollout_lp": [-2.0] * 6, "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
+        first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
+        step_start = _log_probs(actor, first)
+        actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
+        live = _log_probs(actor, first)
+        old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
+        after = _log_probs(actor, first)
+        results.append({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
+                        "live_vs_step_start": float((live - step_start).abs().max()),
+                        "live_after_vs_before": float((after - live).abs().max()),
+                        "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
+                        ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu})
+    return results
+
+
+def _sync_checks(args) -> dict:
     import requests
     import torch.distributed as dist
 
@@ -564,12 +586,10 @@ def _sync_script(args):
             bucket = weight_sync.Bucket([(None, [(name, tuple(param.shape))])], torch.float32, torch.device("cpu"))
             err = actor.weights._finish(actor.weights._start(bucket, 4, [[0]], None), None)
             results["no_session"] = {"error": str(err), "seconds": time.monotonic() - t0}
-            print("RESULT " + json.dumps(results), flush=True)
     finally:
         if services is not None:
             services.close(ok=False)
-    dist.barrier()  # both ranks tear their groups down together, after rank 0 stopped the engine
-    dist.destroy_process_group()
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -700,4 +720,4 @@ def test_plot_writes_a_png(resumed_run, tmp_path):
 
 
 if __name__ == "__main__":
-    {"snapshot": _snapshot_script, "sync": _sync_script}[sys.argv[1]](json.loads(sys.argv[2]))
+    {"actor": _actor_script}[sys.argv[1]](json.loads(sys.argv[2]))
