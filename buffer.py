@@ -350,7 +350,17 @@ def consumed_metrics(versions: list) -> dict:
             "rollout/staleness_max": max(stale, default=0)}
 
 
-class PipelineServer:
+class Exchange:
+    """The producer's one call per batch of finished trajectories, for any buffer with put and dispatch: put them,
+    then dispatch up to max_groups (None: as many as allowed, 0: none) without waiting, so the slots the batch frees
+    are taken again in one round trip instead of two."""
+
+    def exchange(self, trajs: list, max_groups: Optional[int]) -> list:
+        self.put(trajs)
+        return self.dispatch(max_groups) if max_groups != 0 else []
+
+
+class PipelineServer(Exchange):
     """The buffer process's object: the rollout calls dispatch/put/step_boundary, the trainer get/step_metrics.
 
     Bounds (all in prompt groups unless said otherwise, all in step_metrics()):
@@ -456,12 +466,6 @@ class PipelineServer:
             else:
                 self._pending = True
                 self._cond.notify_all()
-
-    def exchange(self, trajs: list, max_groups: Optional[int]) -> list:
-        """put(trajs), then dispatch(max_groups) without waiting: the producer's one call per batch of finished
-        trajectories, which frees the slots the new groups take (one round trip instead of two)."""
-        self.put(trajs)
-        return self.dispatch(max_groups) if max_groups != 0 else []
 
     def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
         """After the rollout paused: restore complete groups, drop incomplete ones, clear TrajQueue, reset strategy.

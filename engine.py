@@ -361,7 +361,8 @@ class KVBatch:
     left-padded so every row's newest token sits in column n-1), each row's next position id and last token.
 
     Rows leave and join in place (SGLang's filter_batch / merge_batch move request indices, not KV): a leaving row
-    is overwritten by the last row, a joining one is written into spare rows, right-aligned. Only when the columns
+    is overwritten by the last row (so, unlike SGLang's, the order of the rows changes), a joining one is written
+    into spare rows, right-aligned. Only when the columns
     or the rows run out is the batch rebuilt (combine), which also drops the leading columns no row uses."""
 
     def __init__(self, layers: list, mask: torch.Tensor, next_pos: torch.Tensor, last_tok: torch.Tensor):
@@ -378,6 +379,7 @@ class KVBatch:
     n = property(lambda self: self.layers[0].n)  # columns in use (every row's newest token is in column n-1)
     rows = property(lambda self: self.layers[0].rows)
     mask = property(lambda self: self._mask[:self.rows])
+    cap = property(lambda self: self._mask.shape[1])  # columns allocated
 
     def _set_rows(self, rows: int) -> None:
         for layer in self.layers:
@@ -442,14 +444,15 @@ class KVBatch:
         length = max(p[3] for p in pieces)
         cap = length + KV_HEADROOM
         batch = sum(len(p[1]) for p in pieces)
+        rows_cap = max(batch, row_cap)
         kv0 = pieces[0][0]
-        mask = kv0.mask.new_zeros(max(batch, row_cap), cap)
+        mask = kv0.mask.new_zeros(rows_cap, cap)
         layers = []
         for li, layer0 in enumerate(kv0.layers):
             # Uninitialised but for the left padding (attention reads it, masked: it must be finite); the columns
             # right of `length` are written before they are read. Zeroing whole slabs cost more than the forward.
-            kb = layer0.kb.new_empty(max(batch, row_cap), layer0.kb.shape[1], cap, layer0.kb.shape[3])
-            vb = layer0.vb.new_empty(max(batch, row_cap), layer0.vb.shape[1], cap, layer0.vb.shape[3])
+            kb = layer0.kb.new_empty(rows_cap, layer0.kb.shape[1], cap, layer0.kb.shape[3])
+            vb = layer0.vb.new_empty(rows_cap, layer0.vb.shape[1], cap, layer0.vb.shape[3])
             r = 0
             for kv, idx, start, ln in pieces:
                 src = kv.layers[li]
@@ -801,7 +804,7 @@ class Scheduler:
         self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
 
     def _decode(self):
-        if self.kv.n + 1 > self.kv._mask.shape[1]:  # out of columns: rebuild, dropping those no row uses any more
+        if self.kv.n + 1 > self.kv.cap:  # out of columns: rebuild, dropping those no row uses any more
             self.kv = KVBatch.combine([(self.kv, list(range(len(self.running))))], self._row_cap(len(self.running)))
         kv = self.kv
         kv.mask[:, kv.n] = 1

@@ -93,7 +93,7 @@ import torch
 
 import config as config_lib
 import losses
-from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, PromptGroup, Trajectory
+from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory
 
 log = logging.getLogger("rollout")
 
@@ -797,8 +797,9 @@ class _GroupRun:
 class Rollout:
     """The producer: dispatch groups, run and score their trajectories, put them to the buffer (see module doc).
 
-    `buffer` is a buffer.PipelineServer or a buffer.RemoteBuffer (dispatch, put, step_boundary); `fleet` a Fleet or
-    a SyncFleet (whose event-loop thread the producer runs on). Public methods are synchronous and thread-safe.
+    `buffer` is a buffer.PipelineServer or a buffer.RemoteBuffer (dispatch, put, exchange, step_boundary); `fleet` a
+    Fleet or a SyncFleet (whose event-loop thread the producer runs on). Public methods are synchronous and
+    thread-safe.
     """
 
     def __init__(self, cfg, buffer, fleet, tokenizer):
@@ -1366,7 +1367,7 @@ def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int) -> N
 # ---------------------------------------------------------------------------------------------------------------
 # Standalone generation: a dataset through the same producer, against running servers
 
-class DatasetBuffer:
+class DatasetBuffer(Exchange):
     """The buffer interface over a fixed list of prompts: each dispatched once, trajectories collected by group."""
 
     def __init__(self, prompts: list[dict], n: int):
@@ -1393,10 +1394,6 @@ class DatasetBuffer:
                 self.results.setdefault(t.seq, []).append(t)
             if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
                 self.done.set()
-
-    def exchange(self, trajs: list[Trajectory], max_groups: Optional[int]) -> list[PromptGroup]:
-        self.put(trajs)
-        return self.dispatch(max_groups) if max_groups != 0 else []
 
     def step_boundary(self, returned: list[Trajectory]) -> dict:
         return {}

@@ -212,8 +212,9 @@ def test_greedy_equals_transformers_generate(url, models):
 
 def test_greedy_equals_transformers_as_rows_leave_and_join_in_place(url, models):
     """Rows leave the running batch in place (the last row moves into the hole) and join it in place (written into
-    spare rows, right-aligned) at different steps: each request's greedy output still equals its own
-    transformers generate."""
+    spare rows, right-aligned) at different steps, as SGLang's running batch drops and adds requests without moving
+    their KV (managers/schedule_batch.py: ScheduleBatch.filter_batch, merge_batch): each request's greedy output
+    still equals its own transformers generate."""
     ref = models[1]["A"]
     rng = random.Random(1)
     reqs = [([rng.randrange(3, 60) for _ in range(rng.randint(1, 12))], rng.randint(1, 16)) for _ in range(24)]

@@ -360,7 +360,7 @@ def make_cfg(url, *overrides):
         *overrides])
 
 
-class RecordingBuffer:
+class RecordingBuffer(buffer.Exchange):
     """A PipelineServer that remembers (copies of) what the rollout hands to step_boundary, and the keys of the
     groups dispatched and of the trajectories put."""
 
@@ -375,10 +375,6 @@ class RecordingBuffer:
     def put(self, trajs):
         self.put_keys += [t.prompt_id + (t.index,) for t in trajs]
         return self.inner.put(trajs)
-
-    def exchange(self, trajs, max_groups):
-        self.put(trajs)
-        return self.dispatch(max_groups) if max_groups != 0 else []
 
     def step_boundary(self, returned, keep_in_flight=False):
         self.returned.append(copy.deepcopy(returned))
