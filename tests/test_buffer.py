@@ -344,6 +344,32 @@ def test_state_dict_is_plain_data_for_torch_load_weights_only():
         make_server(B=2, N=2).load_state_dict({"format": 99})
 
 
+def test_trajectories_pickle_short_tensors_as_bytes_and_come_back_equal():
+    """_WireState: what RPC sends. Short token tensors travel as bytes (no tensor in the pickle's state), long ones as
+    tensors; either way the copy has the same values, dtypes and metadata, and owns its storage."""
+    import pickle
+
+    prompt = buffer.PromptGroup(0, 3, 1, torch.tensor([7, 8, 9]), label=("x", b"y"))
+    short = Trajectory(0, 3, 1, prompt.prompt_ids, torch.tensor([4, 5]), torch.tensor([-0.5, -0.25]),
+                       torch.tensor([2, 3]), torch.tensor([1, 0]), reward=0.5, status=TRUNCATED,
+                       metadata={"finish_reason": ("length", b"6")})
+    long = Trajectory(0, 3, 2, torch.arange(buffer.WIRE_BYTES_MAX + 1), torch.zeros(0, dtype=torch.long))
+    prompt.partial = [short, long]
+    state, wired = short.__getstate__()
+    assert sorted(wired) == ["loss_mask", "prompt_ids", "response_ids", "rollout_log_probs", "versions"]
+    assert not any(isinstance(v, torch.Tensor) for v in state.values())
+    assert "prompt_ids" not in long.__getstate__()[1] and "response_ids" in long.__getstate__()[1]
+    back = pickle.loads(pickle.dumps(prompt))
+    for a, b in zip([prompt, *prompt.partial], [back, *back.partial]):
+        for k, v in vars(a).items():
+            if isinstance(v, torch.Tensor):
+                assert vars(b)[k].dtype == v.dtype and torch.equal(vars(b)[k], v), k
+            elif k != "partial":
+                assert vars(b)[k] == v, k
+    back.partial[0].response_ids[0] = 99
+    assert int(short.response_ids[0]) == 4
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep_in_flight"])
 @pytest.mark.parametrize("window", ["no-window", "windowed-fifo"])
 def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window, keep):
