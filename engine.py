@@ -862,21 +862,26 @@ class Scheduler:
             r.spans.append([v, n, n + 1])
         self.generated_tokens += 1
         self.last_output = time.perf_counter()
-        # SGLang's order (Req.check_finished): length first, then stop tokens (unless ignore_eos), then strings.
-        if n + 1 >= r.sp.max_new_tokens:
-            self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
-        elif not r.sp.ignore_eos and (tok in r.sp.stop_token_ids or tok in self.eos_ids):
-            self._finish(r, {"type": "stop", "matched": tok})
-        elif r.sp.stop_strs:
-            width = max(len(s) for s in r.sp.stop_strs) + 1
-            tail = self.tokenizer.decode(r.output_ids[-width:], skip_special_tokens=r.sp.skip_special_tokens)
-            matched = next((s for s in r.sp.stop_strs if s in tail), None)
-            if matched is not None:
-                self._finish(r, {"type": "stop", "matched": matched})
-        if r.finish is None and r.to_finish is not None:  # aborted while paused in place: this was its last pass
-            self._finish(r, r.to_finish)
-        if r.finish is None and r.stream and (n + 1) % r.sp.stream_interval == 0:
+        # 0.5.23's order (schedule_batch.py: Req.update_finish_state): an abort that came while it ran (its one more
+        # forward pass, scheduler.py abort_request), stop strings, stop tokens / eos (unless ignore_eos), the length
+        # last: an eos drawn as the last allowed token is a stop, not a length finish.
+        reason = r.to_finish or self._stop_str(r)
+        if reason is None and not r.sp.ignore_eos and (tok in r.sp.stop_token_ids or tok in self.eos_ids):
+            reason = {"type": "stop", "matched": tok}
+        if reason is None and n + 1 >= r.sp.max_new_tokens:
+            reason = {"type": "length", "length": r.sp.max_new_tokens}
+        if reason is not None:
+            self._finish(r, reason)
+        elif r.stream and (n + 1) % r.sp.stream_interval == 0:
             r.notify(n + 1, False)
+
+    def _stop_str(self, r: Req) -> Optional[dict]:
+        if not r.sp.stop_strs:
+            return None
+        width = max(len(s) for s in r.sp.stop_strs) + 1
+        tail = self.tokenizer.decode(r.output_ids[-width:], skip_special_tokens=r.sp.skip_special_tokens)
+        matched = next((s for s in r.sp.stop_strs if s in tail), None)
+        return None if matched is None else {"type": "stop", "matched": matched}
 
     def _finish(self, r: Req, reason: dict):
         r.finish, r.finished_at = reason, time.perf_counter()

@@ -391,6 +391,24 @@ def test_greedy_below_1e_6(url, models):
                                                                                       plain))) < 1e-3
 
 
+def test_a_stop_token_drawn_as_the_last_allowed_token_is_a_stop_and_an_abort_outranks_both(url):
+    """managers/schedule_batch.py: Req.update_finish_state checks `to_finish` (an abort that came while the request
+    ran, set by scheduler.py abort_request), then stop strings, then stop tokens / eos, and the length last. A
+    response whose eos is its max_new_tokens-th token has stopped (a reward that asks for the eos pays it)."""
+    out = gen(url, P, max_new_tokens=4, ignore_eos=True)["output_ids"]
+    k = next(i for i, t in enumerate(out) if t not in out[:i] and i > 0)  # a token not drawn before it
+    stop = gen(url, P, max_new_tokens=k + 1, stop_token_ids=[out[k]])
+    assert stop["output_ids"] == out[:k + 1]
+    assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": out[k]}
+    # the abort of a request paused in place is finished by its next forward pass: abort, whatever it draws
+    sched = engine.Scheduler.__new__(engine.Scheduler)
+    sched.weight_version, sched.generated_tokens, sched.eos_ids, sched.tokenizer = "0", 0, [2], None
+    for to_finish, expected in ((None, {"type": "stop", "matched": 2}), (engine.abort_reason("Aborted"), None)):
+        r = engine.Req("r", [1], engine.parse_sampling_params({"max_new_tokens": 1}, 10), to_finish=to_finish)
+        sched._append(r, 2, -0.5, None)
+        assert r.finish == (expected or to_finish)
+
+
 def test_begin_and_end_weight_update_take_the_writer_lock(url):
     """managers/tokenizer_control_mixin.py: _weight_update_session_call. On a server that is not paused, begin and
     end_weight_update take the model-update writer lock: they wait until the running requests are done."""
