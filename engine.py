@@ -280,13 +280,19 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
     n = ns.pop() if len(ns) == 1 else None
     if not (_is_int(n) and n >= 1):
         raise BadRequest("field `sampling_params.n` must be one integer >= 1, the same for every item")
-    sp = [{k: v for k, v in (it.get("sampling_params") or {}).items() if k != "n"} for it in items]
-    reqs = [_parse_one({**it, "sampling_params": p, **({"rid": uuid.uuid4().hex} if n > 1 else {})}, tokenizer,
-                       vocab_size, context_len, token_chars) for it, p in zip(items, sp) for _ in range(n)]
+    parsed: dict = {}  # one parse per sampling_params object: a batch that gives one for all items parses it once
+
+    def params(it: dict) -> SamplingParams:
+        raw = it.get("sampling_params")
+        if id(raw) not in parsed:
+            parsed[id(raw)] = parse_sampling_params({k: v for k, v in (raw or {}).items() if k != "n"}, vocab_size)
+        return replace(parsed[id(raw)])  # (each request owns its copy)
+    reqs = [_parse_one({**it, **({"rid": uuid.uuid4().hex} if n > 1 else {})}, params(it), tokenizer, vocab_size,
+                       context_len, token_chars) for it in items for _ in range(n)]
     return reqs, batch or n > 1, n
 
 
-def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
+def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
     """A validated Req from one item of a /generate body. Sizes are checked before the work they bound: a prompt
     too long for the context is refused before its text is tokenized or its ids are checked one by one."""
     text, ids = body.get("text"), body.get("input_ids")
@@ -305,7 +311,6 @@ def _parse_one(body: dict, tokenizer, vocab_size: int, context_len: int, token_c
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
-    sp = parse_sampling_params(body.get("sampling_params"), vocab_size)
     if sp.max_new_tokens is None:
         sp.max_new_tokens = context_len - len(ids)
     elif len(ids) + sp.max_new_tokens > context_len:
