@@ -730,35 +730,44 @@ class Scheduler:
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
         want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
-        hits = [(0, None) if want else self._cache_match(r.cache_ns, s) for r, s, want in zip(new, seqs, want_input_lp)]
+        # Requests with the same tokens in the same namespace (a group's samples: one prompt N times) share one row
+        # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
+        # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
+        rows: dict = {}
+        src = [rows.setdefault((r.cache_ns, tuple(s), w), len(rows)) for r, s, w in zip(new, seqs, want_input_lp)]
+        first = {j: i for i, j in reversed(list(enumerate(src)))}  # row -> its first request
+        useqs = [seqs[first[j]] for j in range(len(rows))]
+        hits = [(0, None) if want_input_lp[first[j]] else self._cache_match(new[first[j]].cache_ns, useqs[j])
+                for j in range(len(rows))]
         cached = max(c for c, _ in hits)
-        width = cached + max(len(s) - c for s, (c, _) in zip(seqs, hits))
+        width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
-        ids = torch.full((len(new), q), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(new), q), dtype=torch.long)
-        kv = KVBatch.empty(self.num_layers, len(new), width + KV_HEADROOM, self.device)
-        for i, (s, (c, _)) in enumerate(zip(seqs, hits)):
-            new[i].cached_tokens = c
-            ids[i, q - (len(s) - c):] = torch.tensor(s[c:])
-            pos[i, q - (len(s) - c):] = torch.arange(c, len(s))
-            kv.mask[i, cached - c:cached] = 1
-            kv.mask[i, width - (len(s) - c):width] = 1
+        ids = torch.full((len(rows), q), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(rows), q), dtype=torch.long)
+        kv = KVBatch.empty(self.num_layers, len(rows), width + KV_HEADROOM, self.device)
+        for j, (s, (c, _)) in enumerate(zip(useqs, hits)):
+            ids[j, q - (len(s) - c):] = torch.tensor(s[c:])
+            pos[j, q - (len(s) - c):] = torch.arange(c, len(s))
+            kv.mask[j, cached - c:cached] = 1
+            kv.mask[j, width - (len(s) - c):width] = 1
         if cached:  # the slabs start with every row's cached KV (zeros where a row has less)
             for li in range(self.num_layers):
                 k0 = next(e for c, e in hits if c)[li][0]
-                kb = k0.new_zeros(len(new), k0.shape[0], width + KV_HEADROOM, k0.shape[2])
+                kb = k0.new_zeros(len(rows), k0.shape[0], width + KV_HEADROOM, k0.shape[2])
                 vb = torch.zeros_like(kb)
-                for i, (c, e) in enumerate(hits):
+                for j, (c, e) in enumerate(hits):
                     if c:
-                        kb[i, :, cached - c:cached], vb[i, :, cached - c:cached] = e[li]
-                kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM, len(new))
+                        kb[j, :, cached - c:cached], vb[j, :, cached - c:cached] = e[li]
+                kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM, len(rows))
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
-        kv.next_pos = torch.tensor([len(s) for s in seqs], device=self.device)
+        kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
         for i, (r, s) in enumerate(zip(new, seqs)):
+            r.cached_tokens = hits[src[i]][0]
             if want_input_lp[i]:
-                self._input_logprobs(r, logits[i, q - len(s):], s)
-            self._cache_insert(r.cache_ns, s, kv, i)
+                self._input_logprobs(r, logits[src[i], q - len(s):], s)
+            if first[src[i]] == i:
+                self._cache_insert(r.cache_ns, s, kv, src[i])
             if r.sp.sampling_seed is not None and r.generator is None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
             if r.sp.max_new_tokens <= len(r.output_ids):  # max_new_tokens 0 (or a retracted request at its limit)
@@ -767,15 +776,15 @@ class Scheduler:
         if not live:
             self.prefilling = []
             return
-        sel = torch.tensor(live, device=self.device)
-        toks = self._sample_and_append([new[i] for i in live], logits[sel, -1])
-        kv.last_tok = torch.zeros(len(new), dtype=torch.long, device=self.device)
-        kv.last_tok[sel] = toks
-        keep = [i for i in live if new[i].finish is None]
-        if keep and not (self.kv is not None and self.kv.join(kv, keep)):
+        toks = self._sample_and_append([new[i] for i in live], logits[torch.tensor([src[i] for i in live]), -1])
+        keep = [k for k, i in enumerate(live) if new[i].finish is None]  # positions in live
+        rows_of = [src[live[k]] for k in keep]  # their rows of kv, a shared row once per request
+        if keep and not (self.kv is not None and self.kv.join(kv, rows_of)):
             parts = [(self.kv, list(range(len(self.running))))] if self.kv is not None else []
-            self.kv = KVBatch.combine(parts + [(kv, keep)], self._row_cap(len(self.running) + len(keep)))
-        self.running += [new[i] for i in keep]
+            self.kv = KVBatch.combine(parts + [(kv, rows_of)], self._row_cap(len(self.running) + len(keep)))
+        if keep:  # the joined rows are the last ones; each has its own first token
+            self.kv.last_tok[self.kv.rows - len(keep):] = toks[torch.tensor(keep, device=self.device)]
+        self.running += [new[live[k]] for k in keep]
         self.prefilling = []
 
     # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: keyed by token ids + namespace) ----------

@@ -230,6 +230,28 @@ def test_greedy_equals_transformers_as_rows_leave_and_join_in_place(url, models)
         assert o == hf_greedy(ref, p, k), (p, k)
 
 
+def test_a_prompt_sent_n_times_in_one_batch_samples_as_n_separate_requests(url, models):
+    """engine.py prefills the requests of one batch that have the same tokens as one row (a group's N samples) and
+    gives each its own first token: each item's output and log-probs equal those of the same prompt and seed sent
+    alone, and the trainer's log-probs of it."""
+    ref = models[1]["A"]
+    prompts, seeds = [[5, 6, 7]] * 4 + [[9, 8]] * 2, [11, 12, 13, 11, 11, 12]
+    body = {"input_ids": prompts, "return_logprob": True, "rid": "dup",
+            "sampling_params": [{"max_new_tokens": 12, "sampling_seed": s, "ignore_eos": True} for s in seeds]}
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    for p, seed, o in zip(prompts, seeds, outs):
+        alone = generate(url, p, max_new_tokens=12, sampling_seed=seed, ignore_eos=True)
+        assert o["output_ids"] == alone["output_ids"], (p, seed)
+        ids = torch.tensor([p + o["output_ids"]])
+        with torch.no_grad():
+            want, _ = losses.token_logprobs(ref(ids).logits.float()[:, len(p) - 1:-1], ids[:, len(p):], 1.0)
+        got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]])
+        assert (got - want).abs().max() < 1e-4
+    assert outs[0]["output_ids"] == outs[3]["output_ids"] and len({tuple(o["output_ids"]) for o in outs[:3]}) == 3
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
 def test_logprobs_equal_trainer_logprobs(url, models, temperature):
     ref = models[1]["A"]
