@@ -603,6 +603,10 @@ class Actor:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
         self.snapshot_step = -1
+        # Nothing random in the training forward (no dropout): at a step's first call it is the old policy's forward
+        # too, so its log-probs, detached, are the old log-probs and the separate no-grad forward is skipped.
+        self.train_forward_is_old = not (getattr(model.config, "attention_dropout", 0.0) or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
         self.weights = weight_sync_lib.WeightSync(cfg, model, device, _ctrl_group())
         self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
         self.group_members: Optional[list] = None  # the server URLs the last sync went to
@@ -686,6 +690,8 @@ class Actor:
         sums, weights, extremes = {}, {}, {}
         for b, old_lp in zip(batches, old):
             logp, ent = self._token_logprobs(b, with_entropy=True)
+            if old_lp is None:  # the step's first call: these weights are the old policy
+                old_lp = logp.detach()
             loss, met = losses.policy_loss(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm,
                                            denom, entropy=ent)
             if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
@@ -731,7 +737,8 @@ class Actor:
         the live weights, and a copy of this rank's shards is kept (_take_snapshot); later calls copy it into the
         shards, compute, and put the live shards back. Those wait in a clone meanwhile, in the memory this call's
         gradients take later (the last update's zero_grad freed it), so the peak is not raised by a full copy.
-        trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot)."""
+        trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot). None for each
+        micro-batch of the first call when the training forward is the old policy's (train_forward_is_old)."""
         if self.cfg.trainer.use_rollout_log_probs:
             return [b["rollout_lp"] for b in batches]
         first = step != self.snapshot_step
@@ -744,6 +751,8 @@ class Actor:
             live = [p.clone() for p in params]
             for p, s in zip(params, self.snapshot):
                 p.copy_(s)
+        if first and self.train_forward_is_old:
+            return [None] * len(batches)
         self.model.eval()
         out = [self._token_logprobs(b)[0] for b in batches]
         reshard(self.model)

@@ -452,11 +452,13 @@ def actor_checks(tmp_path_factory, tiny_model) -> dict:
 
 
 def test_old_policy_snapshot_gives_step_start_log_probs(actor_checks):
-    """Second call of a step: old log-probs equal the step-start weights' (not the updated ones); after it the
-    live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
+    """First call of a step: the training forward's log-probs are the old ones. Second call: old log-probs equal the
+    step-start weights' (not the updated ones); after it the live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
     without pinning, which needs an accelerator), whose update is the same as the plain one's."""
     plain, offload = actor_checks["snapshot"]
     for r in (plain, offload):
+        # the first call's old log-probs are its training forward's, detached (no dropout): the ratio is exactly 1
+        assert r["reused"] and r["first_call_kl"] == 0.0
         assert r["old_vs_step_start"] < 1e-6
         assert r["live_vs_step_start"] > 1e-3  # the first call's update changed the policy
         assert r["live_after_vs_before"] < 1e-6
@@ -523,13 +525,14 @@ def _snapshot_checks(args) -> list:
                  "rollout_lp": [-2.0] * 6, "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
         first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
         step_start = _log_probs(actor, first)
-        actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
+        first_call = actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
         live = _log_probs(actor, first)
         old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
         after = _log_probs(actor, first)
         results.append({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
                         "live_vs_step_start": float((live - step_start).abs().max()),
                         "live_after_vs_before": float((after - live).abs().max()),
+                        "first_call_kl": first_call["train/approx_kl"], "reused": actor.train_forward_is_old,
                         "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
                         ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu})
     return results
