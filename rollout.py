@@ -1097,7 +1097,7 @@ class Rollout:
                 traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
             if traj.status in (COMPLETED, TRUNCATED):
                 scored.append(traj)
-        await asyncio.gather(*[self._score(g, t) for t in scored])
+        await self._score(g, scored)
         for traj in trajs:
             if traj.status != ABORTED:
                 self._emit(traj)
@@ -1110,18 +1110,32 @@ class Rollout:
         for rid in active.item_rids():
             self._spawn(self.fleet.abort(rid))
 
-    async def _score(self, g: PromptGroup, traj: Trajectory) -> None:
-        text = self.tokenizer.decode(traj.response_ids.tolist(), skip_special_tokens=True)
+    async def _score(self, g: PromptGroup, trajs: list) -> None:
+        """Rewards of trajs (one batch_decode): inline on the event loop (reward_pool inline: no task per trajectory)
+        or in the pool, concurrently. A reward function that raises fails its trajectory."""
         fn = self.reward_fns[g.source]
-        try:
-            args = (text, g.label, traj.status == COMPLETED)
-            reward = (fn(*args) if self._pool is None  # reward_pool inline
-                      else await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args))
-            traj.reward = float(reward)
-        except Exception as e:
-            traj.status = FAILED
-            traj.metadata["error"] = f"reward function failed: {e!r}"
-            log.warning("reward of trajectory %s failed: %r", traj.prompt_id, e)
+        texts = self.tokenizer.batch_decode([t.response_ids.tolist() for t in trajs], skip_special_tokens=True)
+        args = [(text, g.label, t.status == COMPLETED) for text, t in zip(texts, trajs)]
+        if self._pool is None:
+            rewards = []
+            for a in args:
+                try:
+                    rewards.append(fn(*a))
+                except Exception as e:
+                    rewards.append(e)
+        else:
+            loop = asyncio.get_running_loop()
+            rewards = await asyncio.gather(*[loop.run_in_executor(self._pool, fn, *a) for a in args],
+                                           return_exceptions=True)
+        for traj, reward in zip(trajs, rewards):
+            try:
+                if isinstance(reward, Exception):
+                    raise reward
+                traj.reward = float(reward)
+            except Exception as e:
+                traj.status = FAILED
+                traj.metadata["error"] = f"reward function failed: {e!r}"
+                log.warning("reward of trajectory %s failed: %r", traj.prompt_id, e)
 
     def _emit(self, traj: Trajectory) -> None:
         s = self.stats

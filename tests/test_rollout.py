@@ -22,7 +22,7 @@ import config
 import engine
 import rollout
 import tasks
-from buffer import Trajectory
+from buffer import COMPLETED, FAILED, TRUNCATED, Trajectory
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -669,6 +669,35 @@ def test_in_flight_never_exceeds_the_bound_as_the_engine_counts_it(server, token
     # trajectories ended, and the other group's may have ended one by then)
     assert max(seen) == 4, f"engine-side in-flight counts: {sorted(set(seen))}"
     assert metrics["rollout/in_flight_trajectories_max"] == 4 and metrics["rollout/max_concurrent_samples"] == 5
+
+
+def _odd_label_fails(text, label, stopped):
+    if int(label) % 2:
+        raise KeyError("odd")
+    return len(text) + stopped
+
+
+@pytest.mark.parametrize("pool", ["inline", "thread"])
+def test_rewards_are_scored_per_trajectory_and_a_raising_reward_fails_only_its_own(server, tokenizer, pool):
+    cfg = make_cfg(server["url"], f"rollout.reward_pool={pool}",
+                   "data_source.reward=test_rollout:_odd_label_fails")
+    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, None, sync, tokenizer)
+    try:
+        for label, want in (("12", [3.0, 1.0]), ("7", None)):
+            g = buffer.PromptGroup(0, 0, 0, torch.tensor([5, 6]), label=label)
+            trajs = [buffer.Trajectory(0, 0, i, g.prompt_ids, torch.tensor(ids), status=status)
+                     for i, (ids, status) in enumerate([(tokenizer.encode("21") + [tokenizer.eos_token_id], COMPLETED),
+                                                        ([tokenizer.encode("9")[0]], TRUNCATED)])]
+            sync.run(ro._score(g, trajs), 30)
+            if want:
+                assert [t.reward for t in trajs] == want and all(t.status != FAILED for t in trajs)
+            else:
+                assert all(t.status == FAILED and "reward function failed: KeyError('odd')" in t.metadata["error"]
+                           for t in trajs)
+    finally:
+        ro.stop()
+        sync.close()
 
 
 def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
