@@ -44,6 +44,7 @@ class NothingToTrain(RuntimeError):
     last cfg.filter_stop_groups, or the saved rollouts ran out. The message says what was seen and what to change."""
 
 
+_EMPTY_INT64, _EMPTY_FLOAT32 = torch.zeros(0, dtype=torch.long), torch.zeros(0)
 WIRE_BYTES_MAX = 256  # tensor fields of at most this many elements are pickled as bytes (_WireState)
 
 
@@ -81,10 +82,12 @@ class Trajectory(_WireState):
     seq: int  # dispatch sequence number of the group (monotonic over the whole run)
     index: int  # position of this trajectory in its group, 0..N-1
     prompt_ids: torch.Tensor  # int64 [P]
-    response_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # int64 [T]
-    rollout_log_probs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # float32 [T]
-    versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # int64 [T]
-    loss_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # int64 [T], 0/1
+    # (the defaults are shared empty tensors: a new tensor each cost ~4 us, four per trajectory, on the producer's
+    # hot path; tensor fields are replaced, never changed in place)
+    response_ids: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T]
+    rollout_log_probs: torch.Tensor = field(default_factory=lambda: _EMPTY_FLOAT32)  # float32 [T]
+    versions: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T]
+    loss_mask: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T], 0/1
     reward: float = 0.0
     status: str = COMPLETED  # completed | truncated | aborted | failed
     start_version: int = -1  # weight version of the first generated token (-1: nothing generated yet)

@@ -698,7 +698,7 @@ def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: 
     """Append tokens. Each field is rebuilt from one list through numpy: the producer's hot path, where
     torch.tensor(list) costs ~3x as much (5.3 against 1.5 us for 6 ids)."""
     def grow(old: torch.Tensor, new: list, dtype) -> torch.Tensor:
-        return torch.from_numpy(numpy.array(old.tolist() + new if len(old) else new, dtype=dtype))
+        return torch.from_numpy(numpy.array(old.tolist() + new if old.numel() else new, dtype=dtype))
 
     traj.loss_mask = grow(traj.loss_mask, [mask] * len(ids), numpy.int64)
     traj.response_ids = grow(traj.response_ids, ids, numpy.int64)
@@ -999,7 +999,7 @@ class Rollout:
         while todo:
             by_budget: dict[int, list[int]] = {}
             for i in todo:
-                budget = self.max_new_tokens - len(trajs[i].response_ids)
+                budget = self.max_new_tokens - trajs[i].response_ids.numel()
                 if budget <= 0:
                     trajs[i].status, finish[i] = TRUNCATED, "length"
                 else:
@@ -1056,7 +1056,7 @@ class Rollout:
             active.stop.set()
         self._count_in_flight(len(trajs))
         self._active[prefix] = active
-        restored = [len(t.response_ids) > 0 for t in trajs]
+        restored = [t.response_ids.numel() > 0 for t in trajs]  # (numel: len(tensor) costs ~3 us)
         task = self._spawn(self._generate(active, trajs) if self.fn is single_turn
                            else self.fn(RolloutContext(self, g, active), t0))
         timeout = self.cfg.rollout.trajectory_timeout_s
@@ -1082,8 +1082,8 @@ class Rollout:
             elif traj.status == ABORTED and not (self._stopping or g.prompt_id in self._aborting):
                 traj.status = FAILED
                 traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
-            if len(traj.response_ids):
-                traj.start_version, traj.end_version = int(traj.versions[0]), int(traj.versions[-1])
+            if traj.response_ids.numel():
+                traj.start_version, traj.end_version = traj.versions[[0, -1]].tolist()
             if was_restored:
                 traj.metadata["restored"] = traj.metadata.get("restored", 0) + 1
             if traj.status == ABORTED:  # pausing with rollout.partial=true: to buffer.step_boundary
@@ -1145,8 +1145,9 @@ class Rollout:
         if traj.status in (COMPLETED, TRUNCATED):
             s["scored"] += 1
             s["reward_sum"] += traj.reward
-            s["length_sum"] += len(traj.response_ids)
-            s["length_max"] = max(s["length_max"], len(traj.response_ids))
+            n = traj.response_ids.numel()
+            s["length_sum"] += n
+            s["length_max"] = max(s["length_max"], n)
         self._outbox.append(traj)
         self._outbox_ready.set()
 
