@@ -286,7 +286,7 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
         raw = it.get("sampling_params")
         if id(raw) not in parsed:
             parsed[id(raw)] = parse_sampling_params({k: v for k, v in (raw or {}).items() if k != "n"}, vocab_size)
-        return replace(parsed[id(raw)])  # (each request owns its copy)
+        return parsed[id(raw)]  # (shared: read-only once parsed; _parse_one replaces, never changes it)
     reqs = [_parse_one({**it, **({"rid": uuid.uuid4().hex} if n > 1 else {})}, params(it), tokenizer, vocab_size,
                        context_len, token_chars) for it in items for _ in range(n)]
     return reqs, batch or n > 1, n
@@ -312,7 +312,7 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
     if sp.max_new_tokens is None:
-        sp.max_new_tokens = context_len - len(ids)
+        sp = replace(sp, max_new_tokens=context_len - len(ids))
     elif len(ids) + sp.max_new_tokens > context_len:
         raise BadRequest(f"field `sampling_params.max_new_tokens` ({sp.max_new_tokens}) plus the {len(ids)} input "
                          f"tokens exceeds the model's context length {context_len}")
