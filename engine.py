@@ -734,11 +734,13 @@ class Scheduler:
         # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
         # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
         rows: dict = {}
-        src = [rows.setdefault((r.cache_ns, tuple(s), w), len(rows)) for r, s, w in zip(new, seqs, want_input_lp)]
-        first = {j: i for i, j in reversed(list(enumerate(src)))}  # row -> its first request
-        useqs = [seqs[first[j]] for j in range(len(rows))]
-        hits = [(0, None) if want_input_lp[first[j]] else self._cache_match(new[first[j]].cache_ns, useqs[j])
-                for j in range(len(rows))]
+        src, first = [], []  # request -> its row; row -> its first request
+        for i, (r, s, w) in enumerate(zip(new, seqs, want_input_lp)):
+            src.append(rows.setdefault((r.cache_ns, tuple(s), w), len(rows)))
+            if src[-1] == len(first):
+                first.append(i)
+        useqs = [seqs[i] for i in first]
+        hits = [(0, None) if want_input_lp[i] else self._cache_match(new[i].cache_ns, seqs[i]) for i in first]
         cached = max(c for c, _ in hits)
         width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
@@ -1267,7 +1269,7 @@ class Server:
             if _is_int(code) and code >= 400:
                 return _error(reqs[i].finish.get("message") or "request failed", code)
             outs = [self._output(x, len(x.output_ids), True) for x in reqs]
-            # SGLang answers with orjson (http_server.py: ORJSONResponse), ~5x faster than json here
+            # SGLang answers with orjson too (http_server.py: ORJSONResponse)
             return web.Response(body=orjson.dumps(outs if listed else outs[0]), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)

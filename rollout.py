@@ -303,7 +303,7 @@ class Fleet:
                 async with self._http().post(url + "/generate", data=orjson.dumps(payload), headers=JSON_HEADERS,
                                              timeout=self._generate_timeout) as resp:
                     if resp.status < 400:
-                        return orjson.loads(await resp.read())  # (the event loop's largest cost with json)
+                        return orjson.loads(await resp.read())
                     body = (await resp.text())[:300]
                     if resp.status < 500:
                         raise FleetError(f"{url}/generate answered HTTP {resp.status}: {body}")
