@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine
 import losses
+import scheduler
 import tasks
 import weight_sync
 
@@ -303,14 +304,14 @@ def test_sampler_draws_from_the_intended_distribution(sp, banned, support):
     n = 20000
     params = engine.parse_sampling_params(sp, 5)
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]).log().expand(n, 5)
-    logp, toks = engine.sample(logits, [params] * n, [None] * n, [banned] * n)
+    logp, toks = scheduler.sample(logits, [params] * n, [None] * n, [banned] * n)
     freq = torch.bincount(toks, minlength=5).double() / n
     assert (freq - torch.tensor(support, dtype=torch.double)).abs().max() < 0.015
     assert torch.allclose(logp[0], torch.log_softmax(logits[0] / params.temperature, -1))  # unaffected by filters
     gens = [torch.Generator().manual_seed(i % 50) for i in range(100)]
     again = [torch.Generator().manual_seed(i % 50) for i in range(100)]
-    a = engine.sample(logits[:100], [params] * 100, gens, [banned] * 100)[1]
-    assert torch.equal(a, engine.sample(logits[:100], [params] * 100, again, [banned] * 100)[1])
+    a = scheduler.sample(logits[:100], [params] * 100, gens, [banned] * 100)[1]
+    assert torch.equal(a, scheduler.sample(logits[:100], [params] * 100, again, [banned] * 100)[1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -434,7 +435,7 @@ def test_update_weights_over_gloo_group(url, models, restore_weights):
             "group_name": "test_group", "backend": "gloo"}
     with cf.ThreadPoolExecutor(1) as ex:
         joined = ex.submit(post, url, "/init_weights_update_group", init)
-        pg = engine.init_weight_update_group("127.0.0.1", port, 0, 2, "test_group", "gloo", timeout_s=30)
+        pg = scheduler.init_weight_update_group("127.0.0.1", port, 0, 2, "test_group", "gloo", timeout_s=30)
         assert joined.result(timeout=30).json()["success"] is True
         named = list(refs["B"].state_dict().items())
         v = version(url) + 1
@@ -447,7 +448,7 @@ def test_update_weights_over_gloo_group(url, models, restore_weights):
         assert post(url, "/begin_weight_update", {}).json() == {"success": True, "message": "Success"}
         assert post(url, "/begin_weight_update", {}).status_code == 400  # one session at a time
         done = ex.submit(post, url, "/update_weights_from_distributed", body)
-        engine.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
+        scheduler.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
         r = done.result(timeout=30)
         assert post(url, "/end_weight_update", {}).json()["success"] is True
     assert r.status_code == 200 and r.json()["success"] is True, r.text

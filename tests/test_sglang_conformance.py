@@ -21,6 +21,7 @@ import config
 import engine
 import losses
 import rollout
+import scheduler
 import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
 from test_rollout import wait_until
@@ -401,10 +402,10 @@ def test_a_stop_token_drawn_as_the_last_allowed_token_is_a_stop_and_an_abort_out
     assert stop["output_ids"] == out[:k + 1]
     assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": out[k]}
     # the abort of a request paused in place is finished by its next forward pass: abort, whatever it draws
-    sched = engine.Scheduler.__new__(engine.Scheduler)
+    sched = scheduler.Scheduler.__new__(scheduler.Scheduler)
     sched.weight_version, sched.generated_tokens, sched.eos_ids, sched.tokenizer = "0", 0, [2], None
-    for to_finish, expected in ((None, {"type": "stop", "matched": 2}), (engine.abort_reason("Aborted"), None)):
-        r = engine.Req("r", [1], engine.parse_sampling_params({"max_new_tokens": 1}, 10), to_finish=to_finish)
+    for to_finish, expected in ((None, {"type": "stop", "matched": 2}), (scheduler.abort_reason("Aborted"), None)):
+        r = scheduler.Req("r", [1], engine.parse_sampling_params({"max_new_tokens": 1}, 10), to_finish=to_finish)
         sched._append(r, 2, -0.5, None)
         assert r.finish == (expected or to_finish)
 

@@ -1,0 +1,747 @@
+"""scheduler.py: the model side of engine.py, SGLang's scheduler and model runner in one thread.
+
+engine.py is the HTTP front (it plays SGLang's tokenizer manager: it parses, validates and formats); this file owns
+the model and every admitted request. One model thread runs, each iteration, the control calls the HTTP handlers
+queued (Scheduler.call), prefills newly admitted requests as one batch, and advances ALL running requests (at most
+max_running; the rest wait in a FIFO queue) with ONE batched forward of one token each. The KV cache is one
+left-padded [rows, H, capacity, D] slab per layer with an attention mask; requests join by writing their prefilled
+rows into spare rows and leave by moving the last row into their place (KVBatch), as SGLang's
+schedule_batch.py: ScheduleBatch.filter_batch / merge_batch move request indices, not KV.
+
+Also here: the torch.distributed weight-update group both sides use (init_weight_update_group, broadcast_tensors),
+the safe unpickler of /update_weights_from_tensor payloads, and sampling (the log-prob convention is engine.py's).
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import concurrent.futures
+import datetime
+import inspect
+import io
+import logging
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+log = logging.getLogger("engine")
+
+KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
+PREFIX_CACHE_TOKENS = 1 << 16  # prompt tokens the prefix cache holds (least recently used entries go first)
+
+
+class BadRequest(ValueError):
+    """A request field is missing, of the wrong type or out of range: answered with HTTP 400 and this message."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float  # 1.0 for greedy requests (the log-prob convention)
+    greedy: bool
+    top_p: float
+    top_k: int  # -1: whole vocabulary
+    min_p: float
+    stop_strs: list  # list[str]
+    stop_token_ids: list  # list[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    min_new_tokens: int
+    sampling_seed: Optional[int]
+    stream_interval: int
+
+
+@dataclass
+class Req:
+    """One /generate request. The model thread owns every field after submission; the HTTP side only reads
+    prefixes of the append-only lists, and reads everything after `finish` is set."""
+    rid: str
+    input_ids: list
+    sp: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    cache_ns: tuple = (None, None)  # (extra_key, cache_salt): the prefix cache's namespace of this request
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    created: float = field(default_factory=time.perf_counter)
+    output_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # float per output token
+    top_logprobs: list = field(default_factory=list)  # per output token: list of (logprob, id)
+    input_logprobs: list = field(default_factory=list)  # (logprob|None, id) per input token from logprob_start_len
+    spans: list = field(default_factory=list)  # [version, start, end) over output token indices
+    finish: Optional[dict] = None  # SGLang finish_reason once finished
+    finished_at: float = 0.0
+    num_retractions: int = 0
+    abort_sent: bool = False  # an /abort_request for this rid was forwarded (SGLang ignores repeats)
+    to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
+    generator: Optional[torch.Generator] = None
+    notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
+
+
+def abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+# -- KV cache: one left-padded slab per layer ----------------------------------------------------------------------
+
+class _SlabLayer(DynamicLayer):
+    """One layer's K/V in a preallocated [row capacity, H, column capacity, D] buffer: a step writes into it instead
+    of torch.cat-ing the whole cache (DynamicLayer's O(T^2) copying); `keys`/`values`, what attention reads, view
+    the first `rows` rows and `n` columns."""
+
+    def __init__(self, kb: Optional[torch.Tensor], vb: Optional[torch.Tensor], n: int, cap: int, rows: int):
+        super().__init__()
+        self.kb, self.vb, self.n, self.cap, self.rows = kb, vb, n, cap, rows
+        if kb is not None:
+            self._views()
+
+    def _views(self):
+        self.keys, self.values = self.kb[:self.rows, :, :self.n], self.vb[:self.rows, :, :self.n]
+        self.is_initialized, self.device = True, self.kb.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        q = key_states.shape[-2]
+        if self.kb is None:
+            b, h, _, d = key_states.shape
+            self.kb = key_states.new_zeros(b, h, self.cap, d)
+            self.vb = value_states.new_zeros(b, h, self.cap, value_states.shape[-1])
+        assert self.n + q <= self.cap, "the running batch is compacted (KVBatch.combine) before it overflows"
+        self.kb[:self.rows, :, self.n:self.n + q] = key_states
+        self.vb[:self.rows, :, self.n:self.n + q] = value_states
+        self.n += q
+        self._views()
+        return self.keys, self.values
+
+
+class KVBatch:
+    """The running batch's cache: per-layer slabs, a [rows, capacity] attention mask (1 = real token; rows are
+    left-padded so every row's newest token sits in column n-1), each row's next position id and last token.
+
+    Rows leave and join in place (SGLang's filter_batch / merge_batch move request indices, not KV): a leaving row
+    is overwritten by the last row (so, unlike SGLang's, the order of the rows changes), a joining one is written
+    into spare rows, right-aligned. Only when the columns
+    or the rows run out is the batch rebuilt (combine), which also drops the leading columns no row uses."""
+
+    def __init__(self, layers: list, mask: torch.Tensor, next_pos: torch.Tensor, last_tok: torch.Tensor):
+        self.layers, self._mask, self.next_pos, self.last_tok = layers, mask, next_pos, last_tok
+        self.cache = DynamicCache()
+        self.cache.layers = layers
+
+    @classmethod
+    def empty(cls, num_layers: int, batch: int, cap: int, device) -> "KVBatch":
+        z = torch.zeros(batch, dtype=torch.long, device=device)
+        return cls([_SlabLayer(None, None, 0, cap, batch) for _ in range(num_layers)],
+                   torch.zeros(batch, cap, dtype=torch.long, device=device), z, z.clone())
+
+    n = property(lambda self: self.layers[0].n)  # columns in use (every row's newest token is in column n-1)
+    rows = property(lambda self: self.layers[0].rows)
+    mask = property(lambda self: self._mask[:self.rows])
+    cap = property(lambda self: self._mask.shape[1])  # columns allocated
+
+    def _set_rows(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.rows = rows
+            layer._views()
+
+    def _span(self, rows) -> tuple:
+        """(first, width) of the columns any of `rows` uses (they end at column n)."""
+        start = int(self.mask[rows, :self.n].any(0).int().argmax())
+        return start, self.n - start
+
+    def remove(self, dead: list) -> list:
+        """Drop rows `dead` in place, each hole filled by one of the last live rows; returns, for each remaining row
+        in its new order, its old index (the caller reorders its requests the same way)."""
+        left, gone = self.rows - len(dead), set(dead)
+        order = list(range(left))
+        holes = [i for i in range(left) if i in gone]
+        tail = [i for i in range(left, self.rows) if i not in gone]
+        if holes:
+            dst, src = torch.tensor(holes, device=self._mask.device), torch.tensor(tail, device=self._mask.device)
+            for t in [layer.kb for layer in self.layers] + [layer.vb for layer in self.layers]:
+                t[dst, :, :self.n] = t[src, :, :self.n]
+            for t in (self._mask, self.next_pos, self.last_tok):
+                t[dst] = t[src]
+            for h, t in zip(holes, tail):
+                order[h] = t
+        self.next_pos, self.last_tok = self.next_pos[:left], self.last_tok[:left]
+        self._set_rows(left)
+        return order
+
+    def join(self, other: "KVBatch", keep: list) -> bool:
+        """Append rows `keep` of `other` (a prefilled batch) in place, right-aligned to column n; False when they do
+        not fit in the spare rows or are longer than n (the caller combines)."""
+        idx = torch.tensor(keep, device=self._mask.device)
+        start, width = other._span(idx)
+        r0, k, n = self.rows, len(keep), self.n
+        if r0 + k > self.layers[0].kb.shape[0] or width > n:
+            return False
+        for layer, new in zip(self.layers, other.layers):
+            for dst, src in ((layer.kb, new.kb), (layer.vb, new.vb)):
+                dst[r0:r0 + k, :, :n - width].zero_()  # masked, but attention reads it: finite
+                dst[r0:r0 + k, :, n - width:n] = src[idx, :, start:other.n]
+        self._mask[r0:r0 + k] = 0
+        self._mask[r0:r0 + k, n - width:n] = other.mask[idx, start:other.n]
+        self.next_pos = torch.cat([self.next_pos, other.next_pos[idx]])
+        self.last_tok = torch.cat([self.last_tok, other.last_tok[idx]])
+        self._set_rows(r0 + k)
+        return True
+
+    @staticmethod
+    def combine(parts: list, row_cap: int = 0) -> Optional["KVBatch"]:
+        """A new batch made of `rows` of each (KVBatch, rows) part, right-aligned to a common length with the
+        leading all-padding columns dropped, with KV_HEADROOM spare columns and room for row_cap rows."""
+        pieces = []
+        for kv, rows in parts:
+            if not rows:
+                continue
+            idx = torch.tensor(rows, device=kv.mask.device)
+            pieces.append((kv, idx, *kv._span(idx)))
+        if not pieces:
+            return None
+        length = max(p[3] for p in pieces)
+        cap = length + KV_HEADROOM
+        batch = sum(len(p[1]) for p in pieces)
+        rows_cap = max(batch, row_cap)
+        kv0 = pieces[0][0]
+        mask = kv0.mask.new_zeros(rows_cap, cap)
+        layers = []
+        for li, layer0 in enumerate(kv0.layers):
+            # Uninitialised but for the left padding (attention reads it, masked: it must be finite); the columns
+            # right of `length` are written before they are read. Zeroing whole slabs cost more than the forward.
+            kb = layer0.kb.new_empty(rows_cap, layer0.kb.shape[1], cap, layer0.kb.shape[3])
+            vb = layer0.vb.new_empty(rows_cap, layer0.vb.shape[1], cap, layer0.vb.shape[3])
+            r = 0
+            for kv, idx, start, ln in pieces:
+                src = kv.layers[li]
+                for dst, t in ((kb, src.kb), (vb, src.vb)):
+                    dst[r:r + len(idx), :, :length - ln].zero_()
+                    dst[r:r + len(idx), :, length - ln:length] = t[idx, :, start:kv.n]
+                r += len(idx)
+            layers.append(_SlabLayer(kb, vb, length, cap, batch))
+        r = 0
+        for kv, idx, start, ln in pieces:
+            mask[r:r + len(idx), length - ln:length] = kv.mask[idx, start:kv.n]
+            r += len(idx)
+        return KVBatch(layers, mask, torch.cat([p[0].next_pos[p[1]] for p in pieces]),
+                       torch.cat([p[0].last_tok[p[1]] for p in pieces]))
+
+
+# -- Torch distributed weight-update group (both sides use these helpers) ------------------------------------------
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                             group_name: str = "weight_update_group", backend: str = "gloo",
+                             timeout_s: float = 300.0):
+    """A ProcessGroupGloo/NCCL of `world_size` ranks on a TCPStore at master_address:master_port (hosted by rank 0,
+    the trainer), NOT the default process group, so a trainer under torchrun owns it next to its own. The store
+    prefixes mirror SGLang's init_custom_process_group (PrefixStore(group_name), then torch's "<group_name>/<device>/"),
+    so the trainer side can also face real SGLang over NCCL. Blocks until all ranks joined, raises after timeout_s."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                              multi_tenant=True)
+        device = "cuda" if backend == "nccl" else "cpu"
+        store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    except Exception as e:  # re-raised with what did not arrive
+        raise RuntimeError(f"weight-update group {group_name!r} (rank {rank} of {world_size}, {backend}) at "
+                           f"{master_address}:{master_port} did not form within {timeout_s}s: {e}") from e
+
+
+def broadcast_tensors(pg, tensors: list, timeout_s: float = 300.0, src: int = 0):
+    """Broadcast `tensors` in order from rank `src` of `pg` (send on src, receive in place elsewhere)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    works = [pg.broadcast([t], opts) for t in tensors]
+    for i, w in enumerate(works):
+        if not w.wait(datetime.timedelta(seconds=timeout_s)):
+            raise TimeoutError(f"broadcast of tensor {i} of {len(tensors)} did not complete within {timeout_s}s")
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Loads what torch's ForkingPickler wrote for (name, tensor) pairs and nothing else: SGLang's SafeUnpickler
+    (utils/common.py) allow-list, cut to plain containers, dtypes and torch's tensor/storage rebuild functions."""
+    ALLOWED = {("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "float", "bool", "slice")} | {
+        ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
+        ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
+        ("torch.nn.parameter", "Parameter"), ("torch._utils", "_rebuild_parameter")} | {
+        ("torch.multiprocessing.reductions", n) for n in (
+            "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_fd", "rebuild_storage_filename",
+            "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")}
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
+
+
+def _rebuild_cuda_tensor(*args):
+    """torch's CUDA IPC rebuild, with the device given by UUID (weight_sync.serialize_named_tensors, SGLang's
+    patch_torch): the sender's CUDA_VISIBLE_DEVICES numbers the GPUs differently."""
+    from torch.multiprocessing import reductions
+    dev = args[6]
+    if isinstance(dev, str):
+        dev = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev)
+    return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
+
+
+def deserialize_named_tensors(payload: str) -> list:
+    """A /update_weights_from_tensor payload (weight_sync.serialize_named_tensors) -> [(name, tensor)]."""
+    import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
+    named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    if not (isinstance(named, list) and all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)
+                                            and isinstance(x[1], torch.Tensor) for x in named)):
+        raise ValueError("expected a list of (name, tensor) pairs")
+    return [(n, t) for n, t in named]
+
+
+# -- Sampling ------------------------------------------------------------------------------------------------------
+
+def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
+    """One token per row of logits [B, V] under params[i] (banned[i]: ids it may not draw; generators[i]: its seed or
+    None). Returns (logp [B, V], tokens [B]); logp = log_softmax(logits / temperature) in float32 is what's reported."""
+    logits = logits.float()
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    scores, raw = logp, logits
+    if any(banned):
+        scores, raw = scores.clone(), raw.clone()
+        for i, ids in enumerate(banned):
+            scores[i, ids] = float("-inf")
+            raw[i, ids] = float("-inf")
+    if all(p.greedy for p in params):
+        return logp, raw.argmax(-1)
+    if any(not p.greedy and (p.top_p < 1 or p.top_k > 0 or p.min_p > 0) for p in params):
+        scores = filter_scores(scores, params)
+    # inverse-CDF sampling: one uniform per row (on CPU far cheaper than a Gumbel draw per vocabulary entry)
+    cdf = scores.exp().cumsum(-1)
+    u = torch.rand(len(params), device=dev)
+    for i, g in enumerate(generators):  # seeded requests draw from their own generator: reproducible
+        if g is not None:
+            u[i] = torch.rand((), generator=g, device=dev)
+    # right=True: the first entry whose cdf exceeds u, so a token of probability 0 is never drawn
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    return logp, torch.where(greedy, raw.argmax(-1), drawn)
+
+
+def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
+    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf (not in greedy rows)."""
+    dev, vocab = scores.device, scores.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in params], device=dev)
+    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=dev)
+    min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=dev)
+    s, idx = scores.sort(-1, descending=True)
+    probs = s.softmax(-1)
+    remove = torch.arange(vocab, device=dev)[None] >= top_k[:, None]
+    remove |= ((probs.cumsum(-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1)  # keep the token crossing top_p
+    remove |= probs < min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False
+    return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
+
+
+# -- The model thread ----------------------------------------------------------------------------------------------
+
+def load_model(path: str, device: torch.device, dtype: str):
+    from transformers import AutoModelForCausalLM
+    torch_dtype = (torch.float32 if device.type == "cpu" else "auto") if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    cfg = model.config.get_text_config()
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(f"--model-path {path}: engine.py supports full-attention layers only, the model has "
+                         f"{sorted(layer_types)}")
+    return model
+
+
+class Scheduler:
+    """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
+
+    def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
+                 weight_version: str, disable_radix_cache: bool = False):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
+        cfg = model.config.get_text_config()
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.context_len = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        eos = set()
+        for src in (model.config.eos_token_id, getattr(model.generation_config, "eos_token_id", None),
+                    tokenizer.eos_token_id):
+            eos.update([src] if isinstance(src, int) else (src or []))
+        self.eos_ids = sorted(eos)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.logits_to_keep = "logits_to_keep" in params
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: collections.deque = collections.deque()
+        self.running: list = []  # row i of self.kv belongs to running[i]
+        self.prefilling: list = []  # admitted, being prefilled (neither waiting nor running yet)
+        self.kv: Optional[KVBatch] = None
+        self.paused: Optional[str] = None  # None | abort | retract | in_place
+        self.released: set = set()
+        self.groups: dict = {}  # group_name -> (process group, device of its tensors)
+        self.disable_radix_cache = disable_radix_cache
+        self._cache_clear()  # (namespace, token ids) -> per-layer KV, LRU order; the lengths cached per namespace
+        self.last_output = 0.0  # perf_counter of the last token generated (/health: did the scheduler answer)
+        self.generated_tokens = 0  # total, for throughput in /server_info
+        self.throughput = 0.0
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="engine-model", daemon=True)
+
+    # -- called from other threads ------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the model thread between two steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put((fn, fut))
+        return fut
+
+    def stop(self):
+        self._stop = True
+        self.inbox.put((lambda: None, concurrent.futures.Future()))
+        self.thread.join(timeout=30)
+
+    # -- loop ---------------------------------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.running or self.waiting) and self.paused is None and not self.released
+
+    def _run_calls(self):
+        """Run the queued control calls; when there is nothing to decode, wait (up to 1 s) for the first one."""
+        block = not self._busy()
+        while True:
+            try:
+                fn, fut = self.inbox.get(timeout=1.0) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # handed to the caller
+                fut.set_exception(e)
+
+    def _loop(self):
+        tick_t, tick_n = time.perf_counter(), 0
+        with torch.inference_mode():
+            while not self._stop:
+                self._run_calls()
+                if not self._busy():
+                    continue
+                try:
+                    if self.waiting and len(self.running) < self.max_running:
+                        self._admit()
+                    if self.running:
+                        self._decode()
+                except Exception as e:  # fail the batch, keep serving
+                    log.exception("model step failed; aborting the requests in it")
+                    for req in self.running + self.prefilling:
+                        if req.finish is None:
+                            self._finish(req, abort_reason(f"engine error: {e}", 500, "InternalServerError"))
+                    self.running, self.prefilling, self.kv = [], [], None
+                now = time.perf_counter()
+                if now - tick_t > 2.0:
+                    self.throughput = (self.generated_tokens - tick_n) / (now - tick_t)
+                    tick_t, tick_n = now, self.generated_tokens
+
+    def _forward(self, ids: torch.Tensor, kv: KVBatch, pos: torch.Tensor, last_only: bool) -> torch.Tensor:
+        q = ids.shape[1]
+        kw = {self.cache_kw: kv.cache, "attention_mask": kv.mask[:, :kv.n + q], "position_ids": pos, "use_cache": True}
+        if last_only and self.logits_to_keep:
+            kw["logits_to_keep"] = 1
+        return self.model(input_ids=ids, **kw).logits
+
+    def _admit(self):
+        """Prefill queued requests (FIFO, up to the running limit and the prefill token budget) as one batch. Each
+        starts from the longest cached prefix of its tokens in its namespace (at most all but its last token), so
+        only the rest is computed; row i's cached KV sits left of column C, its new tokens end at the slab's end."""
+        new, tokens = [], 0
+        while self.waiting and len(self.running) + len(new) < self.max_running:
+            n = len(self.waiting[0].input_ids) + len(self.waiting[0].output_ids)
+            if new and tokens + n > self.max_prefill_tokens:
+                break
+            new.append(self.waiting.popleft())
+            tokens += n
+        self.prefilling = new
+        seqs = [r.input_ids + r.output_ids for r in new]
+        want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
+        # Requests with the same tokens in the same namespace (a group's samples: one prompt N times) share one row
+        # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
+        # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
+        rows: dict = {}
+        src, first = [], []  # request -> its row; row -> its first request
+        for i, (r, s, w) in enumerate(zip(new, seqs, want_input_lp)):
+            src.append(rows.setdefault((r.cache_ns, tuple(s), w), len(rows)))
+            if src[-1] == len(first):
+                first.append(i)
+        useqs = [seqs[i] for i in first]
+        hits = [(0, None) if want_input_lp[i] else self._cache_match(new[i].cache_ns, seqs[i]) for i in first]
+        cached = max(c for c, _ in hits)
+        width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
+        q = width - cached  # the columns this forward computes
+        ids = torch.full((len(rows), q), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(rows), q), dtype=torch.long)
+        kv = KVBatch.empty(self.num_layers, len(rows), width + KV_HEADROOM, self.device)
+        for j, (s, (c, _)) in enumerate(zip(useqs, hits)):
+            ids[j, q - (len(s) - c):] = torch.tensor(s[c:])
+            pos[j, q - (len(s) - c):] = torch.arange(c, len(s))
+            kv.mask[j, cached - c:cached] = 1
+            kv.mask[j, width - (len(s) - c):width] = 1
+        if cached:  # the slabs start with every row's cached KV (zeros where a row has less)
+            for li in range(self.num_layers):
+                k0 = next(e for c, e in hits if c)[li][0]
+                kb = k0.new_zeros(len(rows), k0.shape[0], width + KV_HEADROOM, k0.shape[2])
+                vb = torch.zeros_like(kb)
+                for j, (c, e) in enumerate(hits):
+                    if c:
+                        kb[j, :, cached - c:cached], vb[j, :, cached - c:cached] = e[li]
+                kv.layers[li] = _SlabLayer(kb, vb, cached, width + KV_HEADROOM, len(rows))
+            kv.cache.layers = kv.layers
+        logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
+        kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
+        for i, (r, s) in enumerate(zip(new, seqs)):
+            r.cached_tokens = hits[src[i]][0]
+            if want_input_lp[i]:
+                self._input_logprobs(r, logits[src[i], q - len(s):], s)
+            if first[src[i]] == i:
+                self._cache_insert(r.cache_ns, s, kv, src[i])
+            if r.sp.sampling_seed is not None and r.generator is None:
+                r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
+            if r.sp.max_new_tokens <= len(r.output_ids):  # max_new_tokens 0 (or a retracted request at its limit)
+                self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
+        live = [i for i, r in enumerate(new) if r.finish is None]
+        if not live:
+            self.prefilling = []
+            return
+        toks = self._sample_and_append([new[i] for i in live], logits[torch.tensor([src[i] for i in live]), -1])
+        keep = [k for k, i in enumerate(live) if new[i].finish is None]  # positions in live
+        rows_of = [src[live[k]] for k in keep]  # their rows of kv, a shared row once per request
+        if keep and not (self.kv is not None and self.kv.join(kv, rows_of)):
+            parts = [(self.kv, list(range(len(self.running))))] if self.kv is not None else []
+            self.kv = KVBatch.combine(parts + [(kv, rows_of)], self._row_cap(len(self.running) + len(keep)))
+        if keep:  # the joined rows are the last ones; each has its own first token
+            self.kv.last_tok[self.kv.rows - len(keep):] = toks[torch.tensor(keep, device=self.device)]
+        self.running += [new[live[k]] for k in keep]
+        self.prefilling = []
+
+    # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: keyed by token ids + namespace) ----------
+    def _cache_match(self, ns: tuple, seq: list) -> tuple:
+        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq in namespace ns, at most
+        all but its last token (one is computed, for the logits); (0, None) when none is cached. A cached sequence
+        matches when it is seq or a prefix of it (SGLang's radix tree also matches part of a longer one)."""
+        for k in sorted(self.cache_lengths.get(ns, ()), reverse=True):
+            entry = self.prefix_cache.get((ns, tuple(seq[:k]))) if k <= len(seq) else None
+            if entry is not None:
+                self.prefix_cache.move_to_end((ns, tuple(seq[:k])))
+                use = min(k, len(seq) - 1)
+                return (use, [(kk[:, :use], vv[:, :use]) for kk, vv in entry]) if use else (0, None)
+        return 0, None
+
+    def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> None:
+        """Cache the KV of row `row` of a prefilled batch (its tokens seq), evicting the least recently used."""
+        key = (ns, tuple(seq))
+        if self.disable_radix_cache or key in self.prefix_cache:
+            return
+        cols = kv.mask[row, :kv.n].nonzero()[:, 0]
+        self.prefix_cache[key] = [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
+                                  for layer in kv.layers]
+        self.cache_lengths.setdefault(ns, collections.Counter())[len(seq)] += 1
+        self.cache_tokens += len(seq)
+        while self.cache_tokens > PREFIX_CACHE_TOKENS:
+            (old_ns, old), _ = self.prefix_cache.popitem(last=False)
+            self.cache_tokens -= len(old)
+            self.cache_lengths[old_ns] -= collections.Counter([len(old)])  # (drops the lengths counted 0)
+
+    def _cache_clear(self) -> None:
+        self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
+
+    def _decode(self):
+        if self.kv.n + 1 > self.kv.cap:  # out of columns: rebuild, dropping those no row uses any more
+            self.kv = KVBatch.combine([(self.kv, list(range(len(self.running))))], self._row_cap(len(self.running)))
+        kv = self.kv
+        kv.mask[:, kv.n] = 1
+        logits = self._forward(kv.last_tok[:, None], kv, kv.next_pos[:, None], last_only=True)
+        kv.next_pos = kv.next_pos + 1
+        kv.last_tok = self._sample_and_append(self.running, logits[:, -1])
+        dead = [i for i, r in enumerate(self.running) if r.finish is not None]
+        if dead:
+            self._remove(dead)
+
+    def _remove(self, dead: list):
+        """Drop rows `dead` of the running batch (finished or aborted), in place."""
+        if len(dead) == len(self.running):
+            self.kv, self.running = None, []
+        else:
+            self.running = [self.running[i] for i in self.kv.remove(dead)]
+
+    def _row_cap(self, rows: int) -> int:
+        """Rows a rebuilt batch has room for: twice its rows (joins then rarely rebuild), within the running limit."""
+        return min(self.max_running, max(2 * rows, 16))
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+    def _sample_and_append(self, reqs: list, logits: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row, append it (with log-prob, weight version) to its request, finish those that stop."""
+        banned = [r.sp.stop_token_ids + ([] if r.sp.ignore_eos else self.eos_ids)
+                  if len(r.output_ids) < r.sp.min_new_tokens else [] for r in reqs]
+        logp, toks = sample(logits, [r.sp for r in reqs], [r.generator for r in reqs], banned)
+        chosen = logp.gather(1, toks[:, None])[:, 0]
+        host = torch.stack([toks.double(), chosen.double()]).cpu().tolist()  # one device->host copy per step
+        k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        if k:
+            tv, ti = (t.cpu().tolist() for t in logp.topk(min(k, logp.shape[1]), dim=-1))
+        for i, r in enumerate(reqs):
+            top = list(zip(tv[i], ti[i]))[:r.top_logprobs_num] if k else None
+            self._append(r, int(host[0][i]), host[1][i], top)
+        return toks
+
+    def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list):
+        """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""
+        lp = torch.log_softmax(logits.float() / r.sp.temperature, -1)
+        tgt = torch.tensor(seq[1:], device=lp.device)
+        full = [None] + lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
+        r.input_logprobs = [(full[j], seq[j]) for j in range(r.logprob_start_len, len(seq))]
+
+    def _append(self, r: Req, tok: int, lp: float, top: Optional[list]):
+        n = len(r.output_ids)
+        r.output_ids.append(tok)
+        r.logprobs.append(lp)
+        if r.return_logprob and r.top_logprobs_num:
+            r.top_logprobs.append(top or [])
+        v = self.weight_version
+        if r.spans and r.spans[-1][0] == v:
+            r.spans[-1][2] = n + 1
+        else:
+            r.spans.append([v, n, n + 1])
+        self.generated_tokens += 1
+        self.last_output = time.perf_counter()
+        # 0.5.23's order (schedule_batch.py: Req.update_finish_state): an abort that came while it ran (its one more
+        # forward pass, scheduler.py abort_request), stop strings, stop tokens / eos (unless ignore_eos), the length
+        # last: an eos drawn as the last allowed token is a stop, not a length finish.
+        reason = r.to_finish or self._stop_str(r)
+        if reason is None and not r.sp.ignore_eos and (tok in r.sp.stop_token_ids or tok in self.eos_ids):
+            reason = {"type": "stop", "matched": tok}
+        if reason is None and n + 1 >= r.sp.max_new_tokens:
+            reason = {"type": "length", "length": r.sp.max_new_tokens}
+        if reason is not None:
+            self._finish(r, reason)
+        elif r.stream and (n + 1) % r.sp.stream_interval == 0:
+            r.notify(n + 1, False)
+
+    def _stop_str(self, r: Req) -> Optional[dict]:
+        if not r.sp.stop_strs:
+            return None
+        width = max(len(s) for s in r.sp.stop_strs) + 1
+        tail = self.tokenizer.decode(r.output_ids[-width:], skip_special_tokens=r.sp.skip_special_tokens)
+        matched = next((s for s in r.sp.stop_strs if s in tail), None)
+        return None if matched is None else {"type": "stop", "matched": matched}
+
+    def _finish(self, r: Req, reason: dict):
+        r.finish, r.finished_at = reason, time.perf_counter()
+        r.notify(len(r.output_ids), True)
+
+    # -- control calls (run on the model thread via call()) -----------------------------------------------------
+    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
+        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all); queued
+        ones "Abort in waiting queue". Paused in place, a running one is only marked: SGLang's aborted request "still
+        runs one decode forward pass" (managers/scheduler.py), which a paused scheduler runs after continue."""
+        def hit(r):
+            return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
+        queued = [r for r in self.waiting if hit(r)]
+        self.waiting = collections.deque(r for r in self.waiting if not hit(r))
+        for r in queued:
+            self._finish(r, abort_reason("Abort in waiting queue"))
+        n, dead = len(queued) + sum(map(hit, self.running)), []
+        for i, r in enumerate(self.running):
+            if hit(r) and self.paused != "in_place":
+                self._finish(r, abort_reason("Aborted"))
+                dead.append(i)
+            elif hit(r):  # paused in place: finished by its next forward pass
+                r.to_finish = abort_reason("Aborted")
+        if dead:
+            self._remove(dead)
+        return n
+
+    def pause(self, mode: str) -> int:
+        """SGLang's pause modes: abort (return everything in flight), retract (keep requests, drop their KV; they
+        are recomputed after continue), in_place (keep requests and KV). Returns the number of requests kept."""
+        if mode == "abort":
+            self.abort(abort_all=True)
+        elif mode == "retract":
+            for r in self.running:
+                r.num_retractions += 1
+            self.waiting.extendleft(reversed(self.running))
+            self.running, self.kv = [], None
+        self.paused = mode
+        return len(self.running) + len(self.waiting)
+
+    def resume_generation(self):
+        self.paused = None
+
+    def flush_cache(self) -> bool:
+        """Refused while requests run, or wait while not paused (SGLang: is_fully_idle(ignore_waiting=paused)), so
+        it works after a retract pause (the kept requests wait) but not after an in_place one."""
+        if self.running or (self.waiting and self.paused is None):
+            return False
+        self._cache_clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def set_version(self, version: str, abort_all: bool):
+        if abort_all:
+            self.abort(abort_all=True)
+        self.weight_version = version
+
+    def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> None:
+        """New weights; requests kept by a pause continue with them (their KV cache stays)."""
+        device = next(self.model.parameters()).device  # host memory while released
+        self.model = load_model(path, device, dtype)
+        if version is not None:
+            self.weight_version = version
+
+    def load_tensors(self, named: list, version: Optional[str]):
+        """Copy received (name, tensor) pairs into the model's parameters (names as in named_parameters)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = [n for n, _ in named if n not in params]
+        bad = [f"{n} {tuple(t.shape)} vs {tuple(params[n].shape)}" for n, t in named
+               if n in params and params[n].shape != t.shape]
+        if unknown or bad:
+            raise BadRequest(f"field `names`: unknown parameters {unknown[:5]}, shape mismatches {bad[:5]}")
+        for n, t in named:
+            params[n].data.copy_(t)
+        if version is not None:
+            self.weight_version = version
+
+    def release(self, tags: list) -> None:
+        if self.running:
+            raise BadRequest(f"{len(self.running)} requests are running; pause generation before releasing memory")
+        if "weights" in tags and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        if "kv_cache" in tags:
+            self._cache_clear()
+        self.released |= set(tags)
+
+    def resume_memory(self, tags: list) -> None:
+        if "weights" in tags and "weights" in self.released:
+            self.model.to(self.device)
+        self.released -= set(tags)
