@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -374,12 +375,42 @@ def load_model(path: str, device: torch.device, dtype: str):
     return model
 
 
+def checkpoint_targets(model) -> dict:
+    """{checkpoint name: () -> the view of the served model's parameter it fills}. A transformers 5 Qwen3-MoE layer
+    keeps its experts fused (mlp.experts.gate_up_proj [E, 2I, H], gate rows first, then up; mlp.experts.down_proj
+    [E, H, I]), its checkpoint per expert (mlp.experts.{i}.gate_proj/up_proj/down_proj.weight): the mapping
+    sglang 0.5.23 builds with FusedMoE.make_expert_params_mapping in Qwen3MoeForCausalLM.load_weights, and the
+    inverse of transformers' core_model_loading.revert_weight_conversion. Every other parameter keeps its name.
+    Views are made at load time (release/resume_memory move the parameters)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for name, p in params.items():
+        base = name[:-len("gate_up_proj")] if name.endswith("experts.gate_up_proj") else None
+        if base is not None and p.dim() == 3:
+            half = p.shape[1] // 2
+            for i in range(p.shape[0]):
+                out[f"{base}{i}.gate_proj.weight"] = lambda name=name, i=i, h=half: params_of(model, name)[i, :h]
+                out[f"{base}{i}.up_proj.weight"] = lambda name=name, i=i, h=half: params_of(model, name)[i, h:]
+        elif name.endswith("experts.down_proj") and p.dim() == 3:
+            base = name[:-len("down_proj")]
+            for i in range(p.shape[0]):
+                out[f"{base}{i}.down_proj.weight"] = lambda name=name, i=i: params_of(model, name)[i]
+        else:
+            out[name] = lambda name=name: params_of(model, name)
+    return out
+
+
+def params_of(model, name: str) -> torch.Tensor:
+    return model.get_parameter(name).data
+
+
 class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
                  weight_version: str, disable_radix_cache: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self._targets = None  # checkpoint name -> parameter view (checkpoint_targets), made at the first load
         self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
         cfg = model.config.get_text_config()
         self.num_layers = cfg.num_hidden_layers
@@ -712,22 +743,33 @@ class Scheduler:
         self.weight_version = version
 
     def load_from_disk(self, path: str, version: Optional[str], dtype: str) -> None:
-        """New weights; requests kept by a pause continue with them (their KV cache stays)."""
-        device = next(self.model.parameters()).device  # host memory while released
-        self.model = load_model(path, device, dtype)
+        """New weights from a checkpoint directory's safetensors files, loaded into the served model by checkpoint
+        names (load_tensors), as 0.5.23's update_weights_from_disk feeds the files to the same model's load_weights;
+        requests kept by a pause continue with them (their KV cache stays)."""
+        from safetensors.torch import load_file
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise BadRequest(f"model_path {path} has no *.safetensors files")
+        for f in files:
+            self.load_tensors(list(load_file(str(f)).items()), None)
         if version is not None:
             self.weight_version = version
 
     def load_tensors(self, named: list, version: Optional[str]):
-        """Copy received (name, tensor) pairs into the model's parameters (names as in named_parameters)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        unknown = [n for n, _ in named if n not in params]
-        bad = [f"{n} {tuple(t.shape)} vs {tuple(params[n].shape)}" for n, t in named
-               if n in params and params[n].shape != t.shape]
-        if unknown or bad:
-            raise BadRequest(f"field `names`: unknown parameters {unknown[:5]}, shape mismatches {bad[:5]}")
-        for n, t in named:
-            params[n].data.copy_(t)
+        """Copy received (name, tensor) pairs, named as in the checkpoint (save_pretrained), into the served model's
+        parameters (checkpoint_targets). A name the model does not know is skipped silently, as sglang 0.5.23
+        models/qwen3_moe.py Qwen3MoeForCausalLM.load_weights does (`if name not in params_dict: continue`), so a
+        trainer that pushes its own fused names shows up as a log-prob gap, not as an error; a known name with
+        another shape is refused (0.5.23's weight_loader asserts the shapes)."""
+        if self._targets is None:
+            self._targets = checkpoint_targets(self.model)
+        known = [(n, t, self._targets[n]()) for n, t in named if n in self._targets]
+        bad = [f"{n} {tuple(t.shape)} vs {tuple(d.shape)}" for n, t, d in known if d.shape != t.shape]
+        if bad:
+            raise BadRequest(f"field `names`: shape mismatches {bad[:5]}")
+        with torch.no_grad():
+            for _, t, d in known:
+                d.copy_(t)
         if version is not None:
             self.weight_version = version
 
