@@ -14,7 +14,9 @@ All in a /begin_weight_update ... /end_weight_update session (0.5.23 refuses upd
 Gathering: the parameters of one FSDP2 unit (a decoder layer, or the root's embeddings/norm/head) are all-gathered
 together by FSDP2's own unshard, in its param dtype (bf16 on GPU: cast before the gather, half the bytes), and
 copied into the bucket's flat buffer in the servers' dtype. Buckets (weight_sync.bucket_mb, whole units) overlap:
-unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. The weight version and flush_cache
+unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. Every push and write carries the
+checkpoint's names, shapes and dtypes (to_checkpoint, one unit at a time: a Qwen3-MoE layer's fused experts go out
+per expert, as save_pretrained writes them and sglang's loader maps them; a dense model's names are unchanged). The weight version and flush_cache
 travel on the last bucket that carries tensors, never on an empty trailing call.
 
 Run the throughput bench: python bench/weight_sync_bench.py
@@ -74,29 +76,43 @@ def fsdp_units(model) -> list:
     return units
 
 
+def to_checkpoint(model, named: dict) -> dict:
+    """One FSDP unit's {parameter name: tensor} -> {checkpoint name: tensor}, as save_pretrained writes them:
+    transformers' own core_model_loading.revert_weight_conversion (what save_pretrained calls), applied to this
+    unit's tensors only (its converters are per layer: a Qwen3-MoE layer's fused mlp.experts.gate_up_proj /
+    down_proj become experts.{i}.gate_proj/up_proj/down_proj.weight, views of the fused tensors). A dense model's
+    names are returned unchanged and in their order."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(model, dict(named))
+    return dict(named) if out.keys() == named.keys() else out
+
+
 def plan_buckets(model, dtype: torch.dtype, limit_bytes: int) -> list:
-    """Whole FSDP units per bucket, a new bucket once one reaches limit_bytes: [[(module, [(name, shape)])]]."""
+    """Whole FSDP units per bucket, a new bucket once one reaches limit_bytes, sized by the checkpoint tensors they
+    become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)], [parameter names])]]."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # DTensor: the global shape
     out, cur, size = [], [], 0
     for module, names in fsdp_units(model):
         if not names:
             continue
-        cur.append((module, [(n, shapes[n]) for n in names]))
-        size += sum(torch.Size(shapes[n]).numel() for n in names) * dtype.itemsize
+        ckpt = to_checkpoint(model, {n: torch.empty(shapes[n], dtype=dtype, device="meta") for n in names})
+        cur.append((module, [(n, tuple(t.shape)) for n, t in ckpt.items()], names))
+        size += sum(t.numel() for t in ckpt.values()) * dtype.itemsize
         if size >= limit_bytes:
             out, cur, size = out + [cur], [], 0
     return out + ([cur] if cur else [])
 
 
 class Bucket:
-    """One flat buffer of full tensors in the push dtype and (name, view) pairs into it."""
+    """One flat buffer of full tensors in the push dtype and (checkpoint name, view) pairs into it."""
 
     def __init__(self, spec: list, dtype: torch.dtype, device: torch.device):
-        total = sum(torch.Size(s).numel() for _, names in spec for _, s in names)
+        total = sum(torch.Size(s).numel() for unit in spec for _, s in unit[1])
         self.flat = torch.empty(total, dtype=dtype, device=device)
         self.named, off = [], 0
-        for _, names in spec:
-            for n, s in names:
+        for unit in spec:
+            for n, s in unit[1]:
                 k = torch.Size(s).numel()
                 self.named.append((n, self.flat[off:off + k].view(s)))
                 off += k
@@ -107,15 +123,16 @@ class Bucket:
 
 
 def gather_bucket(model, spec: list, dtype: torch.dtype, device: torch.device) -> Bucket:
-    """All ranks: unshard each unit of the bucket (FSDP2 all-gather in its param dtype), copy, reshard."""
+    """All ranks: unshard each unit of the bucket (FSDP2 all-gather in its param dtype), convert it to checkpoint
+    names (to_checkpoint: views of the unsharded parameters), copy into the bucket, reshard."""
     bucket = Bucket(spec, dtype, device)
     views = dict(bucket.named)
     with torch.no_grad():
-        for module, names in spec:
+        for module, _, names in spec:
             module.unshard()
             params = dict(model.named_parameters())
-            for n, _ in names:
-                views[n].copy_(params[n])
+            for n, t in to_checkpoint(model, {n: params[n] for n in names}).items():
+                views[n].copy_(t)
             module.reshard()
     return bucket
 
