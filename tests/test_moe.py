@@ -122,6 +122,27 @@ def test_fused_names_are_skipped_and_checkpoint_names_load(moe):
     assert gap(url, ref) > 1e-2  # back to A: the disk path reloads the experts too
 
 
+def test_colocate_tensor_path_pushes_checkpoint_names(moe):
+    """Colocate's /update_weights_from_tensor (test_engine's shared-tensor test): each converted bucket's views of
+    its flat buffer as one payload; fused names the same way are skipped."""
+    url, paths, ref = moe
+    def push(named):
+        body = {"serialized_named_tensors": [weight_sync.serialize_named_tensors(named)]}
+        r = post(url, "/update_weights_from_tensor", body)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert post(url, "/begin_weight_update", {}).json()["success"] is True
+    push([(n, p.detach()) for n, p in ref.named_parameters()])
+    assert post(url, "/end_weight_update", {}).json()["success"] is True
+    assert gap(url, ref) > 1e-2
+    kept = buckets(ref)  # the payloads name shared-memory files: the buffers live until the calls returned
+    assert post(url, "/begin_weight_update", {}).json()["success"] is True
+    for b in kept:
+        push(b.named)
+    assert post(url, "/end_weight_update", {}).json()["success"] is True
+    assert gap(url, ref) < 1e-5
+    assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
+
+
 def test_export_writes_save_pretrained_keys_that_the_engine_and_from_pretrained_load(moe, tmp_path):
     """WeightSync.export (the disk method and run_dir/hf): save_pretrained's keys and shapes, loadable by
     from_pretrained with the same logits, and by engine.py's /update_weights_from_disk."""
