@@ -16,8 +16,8 @@ together by FSDP2's own unshard, in its param dtype (bf16 on GPU: cast before th
 copied into the bucket's flat buffer in the servers' dtype. Buckets (weight_sync.bucket_mb, whole units) overlap:
 unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. Every push and write carries the
 checkpoint's names, shapes and dtypes (to_checkpoint, one unit at a time: a Qwen3-MoE layer's fused experts go out
-per expert, as save_pretrained writes them and sglang's loader maps them; a dense model's names are unchanged). The weight version and flush_cache
-travel on the last bucket that carries tensors, never on an empty trailing call.
+per expert, as save_pretrained writes them and sglang's loader maps them; a dense model's names are unchanged).
+The weight version and flush_cache travel on the last bucket that carries tensors, never on an empty trailing call.
 
 Run the throughput bench: python bench/weight_sync_bench.py
 """
