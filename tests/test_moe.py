@@ -8,6 +8,8 @@ Run: .venv/bin/python -m pytest -q tests/test_moe.py
 """
 import concurrent.futures as cf
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import scheduler
 import tasks
 import weight_sync
 from test_engine import generate, make_model, post, version
+from test_train import ROOT, TORCHRUN
 
 PROMPTS = [[5, 6, 7], list(range(20, 31))]
 
@@ -169,3 +172,35 @@ def test_a_dense_models_names_do_not_change(tmp_path):
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     got = [(n, tuple(t.shape)) for b in buckets(model) for n, t in b.named]
     assert got == [(n, shapes[n]) for _, names in weight_sync.fsdp_units(model) for n in names]  # the units' order
+
+
+def test_fsdp2_gathered_buckets_equal_the_save_pretrained_file(moe):
+    """2 FSDP2 ranks (gloo, torchrun, as test_train.py): each decoder layer one unit, gathered and converted bucket
+    by bucket, gives save_pretrained's keys and tensors exactly (run below, under __main__)."""
+    _, paths, _ = moe
+    p = subprocess.run([*TORCHRUN, os.path.abspath(__file__), paths["B"]], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240, start_new_session=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
+    assert p.returncode == 0 and "RESULT same" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def _fsdp_gather(path: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    got = {n: t.clone() for spec in weight_sync.plan_buckets(model, torch.float32, 1)
+           for n, t in weight_sync.gather_bucket(model, spec, torch.float32, torch.device("cpu")).named}
+    ref = load_file(os.path.join(path, "model.safetensors"))
+    if dist.get_rank() == 0 and got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref):
+        print("RESULT same")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _fsdp_gather(sys.argv[1])
