@@ -144,7 +144,7 @@ class ServerLayout:
     gpus: list = field(default_factory=list)  # physical GPU ids on that node (its CUDA_VISIBLE_DEVICES); [] on CPU
     tp: int = 1  # SGLang --tp-size
     dp: int = 1  # SGLang --dp-size
-    pp: int = 1  # SGLang --pp-size (the server brings tp x dp x pp ranks to the weight-update group)
+    pp: int = 1  # SGLang --pp-size (dp or pp > 1: weight_sync.method=disk only, see validate_server_layout)
 
 
 @dataclass
@@ -636,6 +636,19 @@ def validate_server_layout(cfg: Config) -> None:
         if r.launch == "sglang" and len(s.gpus) != s.tp * s.dp * s.pp:
             raise ValueError(f"{key}.gpus lists {len(s.gpus)} GPUs but tp x dp x pp = {s.tp} x {s.dp} x {s.pp} = "
                              f"{s.tp * s.dp * s.pp}; give one physical GPU id per rank")
+        # SGLang 0.5.23 updates weights in memory on dp = pp = 1 servers only: tokenizer_control_mixin.py asserts
+        # dp_size == 1 in init_weights_update_group, update_weights_from_distributed and update_weights_from_tensor
+        # (an HTTP 500 at the first sync), and weight_updater.py: init_weights_update_group joins each rank as
+        # rank_offset + tp_rank, with no pp rank, so the stages of a pp > 1 server collide in the broadcast group.
+        method = cfg.weight_sync.method
+        if method in ("distributed", "tensor") and s.dp > 1:
+            raise ValueError(f"{key}.dp={s.dp} with weight_sync.method={method}: SGLang refuses in-memory weight "
+                             "updates on a data-parallel server (dp_size == 1); launch several dp=1 servers behind "
+                             "the router instead, or use weight_sync.method=disk")
+        if method in ("distributed", "tensor") and s.pp > 1:
+            raise ValueError(f"{key}.pp={s.pp} with weight_sync.method={method}: SGLang joins every pipeline stage "
+                             "to the weight-update group as rank_offset + tp_rank, so the stages collide and the "
+                             "broadcast hangs; use pp=1 servers (several behind the router), or weight_sync.method=disk")
         for g in s.gpus:
             if (s.node, g) in taken:
                 raise ValueError(f"{key} and rollout.server_layout[{taken[s.node, g]}] both use GPU {g} of node "

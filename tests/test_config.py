@@ -131,6 +131,17 @@ RULES = [
     (["rollout.launch=sglang", "trainer.num_nodes=2",
       "rollout.server_layout=[{gpus: [0, 1], tp: 2}, {node: 1, gpus: [0, 1], tp: 2}, {gpus: [1, 2], tp: 2}]"], None,
      ["rollout.server_layout[2]", "rollout.server_layout[0]", "GPU 1 of node 0"]),
+    # in-memory weight updates need dp = pp = 1 servers in SGLang 0.5.23 (managers/tokenizer_control_mixin.py:
+    # init_weights_update_group / update_weights_from_distributed / update_weights_from_tensor assert dp_size == 1;
+    # model_executor/model_runner_components/weight_updater.py: init_weights_update_group, rank = rank_offset + tp_rank)
+    (["rollout.launch=sglang", "rollout.server_layout=[{gpus: [0, 1], dp: 2}]"], None,
+     ["rollout.server_layout[0].dp=2", "weight_sync.method=distributed", "dp=1 servers behind the router",
+      "weight_sync.method=disk"]),
+    (["rollout.launch=sglang", "weight_sync.method=tensor", "rollout.server_layout=[{gpus: [0, 1], dp: 2}]"], None,
+     ["rollout.server_layout[0].dp=2", "weight_sync.method=tensor", "weight_sync.method=disk"]),
+    (["rollout.launch=sglang", "rollout.server_layout=[{gpus: [0, 1, 2, 3], tp: 2, pp: 2}]"], None,
+     ["rollout.server_layout[0].pp=2", "weight_sync.method=distributed", "rank_offset + tp_rank", "pp=1 servers",
+      "weight_sync.method=disk"]),
     (["run_mode=rollout-only", "trainer.num_nodes=2", "rollout.server_layout=[{node: 1}]"], None,
      ["run_mode=rollout-only", "rollout.server_layout[].node"]),
 ]

@@ -143,7 +143,7 @@ def test_rank_0_reports_what_another_node_published_or_that_nothing_came(tmp_pat
 
 def test_sglang_command_per_server_has_its_layout_gpus_and_the_extra_flags(tmp_path, monkeypatch):
     cfg = _cfg(f"run_dir={tmp_path}", "colocate=false", "rollout.launch=sglang", "rollout.base_port=25000",
-               "trainer.num_nodes=2",
+               "trainer.num_nodes=2", "weight_sync.method=disk",  # dp / pp > 1: disk only (config.validate)
                "rollout.server_layout=[{gpus: [4, 5, 6, 7], tp: 2, dp: 2}, {node: 1, gpus: [0, 1], pp: 2}]",
                'rollout.sglang_args.extra=["--ep-size", "2", "--context-length", 32768]')
     svc = services.Services(cfg)
