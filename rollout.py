@@ -388,11 +388,16 @@ class Fleet:
         gate, so on a paused server it answers 503 after 20 s (and marks the server unhealthy)."""
         self.skip = set()
         deadline = time.monotonic() + timeout_s
+        said = False
         while True:
             health = await self.health("/model_info")
             if any(health.values()):
                 self.skip = {u for u, ok in health.items() if not ok}
                 return [u for u, ok in health.items() if ok]
+            if not said:  # the wait can be long (a server restarting): say what it waits for, once
+                log.warning("no inference server answers /model_info (%s): waiting up to %s s for one",
+                            ", ".join(health), timeout_s)
+                said = True
             if time.monotonic() > deadline:
                 raise FleetError(f"no inference server answered /model_info for rollout.startup_timeout_s="
                                  f"{timeout_s} s: {', '.join(health)}")

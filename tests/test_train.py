@@ -342,15 +342,17 @@ def _wait_steps(run_dir, steps: int, p, timeout: float = 180.0) -> None:
     while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
                len([r for r in _read_rows(run_dir) if r["step"] > 0]) >= steps):
         assert p.poll() is None and time.monotonic() < deadline, \
-            p.stdout.read()[-3000:] + p.stderr.read()[-5000:] if p.poll() else "timeout"
+            ((p.stdout.read()[-3000:] + p.stderr.read()[-5000:]) if p.stdout else "exited") if p.poll() else "timeout"
         time.sleep(0.1)
 
 
-def _wait_log(path, text: str, p, timeout: float = 60.0) -> None:
+def _wait_log(path, text: str, p, timeout: float = 60.0, *others: tuple) -> None:
+    """Until the file at `path` says `text` (or one of the (path, text) pairs in `others` does)."""
     deadline = time.monotonic() + timeout
-    while not (os.path.exists(path) and text in open(path, errors="replace").read()):
-        assert p.poll() is None, p.stdout.read()[-3000:] + p.stderr.read()[-5000:]
-        assert time.monotonic() < deadline, f"{path} did not say '{text}' within {timeout} s"
+    pairs = [(path, text), *others]
+    while not any(os.path.exists(f) and s in open(f, errors="replace").read() for f, s in pairs):
+        assert p.poll() is None, (p.stdout.read()[-3000:] + p.stderr.read()[-5000:]) if p.stdout else "exited"
+        assert time.monotonic() < deadline, f"none of {pairs} said within {timeout} s"
         time.sleep(0.1)
 
 
@@ -408,18 +410,24 @@ def test_a_connected_server_that_dies_and_returns_gets_the_weights_again(tmp_pat
     port = _free_port()
     url, handle = engine.launch(tiny_model, port=port)
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
-                          "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
-                          "data_source.num_prompts=20", "trainer.total_steps=5", "rollout.launch=none",
-                          f"rollout.servers=[{url}]"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    trainer_err = tmp_path / "trainer.err"
+    with open(trainer_err, "w") as err_file:
+        p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
+                              "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
+                              "data_source.num_prompts=20", "trainer.total_steps=5", "rollout.launch=none",
+                              f"rollout.servers=[{url}]"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err_file,
+                             text=True, start_new_session=True)
     try:
         _wait_steps(str(run_dir), 1, p)
         handle.proc.kill()
         handle.proc.wait(10)
-        _wait_log(run_dir / "logs" / "rollout.log", f"inference server {url} does not answer", p)  # its absence seen
+        # Its absence seen: by the rollout if a request was in flight, else by the trainer's next sync, which
+        # waits for a server to answer /model_info (which of the two comes first is a race, both are fine).
+        _wait_log(run_dir / "logs" / "rollout.log", f"inference server {url} does not answer", p, 60.0,
+                  (trainer_err, "no inference server answers /model_info"))
         url, handle = engine.launch(tiny_model, port=port, weight_version=0)
-        out, err = p.communicate(timeout=180)
+        p.wait(timeout=180)
+        err = open(trainer_err, errors="replace").read()
         version = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
     finally:
         handle.stop()
