@@ -1,17 +1,25 @@
-"""bench/logprob_memory.py: peak memory of chunked vs naive token log-probs, forward + backward, on a long sequence.
+"""bench/logprob_memory.py: peak memory of token log-probs from the last hidden states, forward + backward, three ways.
 
-The chunked `losses.token_logprobs` upcasts `--chunk` tokens at a time to float32 (forward and backward); the naive
-reference is `log_softmax(logits.float() / T).gather(...)`, which materialises several float32 [tokens x vocab]
-tensors. Each variant runs in a fresh subprocess on CPU: bf16 logits [tokens, vocab] requiring grad are created
-first, the process's peak RSS is reset (Linux /proc/self/clear_refs) and then forward + backward run; the figure is
-peak RSS minus RSS before the computation, so it includes the bf16 gradient of the logits that both variants must
-produce (the same size as the logits). Default size: 4096 tokens x 151936 vocabulary (Qwen's) in bf16 = 1.16 GiB of
-logits; the naive variant then needs about 7 GiB, so it fits a 24 GB / 2-core machine next to other jobs (8192
-tokens would need about 14 GiB for the naive one, 20+ GiB with --entropy). Figures are GiB.
+  fused    losses.linear_token_logprobs: lm_head and log-softmax per chunk; the [tokens x vocab] logits never exist
+  chunked  logits = hidden @ lm_head.T in bf16, then losses.token_logprobs (float32 one chunk at a time); the logits
+           and their gradient are two bf16 [tokens x vocab] tensors
+  naive    log_softmax(logits.float() / T).gather(...): several float32 [tokens x vocab] tensors besides those
 
-Measured on the 2-core CPU machine, default size: chunked 1.75 GiB (1.16 of it the gradient), naive 6.96 GiB.
+Each variant runs in a fresh subprocess on CPU: bf16 hidden states [tokens, hidden] and an lm_head weight [vocab,
+hidden] requiring grad are created first, the process's peak RSS is reset (Linux /proc/self/clear_refs) and then
+forward + backward run; the figure is peak RSS minus RSS before, GiB. It includes the gradients of hidden and
+weight (the fused one's float32 weight-gradient accumulator too), which all variants return. The hidden size only
+sets those small terms and the matmul time (--hidden 64 keeps the 2-core machine's run short; the logits terms
+depend on tokens x vocab only).
 
-Run: .venv/bin/python bench/logprob_memory.py [--tokens 4096] [--vocab 151936] [--chunk 1024] [--entropy]
+Measured on the 2-core CPU machine (vocab 151936, chunk 1024, --hidden 64):
+  --tokens 24576 (the 30B config's micro_batch_tokens): fused 0.92 GiB (93 s), chunked 14.50 GiB (220 s): the
+      logits and their gradient, 2 x 6.96 GiB, plus one float32 chunk; naive not run (about 40 GiB)
+  --tokens 4096: fused 0.92 GiB, chunked 2.91 GiB, naive 6.97 GiB; all three agree
+The fused peak is one chunk's logits in bf16 and float32 (1024 x 151936: 0.87 GiB) whatever the token count.
+
+Run: .venv/bin/python bench/logprob_memory.py [--tokens 4096] [--vocab 151936] [--hidden 64] [--chunk 1024]
+     [--entropy] [--variants fused,chunked,naive]
 """
 import argparse
 import json
@@ -39,67 +47,71 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child(variant: str, tokens: int, vocab: int, chunk: int, entropy: bool, temperature: float = 0.8) -> dict:
+def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, entropy: bool,
+          temperature: float = 0.8) -> dict:
     import torch
 
     import losses
 
     torch.manual_seed(0)
-    # rank-one random logits: built in bf16 directly and fast (normal_ on 600M elements takes tens of seconds)
-    logits = (torch.randn(tokens, 1, dtype=torch.bfloat16) * torch.randn(1, vocab, dtype=torch.bfloat16) * 2)
-    logits.requires_grad_()
+    hidden = (torch.randn(tokens, hidden_size) / hidden_size ** 0.5).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size) * 2).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,))
     weights = torch.randn(tokens)
 
     def naive():
-        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        logp_all = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
         logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return logp, (-(logp_all.exp() * logp_all).sum(-1) if entropy else None)
 
     def chunked():
-        return losses.token_logprobs(logits, targets, temperature, chunk_size=chunk, with_entropy=entropy)
+        return losses.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size=chunk, with_entropy=entropy)
+
+    def fused():
+        return losses.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size=chunk,
+                                            with_entropy=entropy)
 
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM: the peak below is this computation's only
         f.write("5")
     before = rss_bytes()
     t0 = time.perf_counter()
-    logp, ent = {"naive": naive, "chunked": chunked}[variant]()
+    logp, ent = {"naive": naive, "chunked": chunked, "fused": fused}[variant]()
     loss = (logp * weights).sum() + (ent.sum() * 0.1 if entropy else 0.0)
     loss.backward()
     seconds = time.perf_counter() - t0
     return {"peak_gb": (peak_rss_bytes() - before) / GB, "seconds": seconds, "logp_sum": float(logp.sum()),
-            "grad_abs_sum": float(logits.grad.float().abs().sum())}
+            "grad_abs_sum": float(hidden.grad.float().abs().sum())}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--entropy", action="store_true", help="also compute the entropy (and its gradient)")
-    ap.add_argument("--child", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default="fused,chunked,naive")
+    ap.add_argument("--child", choices=["naive", "chunked", "fused"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, args.vocab, args.chunk, args.entropy)))
+        print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.chunk, args.entropy)))
         return
     logits_gb = args.tokens * args.vocab * 2 / GB
-    print(f"token log-probs + backward, CPU, bf16 logits [{args.tokens} x {args.vocab}] = {logits_gb:.2f} GiB "
-          f"(one float32 copy = {2 * logits_gb:.2f} GiB), chunk {args.chunk} tokens, entropy {args.entropy}")
+    print(f"token log-probs + backward, CPU, [{args.tokens} tokens x {args.hidden}] @ [{args.hidden} x {args.vocab}] "
+          f"in bf16: logits would be {logits_gb:.2f} GiB; chunk {args.chunk} tokens, entropy {args.entropy}")
     results = {}
-    for variant in ("chunked", "naive"):
+    for variant in args.variants.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--tokens", str(args.tokens),
-               "--vocab", str(args.vocab), "--chunk", str(args.chunk)] + (["--entropy"] if args.entropy else [])
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(args.chunk)]
+        out = subprocess.run(cmd + (["--entropy"] if args.entropy else []), capture_output=True, text=True,
+                             timeout=1800)
         if out.returncode != 0:
             raise SystemExit(f"{variant} run failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
         results[variant] = r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"  {variant:8s} peak memory above the inputs: {r['peak_gb']:6.2f} GiB   time {r['seconds']:5.1f} s")
-    c, n = results["chunked"], results["naive"]
-    same = abs(c["logp_sum"] - n["logp_sum"]) <= 1e-4 * abs(n["logp_sum"]) + 1e-2
-    print(f"  naive / chunked peak: {n['peak_gb'] / c['peak_gb']:.1f}x; without the {logits_gb:.2f} GiB bf16 gradient of "
-          f"the logits that both must return: chunked {c['peak_gb'] - logits_gb:.2f} GiB, naive "
-          f"{n['peak_gb'] - logits_gb:.2f} GiB ({(n['peak_gb'] - logits_gb) / (c['peak_gb'] - logits_gb):.1f}x); "
-          f"results agree: {same}")
+        print(f"  {variant:8s} peak memory above the inputs: {r['peak_gb']:6.2f} GiB   time {r['seconds']:6.1f} s")
+    sums = [r["logp_sum"] for r in results.values()]
+    same = max(sums) - min(sums) <= 1e-3 * abs(sums[0]) + 1e-2
+    print(f"  results agree: {same} ({', '.join(f'{k} {v:.1f}' for k, v in zip(results, sums))})")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,43 @@ def test_chunked_equals_naive_values_and_gradients(shape, chunk_size, with_entro
         assert torch.allclose(grad, logits.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(7,), (2, 7)])
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_linear_token_logprobs_equal_the_logits_path_with_gradients(shape, chunk_size, with_entropy):
+    """lm_head fused into the chunked log-softmax: log-probs, entropy and the gradients of the hidden states and of
+    the lm_head weight equal token_logprobs(hidden @ weight.T) within 1e-5 in float32."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        H, V, temperature = 6, 13, 0.7
+        hidden = torch.randn(*shape, H, generator=g).requires_grad_()
+        weight = torch.randn(V, H, generator=g).requires_grad_()
+        targets = torch.randint(0, V, shape, generator=g)
+        w_logp, w_ent = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        results = []
+        for fused in (True, False):
+            if fused:
+                logp, ent = losses.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size, with_entropy)
+            else:
+                logp, ent = losses.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size, with_entropy)
+            ((logp * w_logp).sum() + ((ent * w_ent).sum() if with_entropy else 0)).backward()
+            results.append((logp, ent, hidden.grad.clone(), weight.grad.clone()))
+            hidden.grad = weight.grad = None
+        (logp, ent, gh, gw), (ref_logp, ref_ent, ref_gh, ref_gw) = results
+        assert logp.shape == shape and logp.dtype == torch.float32
+        assert torch.allclose(logp, ref_logp, atol=1e-5)
+        assert (ent is None) == (not with_entropy) and (ent is None or torch.allclose(ent, ref_ent, atol=1e-5))
+        assert torch.allclose(gh, ref_gh, atol=1e-5) and torch.allclose(gw, ref_gw, atol=1e-5)
+        assert gw.abs().sum() > 0
+
+
+def test_linear_token_logprobs_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="hidden size of weight"):
+        losses.linear_token_logprobs(torch.zeros(3, 4), torch.zeros(9, 5), torch.zeros(3, dtype=torch.long), 1.0)
+    with pytest.raises(ValueError, match="logprob_chunk_tokens"):
+        losses.linear_token_logprobs(torch.zeros(3, 4), torch.zeros(9, 4), torch.zeros(3, dtype=torch.long), 1.0, 0)
+
+
 def test_chunked_bf16_and_noncontiguous_slice():
     g = torch.Generator().manual_seed(0)
     full = (torch.randn(2, 9, 50, generator=g) * 2).to(torch.bfloat16).requires_grad_()

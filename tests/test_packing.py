@@ -90,6 +90,32 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
     assert max(float(g.abs().max()) for g in g0.values()) > 1e-3
 
 
+def test_fused_lm_head_log_probs_entropy_and_gradients_equal_the_logits_path(tiny_path):
+    """train.token_logprobs swaps the model's lm_head for losses.linear_token_logprobs inside model(...): log-probs,
+    entropy and every parameter's gradient (the lm_head / tied embedding included) equal those of the model's own
+    logits through losses.token_logprobs, within 1e-5 in float32; the model's lm_head is itself again after."""
+    seqs = _seqs([(5, 9), (3, 2), (7, 14)])
+    b = train.collate(seqs, packing=False)
+    results = []
+    for fused in (True, False):
+        model = _model(tiny_path, "sdpa")
+        if fused:
+            logp, ent = train.token_logprobs(model, b, 0.7, 5, with_entropy=True)
+            assert "forward" not in vars(model.get_output_embeddings())
+        else:
+            logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
+            logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], 0.7, 5, with_entropy=True)
+        ((logp * b["mask"]).sum() + 0.3 * (ent * b["mask"]).sum()).backward()
+        results.append((logp.detach() * b["mask"], ent.detach() * b["mask"],
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, e0, g0), (lp1, e1, g1) = results
+    assert (lp0 - lp1).abs().max() < 1e-5 and (e0 - e1).abs().max() < 1e-5
+    assert g0.keys() == g1.keys() and any("lm_head" in n or "embed_tokens" in n for n in g0)
+    for n in g0:
+        assert (g0[n] - g1[n]).abs().max() < 1e-5, n
+    assert max(float(g.abs().max()) for g in g0.values()) > 1e-3
+
+
 def test_packed_micro_batches_hold_at_most_the_token_budget():
     seqs = _seqs([(4, n) for n in (30, 2, 2, 2, 10, 9, 8, 7, 25, 3)])
     packed = train.plan_micro_batches(seqs, 40, packing=True)
