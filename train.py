@@ -383,6 +383,9 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     if rank == 0:
         ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
         full, buffers = ref.state_dict(), [{k: v.cpu() for k, v in ref.named_buffers()}]
+    # The other ranks wait for rank 0's load (minutes for a 30B from disk) here, under the control group's long
+    # timeout, not inside the broadcast below, whose group times out (NCCL: kills) after weight_sync.timeout_s.
+    dist.barrier(group=_ctrl_group())
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Non-persistent buffers (rotary inv_freq) are not in a state dict: rank 0's, on the device (also when the
     # parameters are offloaded: FSDP2 moves only those).
@@ -568,14 +571,37 @@ def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False) -> tuple:
     """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
     as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
-    per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them)."""
+    per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them).
+
+    The [tokens, vocab] logits are never built: for the run of model(...) its output layer's forward is swapped
+    for losses.linear_token_logprobs on the last hidden states (lm_head fused into the chunked log-softmax), so
+    .logits comes back as the log-probs. The swap sits inside model(...) because FSDP2 gathers the root unit's
+    parameters (lm_head, embeddings, final norm) in the root's forward and again for its backward. A head that is
+    not a bias-free Linear, or logits that the model post-processes (final_logit_softcapping), take the unfused
+    path (losses.token_logprobs on the logits)."""
     import losses
 
-    if "pos" in b:
-        logits = model(input_ids=b["ids"], position_ids=b["pos"], use_cache=False).logits[:, :-1]
+    kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
+    head, targets = model.get_output_embeddings(), b["ids"][:, 1:]
+    fused = (isinstance(head, torch.nn.Linear) and head.bias is None
+             and not getattr(model.config, "final_logit_softcapping", None))
+    if fused:
+        out = {}
+
+        def head_forward(hidden):
+            out["logp"], out["ent"] = losses.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature,
+                                                                   chunk_tokens, with_entropy)
+            return out["logp"]
+
+        head.forward = head_forward
+        try:
+            model(input_ids=b["ids"], **kwargs)
+        finally:
+            del head.forward
+        logp, ent = out["logp"], out["ent"]
     else:
-        logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
-    logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], temperature, chunk_tokens, with_entropy=with_entropy)
+        logits = model(input_ids=b["ids"], **kwargs).logits[:, :-1]
+        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy=with_entropy)
     if "pos" in b:
         logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
     return logp, ent
