@@ -153,8 +153,12 @@ class WeightSync:
 
     # ---- one sync ----
     def push(self, version: int) -> None:
-        """Every rank gathers; rank 0 pushes. A push that fails on rank 0 stops the pushing, not the gathering
-        (the other ranks are in the same collectives), and is raised at the end."""
+        """Every rank gathers; rank 0 pushes. A failure on one rank (a broadcast on a group a dead server left, a
+        payload that does not serialize) stops its pushing, never its collectives: every rank runs every bucket's
+        gathers and control calls, so all leave the loop together. They then agree on the outcome (one
+        all_gather_object of each rank's error on the control group) before any of them acts on it: rank 0 raises
+        the first error, naming its rank, and its caller may retry with a fresh push that pairs with a fresh one on
+        every rank; the other ranks say it in one line and return."""
         method = self.cfg.weight_sync.method
         if method == "disk":
             path = os.path.join(self.cfg.run_dir, "sync_weights")
@@ -190,13 +194,24 @@ class WeightSync:
                 pending = self._start(bucket, version if k == len(plan) - 1 else None, targets, error)
             if pending is not None:
                 error = self._finish(pending, error)
-        except Exception as e:  # e.g. a broadcast on a group a dead server left: the session must still close, or
-            error = error or e  # the retry's /begin_weight_update finds it open and the run stops
+        except Exception as e:  # a collective itself failed: the session must still close, or the retry's
+            error = error or e  # /begin_weight_update finds it open and the run stops
         if session:
             try:
                 self.fleet.end_weight_update(None if error is None else SESSION_END_TIMEOUT_S)
             except Exception as e:
                 error = error or e
+        if self.world > 1:  # the status collective: every rank knows whether the push failed, and why
+            status = [None] * self.world
+            dist.all_gather_object(status, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=self.ctrl)
+            failed = [(r, s) for r, s in enumerate(status) if s is not None]
+            if failed and self.rank != 0:
+                print(f"[train] rank {self.rank}: weight sync of version {version} failed on trainer rank "
+                      f"{failed[0][0]}: {failed[0][1].splitlines()[0][:300]}", flush=True)
+                return
+            if failed and error is None:
+                error = RuntimeError(f"weight sync failed on trainer rank {failed[0][0]}: {failed[0][1]}")
         if error is not None:
             raise error
 
@@ -206,12 +221,20 @@ class WeightSync:
         p = {"bucket": bucket, "fut": None, "works": [], "deadline": time.monotonic() + ws.timeout_s, "error": error}
         if ws.method == "tensor":
             mine = self.rank in {r for server in targets for r in server}
-            payload = serialize_named_tensors(bucket.named) if mine and error is None else None
+            payload = None
+            if mine and error is None:
+                try:
+                    payload = serialize_named_tensors(bucket.named)
+                except Exception as e:  # kept for the status collective; this bucket's gather still runs
+                    p["error"] = error = e
             payloads = [None] * self.world
             if self.world > 1:
                 dist.gather_object(payload, payloads if self.rank == 0 else None, dst=0, group=self.ctrl)
             else:
                 payloads = [payload]
+            missing = [r for server in targets for r in server if payloads[r] is None]
+            if self.rank == 0 and error is None and missing:  # that rank's own error comes with the status
+                p["error"] = error = RuntimeError(f"weight sync: trainer ranks {missing} sent no tensor payload")
             if self.rank == 0 and error is None:
                 p["fut"] = self.fleet.submit("update_weights_from_tensor", [[payloads[r] for r in s] for s in targets],
                                              version, flush)
@@ -222,7 +245,10 @@ class WeightSync:
         p["fut"] = self.fleet.submit("update_weights_from_distributed", [n for n, _ in named],
                                      [str(t.dtype).replace("torch.", "") for _, t in named],
                                      [list(t.shape) for _, t in named], version, self.group_name, flush)
-        p["works"] = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for _, t in named]
+        try:
+            p["works"] = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for _, t in named]
+        except Exception as e:  # rank 0 only: the weight-update group, not a trainer collective
+            p["error"] = RuntimeError(f"weight sync: broadcasting a bucket failed: {e}")
         return p
 
     def _finish(self, p: dict, error):
@@ -239,9 +265,11 @@ class WeightSync:
                     error = TimeoutError(f"weight sync: a bucket's broadcast was not received by the servers within "
                                          f"weight_sync.timeout_s={ws.timeout_s} s")
                 time.sleep(0.001)
-            if error is None:
-                for w in p["works"]:
+            try:
+                for w in p["works"] if error is None else ():
                     w.wait()
+            except Exception as e:
+                error = RuntimeError(f"weight sync: a bucket's broadcast failed: {e}")
         if fut is not None and error is None:
             try:
                 fut.result(max(1.0, p["deadline"] - time.monotonic()))
@@ -268,8 +296,10 @@ class WeightSync:
                 self.store = dist.TCPStore(addr, ws.master_port, world, is_master=True, timeout=timeout,
                                            wait_for_workers=False)
             store = PrefixStore(self.group_name, self.store)
+            # The group's own timeout (NCCL's watchdog kills the process at it) is twice each bucket's deadline
+            # in _finish, so a broadcast the servers never join fails there first and the retry is reached.
             pg, _ = _new_process_group_helper(world, 0, [], backend, store, group_name=self.group_name,
-                                              timeout=timeout)
+                                              timeout=2 * timeout)
         except Exception as e:
             raise RuntimeError(f"the weight-update group did not form on {addr}:{ws.master_port} within "
                                f"weight_sync.timeout_s={ws.timeout_s} s ({world - 1} server ranks expected): {e}; "

@@ -485,6 +485,14 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
     assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
+def test_a_push_that_fails_on_rank_0_only_is_agreed_on_and_retried(actor_checks):
+    """weight_sync.WeightSync.push's status collective: rank 0 raises the injected error, rank 1 returns, and the
+    retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
+    for method, r in actor_checks["sync"]["fault"].items():
+        assert r["faults"] >= 1 and r["error"] is not None and "injected fault on rank 0" in r["error"], (method, r)
+        assert r["after_retry"] < 1e-4 and r["weight_version"] == r["version"], (method, r)
+
+
 def _script_setup(args, overrides=()):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -588,6 +596,7 @@ def _sync_checks(args) -> dict:
             after, msg = engine_vs_trainer()
             results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
                                "weight_version": msg["version"], "version": str(version)}
+        results["fault"] = _push_fault_checks(cfg, rank, actor, engine_vs_trainer)
         if rank == 0:  # a bucket pushed outside a session: the server refuses it without joining the broadcast
             import weight_sync
 
@@ -601,6 +610,70 @@ def _sync_checks(args) -> dict:
         if services is not None:
             services.close(ok=False)
     return results
+
+
+def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
+    """A push that fails on rank 0 only, in its second bucket: waiting for a broadcast raises, as on a group a
+    dead server left (distributed), a payload that does not serialize (tensor). Both ranks must leave the push together and agree
+    that it failed (the status collective), so that the retry (rank 0 drops the group, both push again) pairs
+    bucket for bucket; without that the ranks are a bucket apart and the retry hangs."""
+    import torch.distributed as dist
+
+    import weight_sync
+
+    cfg.weight_sync.bucket_mb = 0  # one FSDP unit per bucket: the fault lands mid-push
+    out = {}
+    for version, method in ((5, "distributed"), (6, "tensor")):
+        cfg.weight_sync.method = method
+        with torch.no_grad():
+            train.reshard(actor.model)
+            gen = torch.Generator().manual_seed(version * 10 + rank)
+            for p in actor.model.parameters():
+                p.to_local().add_(torch.randn(p.to_local().shape, generator=gen) * 0.05)
+        calls = [0]
+        owner, name = (dist, "broadcast") if method == "distributed" else (weight_sync, "serialize_named_tensors")
+        real = getattr(owner, name)
+
+        class FailingWait:  # the broadcast reached the server; waiting for it raises, as on a broken group
+            def __init__(self, work):
+                self.work = work
+
+            def is_completed(self):
+                return self.work.is_completed()
+
+            def wait(self):
+                self.work.wait()
+                raise RuntimeError("injected fault on rank 0")
+
+        def faulty(*a, **k):
+            if method == "tensor":
+                calls[0] += 1
+                if calls[0] == 2:  # the second bucket's payload
+                    raise RuntimeError("injected fault on rank 0")
+            elif k.get("group") is actor.weights.group:
+                calls[0] += 1
+                if calls[0] == len(first_bucket) + 1:  # the second bucket's first tensor
+                    return FailingWait(real(*a, **k))
+            return real(*a, **k)
+
+        first_bucket = weight_sync.plan_buckets(actor.model, actor.weights.dtype, 0)[0][0][1]
+        if rank == 0:
+            setattr(owner, name, faulty)
+        error = None
+        try:
+            actor._sync(version)
+        except Exception as e:
+            error = str(e)
+        finally:
+            setattr(owner, name, real)
+        if rank == 0 and method == "distributed":
+            actor.weights.drop_group()  # what sync_weights' retry does (the tensor path has no group)
+        actor._sync(version)
+        after, msg = engine_vs_trainer()
+        out[method] = {"error": error, "faults": calls[0], "after_retry": after, "weight_version": msg["version"],
+                       "version": str(version)}
+    cfg.weight_sync.bucket_mb = 512
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
