@@ -1269,6 +1269,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     warning = losses.offpolicy_warning(cfg)
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)
+    pairing = strategies.pairing_note(cfg.fully_async.sliding_window, cfg.algorithm.policy_loss,
+                                      cfg.rollout.mask_offpolicy_in_partial_rollout)
+    if pairing and cfg.fully_async.enable and rank == 0:
+        print(f"[train] {pairing}", flush=True)
 
     # ---- distributed init: gloo on CPU, nccl on GPU; a gloo control group for commands ----
     global _CTRL
