@@ -63,7 +63,7 @@ class AdvantageConfig:
 
 @dataclass
 class ISCorrectionConfig:
-    enable: bool = False  # truncated importance sampling between old_log_probs and rollout_log_probs
+    enable: bool = False  # truncated IS between old_log_probs and rollout_log_probs (always on: recompute, loglinear)
     level: str = "token"  # token | sequence
     clip: float = 2.0  # C: weights are min(rho, C)
     mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
@@ -571,6 +571,10 @@ def validate(cfg: Config) -> Config:
     if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
         raise ValueError("algorithm.policy_loss=truncated_is sums its tokens (PipelineRL's normalisation); use "
                          "algorithm.loss_agg_mode=token-mean or seq-mean-token-sum-norm")
+    if a.policy_loss in ("recompute", "loglinear") and a.is_correction.level != "token":
+        raise ValueError(f"algorithm.policy_loss={a.policy_loss} weights each token by pi_prox / mu (AReaL's decoupled "
+                         "PPO, with algorithm.is_correction's clip and mask bounds); set "
+                         "algorithm.is_correction.level=token")
     if a.policy_loss == "recompute" and cfg.trainer.use_rollout_log_probs:
         raise ValueError("algorithm.policy_loss=recompute takes its proximal policy from the step-start forward, "
                          "which trainer.use_rollout_log_probs=true skips; set it to false, or use "

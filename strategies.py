@@ -227,6 +227,7 @@ class Preset(Strategy):
     param_name = ""  # what fully_async.policy_param means for this preset, for errors and the README
     staleness_knob = True  # param scales the staleness allowed (bench/policies.py sweeps it)
     policy_loss = "ppo"  # the loss the peer trains with, as algorithm.policy_loss (see pairing_note)
+    other_losses: tuple = ()  # other algorithm.policy_loss values the peer offers (no start-up line for them)
     offpolicy_mask: Optional[bool] = False  # the peer's rollout.mask_offpolicy_in_partial_rollout; None = optional
 
     def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1):
@@ -276,6 +277,7 @@ class AReaL(CumulativeBudget):
     param_name = "eta (max_head_offpolicyness, in steps)"
     actions = (ABORT_RESUME,)
     policy_loss = "recompute"
+    other_losses = ("loglinear",)
 
 
 @register("verl")
@@ -488,14 +490,16 @@ def pairing_note(name: str, policy_loss: str, offpolicy_mask: bool) -> Optional[
     if not (isinstance(cls, type) and issubclass(cls, Preset)):
         return None
     mixed = []
-    if policy_loss != cls.policy_loss:
-        mixed.append(f"algorithm.policy_loss={policy_loss} (its peer trains with {cls.policy_loss})")
+    if policy_loss not in (cls.policy_loss, *cls.other_losses):
+        mixed.append(f"algorithm.policy_loss={policy_loss} (its peer trains with "
+                     f"{' or '.join((cls.policy_loss, *cls.other_losses))})")
     if cls.offpolicy_mask is not None and offpolicy_mask != cls.offpolicy_mask:
         mixed.append(f"rollout.mask_offpolicy_in_partial_rollout={str(offpolicy_mask).lower()} (its peer: "
                      f"{str(cls.offpolicy_mask).lower()})")
     if not mixed:
         return None
-    return f"fully_async.sliding_window={name} runs with {' and '.join(mixed)}: its rule is paired with another loss"
+    return (f"fully_async.sliding_window={name} runs with {' and '.join(mixed)}: the peer's staleness rule with "
+            "another loss than the peer's")
 
 
 def peer_overrides(name: str) -> list:

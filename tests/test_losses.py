@@ -708,6 +708,8 @@ def test_policy_loss_names_in_config_are_the_losses_table():
                                           "loglinear, got 'reinforce'"),
     (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-mean"],
      "algorithm.policy_loss=truncated_is sums its tokens"),
+    (["algorithm.policy_loss=loglinear", "algorithm.is_correction.level=sequence"],
+     "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
     (["algorithm.policy_loss=recompute", "trainer.use_rollout_log_probs=true"],
      "algorithm.policy_loss=recompute takes its proximal policy from the step-start forward"),
 ])

@@ -642,7 +642,9 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
         kept = train.collate([seq], cfg.rollout.mask_offpolicy_in_partial_rollout)["mask"].sum()
         assert kept == (1 if name == "slime-async" else 3), name  # slime-async keeps tiny.yaml's mask (optional)
     note = strategies.pairing_note("areal", "ppo", True)  # tiny.yaml's loss under areal
-    assert "algorithm.policy_loss=ppo (its peer trains with recompute)" in note
+    assert "algorithm.policy_loss=ppo (its peer trains with recompute or loglinear)" in note
+    assert strategies.pairing_note("areal", "loglinear", False) is None  # AReaL's other proximal policy
+    assert "(its peer trains with truncated_is)" in strategies.pairing_note("pipelinerl", "recompute", False)
     assert "rollout.mask_offpolicy_in_partial_rollout=true (its peer: false)" in note
     assert strategies.pairing_note("slime-async", "ppo", False) is None
     assert strategies.pairing_note("windowed-fifo", "truncated_is", True) is None  # the spec's rules pair with any
