@@ -3,7 +3,8 @@
 Each preset of strategies.py (areal, verl, pipelinerl, prime-rl, roll, slime-async) and the configured baseline
 (windowed-fifo, stale_steps 1) runs `torchrun train.py --config configs/tiny.yaml` for the same steps, one after the
 other, with the update-time action its rule takes (rollout.pause_mode in_place for pipelinerl and prime-rl, abort
-otherwise) and its peer's loss (strategies.peer_overrides; tiny.yaml's off-policy mask stays on for slime-async only). With --stale 1,2,4 a preset whose knob scales the staleness runs once per level (areal eta, verl s,
+otherwise) and its peer's loss (strategies.peer_overrides; tiny.yaml's off-policy mask stays on for slime-async
+only). With --stale 1,2,4 a preset whose knob scales the staleness runs once per level (areal eta, verl s,
 pipelinerl max_lag = k B N, roll alpha, slime-async C = k B; prime-rl's lead is fixed at one step and its M only
 bounds what is dropped, so it runs at M = 1 only). Printed per run: greedy eval reward at the --eval-every steps,
 wall time, staleness mean / max of the trained trajectories and the samples dropped (filter drops, which every rule
