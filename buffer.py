@@ -593,9 +593,11 @@ class PipelineServer(Exchange):
                     f"and not collected: {v.generating} still generating, {len(self._complete)} complete but held "
                     f"in TrajQueue; C={self.C}); is the rollout running? (buffer.get_timeout_s sets this limit)")
             groups = self.pbuf.pop(k)
+            view = self._view()
             self._consumed_step += k
             self._counts["consumed"] += k
             for g in groups:
+                self.strategy.consumed(self._start_version(g.prompt, g.trajectories), view)
                 for t in g.trajectories:
                     self._consumed_trajs.append((t.start_version, t.end_version, self.version))
             self._cond.notify_all()  # a freed slot may allow dispatch

@@ -25,6 +25,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what serve
 # model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa:
 # tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
+# algorithm.policy_loss: the keys of losses.POLICY_LOSSES (listed here so that config.py does not import torch)
+POLICY_LOSSES = ("ppo", "truncated_is", "recompute", "loglinear")
 
 
 @dataclass
@@ -61,7 +63,7 @@ class AdvantageConfig:
 
 @dataclass
 class ISCorrectionConfig:
-    enable: bool = False  # truncated importance sampling between old_log_probs and rollout_log_probs
+    enable: bool = False  # truncated IS between old_log_probs and rollout_log_probs (always on: recompute, loglinear)
     level: str = "token"  # token | sequence
     clip: float = 2.0  # C: weights are min(rho, C)
     mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
@@ -87,6 +89,7 @@ class AlgorithmConfig:
     clip_high: float = 0.28  # PPO upper clip (DAPO clip-higher): ratio <= 1 + clip_high
     dual_clip_c: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    policy_loss: str = "ppo"  # ppo | truncated_is (PipelineRL, cap 1 + clip_high) | recompute, loglinear (AReaL)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     m2po: M2POConfig = field(default_factory=M2POConfig)
     opsm: OPSMConfig = field(default_factory=OPSMConfig)
@@ -563,6 +566,19 @@ def validate(cfg: Config) -> Config:
     if a.loss_agg_mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         raise ValueError(f"algorithm.loss_agg_mode must be token-mean, seq-mean-token-mean or "
                          f"seq-mean-token-sum-norm, got '{a.loss_agg_mode}'")
+    if a.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got '{a.policy_loss}'")
+    if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
+        raise ValueError("algorithm.policy_loss=truncated_is sums its tokens (PipelineRL's normalisation); use "
+                         "algorithm.loss_agg_mode=token-mean or seq-mean-token-sum-norm")
+    if a.policy_loss in ("recompute", "loglinear") and a.is_correction.level != "token":
+        raise ValueError(f"algorithm.policy_loss={a.policy_loss} weights each token by pi_prox / mu (AReaL's decoupled "
+                         "PPO, with algorithm.is_correction's clip and mask bounds); set "
+                         "algorithm.is_correction.level=token")
+    if a.policy_loss == "recompute" and cfg.trainer.use_rollout_log_probs:
+        raise ValueError("algorithm.policy_loss=recompute takes its proximal policy from the step-start forward, "
+                         "which trainer.use_rollout_log_probs=true skips; set it to false, or use "
+                         "algorithm.policy_loss=loglinear, which needs no forward")
     isc = a.is_correction
     if isc.level not in ("token", "sequence"):
         raise ValueError(f"algorithm.is_correction.level must be token or sequence, got '{isc.level}'")

@@ -14,6 +14,8 @@ Formulas and sources: ../shared/algorithms.md. What is here:
     (`proximal_log_probs`: recomputed, or `loglinear_proximal_log_probs` interpolated by version; the loss is
     `policy_loss` with them as old_log_probs and is_correction as the behaviour weight) and PipelineRL's truncated
     IS (`truncated_is_loss`).
+  - `POLICY_LOSSES`: algorithm.policy_loss, the loss a run trains with (ppo, truncated_is, recompute, loglinear),
+    each a function of the same tensors, so the trainer has one call site.
   - `offpolicy_warning`: the start-up warning for fully-async runs whose PPO ratio is taken against rollout log-probs.
 
 Simplifications: padded [B, T] tensors, one sequence per row (no packed rows); no KL-to-reference or entropy-bonus
@@ -25,6 +27,7 @@ Memory benchmark:   .venv/bin/python bench/logprob_memory.py
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -588,6 +591,76 @@ def truncated_is_loss(log_probs: Tensor, rollout_log_probs: Tensor, advantages: 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# algorithm.policy_loss: the loss a run trains with, chosen by name
+# ---------------------------------------------------------------------------------------------------------
+# Every choice takes the same tensors, so the trainer has one call site. old_log_probs are the step-start
+# snapshot's forward (or the rollout's under trainer.use_rollout_log_probs), versions [B, T] the weight version of
+# each token (< 0: not generated), current_version the version the step's update produces (step-start + 1).
+
+def ppo_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+               loss_mask: Tensor, versions: Tensor, current_version: int, algo, loss_denominator: float | Tensor,
+               entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """ppo: `policy_loss` around old_log_probs with the corrections enabled in algorithm.* (this project's default)."""
+    return policy_loss(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, algo, loss_denominator,
+                       entropy)
+
+
+def truncated_is_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                        loss_mask: Tensor, versions: Tensor, current_version: int, algo,
+                        loss_denominator: float | Tensor,
+                        entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """truncated_is: `truncated_is_loss` against the engine's log-probs with eps_high = algorithm.clip_high, as
+    PipelineRL pairs it with in-place updates (pipelinerl/finetune/rl/__init__.py); old_log_probs are not used."""
+    loss, metrics = truncated_is_loss(log_probs, rollout_log_probs, advantages, loss_mask, algo.clip_high,
+                                      loss_denominator)
+    if entropy is not None:
+        metrics["train/entropy"] = _masked_mean(entropy.detach(), loss_mask > 0)
+    return loss, metrics
+
+
+def _decoupled_ppo(method: str, log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, versions,
+                   current_version, algo, loss_denominator, entropy):
+    """AReaL's decoupled PPO (areal/trainer/ppo/actor.py): `policy_loss` around pi_prox = proximal_log_probs(method)
+    with the behaviour weight pi_prox / mu always on, at token level, with algorithm.is_correction's clip and mask
+    bounds (mask_high = AReaL's behav_imp_weight_cap), whether or not algorithm.is_correction.enable is set."""
+    prox = proximal_log_probs(method, old_log_probs, rollout_log_probs, log_probs, versions, current_version)
+    behaviour = copy.copy(algo)
+    behaviour.is_correction = copy.copy(algo.is_correction)
+    behaviour.is_correction.enable, behaviour.is_correction.level = True, "token"
+    return policy_loss(log_probs, prox, rollout_log_probs, advantages, loss_mask, behaviour, loss_denominator, entropy)
+
+
+def recompute_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                     loss_mask: Tensor, versions: Tensor, current_version: int, algo, loss_denominator: float | Tensor,
+                     entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """recompute: decoupled PPO with pi_prox = the step-start snapshot's forward (old_log_probs)."""
+    return _decoupled_ppo("recompute", log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, versions,
+                          current_version, algo, loss_denominator, entropy)
+
+
+def loglinear_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                     loss_mask: Tensor, versions: Tensor, current_version: int, algo, loss_denominator: float | Tensor,
+                     entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """loglinear: decoupled PPO with pi_prox interpolated by version (`loglinear_proximal_log_probs`); old_log_probs
+    are not used, so trainer.use_rollout_log_probs=true can skip the snapshot forward."""
+    return _decoupled_ppo("loglinear", log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, versions,
+                          current_version, algo, loss_denominator, entropy)
+
+
+POLICY_LOSSES: dict[str, Callable] = {  # algorithm.policy_loss -> the function; config.POLICY_LOSSES lists the keys
+    "ppo": ppo_choice,
+    "truncated_is": truncated_is_choice,
+    "recompute": recompute_choice,
+    "loglinear": loglinear_choice,
+}
+
+
+def chosen_policy_loss(name: str) -> Callable:
+    """POLICY_LOSSES[name], or one sentence naming algorithm.policy_loss and what it accepts."""
+    return _lookup(POLICY_LOSSES, name, "algorithm.policy_loss")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Start-up check
 # ---------------------------------------------------------------------------------------------------------
 
@@ -602,6 +675,8 @@ def offpolicy_warning(cfg) -> Optional[str]:
     """
     a = cfg.algorithm
     if not (cfg.fully_async.enable and cfg.trainer.use_rollout_log_probs) or a.opsm.enable:
+        return None
+    if a.policy_loss in ("truncated_is", "loglinear"):  # neither takes its ratio against old_log_probs
         return None
     ineffective = [f"algorithm.{k}.enable=true" for k in ("is_correction", "m2po") if getattr(a, k).enable]
     note = (f" {' and '.join(ineffective)} cannot help: old_log_probs and rollout_log_probs are then identical, so "

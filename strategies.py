@@ -34,14 +34,17 @@ A strategy is three parts (the split of ../shared/peer_policies.md), each a meth
                         abort by staleness). Empty = any that rollout.partial / rollout.pause_mode select (the spec's
                         three); config.validate refuses a pairing a strategy does not accept.
 Presets of the peers' rules (areal, verl, pipelinerl, prime-rl, roll, slime-async) are registered beside the spec's
-three; each takes one knob, fully_async.policy_param, in its own unit, and derives the capacity C from it.
+three; each takes one knob, fully_async.policy_param, in its own unit, and derives the capacity C from it. Each also
+declares the loss its peer trains with (`policy_loss`, `offpolicy_mask`: `peer_overrides` gives them as config
+overrides, `pairing_note` the start-up line of a run that uses another), and its docstring lists its deviations.
 
 Simplification: strategies are stateless by default (everything they need is in `PipelineView`); `reset()` and
-`at_boundary(view)` are called at every step boundary for strategies that keep their own state. Imports only the
-standard library.
+`at_boundary(view)` are called at every step boundary, `dispatched` and `consumed` for every group handed out, for
+strategies that keep their own state (not checkpointed). Imports only the standard library.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -124,7 +127,11 @@ class Strategy:
         return self.keep(start_version, view)
 
     def dispatched(self, fresh: bool, view: PipelineView) -> None:
-        """A group was dispatched; fresh=False for a restored (or replayed) one."""
+        """A group was dispatched; fresh=False for a restored (or replayed) one. `view` is as before this dispatch,
+        so a fresh group's seq is view.next_seq."""
+
+    def consumed(self, start_version: int, view: PipelineView) -> None:
+        """A group whose generation started at weight `start_version` was handed to the trainer."""
 
     def reset(self) -> None:
         """Called at every step boundary, after TrajQueue was cleared."""
@@ -219,6 +226,9 @@ class Preset(Strategy):
 
     param_name = ""  # what fully_async.policy_param means for this preset, for errors and the README
     staleness_knob = True  # param scales the staleness allowed (bench/policies.py sweeps it)
+    policy_loss = "ppo"  # the loss the peer trains with, as algorithm.policy_loss (see pairing_note)
+    other_losses: tuple = ()  # other algorithm.policy_loss values the peer offers (no start-up line for them)
+    offpolicy_mask: Optional[bool] = False  # the peer's rollout.mask_offpolicy_in_partial_rollout; None = optional
 
     def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1):
         super().__init__(B, C)
@@ -261,9 +271,13 @@ class CumulativeBudget(Preset):
 class AReaL(CumulativeBudget):
     """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): (a) accepted + running < (eta + v + 1) B,
     eta = max_head_offpolicyness; (b) none; (c) /pause_generation abort, the partial output resubmitted under the
-    new weights (per-token versions kept)."""
+    new weights (per-token versions kept). Its loss: decoupled PPO with the proximal policy recomputed
+    (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask. Deviations: groups
+    (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not persisted."""
     param_name = "eta (max_head_offpolicyness, in steps)"
     actions = (ABORT_RESUME,)
+    policy_loss = "recompute"
+    other_losses = ("loglinear",)
 
 
 @register("verl")
@@ -271,9 +285,11 @@ class Verl(Preset):
     """verl fully-async (fully_async_rollouter.py, param_sync.py): (a) started < (1 + s) B new prompts per weight
     version, s = staleness_threshold, the count re-anchored at each sync to the work carried over (in flight +
     cancelled + queued); each new prompt adds 1, resumed partials do not; (b) none; (c) partial_rollout: cancel and
-    resume first (abort), or without it drain. Deviation: a group dropped by rollout.filter gives its slot back
-    (verl's rollouter has no such filter; with all_equal_reward dropping most groups the budget would run out
-    before a batch is complete, and the run would stall)."""
+    resume first (abort), or without it drain. Its loss: PPO around the recomputed old log-probs (ppo), no
+    off-policy mask. Deviations: a group dropped by rollout.filter gives its slot back (verl's rollouter has no such
+    filter; with all_equal_reward dropping most groups the budget would run out before a batch is complete, and the
+    run would stall); N = B prompts per version (verl: trigger_parameter_sync_step x require_batches x
+    ppo_mini_batch_size); a full queue never evicts (the budget keeps it below C)."""
     param_name = "staleness_threshold s (in steps)"
     actions = (ABORT_RESUME, DRAIN)
 
@@ -300,11 +316,20 @@ class Verl(Preset):
 @register("pipelinerl")
 class PipelineRL(CumulativeBudget):
     """PipelineRL (pipelinerl/actor.py, finetune_loop.py, vllm1.py): (a) submitted groups < ceil(L / G) + (u + 1)
-    ceil(U / G), L = max_lag in samples, G = N, U = B N samples per update; (b) counted, not dropped: a group
-    older than L samples adds N to rollout/samples_too_old; (c) nothing aborted: pause mode keep, the running
-    sequences continue on the old KV cache with the new weights (in_place). Its loss: losses.truncated_is_weight."""
+    ceil(U / G), L = max_lag in samples, G = N, U = B N samples per update; (b) counted, not dropped: at training
+    (finetune_loop.py: last_broadcasted_version - batch.model_version > max_lag, model_version = the version at
+    the rollout's start), a group older than L samples adds N to rollout/samples_too_old; (c) nothing aborted:
+    pause mode keep, the running sequences continue on the old KV cache with the new weights (in_place). Its loss:
+    truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is), no off-policy mask: the
+    pre-update tokens of an in-place trajectory are trained.
+    Deviations: a group dropped by rollout.filter gives its admission slot back (PipelineRL's submitted_groups
+    only grows); PipelineRL's default mode sets no max_lag, so nothing bounds admission and the preprocessor's
+    bounded queues pop the oldest data (preprocess.py, pop_old_data), where here param=None means L = B N (one
+    step) and nothing is evicted; samples_too_old is counted per group of N, not per micro-batch of
+    train_batch_size (which takes the batch's oldest model_version)."""
     param_name = "max_lag L (in samples)"
     actions = (IN_PLACE,)
+    policy_loss = "truncated_is"
 
     @classmethod
     def default(cls, B, N):
@@ -313,21 +338,29 @@ class PipelineRL(CumulativeBudget):
     def budget(self) -> float:
         return math.ceil(self.param / self.N) + self.B
 
-    def keep(self, start_version: int, view: PipelineView) -> bool:
+    def consumed(self, start_version: int, view: PipelineView) -> None:
         if (view.version - start_version) * self.B * self.N > self.param:
             self.counts["rollout/samples_too_old"] = self.counts.get("rollout/samples_too_old", 0) + self.N
-        return True
 
-    def keep_buffered(self, start_version: int, view: PipelineView) -> bool:
-        return True  # counted once, at collection
+
+PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orchestrator config)
 
 
 @register("prime-rl")
-class PrimeRL(CumulativeBudget):
-    """prime-rl (orchestrator/scheduler.py, train_sink.py, utils.py): (a) lead <= 1: at most one step's batch
-    ahead of the trainer (the budget is 2 B whatever M); (b) drop queued groups whose start version < v - M,
-    M = max_off_policy_steps (prime-rl's default 8); (c) keep in flight (pause mode keep), but first abort whole
-    groups that would be older than M under the new weights."""
+class PrimeRL(Preset):
+    """prime-rl (orchestrator/orchestrator.py, dispatcher.py, scheduler.py, train_sink.py): (a) the gate counts
+    batches shipped to the trainer, not work in flight: new episodes are dispatched while (step - 1) - policy.version
+    <= 1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups
+    accepted so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight
+    rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B; rollout.async_max_concurrent_samples
+    lowers it); (b) drop queued groups whose start version < v - M, M = max_off_policy_steps (param None: 1;
+    prime-rl's default 8): what bounds the staleness; (c) keep in flight (pause mode keep), but first abort whole
+    groups that would be older than M under the new weights. Its loss (trainer/rl/loss.py default_loss_fn: the
+    ratio to the inference log-probs, tokens masked by probability difference, a squared log-ratio term) is not
+    among algorithm.policy_loss: ppo is the closest. Deviations: max_inflight is fixed (prime-rl adapts it to the
+    KV-cache use between min_inflight and max_inflight, concurrency.py) and counted in whole groups; C also bounds
+    R + Q, the buffered groups included; the trainer does not hold a batch until policy.version >= step - 2 (it
+    takes what is buffered)."""
     param_name = "max_off_policy_steps M"
     staleness_knob = False  # the lead is fixed at 1; M only bounds what is dropped
 
@@ -341,11 +374,15 @@ class PrimeRL(CumulativeBudget):
             raise ValueError(f"fully_async.policy_param ({cls.param_name}) must be a whole number >= 0, got {param}")
 
     @classmethod
+    def capacity(cls, param, B, N):
+        return 2 * B + math.ceil(PRIME_MAX_INFLIGHT / N)
+
+    @classmethod
     def accepted_settings(cls) -> str:
         return "rollout.partial=true with rollout.pause_mode=in_place"
 
-    def budget(self) -> float:
-        return 2.0 * self.B
+    def may_dispatch(self, seq: int, view: PipelineView) -> bool:
+        return view.consumed + view.Q < 2 * self.B and view.R + view.Q < self.C
 
     def keep(self, start_version: int, view: PipelineView) -> bool:
         return view.version - start_version <= self.param
@@ -353,10 +390,18 @@ class PrimeRL(CumulativeBudget):
 
 @register("roll")
 class Roll(CumulativeBudget):
-    """ROLL (roll/distributed/scheduler/generate_scheduler.py): (a) running + completed < ceil(alpha B) + t B;
-    (b) skip groups with start step < t - ceil(alpha); with a fractional alpha the oldest allowed step fills only
-    ceil(frac(alpha) B) groups per step; (c) drop the running groups that are too old for (b) under the new
-    weights, abort the rest and resume their partial output."""
+    """ROLL (roll/distributed/scheduler/generate_scheduler.py, ReplayBuffer): (a) running + completed < ceil(alpha B)
+    + t B, `completed` cumulative, so a completed group dropped as stale never gives its slot back (gc), while a
+    group dropped by rollout.filter or aborted does; (b) skip groups with start step < t - ceil(alpha); with a
+    fractional alpha the oldest allowed step fills only ceil(frac(alpha) B) groups per step; consumption
+    (ReplayBuffer.get_batch, ItemsGroup.get_batch) takes the oldest step first and waits for that step's running
+    prompts before it takes a younger step's: a complete group is collected only when no group of an older step
+    (its weight version at first dispatch) is still generating; (c) drop the running groups that are too old for (b)
+    under the new weights, abort the rest and resume their partial output. Its loss: PPO (ppo), no off-policy mask.
+    Deviations: groups (ROLL: prompts) are the unit; ROLL's get_batch may take a step's finished groups while others
+    of it still run, once they fill the batch, where here the pipeline buffer hands out oldest seq first whatever the
+    step; the lost slots are not checkpointed. As in ROLL, a run whose stale drops use up the budget stops
+    dispatching (rollout/roll_slots_lost counts them)."""
     param_name = "alpha (in steps)"
 
     def __init__(self, B, C, param=None, N=1):
@@ -364,6 +409,8 @@ class Roll(CumulativeBudget):
         self.lag = math.ceil(self.param)
         self.quota = math.ceil((self.param - math.floor(self.param)) * B) if self.param != self.lag else None
         self.oldest_taken = 0  # groups of the oldest allowed step accepted since the boundary (fractional alpha)
+        self.slots_lost = 0  # complete groups dropped as stale: they stay counted in ROLL's `completed`
+        self.step_seqs: list = []  # the first fresh seq dispatched at each weight version, ascending
         self.actions = (UpdateAction("abort", stale_after=self.lag),)
 
     @classmethod
@@ -373,6 +420,21 @@ class Roll(CumulativeBudget):
     def budget(self) -> float:
         return math.ceil(self.param * self.B) + self.B
 
+    def may_dispatch(self, seq: int, view: PipelineView) -> bool:
+        return view.consumed + view.R + view.Q + self.slots_lost < self.budget() and view.R + view.Q < self.C
+
+    def dispatched(self, fresh: bool, view: PipelineView) -> None:
+        if fresh and (not self.step_seqs or view.version > self.step_seqs[-1][1]):
+            self.step_seqs.append((view.next_seq, view.version))
+
+    def _step(self, seq: int) -> int:
+        """The weight version at which the group `seq` was first dispatched (-1: before any this strategy saw)."""
+        i = bisect.bisect_right(self.step_seqs, (seq, math.inf)) - 1
+        return self.step_seqs[i][1] if i >= 0 else -1
+
+    def may_collect(self, seq: int, view: PipelineView) -> bool:
+        return view.oldest_uncompleted is None or self._step(view.oldest_uncompleted) >= self._step(seq)
+
     def keep(self, start_version: int, view: PipelineView) -> bool:
         lag = view.version - start_version
         if lag < self.lag or (lag == self.lag and self.quota is None):
@@ -380,6 +442,8 @@ class Roll(CumulativeBudget):
         if lag == self.lag and self.oldest_taken < self.quota:
             self.oldest_taken += 1
             return True
+        self.slots_lost += 1
+        self.counts["rollout/roll_slots_lost"] = self.slots_lost
         return False
 
     def reset(self) -> None:
@@ -390,9 +454,15 @@ class Roll(CumulativeBudget):
 class SlimeAsync(Preset):
     """slime's fully-async example (slime/rollout/fully_async_rollout.py): no versions; (a) top up while
     generating < C and queued < C, C = concurrency (here in groups); (b) none; (c) /pause_generation abort and
-    flush, the aborted group is re-queued and restarts from scratch."""
+    flush_cache, the aborted group is put back in the data buffer unchanged (_make_done_cb) and continues from its
+    partial tokens when dispatched again (sglang_rollout.py: _prepare_prompt_ids reuses sample.tokens,
+    generate_and_rm skips the completed samples): abort + resume partial. Its loss: PPO (ppo), with
+    --mask-offpolicy-in-partial-rollout optional (rollout.mask_offpolicy_in_partial_rollout, either value).
+    Deviations: C counts groups (slime: concurrency x engines requests); a group some of whose trajectories did not
+    come back from the abort is dropped (slime re-queues whatever the abort returned)."""
     param_name = "concurrency C (in groups)"
-    actions = (ABORT_RESTART,)
+    actions = (ABORT_RESUME,)
+    offpolicy_mask = None
 
     @classmethod
     def default(cls, B, N):
@@ -412,6 +482,34 @@ class SlimeAsync(Preset):
 
 
 PRESETS = ("areal", "verl", "pipelinerl", "prime-rl", "roll", "slime-async")  # the peers' rules, registered above
+
+def pairing_note(name: str, policy_loss: str, offpolicy_mask: bool) -> Optional[str]:
+    """The start-up line for a run that pairs the preset `name` with another peer's loss or off-policy mask, or
+    None (a spec strategy, or the preset's own pairing)."""
+    cls = REGISTRY.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, Preset)):
+        return None
+    mixed = []
+    if policy_loss not in (cls.policy_loss, *cls.other_losses):
+        mixed.append(f"algorithm.policy_loss={policy_loss} (its peer trains with "
+                     f"{' or '.join((cls.policy_loss, *cls.other_losses))})")
+    if cls.offpolicy_mask is not None and offpolicy_mask != cls.offpolicy_mask:
+        mixed.append(f"rollout.mask_offpolicy_in_partial_rollout={str(offpolicy_mask).lower()} (its peer: "
+                     f"{str(cls.offpolicy_mask).lower()})")
+    if not mixed:
+        return None
+    return (f"fully_async.sliding_window={name} runs with {' and '.join(mixed)}: the peer's staleness rule with "
+            "another loss than the peer's")
+
+
+def peer_overrides(name: str) -> list:
+    """The `a.b=c` overrides that give the preset `name` its peer's loss and off-policy mask (for bench scripts)."""
+    cls = REGISTRY[name]
+    out = [f"algorithm.policy_loss={cls.policy_loss}"]
+    if cls.offpolicy_mask is not None:
+        out.append(f"rollout.mask_offpolicy_in_partial_rollout={str(cls.offpolicy_mask).lower()}")
+    return out
+
 
 def build(name: str, B: int, C: int, fully_async: bool, param: Optional[float] = None, N: int = 1) -> Strategy:
     """The strategy for a run: REGISTRY[name] in fully-async mode, Synchronous otherwise. Presets also get their

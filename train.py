@@ -61,6 +61,7 @@ import torch.distributed as dist  # noqa: E402
 import buffer as buffer_lib  # noqa: E402
 import config as config_lib  # noqa: E402
 import services as services_lib  # noqa: E402
+import strategies  # noqa: E402
 import weight_sync as weight_sync_lib  # noqa: E402
 from services import GRACE_S, ChildExited, Services  # noqa: E402
 
@@ -548,7 +549,8 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
     mask, rlp = torch.tensor(mask, dtype=torch.float32), torch.tensor(rlp, dtype=torch.float32)
     if mask_offpolicy:
         mask = losses.offpolicy_token_mask(ver, mask)
-    out = {"mask": mask, "rollout_lp": rlp, "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    out = {"mask": mask, "rollout_lp": rlp, "versions": ver,
+           "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
     if not packing:
         return {"ids": ids, "attn": attn, **out}
     lengths = [_length(s) for s in seqs]
@@ -559,6 +561,16 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
         off += n
     return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
             "index": index, **out}
+
+
+def micro_batch_loss(cfg, logp: torch.Tensor, old_lp: torch.Tensor, b: dict, denom: float, entropy, step: int):
+    """algorithm.policy_loss on one collated micro-batch (losses.POLICY_LOSSES): the step-start weights are version
+    `step`, so the update being computed produces version step + 1 (loglinear's current version)."""
+    import losses
+
+    fn = losses.chosen_policy_loss(cfg.algorithm.policy_loss)
+    return fn(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], b["versions"], step + 1, cfg.algorithm, denom,
+              entropy)
 
 
 def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -703,8 +715,6 @@ class Actor:
         return metrics
 
     def _train(self, plan, step: int, denom: float) -> dict:
-        import losses
-
         if plan is None:  # a follower: receive this rank's micro-batches
             out = [None]
             dist.scatter_object_list(out, None, src=0, group=_ctrl_group())
@@ -718,8 +728,7 @@ class Actor:
             logp, ent = self._token_logprobs(b, with_entropy=True)
             if old_lp is None:  # the step's first call: these weights are the old policy
                 old_lp = logp.detach()
-            loss, met = losses.policy_loss(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm,
-                                           denom, entropy=ent)
+            loss, met = micro_batch_loss(cfg, logp, old_lp, b, denom, ent, step)
             if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
                 gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
                 met = {**met, "train/rollout_logprob_diff_max": gap.max(),
@@ -1286,6 +1295,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     warning = losses.offpolicy_warning(cfg)
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)
+    pairing = strategies.pairing_note(cfg.fully_async.sliding_window, cfg.algorithm.policy_loss,
+                                      cfg.rollout.mask_offpolicy_in_partial_rollout)
+    if pairing and cfg.fully_async.enable and rank == 0:
+        print(f"[train] {pairing}", flush=True)
 
     # ---- distributed init: gloo on CPU, nccl on GPU; a gloo control group for commands ----
     global _CTRL

@@ -3,7 +3,8 @@
 Each preset of strategies.py (areal, verl, pipelinerl, prime-rl, roll, slime-async) and the configured baseline
 (windowed-fifo, stale_steps 1) runs `torchrun train.py --config configs/tiny.yaml` for the same steps, one after the
 other, with the update-time action its rule takes (rollout.pause_mode in_place for pipelinerl and prime-rl, abort
-otherwise). With --stale 1,2,4 a preset whose knob scales the staleness runs once per level (areal eta, verl s,
+otherwise) and its peer's loss (strategies.peer_overrides; tiny.yaml's off-policy mask stays on for slime-async
+only). With --stale 1,2,4 a preset whose knob scales the staleness runs once per level (areal eta, verl s,
 pipelinerl max_lag = k B N, roll alpha, slime-async C = k B; prime-rl's lead is fixed at one step and its M only
 bounds what is dropped, so it runs at M = 1 only). Printed per run: greedy eval reward at the --eval-every steps,
 wall time, staleness mean / max of the trained trajectories and the samples dropped (filter drops, which every rule
@@ -63,7 +64,8 @@ def runs(stale_levels: list[int], only: list[str] | None, B: int, N: int) -> lis
         for k in stale_levels if cls.staleness_knob else [1]:
             param = cls.default(B, N) * k if name in ("pipelinerl", "slime-async") else float(k)
             out.append((f"{name}-s{k}", ["fully_async.stale_steps=0", f"fully_async.sliding_window={name}",
-                                         f"fully_async.policy_param={param:g}", f"rollout.pause_mode={pause_mode}"]))
+                                         f"fully_async.policy_param={param:g}", f"rollout.pause_mode={pause_mode}",
+                                         *strategies.peer_overrides(name)]))  # the peer's loss and mask
     return out
 
 

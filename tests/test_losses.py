@@ -728,3 +728,95 @@ def test_truncated_is_loss_matches_loop_reference():
         ref = sum(-min(max(math.exp(lp[i, t].item() - mu[i, t].item()), 0.0), 1.2) * adv[i].item() * lp[i, t].item()
                   for i in range(3) for t in range(5) if mask[i, t]) / max(1, int(mask.sum()))
         assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# algorithm.policy_loss through train.py's call (train.micro_batch_loss), against each function's reference
+# ---------------------------------------------------------------------------------------------------------
+
+def test_policy_loss_names_in_config_are_the_losses_table():
+    assert config.POLICY_LOSSES == tuple(losses.POLICY_LOSSES)
+    with pytest.raises(ValueError, match="algorithm.policy_loss 'grpo' is unknown; accepted: ppo, truncated_is"):
+        losses.chosen_policy_loss("grpo")
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["algorithm.policy_loss=reinforce"], "algorithm.policy_loss must be one of ppo, truncated_is, recompute, "
+                                          "loglinear, got 'reinforce'"),
+    (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-mean"],
+     "algorithm.policy_loss=truncated_is sums its tokens"),
+    (["algorithm.policy_loss=loglinear", "algorithm.is_correction.level=sequence"],
+     "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
+    (["algorithm.policy_loss=recompute", "trainer.use_rollout_log_probs=true"],
+     "algorithm.policy_loss=recompute takes its proximal policy from the step-start forward"),
+])
+def test_policy_loss_combinations_are_refused_in_one_sentence(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        config.load_config(None, ["colocate=false", *overrides])
+
+
+def collated_batch(seed, step):
+    """A train.collate micro-batch (3 sequences, uneven lengths, tokens from versions up to `step`) and the current,
+    old and entropy tensors on its loss positions."""
+    import train
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i, T in enumerate((4, 6, 3)):
+        seqs.append({"prompt": [1] * (2 + i), "response": list(range(3, 3 + T)), "mask": [1] * T,
+                     "rollout_lp": (-torch.rand(T, generator=g) * 2).tolist(),
+                     "versions": torch.randint(0, step + 1, (T,), generator=g).tolist(),
+                     "adv": float(torch.randn(1, generator=g))})
+    b = train.collate(seqs)
+    rlp = b["rollout_lp"]
+    old = rlp + torch.randn(rlp.shape, generator=g) * 0.4
+    lp = (old + torch.randn(rlp.shape, generator=g) * 0.3).requires_grad_()
+    ent = torch.rand(rlp.shape, generator=g)
+    return b, lp, old, ent
+
+
+def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
+    """train.micro_batch_loss is the one call in Actor._train: each algorithm.policy_loss reaches its function, and
+    the four give different losses on the same batch (so a trainer that ignored the choice would fail here)."""
+    import train
+
+    step, cap = 3, 1.6
+    for seed in range(5):
+        b, lp, old, ent = collated_batch(seed, step)
+        mask, rlp, adv = b["mask"], b["rollout_lp"], b["adv"]
+        D = losses.loss_denominator(mask, "token-mean")
+        prox = losses.loglinear_proximal_log_probs(rlp, lp, b["versions"], step + 1)
+        refs = {
+            "ppo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D)[0].detach()),
+            "truncated_is": float(losses.truncated_is_loss(lp, rlp, adv, mask, algo().clip_high, D)[0].detach()),
+            # AReaL's formula with the behaviour weight, which the choice turns on whatever is_correction.enable says
+            "recompute": areal_decoupled_loss(lp.detach().double(), old.double(), rlp.double(), adv.double(), mask,
+                                              0.2, 0.28, cap),
+            "loglinear": areal_decoupled_loss(lp.detach().double(), prox.double(), rlp.double(), adv.double(),
+                                              mask, 0.2, 0.28, cap),
+        }
+        got = {}
+        for name in losses.POLICY_LOSSES:
+            cfg = config.from_dict({"algorithm": {"policy_loss": name, "is_correction": {
+                "enable": False, "clip": 1e9, "mask_high": cap}}})
+            loss, metrics = train.micro_batch_loss(cfg, lp, old, b, D, ent, step)
+            got[name] = float(loss.detach())
+            assert got[name] == pytest.approx(refs[name], rel=1e-5, abs=1e-6), (seed, name)
+            assert float(metrics["train/pg_loss"]) == pytest.approx(got[name], rel=1e-6)
+            assert "train/entropy" in metrics
+        assert len({round(v, 6) for v in got.values()}) == 4, got
+
+
+def test_decoupled_choices_leave_the_run_config_as_it_was():
+    import train
+
+    b, lp, old, ent = collated_batch(0, 2)
+    cfg = config.from_dict({"algorithm": {"policy_loss": "loglinear"}})
+    train.micro_batch_loss(cfg, lp, old, b, 10.0, ent, 2)
+    assert cfg.algorithm.is_correction.enable is False and cfg.algorithm.is_correction.level == "token"
+
+
+def test_offpolicy_warning_is_quiet_for_losses_that_do_not_use_old_log_probs():
+    for name in ("truncated_is", "loglinear"):
+        assert losses.offpolicy_warning(run_cfg(policy_loss=name)) is None
+    assert losses.offpolicy_warning(run_cfg(policy_loss="ppo")) is not None

@@ -418,15 +418,34 @@ def test_pipelinerl_budget_in_samples_counts_old_samples_and_keeps_requests_in_p
     srv.set_weight_version(1)  # a lag of 1 version = 8 samples > 4: counted, not dropped
     srv.put(finish(g0, 2, version=0) + finish(g1, 2, version=1))
     m = srv.step_metrics()
-    assert m["rollout/samples_too_old"] == 2 and m["rollout/policy_drop"] == 0 and srv.stats()["Q"] == 2
+    assert m["rollout/policy_drop"] == 0 and srv.stats()["Q"] == 2
     assert srv.update_aborts() == []
     assert srv.step_boundary([], keep_in_flight=True)["rollout/kept_in_flight_groups"] == 4
     srv.set_weight_version(3)
-    assert srv.stats()["Q"] == 2 and "rollout/samples_too_old" not in srv.step_metrics()  # counted once
+    assert srv.stats()["Q"] == 2 and "rollout/samples_too_old" not in srv.step_metrics()  # counted at training
+
+
+def test_pipelinerl_counts_samples_too_old_when_the_trainer_takes_them_not_at_collection():
+    """finetune_loop.py counts samples_too_old_to_train on the batch it trains: a group collected young and trained
+    old is counted; one collected old and trained at once is counted once; nothing is dropped."""
+    srv = preset("pipelinerl", B=2, N=2, param=4, pause_mode="in_place")  # L = 4 samples = one version (B N)
+    g0, g1, g2 = srv.dispatch()[:3]
+    srv.put(finish(g0, 2, version=0))  # collected at version 0: lag 0
+    srv.set_weight_version(1)
+    srv.put(finish(g1, 2, version=0) + finish(g2, 2, version=1))  # g1 collected at lag 1 (4 samples: not > 4)
+    assert "rollout/samples_too_old" not in srv.step_metrics()  # nothing counted at collection
+    srv.set_weight_version(2)  # g0, g1: lag 2 = 8 samples > 4; g2: lag 1
+    assert srv.stats()["Q"] == 3
+    srv.get(2, timeout=0)
+    assert srv.step_metrics()["rollout/samples_too_old"] == 2 * 2  # g0 and g1, N samples each
+    srv.get(1, timeout=0)
+    m = srv.step_metrics()
+    assert "rollout/samples_too_old" not in m and m["rollout/policy_drop"] == 0
 
 
 def test_prime_rl_drops_queued_groups_older_than_m_and_aborts_them_in_flight():
-    srv = preset("prime-rl", B=2, N=2, param=1, pause_mode="in_place")  # lead <= 1: 2 B = 4 groups
+    srv = preset("prime-rl", B=2, N=2, param=1, pause_mode="in_place",
+                 overrides=["rollout.async_max_concurrent_samples=8"])  # 4 groups generating at most
     g0, g1, g2, g3 = srv.dispatch()
     assert srv.dispatch() == []
     srv.put(finish(g0, 2) + finish(g1, 2))
@@ -435,17 +454,40 @@ def test_prime_rl_drops_queued_groups_older_than_m_and_aborts_them_in_flight():
     srv.step_boundary([], keep_in_flight=True)
     srv.set_weight_version(1)
     assert srv.stats()["Q"] == 1  # lag 1 <= M
-    g4 = srv.dispatch()[0]  # started under version 1
+    g4, g5 = srv.dispatch()  # started under version 1, up to the cap
     assert g4.seq == 4 and srv.update_aborts() == [(0, 2), (0, 3)]  # 2 - 0 > M; g4: 2 - 1 = 1
     srv.put([traj(g2, 0)])  # finished before the abort: dropped with its group
     with pytest.raises(ValueError, match="update_aborts"):
         srv.step_boundary([aborted(g4, 0)], keep_in_flight=True)
     m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], keep_in_flight=True)
-    assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == [(0, 4)]
+    assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == [(0, 4), (0, 5)]
     srv.set_weight_version(2)  # g1 (start 0) is now 2 > M old: leaves PipelineBuffer
     m = srv.step_metrics()
     assert srv.stats()["Q"] == 0 and m["rollout/policy_drop"] == 1
     assert m["rollout/discarded_tokens"] == 3 + 3 * 2 + 2 * 3  # g2's finished + 3 aborted partials + g1's two
+
+
+def test_prime_rl_gates_on_batches_shipped_not_on_groups_in_flight():
+    """orchestrator.py / dispatcher.py: dispatch while (step - 1) - policy.version <= 1, step counting batches
+    shipped to the trainer; in flight only the concurrency cap (max_inflight) bounds. Here: consumed + Q < 2 B."""
+    srv = preset("prime-rl", B=2, N=2, param=8, pause_mode="in_place",
+                 overrides=["rollout.async_max_concurrent_samples=12"])  # max_inflight: 6 groups
+    assert srv.C == 2 * 2 + 1024 // 2
+    gs = srv.dispatch()
+    assert len(gs) == 6  # 3 B in flight: nothing shipped yet (counting in-flight groups would stop at 2 B = 4)
+    srv.put(finish(gs[0], 2) + finish(gs[1], 2) + finish(gs[2], 2))
+    assert seqs(srv.dispatch()) == [6, 7, 8]  # Q = 3 < 2 B: up to the cap again
+    srv.put(finish(gs[3], 2))
+    assert srv.stats()["Q"] == 4 and srv.dispatch() == []  # two batches shipped ahead of the weights: closed
+    srv.get(2, timeout=0)
+    srv.put(finish(gs[4], 2))
+    assert srv.dispatch() == []  # consumed 2 + Q 3: the consumed batch counts until the weight update
+    srv.step_boundary([], keep_in_flight=True)
+    srv.set_weight_version(1)  # the trainer's weights moved: one batch shipped ahead, Q = 3 < 2 B
+    assert seqs(srv.dispatch()) == [9, 10] and srv.dispatch() == []  # open again, up to the cap of 6 generating
+    srv.put(finish(gs[5], 2))
+    assert srv.stats()["Q"] == 4 and srv.stats()["generating"] == 5 and srv.dispatch() == []  # the gate again
+    assert strategies.PrimeRL.capacity(1, 2, 2) == srv.C
 
 
 def test_roll_filter_at_the_bound_with_the_fractional_quota():
@@ -476,20 +518,69 @@ def test_roll_drops_groups_too_old_for_the_next_weights_and_resumes_the_rest():
     assert srv.step_metrics()["rollout/discarded_tokens"] == 2 * 2 * 2
 
 
-def test_slime_async_tops_up_to_c_generating_and_c_queued_and_restarts_aborted_groups():
+def test_roll_consumes_the_oldest_step_first_and_waits_for_its_running_groups():
+    """ReplayBuffer.get_batch takes the oldest step first and, in ItemsGroup.get_batch, waits for that step's running
+    prompts: groups of a younger step that finish first wait (held, counted in R) instead of overtaking them."""
+    srv = preset("roll", B=2, N=2, param=1)
+    g0, g1, g2, g3 = srv.dispatch()  # step 0
+    srv.put(finish(g0, 2) + finish(g1, 2))
+    srv.get(2, timeout=0)
+    srv.step_boundary([aborted(g, i) for g in (g2, g3) for i in range(2)])
+    srv.set_weight_version(1)
+    r2, r3, g4, g5 = srv.dispatch()  # g2, g3 resumed (step 0), g4, g5 new (step 1)
+    srv.put(finish(g4, 2, version=1) + finish(g5, 2, version=1))  # the younger step finishes first
+    st = srv.stats(keys=True)
+    assert st["Q"] == 0 and st["held_keys"] == [(0, 4), (0, 5)]
+    srv.put(finish(r2, 2, version=1))
+    assert srv.stats(keys=True)["buffered_keys"] == [(0, 2)]  # step 0's own groups are not held
+    srv.put(finish(r3, 2, version=1))  # step 0 has nothing running: step 1 goes too
+    assert srv.stats(keys=True)["buffered_keys"] == [(0, 2), (0, 3), (0, 4), (0, 5)]
+    assert seqs(g.prompt for g in srv.get(2, timeout=0)) == [2, 3]
+
+
+def test_roll_gives_no_slot_back_for_a_complete_group_dropped_as_stale():
+    """ReplayBuffer: `completed_prompts` only grows and gc drops the finished prompts of too-old steps, so they keep
+    their admission slot; a filtered group (abort) gives it back."""
+    def run(status):
+        srv = preset("roll", B=2, N=2, param=1)  # ceil(alpha B) + B = 4
+        gs = srv.dispatch()
+        srv.put(finish(gs[0], 2) + finish(gs[1], 2) + finish(gs[2], 2) + finish(gs[3], 2, status=status))
+        srv.get(2, timeout=0)
+        for v in (1, 2):  # the trainer does not take g2, g3 in time: at version 2 they are 2 > ceil(alpha) old
+            srv.step_boundary([])
+            srv.set_weight_version(v)
+        return srv, srv.step_metrics()
+    srv, m = run(COMPLETED)
+    assert len(srv.dispatch()) == 2  # 4 - 2 slots lost
+    assert m["rollout/policy_drop"] == 2 and m["rollout/roll_slots_lost"] == 2
+    srv, m = run(FAILED)  # g3 dropped by the filter: its slot comes back
+    assert m["rollout/policy_drop"] == 1 and m["rollout/filter_drop"] == 1
+    assert len(srv.dispatch()) == 3
+
+
+def test_slime_async_tops_up_to_c_generating_and_c_queued_and_resumes_aborted_groups():
+    """fully_async_rollout.py _make_done_cb puts an aborted group back unchanged; sglang_rollout.py continues it from
+    its partial tokens (_prepare_prompt_ids reuses sample.tokens) and skips its completed samples."""
     srv = preset("slime-async", B=2, N=2)  # C = B = 2 groups of concurrency
     g0, g1 = srv.dispatch()
     srv.put(finish(g0, 2))
     (g2,) = srv.dispatch()  # generating 1 < 2, queued 1 < 2
     srv.put(finish(g1, 2))
     assert srv.dispatch() == []  # queued 2: not below C
-    srv.put([traj(g2, 0)])
-    m = srv.step_boundary([aborted(g2, 1)])
-    assert m["rollout/restarted_groups"] == 1 and m["rollout/partial_restored_count"] == 0
-    assert srv.step_metrics()["rollout/discarded_tokens"] == 3 + 2
+    done = traj(g2, 0)  # T = 3, finished before the pause
+    part = aborted(g2, 1)  # T = 2 tokens generated, then aborted
+    srv.put([done])
+    m = srv.step_boundary([part])
+    assert m["rollout/restarted_groups"] == 0 and m["rollout/restored_groups"] == 1
+    assert m["rollout/partial_restored_count"] == 2 and srv.step_metrics()["rollout/discarded_tokens"] == 0
     srv.get(2, timeout=0)
     (again, new) = srv.dispatch()
-    assert again.seq == 2 and again.partial == [] and new.seq == 3
+    assert again.seq == 2 and new.seq == 3
+    assert [t.status for t in again.partial] == [COMPLETED, ABORTED]  # the finished sample is kept as it is
+    assert [t.response_ids.tolist() for t in again.partial] == [done.response_ids.tolist(),
+                                                                 part.response_ids.tolist()]  # resumed from here
+    srv.put(finish(again, 2))  # the rollout re-puts the finished one and completes the partial one
+    assert srv.stats()["Q"] == 1 and srv.action == strategies.ABORT_RESUME
 
 
 @pytest.mark.parametrize("name,over,fragment", [
@@ -524,6 +615,57 @@ def test_spec_strategies_take_any_update_action_and_presets_cite_their_source():
     for name in strategies.PRESETS:
         assert issubclass(strategies.REGISTRY[name], strategies.Preset)
         assert re.search(r"\(\S+\.py", strategies.REGISTRY[name].__doc__), name  # names the file it is read from
+
+
+def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it():
+    import config
+    import train
+
+    want = {"areal": ("recompute", False), "verl": ("ppo", False), "pipelinerl": ("truncated_is", False),
+            "prime-rl": ("ppo", False), "roll": ("ppo", False), "slime-async": ("ppo", None)}
+    assert set(want) == set(strategies.PRESETS)
+    for name in strategies.PRESETS:
+        cls = strategies.REGISTRY[name]
+        assert (cls.policy_loss, cls.offpolicy_mask) == want[name], name
+        assert cls.policy_loss in config.POLICY_LOSSES
+        action = (cls.actions or cls(4, 8, None, 2).actions)[0]
+        partial, mode = action.rollout_settings
+        cfg = make_cfg(B=4, N=2, stale=0.0, window=name, overrides=[
+            f"rollout.partial={str(partial).lower()}", f"rollout.pause_mode={mode}",
+            "rollout.mask_offpolicy_in_partial_rollout=true" if partial else "rollout.partial=false",
+            *strategies.peer_overrides(name)])
+        assert strategies.pairing_note(name, cfg.algorithm.policy_loss,
+                                       cfg.rollout.mask_offpolicy_in_partial_rollout) is None, name
+        # an in-place trajectory that spans a weight update (versions 0, 0, 1): the peer's mask setting decides
+        seq = {"prompt": [1, 2], "response": [3, 4, 5], "mask": [1, 1, 1], "rollout_lp": [-1.0] * 3,
+               "versions": [0, 0, 1], "adv": 1.0}
+        kept = train.collate([seq], cfg.rollout.mask_offpolicy_in_partial_rollout)["mask"].sum()
+        assert kept == (1 if name == "slime-async" else 3), name  # slime-async keeps tiny.yaml's mask (optional)
+    note = strategies.pairing_note("areal", "ppo", True)  # tiny.yaml's loss under areal
+    assert "algorithm.policy_loss=ppo (its peer trains with recompute or loglinear)" in note
+    assert strategies.pairing_note("areal", "loglinear", False) is None  # AReaL's other proximal policy
+    assert "(its peer trains with truncated_is)" in strategies.pairing_note("pipelinerl", "recompute", False)
+    assert "rollout.mask_offpolicy_in_partial_rollout=true (its peer: false)" in note
+    assert strategies.pairing_note("slime-async", "ppo", False) is None
+    assert strategies.pairing_note("windowed-fifo", "truncated_is", True) is None  # the spec's rules pair with any
+
+
+def test_a_preset_run_with_another_peers_loss_says_so_once_at_start_up(tmp_path, monkeypatch, capsys):
+    import train
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped after start-up")
+
+    monkeypatch.setattr(train.dist, "init_process_group", stop)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # main() would set it for a plain `python train.py`
+    base = ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "trainer.num_gpus_per_node=1",
+            f"run_dir={tmp_path}/run", f"model.path={tmp_path}/model", "fully_async.sliding_window=pipelinerl",
+            "fully_async.stale_steps=0", "rollout.pause_mode=in_place"]
+    for extra, lines in (([], 1), (strategies.peer_overrides("pipelinerl"), 0)):
+        with pytest.raises(RuntimeError, match="stopped after start-up"):
+            train.main(base + extra)
+        out = capsys.readouterr().out
+        assert out.count("fully_async.sliding_window=pipelinerl runs with") == lines, out
 
 
 def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_prompt(tmp_path):
