@@ -674,7 +674,6 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
     the last checkpoint's replay."""
     import subprocess
-    import sys
 
     import tasks
     import train
