@@ -902,6 +902,8 @@ def main(argv=None):
                    help="tests: the sglang version /server_info reports (clients refuse unsupported ones)")
     p.add_argument("--max-request-mb", type=float, default=32.0,
                    help="largest request body accepted (MiB); larger ones get HTTP 413 before being read")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep released weights (and buffers) in host memory and restore them on resume, as SGLang")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
@@ -919,6 +921,7 @@ def main(argv=None):
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
                       args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
+    sched.weights_cpu_backup = args.enable_weights_cpu_backup
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",

@@ -432,6 +432,7 @@ class Scheduler:
         self.kv: Optional[KVBatch] = None
         self.paused: Optional[str] = None  # None | abort | retract | in_place
         self.released: set = set()
+        self.weights_cpu_backup = False  # --enable-weights-cpu-backup: released weights come back as they were
         self.groups: dict = {}  # group_name -> (process group, device of its tensors)
         self.disable_radix_cache = disable_radix_cache
         self._cache_clear()  # (namespace, token ids) -> per-layer KV, LRU order; the lengths cached per namespace
@@ -786,4 +787,16 @@ class Scheduler:
     def resume_memory(self, tags: list) -> None:
         if "weights" in tags and "weights" in self.released:
             self.model.to(self.device)
+            if not self.weights_cpu_backup:
+                self._undefined_weights()
         self.released -= set(tags)
+
+    def _undefined_weights(self) -> None:
+        """SGLang's memory saver gives the weights region back re-mapped, contents undefined, unless the server
+        runs with --enable-weights-cpu-backup (model_runner_components/load_model_utils.py: the weights region's
+        enable_cpu_backup; sgl-project/sglang#15246). The region holds the module buffers too (rotary caches),
+        which no weight update can restore: load_weights skips names it does not know. NaN stands for undefined
+        here, so whatever the trainer does not push back shows up as NaN log-probs, not as a silent drift."""
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                t.fill_(float("nan") if t.is_floating_point() else 0)

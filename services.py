@@ -233,6 +233,8 @@ class Services:
                 cmd += ["--max-running-requests", str(a.max_running_requests)]
             if a.api_key:
                 cmd += ["--api-key", a.api_key]
+            if self.cfg.colocate:  # a released weights region comes back undefined, buffers (rotary caches) too,
+                cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
             if r.launch == "sglang":
                 if a.mem_fraction_static:
                     cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]

@@ -40,6 +40,7 @@ import contextlib
 import copy
 import datetime
 import faulthandler
+import gc
 import glob
 import json
 import math
@@ -680,7 +681,8 @@ class Actor:
             if cmd == "stop":
                 return
             {"train": lambda a: self._train(None, *a), "sync": self._sync, "save": self._save,
-             "load": self._load, "export": self._export, "onload": self._onload}[cmd](arg)
+             "load": self._load, "export": self._export, "onload": self._onload,
+             "leave_for_push": self._leave_for_push}[cmd](arg)
 
     def stop(self) -> None:
         self._announce("stop")
@@ -852,6 +854,8 @@ class Actor:
                       flush=True)
         out = {"timing/update_weights": time.perf_counter() - t0}
         out["perf/weight_sync_gbps"] = self.weights.last_bytes / 1e9 / max(self.push_s, 1e-9)
+        if self.cfg.colocate:
+            out["perf/memory_after_offload"] = self.push_memory
         if self.released:  # stage 2 of colocate's resume: the KV cache, once the trainer has left the GPU
             t1 = time.perf_counter()
             self.fleet.resume_memory(["kv_cache", "cuda_graph"])
@@ -869,13 +873,15 @@ class Actor:
         if self.cfg.colocate:
             self.snapshot = None  # last step's old policy: not needed again
             self._offload("cpu")
+            self.push_memory = _memory_now(self.device)
 
     # ---- colocate: trainer state off the GPU while the servers generate ----
-    def _offload(self, where) -> None:
-        """Parameters (FSDP2 shards) and optimizer state to `where` ("cpu" after a sync, the device before
-        training), then the CUDA cache emptied, so the servers get the memory (slime's sleep(), verl's
-        offload_fsdp_model_to_cpu). No gradients exist between steps (zero_grad(set_to_none))."""
-        self.model.to(where)
+    def _offload(self, where, params: bool = True) -> None:
+        """Parameters (FSDP2 shards; unless params=False) and optimizer state to `where` ("cpu" after a sync, the
+        device before training), then the CUDA cache emptied, so the servers get the memory (slime's sleep(),
+        verl's offload_fsdp_model_to_cpu). No gradients exist between steps (zero_grad(set_to_none))."""
+        if params:
+            self.model.to(where)
         for state in self.opt.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":
@@ -951,11 +957,34 @@ class Actor:
         return {"timing/release_rollout": t1 - t0, "timing/onload_train": time.perf_counter() - t1}
 
     def resume(self) -> dict:
-        """After training, stage 1: the servers' weights only (the push needs them; the trainer is still on the
-        GPU). Stage 2, the KV cache, follows the push and the offload (sync_weights)."""
+        """After training, stage 1: the servers' weights only (the push needs them and the trainer's parameters).
+        Before they come back every rank leaves what the push does not need (_leave_for_push), so SGLang's
+        weights land in memory the trainer has given up, not beside its optimizer state and cached blocks (verl
+        offloads the optimizer and empties the cache before resume(tags=["weights"]), fsdp_workers.py). Stage 2,
+        the KV cache, follows the push and the parameters' offload (sync_weights)."""
         t0 = time.perf_counter()
+        self._announce("leave_for_push")
+        out = self._leave_for_push()
         self.fleet.resume_memory(["weights"])
-        return {"timing/resume_rollout": time.perf_counter() - t0}
+        return out | {"timing/resume_rollout": time.perf_counter() - t0}
+
+    def _leave_for_push(self, _=None) -> dict:
+        """Every rank: the old-policy snapshot dropped (the step is trained), the optimizer state to the host and
+        the CUDA cache emptied; perf/memory_* of this rank before and after (GiB)."""
+        before = _memory_now(self.device)
+        self.snapshot = None
+        self._offload("cpu", params=False)
+        gc.collect()
+        return {"perf/memory_train_end": before, "perf/memory_before_push": _memory_now(self.device)}
+
+
+def _memory_now(device: torch.device) -> float:
+    """GiB this process holds now: the CUDA caching allocator's reserved bytes on GPU (what another process on
+    the GPU cannot have), the resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / 2 ** 30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
 
 
 def _memory_metrics(device: torch.device) -> dict:

@@ -1,7 +1,8 @@
 """Colocate end to end on CPU through the GPU's code path: weight_sync.method=tensor (/update_weights_from_tensor
 with shared-memory tensors), the servers launched and released before the model loads, trainer offload/onload
 around generation, the staged resume (weights, then KV cache), and after every sync the engine's log-probs equal
-the trainer's.
+the trainer's. The servers run with --enable-weights-cpu-backup (services.py): engine.py, like SGLang, gives a
+released weights region back undefined without it, buffers included, and no push restores those.
 
 Run: .venv/bin/python -m pytest -q tests/test_colocate.py
 """
@@ -44,4 +45,7 @@ def test_colocate_tensor_sync_keeps_engine_and_trainer_log_probs_equal(tmp_path)
         for key in ("timing/release_rollout", "timing/onload_train", "timing/resume_rollout",
                     "timing/resume_kv_cache"):
             assert key in r, (key, r)
+        # per-phase memory (CPU: resident set; on GPU the reserved bytes, which these phases free)
+        assert all(r[k] > 0 for k in ("perf/memory_train_end", "perf/memory_before_push",
+                                      "perf/memory_after_offload")), r
     assert max(r["train/grad_norm"] for r in rows[:-1]) > 0.1  # the policy did move between the syncs

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import concurrent.futures as cf
 import json
+import math
 import os
 import pickle
 import random
@@ -59,7 +60,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(models):
     paths, _, _ = models
-    url, handle = engine.launch(paths["A"], max_running_requests=MAX_RUNNING, dist_timeout=60, wait_timeout=60)
+    url, handle = engine.launch(paths["A"], max_running_requests=MAX_RUNNING, dist_timeout=60, wait_timeout=60,
+                                enable_weights_cpu_backup=True)  # it releases and resumes its weights once
     yield url
     alive = handle.proc.poll() is None
     handle.stop()
@@ -530,6 +532,31 @@ def test_update_weight_version_flush_and_memory_release(url):
         out = blocked.result(timeout=30)
         assert requests.get(url + "/health_generate", timeout=30).status_code == 200
     assert out["meta_info"]["weight_version"] == v and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_released_weights_come_back_undefined_without_cpu_backup(models):
+    """SGLang's memory saver re-maps a released weights region with undefined contents, buffers included, unless
+    --enable-weights-cpu-backup (model_runner_components/load_model_utils.py; sgl-project/sglang#15246): here the
+    log-probs after release + resume are NaN (null in the JSON) without it and unchanged with it. services.py launches colocate
+    servers with it, since no weight update restores a buffer (load_weights skips unknown names)."""
+    def lp(url):
+        out = generate(url, [5, 6, 7], max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+
+    for backup in (False, True):
+        url, handle = engine.launch(models[0]["A"], enable_weights_cpu_backup=backup)
+        try:
+            before = lp(url)
+            assert post(url, "/release_memory_occupation", {}).json()["success"] is True
+            assert post(url, "/resume_memory_occupation", {}).json()["success"] is True
+            after = lp(url)
+        finally:
+            handle.stop()
+        assert all(math.isfinite(x) for x in before)
+        if backup:
+            assert after == before
+        else:
+            assert all(x is None or math.isnan(x) for x in after), after  # orjson writes NaN as null
 
 
 # ---------------------------------------------------------------------------------------------------------------
