@@ -26,7 +26,7 @@ Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md
 tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
 lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
 repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight
-version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors are 422, bad values 400;
+version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
 group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
 Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
@@ -90,8 +90,10 @@ RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class SchemaError(BadRequest):
-    """A /generate field of the wrong JSON type, or a body that is not JSON: HTTP 422, as FastAPI's validation of
-    GenerateReqInput answers (entrypoints/http_server.py), where values out of range are 400."""
+    """A /generate field of the wrong JSON type, or a body that is not a JSON object: HTTP 400 with an ErrorResponse
+    body {"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}, as 0.5.23 answers a body
+    GenerateReqInput does not validate (entrypoints/http_server.py: validation_exception_handler overrides FastAPI's
+    422); values out of range are 400 with {"error": {"message"}} (http_server.py: _create_error_response)."""
 
 
 # -- Request parsing and validation --------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         **flags)
 
 
-# The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
+# The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is a SchemaError.
 GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
@@ -424,7 +426,8 @@ class Server:
         except TooLarge as e:
             return _error(str(e), 413)
         except SchemaError as e:
-            return web.json_response({"detail": [{"type": "model_attributes_type", "msg": str(e)}]}, status=422)
+            return web.json_response({"object": "error", "message": str(e), "type": "Bad Request", "param": None,
+                                      "code": 400}, status=400)
         except BadRequest as e:
             return _error(str(e))
         except TimeoutError as e:
@@ -458,7 +461,7 @@ class Server:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request, error=SchemaError)  # FastAPI answers a body that is not a JSON object with 422
+        body = await _body(request, error=SchemaError)  # a body that is no JSON object fails GenerateReqInput too
         args = (body, self.tokenizer, self.sched.vocab_size, self.sched.context_len, self.token_chars)
         long = any(isinstance(v, (str, list)) and len(v) > 4096 for v in (body.get("text"), body.get("input_ids")))
         # a long prompt is tokenized / checked off the event loop, which meanwhile serves everyone else

@@ -361,17 +361,22 @@ def test_n_samples_get_fresh_rids_prompt_major_after_a_prefill_warm_up(url):
     assert isinstance(single, list) and len(single) == 2
 
 
-def test_schema_errors_are_422_and_value_errors_400(url):
-    """entrypoints/http_server.py: generate_request takes GenerateReqInput, which FastAPI validates (422 for a field
-    of the wrong type or a body that is no JSON object); sampling/sampling_params.py: verify and unknown keys are
-    ValueErrors (400)."""
+def test_schema_errors_and_value_errors_are_400(url):
+    """entrypoints/http_server.py: generate_request takes GenerateReqInput; a field of the wrong type or a body that
+    is no JSON object is a RequestValidationError, which validation_exception_handler answers with 400 (not FastAPI's
+    422) and an ErrorResponse body; sampling/sampling_params.py: verify and unknown keys are ValueErrors, 400 with
+    {"error": {"message"}} (_create_error_response)."""
     for body in ({"input_ids": "abc"}, {"input_ids": [1], "return_logprob": "yes"}, {"input_ids": [1], "rid": 3},
                  {"input_ids": [1], "sampling_params": "hot"}):
         r = post(url, "/generate", body)
-        assert r.status_code == 422 and r.json()["detail"], (body, r.text)
-    assert requests.post(url + "/generate", data=b"{no", timeout=10).status_code == 422
+        assert r.status_code == 400, (body, r.text)
+        j = r.json()
+        assert (j["object"], j["type"], j["code"], j["param"]) == ("error", "Bad Request", 400, None) and j["message"]
+    r = requests.post(url + "/generate", data=b"{no", timeout=10)
+    assert r.status_code == 400 and r.json()["code"] == 400
     for sp in ({"top_p": 0}, {"tempreature": 1}):
-        assert post(url, "/generate", {"input_ids": [1], "sampling_params": sp}).status_code == 400
+        r = post(url, "/generate", {"input_ids": [1], "sampling_params": sp})
+        assert r.status_code == 400 and r.json()["error"]["message"]
 
 
 def test_greedy_below_1e_6(url, models):
