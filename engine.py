@@ -27,7 +27,9 @@ tests/test_sglang_conformance.py names each source): an abort (forwarded once pe
 lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
 repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight
 version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
-group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
+prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
+too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
+tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
 Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
 tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens; batches do not stream;
@@ -230,6 +232,12 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
     return reqs, batch or n > 1, n
 
 
+def max_req_input_len(context_len: int) -> int:
+    """The longest prompt the scheduler takes, minus one: managers/tp_worker.py sets max_req_len = min(context_len - 1,
+    KV pool tokens - 1) and max_req_input_len = max_req_len - 5 (this KV slab holds any max_running full contexts)."""
+    return context_len - 1 - 5
+
+
 def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
     """A validated Req from one item of a /generate body. Sizes are checked before the work they bound: a prompt
     too long for the context is refused before its text is tokenized or its ids are checked one by one."""
@@ -241,19 +249,26 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
             raise BadRequest(f"field `text` has {len(text)} characters, more than the model's context length of "
                              f"{context_len} tokens can hold (a token is at most {token_chars} characters)")
         ids = tokenizer.encode(text)
-    if len(ids) >= context_len:
-        raise BadRequest(f"field `{'input_ids' if text is None else 'text'}` has {len(ids)} tokens; the model's "
-                         f"context length is {context_len}")
+    if len(ids) >= context_len:  # the limits and messages of tokenizer_manager.py: _validate_one_request
+        raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length ({context_len} "
+                         "tokens).")
     if text is None and not all(0 <= t < vocab_size for t in ids):
         raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
-    if sp.max_new_tokens is None:
-        sp = replace(sp, max_new_tokens=context_len - len(ids))
-    elif len(ids) + sp.max_new_tokens > context_len:
-        raise BadRequest(f"field `sampling_params.max_new_tokens` ({sp.max_new_tokens}) plus the {len(ids)} input "
-                         f"tokens exceeds the model's context length {context_len}")
+    if sp.max_new_tokens is not None and len(ids) + sp.max_new_tokens > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+                         f"You requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from the "
+                         f"input messages and {sp.max_new_tokens} tokens for the completion. Please reduce the number "
+                         "of tokens in the input messages or the completion to fit within the limit.")
+    if len(ids) >= max_req_input_len(context_len):  # the scheduler's check (managers/utils.py: validate_input_length)
+        raise BadRequest(f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                         f"({max_req_input_len(context_len)} tokens). Use a shorter input or enable "
+                         "--allow-auto-truncate.")
+    # scheduler.py init_req_max_new_tokens: at most max_req_len - input - 1 (max_req_len: the context length - 1)
+    sp = replace(sp, max_new_tokens=min(context_len - 2 - len(ids), 1 << 30 if sp.max_new_tokens is None
+                                        else sp.max_new_tokens))
     req = Req(
         rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp, return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -374,7 +389,7 @@ class Server:
     def __init__(self, args, sched: Scheduler, tokenizer):
         self.args, self.sched, self.tokenizer = args, sched, tokenizer
         self.gate = Gate()
-        self.ready = False
+        self.ready, self.started = False, time.time()
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
@@ -398,7 +413,7 @@ class Server:
         for path, fn in (("/model_info", self.model_info), ("/get_model_info", self.model_info),
                          ("/server_info", self.server_info), ("/get_server_info", self.server_info),
                          ("/health", self.health), ("/health_generate", self.health), ("/ready", self.ready_),
-                         ("/v1/loads", self.loads), ("/get_loads", self.loads)):
+                         ("/v1/loads", self.loads), ("/get_loads", self.loads), ("/v1/models", self.models)):
             get(path, fn)
         self.app.on_startup.append(self._on_startup)
         self.app.on_shutdown.append(self._on_shutdown)
@@ -765,10 +780,25 @@ class Server:
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
             "architectures": getattr(cfg, "architectures", None)})
 
+    def limits(self) -> dict:
+        """/server_info's size fields: `context_length` is the --context-length flag as given (server args, null when
+        absent); the scheduler's max_total_num_tokens (the KV slab: max_running full contexts) and max_req_input_len
+        (managers/scheduler.py: get_init_info, merged by utils/common.py: build_server_info). The context length
+        itself is /v1/models `max_model_len`."""
+        return {"context_length": self.args.context_length, "max_req_input_len": max_req_input_len(
+            self.sched.context_len), "max_total_num_tokens": self.sched.max_running * self.sched.context_len}
+
+    async def models(self, request):
+        """/v1/models (entrypoints/http_server.py: available_models): one ModelCard, max_model_len the context length
+        requests are checked against."""
+        return web.json_response({"object": "list", "data": [{
+            "id": self.args.model_path, "object": "model", "created": int(self.started), "owned_by": "sglang",
+            "root": self.args.model_path, "parent": None, "max_model_len": self.sched.context_len}]})
+
     async def server_info(self, request):
         info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}
         info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
-                     "weight_version": self.sched.weight_version, "context_length": self.sched.context_len,
+                     "weight_version": self.sched.weight_version, **self.limits(),
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
                                           "effective_max_running_requests_per_dp": self.sched.max_running}]})
         return web.json_response(info)
@@ -885,6 +915,9 @@ def main(argv=None):
     p.add_argument("--max-running-requests", type=int, default=None,
                    help=f"requests decoded together; the rest queue (default {DEFAULT_MAX_RUNNING}; /server_info\n"
                         "reports the flag as given, null when absent, and the limit in internal_states)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the context length requests are checked against (default: the model's\n"
+                        "max_position_embeddings; at most that)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
@@ -922,6 +955,11 @@ def main(argv=None):
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
                       args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
+    if args.context_length is not None:
+        if not 8 <= args.context_length <= sched.context_len:
+            p.error(f"--context-length must be in [8, {sched.context_len}] (the model's max_position_embeddings), "
+                    f"got {args.context_length}")
+        sched.context_len = args.context_length
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",

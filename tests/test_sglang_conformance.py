@@ -324,7 +324,7 @@ def test_batched_generate_answers_in_order_and_aborts_one_item_only(url):
     assert out[0]["meta_info"]["completion_tokens"] == 3 and out[2]["meta_info"]["completion_tokens"] == 5
     assert 0 < len(out[1]["output_ids"]) == len(out[1]["meta_info"]["output_token_logprobs"]) < LONG
     bad = post(url, "/generate", {"input_ids": [[5], [6]], "sampling_params": [{}, {"max_new_tokens": 10 ** 6}]})
-    assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "maximum context length" in bad.json()["error"]["message"]
 
 
 def test_a_batch_with_one_string_rid_names_its_items_rid_i(url):
@@ -439,3 +439,46 @@ def test_request_timeout_below_the_routers_is_checked_at_start_up():
     cfg = config.load_config(None, ["rollout.router_url=http://127.0.0.1:1"])
     assert cfg.rollout.request_timeout_s < cfg.rollout.router_request_timeout_s == 1800
     assert config.load_config(None, ["rollout.request_timeout_s=3600"]).rollout.request_timeout_s == 3600
+
+
+def test_context_limits_are_0_5_23s_and_the_client_caps_max_new_tokens_to_them(url, models):
+    """managers/tokenizer_manager.py: _validate_one_request refuses prompt + max_new_tokens > the context length with
+    a ValueError (400 for the whole list request); the scheduler refuses a prompt of max_req_input_len = context - 6
+    tokens or more (managers/utils.py: validate_input_length, managers/tp_worker.py) and caps max_new_tokens at
+    context - 2 - prompt (scheduler.py: init_req_max_new_tokens). /v1/models max_model_len is the context length
+    (http_server.py: available_models); /server_info's context_length is the raw flag, next to the scheduler's
+    max_req_input_len and max_total_num_tokens (utils/common.py: build_server_info). The client reads both limits
+    once and caps each item's max_new_tokens, so a prompt near the context is a truncated trajectory, not a 400."""
+    ctx = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    info = requests.get(url + "/server_info", timeout=10).json()
+    assert (info["context_length"], info["max_req_input_len"], info["max_total_num_tokens"]) == (None, ctx - 6, 8 * ctx)
+    near = (P * ctx)[:ctx - 16]
+    r = post(url, "/generate", {"input_ids": [P, near], "sampling_params": {"max_new_tokens": 17}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a total "
+        f"of {ctx + 1} tokens"), r.text
+    out = gen(url, near, max_new_tokens=16, ignore_eos=True)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 14}
+    too_long = (P * ctx)[:ctx - 6]
+    r = post(url, "/generate", {"input_ids": too_long, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        f"Input length ({ctx - 6} tokens) exceeds the maximum allowed length ({ctx - 6} tokens)."), r.text
+
+    from transformers import AutoTokenizer
+    cfg = config.load_config(None, ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1",
+                                    "trainer.mini_batch_size=2", "rollout.sampling.max_new_tokens=24",
+                                    "rollout.sampling.temperature=1e-7", f"rollout.servers=[{url}]"])
+    buf = rollout.DatasetBuffer([{"prompt_ids": near, "label": ""}, {"prompt_ids": too_long, "label": ""}], 1)
+    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, AutoTokenizer.from_pretrained(models[0]["A"]))
+    try:
+        ro.start()
+        assert (ro.context_len, ro.max_input_len) == (ctx, ctx - 6)
+        assert buf.done.wait(60), "the two trajectories did not finish"
+    finally:
+        ro.stop()
+        sync.close()
+    capped, too_long = buf.results[0][0], buf.results[1][0]
+    assert capped.status == "truncated" and capped.metadata["finish_reason"] == {"type": "length", "length": 14}
+    assert capped.response_ids.numel() == 14
+    assert too_long.status == "truncated" and too_long.response_ids.numel() == 0
