@@ -209,8 +209,11 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
         rid = body.get("rid")
         if isinstance(rid, str):
             body = {**body, "rid": [f"{rid}_{i}" for i in range(size)]}
-        elif isinstance(rid, list) and (len(rid) != size or len(set(rid)) != size):
+        elif isinstance(rid, list) and len(rid) != size:
             raise BadRequest(f"field `rid` must hold {size} unique strings, one per item of the batch")
+        elif isinstance(rid, list) and len(set(rid)) != size:  # io_struct.py: _validate_rid_uniqueness
+            raise BadRequest("Duplicate request IDs detected within the request: "
+                             f"{[x for x in dict.fromkeys(rid) if rid.count(x) > 1]}")
         for k in PER_ITEM:
             if isinstance(body.get(k), list) and len(body[k]) != size:
                 raise BadRequest(f"field `{k}` holds {len(body[k])} values for a batch of {size}")
@@ -494,6 +497,9 @@ class Server:
                 if left[0] and not (_is_int(code) and code >= 400):
                     return
             loop.call_soon_threadsafe(updates.put_nowait, (i, n, final))
+        for r in reqs:  # a live rid is refused, never replaced (tokenizer_manager.py: _init_req_state)
+            if r.rid in self.live:
+                raise BadRequest(f"Duplicate request ID detected: {r.rid}")
         for i, r in enumerate(reqs):
             r.notify = lambda n, final, i=i: notify(i, n, final)
             self.live[r.rid] = r  # registered before the pause gate, as SGLang's tokenizer manager does

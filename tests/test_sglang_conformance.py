@@ -327,6 +327,27 @@ def test_batched_generate_answers_in_order_and_aborts_one_item_only(url):
     assert bad.status_code == 400 and "maximum context length" in bad.json()["error"]["message"]
 
 
+def test_a_live_rid_is_refused_not_replaced_and_a_batch_needs_unique_rids(url):
+    """managers/tokenizer_manager.py: _init_req_state refuses a request whose rid is still live with a ValueError
+    (400 "Duplicate request ID detected: <rid>") and leaves the first request alone, so /abort_request still reaches
+    it; managers/io_struct.py: _validate_rid_uniqueness refuses a batch naming one rid twice."""
+    with cf.ThreadPoolExecutor(1) as ex:
+        first = ex.submit(gen, url, [3, 4], max_new_tokens=LONG, ignore_eos=True, rid="dup.")
+        wait_until(lambda: running(url) == 1, 30, "the first request to run")
+        r = post(url, "/generate", {"input_ids": [5], "rid": "dup.", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Duplicate request ID detected: dup.", r.text
+        r = post(url, "/generate", {"input_ids": [[5], [6]], "rid": ["dup.", "other."]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Duplicate request ID detected: dup.", r.text
+        assert running(url) == 1
+        assert post(url, "/abort_request", {"rid": "dup."}).status_code == 200
+        out = first.result(30)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < LONG
+    r = post(url, "/generate", {"input_ids": [[5], [6], [7]], "rid": ["x.", "y.", "x."]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "Duplicate request IDs detected within the request: ['x.']"
+    assert gen(url, [5], rid="dup.")["meta_info"]["id"] == "dup."  # free again once the first one finished
+
+
 def test_a_batch_with_one_string_rid_names_its_items_rid_i(url):
     """managers/io_struct.py: GenerateReqInput._normalize_rid turns a batch's string rid into f"{rid}_{i}" (the only
     form sglang-router 0.3.2 forwards: it refuses a list of rids, and of sampling_params). The producer sends this:
