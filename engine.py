@@ -393,6 +393,7 @@ class Server:
         self.args, self.sched, self.tokenizer = args, sched, tokenizer
         self.gate = Gate()
         self.ready, self.started = False, time.time()
+        self.model_path = args.model_path  # the checkpoint served: the launch one, then each /update_weights_from_disk
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
@@ -659,9 +660,12 @@ class Server:
         if not Path(path).is_dir():
             return _fail(f"model_path {path} is not a directory", num_paused_requests=0)
         version, dtype = options[2], self.args.dtype
-        return await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
+        resp = await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
                                   f"Succeeded to update model weights from {path}.", f"loading {path} failed: ",
                                   num_paused_requests=0)  # 0.5.23's scheduler always answers 0
+        if resp.status == 200:  # /model_info names the new checkpoint (tokenizer_manager.py: _update_model_path_info)
+            self.model_path = path
+        return resp
 
     async def init_weights_update_group(self, request):
         body = await _body(request)
@@ -781,7 +785,7 @@ class Server:
     async def model_info(self, request):
         cfg = self.sched.model.config
         return web.json_response({
-            "model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.sched.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
             "architectures": getattr(cfg, "architectures", None)})
@@ -798,8 +802,8 @@ class Server:
         """/v1/models (entrypoints/http_server.py: available_models): one ModelCard, max_model_len the context length
         requests are checked against."""
         return web.json_response({"object": "list", "data": [{
-            "id": self.args.model_path, "object": "model", "created": int(self.started), "owned_by": "sglang",
-            "root": self.args.model_path, "parent": None, "max_model_len": self.sched.context_len}]})
+            "id": self.model_path, "object": "model", "created": int(self.started), "owned_by": "sglang",
+            "root": self.model_path, "parent": None, "max_model_len": self.sched.context_len}]})
 
     async def server_info(self, request):
         info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}

@@ -348,6 +348,25 @@ def test_a_live_rid_is_refused_not_replaced_and_a_batch_needs_unique_rids(url):
     assert gen(url, [5], rid="dup.")["meta_info"]["id"] == "dup."  # free again once the first one finished
 
 
+def test_model_info_names_the_checkpoint_of_the_last_update_from_disk(url, models):
+    """managers/tokenizer_manager.py: _update_model_path_info. A successful /update_weights_from_disk makes its
+    model_path the /model_info model_path and served_model_name; a failed one leaves them."""
+    paths = models[0]
+
+    def info():
+        return requests.get(url + "/model_info", timeout=10).json()
+    assert (info()["model_path"], info()["served_model_name"]) == (paths["A"], paths["A"])
+    v0 = version(url)
+    try:
+        set_weights(url, paths["B"], v0 + 1)
+        assert (info()["model_path"], info()["served_model_name"]) == (paths["B"], paths["B"])
+        assert post(url, "/update_weights_from_disk", {"model_path": paths["B"] + "-missing"}).status_code == 400
+        assert info()["model_path"] == paths["B"]
+    finally:
+        set_weights(url, paths["A"], v0 + 2)
+    assert info()["model_path"] == paths["A"]
+
+
 def test_a_batch_with_one_string_rid_names_its_items_rid_i(url):
     """managers/io_struct.py: GenerateReqInput._normalize_rid turns a batch's string rid into f"{rid}_{i}" (the only
     form sglang-router 0.3.2 forwards: it refuses a list of rids, and of sampling_params). The producer sends this:
