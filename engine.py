@@ -464,11 +464,15 @@ class Server:
         text = self.tokenizer.decode(ids[:-1] if _is_int(trim) else ids, skip_special_tokens=r.sp.skip_special_tokens)
         if isinstance(trim, str) and trim in text:
             text = text[:text.find(trim)]
-        spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens, "weight_versions": spans, "num_retractions": r.num_retractions,
-                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version}
-        if final:
+                "cached_tokens": r.cached_tokens, "num_retractions": r.num_retractions,
+                "weight_version": self.sched.weight_version}
+        if final:  # spans only in the final output (scheduler_components/output_streamer.py); a request with no
+            # output token has one empty span of the current version (utils/weight_versions.py: compute_weight_version_
+            # spans, add_weight_versions_to_meta_info, which also sets weight_version to the last span's)
+            spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
+            meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
+            meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
         if r.return_logprob:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)

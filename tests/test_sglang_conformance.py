@@ -8,6 +8,7 @@ them stays short. Tests that change its weights restore A and flush. Run:
 .venv/bin/python -m pytest -q tests/test_sglang_conformance.py
 """
 import concurrent.futures as cf
+import json
 import time
 import types
 
@@ -365,6 +366,38 @@ def test_model_info_names_the_checkpoint_of_the_last_update_from_disk(url, model
     finally:
         set_weights(url, paths["A"], v0 + 2)
     assert info()["model_path"] == paths["A"]
+
+
+def test_weight_versions_come_with_the_final_output_and_an_unstarted_abort_has_an_empty_span(url):
+    """scheduler_components/output_streamer.py: spans are computed for finished requests only, so a stream's chunks
+    carry weight_version (the server's) but no weight_versions until the last; utils/weight_versions.py:
+    compute_weight_version_spans gives a request aborted before its first token [{"version": v, "start": 0,
+    "end": 0}]. The client's parser (rollout.parse_generate_response) takes both."""
+    v = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
+    body = {"input_ids": P, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "stream_interval": 1}}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=60) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != b"data: [DONE]"]
+    assert len(chunks) > 1 and all("weight_versions" not in c["meta_info"] for c in chunks[:-1])
+    assert all(c["meta_info"]["weight_version"] == v for c in chunks)
+    assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": v, "start": 0, "end": 4}]
+    full = {"input_ids": [P] * 8, "rid": [f"full-{i}." for i in range(8)],
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(2) as ex:
+        batch = ex.submit(post, url, "/generate", full)
+        wait_until(lambda: running(url) == 8, 30, "8 requests to fill max_running_requests")
+        queued = ex.submit(gen, url, P, rid="queued.")
+        wait_until(lambda: requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]["num_waiting_reqs"] == 1,
+                   30, "the ninth request to wait")
+        assert post(url, "/abort_request", {"rid": "queued."}).status_code == 200
+        out = queued.result(30)
+        post(url, "/abort_request", {"abort_all": True})
+        assert batch.result(30).status_code == 200
+    m = out["meta_info"]
+    assert m["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert m["weight_versions"] == [{"version": v, "start": 0, "end": 0}] and m["weight_version"] == v
+    g = rollout.parse_generate_response(out)
+    assert (g.ids, g.versions, g.finish) == ([], [], "abort")
 
 
 def test_a_batch_with_one_string_rid_names_its_items_rid_i(url):
