@@ -71,10 +71,36 @@ DEFAULT_MAX_RUNNING = 64  # requests decoded together without --max-running-requ
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
-HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # /health: 503 after this
-HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") not in ("0", "false")  # /health
-REQUEST_STATE_WAIT_TIMEOUT_S = float(os.environ.get("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4))  # how soon a
-# request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """An SGLang switch as environ.py's EnvBool reads it: lower-cased true/1/yes/y or false/0/no/n; another value
+    warns and gives the default."""
+    value = os.environ.get(name)
+    if value is not None and value.lower() in ("true", "1", "yes", "y", "false", "0", "no", "n"):
+        return value.lower() in ("true", "1", "yes", "y")
+    if value is not None:
+        log.warning('Invalid value for %s: "%s" is not a valid boolean value, using default "%s"', name, value,
+                    default)
+    return default
+
+
+def env_int(name: str, default: int) -> int:
+    """An SGLang integer as environ.py's EnvInt reads it: int(value); another value warns and gives the default."""
+    value = os.environ.get(name)
+    try:
+        return default if value is None else int(value)
+    except ValueError:
+        log.warning('Invalid value for %s: "%s" is not a valid integer value, using default "%s"', name, value,
+                    default)
+        return default
+
+
+# /health: 503 after this many seconds (entrypoints/http_server.py reads it with int(), a non-integer fails the start)
+HEALTH_CHECK_TIMEOUT_S = int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+HEALTH_GENERATES = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)  # /health generates a token
+# how soon a request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
+REQUEST_STATE_WAIT_TIMEOUT_S = env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
 

@@ -27,7 +27,7 @@ import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
 from test_rollout import wait_until
 
-HEALTH_S, NOTICE_S = 2.0, 1.0  # the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
+HEALTH_S, NOTICE_S = 2, 1  # (integers, as 0.5.23 reads them) the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
 LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
 P = [5, 6, 7, 8, 9]
 
@@ -95,7 +95,8 @@ def test_health_generates_through_the_pause_gate(url, models):
     """entrypoints/http_server.py: health_generate. A paused server's /health waits SGLANG_HEALTH_CHECK_TIMEOUT for
     output, answers 503 and marks the server unhealthy (/ready 503, tokenizer_manager.py: is_ready); /model_info
     and /server_info answer while paused; after continue /health is 200 and the server healthy again.
-    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health is 200 without generating, also while paused."""
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=False (environ.py: EnvBool lower-cases it): /health is 200 without
+    generating, also while paused."""
     assert requests.get(url + "/health", timeout=10).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
     assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -110,7 +111,7 @@ def test_health_generates_through_the_pause_gate(url, models):
         assert post(url, "/continue_generation").status_code == 200
     assert requests.get(url + "/health", timeout=30).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
-    off, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    off, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "False",
                                                                     "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
     try:
         assert post(off, "/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -118,6 +119,20 @@ def test_health_generates_through_the_pause_gate(url, models):
         assert requests.get(off + "/health_generate", timeout=30).status_code == 503  # still generates
     finally:
         handle.stop()
+
+
+def test_environment_switches_are_read_as_environ_py_reads_them(monkeypatch):
+    """environ.py: EnvBool lower-cases the value (true/1/yes/y, false/0/no/n), EnvInt takes int(value); anything
+    else warns and gives the default."""
+    for value, want in (("False", False), ("NO", False), ("0", False), ("n", False), ("True", True), ("Y", True),
+                        ("1", True), ("maybe", True)):
+        monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", value)
+        assert engine.env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True) is want, value
+    monkeypatch.delenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+    assert engine.env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True) is True
+    for value, want in (("7", 7), ("1.5", 4), ("", 4)):
+        monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", value)
+        assert engine.env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4) == want, value
 
 
 def test_weight_sync_liveness_answers_on_paused_servers(url):
