@@ -4,7 +4,7 @@ It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/
 pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
 versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang or this engine.
 
-Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
+Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version default]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = scheduler.init_weight_update_group(addr, port, 0, world_size,
@@ -373,6 +373,13 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+def _error_response(message: str, status: int, kind: str) -> web.Response:
+    """SGLang's ErrorResponse body (entrypoints/openai/protocol.py), as its handlers of a RequestValidationError
+    (kind "Bad Request") and of an HTTPException (kind str(status)) answer (http_server.py)."""
+    return web.json_response({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                             status=status)
+
+
 def _fail(message: str, **extra) -> web.Response:
     """A weight-update call that failed, answered as SGLang does: 400 with success false and the message."""
     return web.json_response({"success": False, "message": message, **extra}, status=400)
@@ -471,8 +478,7 @@ class Server:
         except TooLarge as e:
             return _error(str(e), 413)
         except SchemaError as e:
-            return web.json_response({"object": "error", "message": str(e), "type": "Bad Request", "param": None,
-                                      "code": 400}, status=400)
+            return _error_response(str(e), 400, "Bad Request")
         except BadRequest as e:
             return _error(str(e))
         except TimeoutError as e:
@@ -599,7 +605,9 @@ class Server:
             i = (await updates.get())[0]
             code = (reqs[i].finish or {}).get("status_code")
             if _is_int(code) and code >= 400:
-                return _error(reqs[i].finish.get("message") or "request failed", code)
+                # tokenizer_manager.py _handle_abort_finish_reason: 400 is a ValueError, another an HTTPException
+                message = reqs[i].finish.get("message") or "request failed"
+                return _error(message) if code == 400 else _error_response(message, code, str(code))
             outs = [self._output(x, len(x.output_ids), True) for x in reqs]
             # SGLang answers with orjson too (http_server.py: ORJSONResponse)
             return web.Response(body=orjson.dumps(outs if listed else outs[0]), content_type="application/json")
@@ -961,7 +969,8 @@ def main(argv=None):
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
-    p.add_argument("--weight-version", default="0", help="weight_version reported until an update changes it")
+    p.add_argument("--weight-version", default="default",
+                   help="weight_version reported until an update changes it (SGLang's default, 'default')")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on GPU")

@@ -48,7 +48,8 @@ Every /generate is a list request (one item per trajectory) with one string rid,
 SGLang names its items f"{rid}_{i}". The trailing dot keeps a request's rid from being a prefix of another's, since
 SGLang aborts by prefix; within a request item 1 is a prefix of item 10, so the producer aborts a request's items
 together. (The sglang router takes a batch only with one string rid and one sampling_params object.) Weight versions
-are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
+are ints ("default", SGLang's until the first update, is 0); a response's `weight_versions` spans (end-exclusive) give
+each token's version.
 
 A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
@@ -137,12 +138,15 @@ class Generation:
 
 
 def parse_version(value: Any, where: str) -> int:
-    """A server's weight_version string as an int (this project's versions are str(int), the first weights 0)."""
+    """A server's weight_version string as an int (this project's versions are str(int), the first weights 0).
+    "default", SGLang's --weight-version until an update sets one (server args), is the launch checkpoint: 0."""
+    if value == "default":
+        return 0
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where} weight_version {value!r} is not an integer; start the servers with "
-                         "--weight-version 0 (SGLang's default is 'default')") from None
+        raise ValueError(f"{where} weight_version {value!r} is not an integer (nor 'default'); this project's "
+                         "servers report str(int) versions (--weight-version N, weight_version in updates)") from None
 
 
 def parse_generate_response(out: dict) -> Generation:

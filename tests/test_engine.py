@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine
 import losses
+import rollout
 import scheduler
 import tasks
 import weight_sync
@@ -93,7 +94,7 @@ def wait_until(pred, timeout=20.0, what="condition"):
 
 
 def version(url) -> int:
-    return int(requests.get(url + "/model_info", timeout=10).json()["weight_version"])
+    return rollout.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
 
 
 def hf_greedy(model, ids, n):

@@ -85,7 +85,7 @@ def set_weights(url, path, version, flush=True):
 
 
 def version(url):
-    return int(requests.get(url + "/model_info", timeout=10).json()["weight_version"])
+    return rollout.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,7 +96,8 @@ def test_health_generates_through_the_pause_gate(url, models):
     output, answers 503 and marks the server unhealthy (/ready 503, tokenizer_manager.py: is_ready); /model_info
     and /server_info answer while paused; after continue /health is 200 and the server healthy again.
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=False (environ.py: EnvBool lower-cases it): /health is 200 without
-    generating, also while paused."""
+    generating, also while paused. That server runs without --weight-version: it reports "default" (0.5.23's server
+    args default), which the client reads as version 0."""
     assert requests.get(url + "/health", timeout=10).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
     assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -113,7 +114,11 @@ def test_health_generates_through_the_pause_gate(url, models):
     assert requests.get(url + "/ready", timeout=10).status_code == 200
     off, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "False",
                                                                     "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
-    try:
+    try:  # (launched without --weight-version: arg_groups/fields/serving.py weight_version defaults to "default")
+        assert requests.get(off + "/model_info", timeout=10).json()["weight_version"] == "default"
+        out = gen(off, P, max_new_tokens=2)
+        assert out["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
+        assert rollout.parse_generate_response(out).versions == [0, 0]  # the client's version 0: the launch weights
         assert post(off, "/pause_generation", {"mode": "in_place"}).status_code == 200
         assert requests.get(off + "/health", timeout=10).status_code == 200
         assert requests.get(off + "/health_generate", timeout=30).status_code == 503  # still generates
@@ -133,6 +138,28 @@ def test_environment_switches_are_read_as_environ_py_reads_them(monkeypatch):
     for value, want in (("7", 7), ("1.5", 4), ("", 4)):
         monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", value)
         assert engine.env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4) == want, value
+
+
+def test_an_abort_with_status_400_or_above_is_that_http_error_in_sglangs_body():
+    """managers/tokenizer_manager.py: _handle_abort_finish_reason raises a ValueError for status 400 (http_server.py
+    _create_error_response: {"error": {"message"}}) and an HTTPException otherwise, which http_server.py's
+    HTTPException handler answers with an ErrorResponse {"object": "error", "message", "type": str(status), "param":
+    null, "code": status}."""
+    import asyncio
+
+    server = engine.Server.__new__(engine.Server)
+    for status, want in ((400, {"error": {"message": "bad"}}),
+                         (503, {"object": "error", "message": "bad", "type": "503", "param": None, "code": 503}),
+                         (500, {"object": "error", "message": "bad", "type": "500", "param": None, "code": 500})):
+        r = scheduler.Req("r", [1], engine.parse_sampling_params({"max_new_tokens": 1}, 10))
+        r.finish = scheduler.abort_reason("bad", status, "X")
+
+        async def respond():
+            updates = asyncio.Queue()
+            updates.put_nowait((0, 0, True))
+            return await server._respond(None, [r], False, updates)
+        resp = asyncio.run(respond())
+        assert (resp.status, json.loads(resp.body)) == (status, want)
 
 
 def test_weight_sync_liveness_answers_on_paused_servers(url):
