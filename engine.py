@@ -823,7 +823,8 @@ class Server:
     async def model_info(self, request):
         cfg = self.sched.model.config
         return web.json_response({
-            "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "model_path": self.model_path, "served_model_name": self.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.sched.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
             "architectures": getattr(cfg, "architectures", None)})

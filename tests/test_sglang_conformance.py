@@ -27,7 +27,8 @@ import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
 from test_rollout import wait_until
 
-HEALTH_S, NOTICE_S = 2, 1  # (integers, as 0.5.23 reads them) the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
+HEALTH_S, NOTICE_S = 2, 1  # the module's SGLANG_HEALTH_CHECK_TIMEOUT, SGLANG_REQUEST_STATE_WAIT_TIMEOUT (integers,
+# as 0.5.23 reads them)
 LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
 P = [5, 6, 7, 8, 9]
 
