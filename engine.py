@@ -32,10 +32,16 @@ too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len:
 tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
 Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
-tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens; batches do not stream;
-no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens;
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
-(generation waits until they are resumed).
+(generation waits until they are resumed); /tokenize takes `prompt` only (no chat template renderer for `messages`).
+
+Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties, `logit_bias`,
+grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
+only: each reshapes the logits before sampling, and RL rollouts here sample from the plain distribution);
+`custom_logit_processor` (SGLang runs pickled Python from the request; nothing here calls it); `input_embeds` and
+image/video/audio data (text-only decoders, token-id prompts); LoRA, sessions, hidden states, entropy; streaming of
+batches and of n > 1 (the client sends list requests unstreamed: one reply in input order, as 0.5.23 gives it).
 """
 from __future__ import annotations
 
@@ -211,6 +217,10 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
     "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
     "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
+# GenerateReqInput fields outside engine.py's subset (see the module docstring): HTTP 400 naming the field unless
+# null or false, so that a request that relies on one fails instead of being answered without it.
+UNSERVED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor", "lora_path",
+            "session_params", "return_hidden_states", "return_entropy")
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -224,6 +234,9 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
     for name, ok in GENERATE_SCHEMA.items():
         if body.get(name) is not None and not ok(body[name]):
             raise SchemaError(f"field `{name}` has the wrong type: {json.dumps(body[name])[:80]}")
+    for name in UNSERVED:
+        if body.get(name) not in (None, False):
+            raise BadRequest(f"field `{name}` is not supported by engine.py (its docstring lists what it serves)")
     text, ids = body.get("text"), body.get("input_ids")
     batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
     if not batch:
@@ -441,8 +454,10 @@ class Server:
         for name in ("generate", "abort_request", "pause_generation", "continue_generation", "update_weights_from_disk",
                      "init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
                      "end_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
-                     "update_weight_version"):  # POST /name is served by the method of that name
+                     "update_weight_version", "tokenize", "detokenize"):  # POST /name: the method of that name
             post(f"/{name}", getattr(self, name))
+        post("/v1/tokenize", self.tokenize)
+        post("/v1/detokenize", self.detokenize)
         for path, fn in (("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
                          ("/resume_memory_occupation", self.resume_memory)):
             get(path, fn)
@@ -818,6 +833,39 @@ class Server:
 
     async def resume_memory(self, request):
         return await self._memory(request, self.sched.resume_memory, "Resumed")
+
+    # -- tokenizer endpoints (entrypoints/openai/serving_tokenize.py) ------------------------------------------
+    async def tokenize(self, request):
+        """/tokenize: {"prompt": str or [str], "add_special_tokens": true} -> {"tokens", "count", "max_model_len"}
+        (TokenizeRequest / TokenizeResponse); chat `messages` are not served here (no chat template renderer)."""
+        body = await _body(request, error=SchemaError)
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise SchemaError("Exactly one of 'prompt' or 'messages' must be provided.")
+        if body.get("messages") is not None:
+            raise BadRequest("field `messages` is not supported by engine.py's /tokenize; send `prompt`")
+        prompt = body["prompt"]
+        if not _list_of(_is_str)(prompt):
+            raise SchemaError(f"field `prompt` must be a string or a list of strings, got {json.dumps(prompt)[:80]}")
+        special = _field(body, "add_special_tokens", True, _is_bool, "true or false")
+        tokens = [self.tokenizer.encode(t, add_special_tokens=special) for t in ([prompt] if _is_str(prompt)
+                                                                                 else prompt)]
+        most = getattr(self.tokenizer, "model_max_length", -1)  # a tokenizer's "no limit" (1e30): the context length
+        most = self.sched.context_len if _is_int(most) and not -2 ** 63 <= most < 2 ** 64 else most
+        return web.json_response({"tokens": tokens[0] if _is_str(prompt) else tokens,
+                                  "count": len(tokens[0]) if _is_str(prompt) else [len(t) for t in tokens],
+                                  "max_model_len": most})
+
+    async def detokenize(self, request):
+        """/detokenize: {"tokens": [int] or [[int]], "skip_special_tokens": true} -> {"text": str or [str]}."""
+        body = await _body(request, error=SchemaError)
+        tokens = body.get("tokens")
+        if not (_all_of(_is_int)(tokens) or _all_of(_all_of(_is_int))(tokens)):
+            raise SchemaError(f"field `tokens` must be a list of integers or of lists of integers, got "
+                              f"{json.dumps(tokens)[:80]}")
+        skip = _field(body, "skip_special_tokens", True, _is_bool, "true or false")
+        if tokens and isinstance(tokens[0], list):
+            return web.json_response({"text": [self.tokenizer.decode(t, skip_special_tokens=skip) for t in tokens]})
+        return web.json_response({"text": self.tokenizer.decode(tokens, skip_special_tokens=skip) if tokens else ""})
 
     # -- info endpoints ---------------------------------------------------------------------------------------
     async def model_info(self, request):

@@ -495,6 +495,29 @@ def test_schema_errors_and_value_errors_are_400(url):
         assert r.status_code == 400 and r.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize(url, models):
+    """entrypoints/openai/serving_tokenize.py: OpenAIServingTokenize / OpenAIServingDetokenize, served at /tokenize,
+    /detokenize and their /v1/ paths (http_server.py): a prompt string or list gives tokens, count and max_model_len
+    (the tokenizer's model_max_length, else the context length); tokens give text; exactly one of prompt and
+    messages, else a schema error (400)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(models[0]["A"])
+    ctx = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    limit = tok.model_max_length if tok.model_max_length < 2 ** 63 else ctx
+    one = post(url, "/tokenize", {"prompt": "12+34="}).json()
+    assert one == {"tokens": tok.encode("12+34="), "count": len(tok.encode("12+34=")), "max_model_len": limit}
+    two = post(url, "/v1/tokenize", {"prompt": ["1", "22"], "add_special_tokens": False}).json()
+    assert two["tokens"] == [tok.encode(t, add_special_tokens=False) for t in ("1", "22")]
+    assert two["count"] == [len(t) for t in two["tokens"]]
+    assert post(url, "/detokenize", {"tokens": one["tokens"]}).json() == {"text": tok.decode(one["tokens"],
+                                                                                              skip_special_tokens=True)}
+    assert post(url, "/v1/detokenize", {"tokens": two["tokens"]}).json() == {"text": ["1", "22"]}
+    assert post(url, "/detokenize", {"tokens": []}).json() == {"text": ""}
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [1, [2]]})):
+        r = post(url, path, body)
+        assert r.status_code == 400 and r.json()["code"] == 400, (path, body, r.text)
+
+
 def test_greedy_below_1e_6(url, models):
     """sampling/sampling_params.py: _SAMPLING_EPS = 1e-6. Temperature 5e-6 samples at that temperature (its
     log-probs); 5e-7 is greedy, whose log-probs are reported at temperature 1 (the log-prob convention)."""
