@@ -275,8 +275,9 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
 
 
 def max_req_input_len(context_len: int) -> int:
-    """The longest prompt the scheduler takes, minus one: managers/tp_worker.py sets max_req_len = min(context_len - 1,
-    KV pool tokens - 1) and max_req_input_len = max_req_len - 5 (this KV slab holds any max_running full contexts)."""
+    """The scheduler's max_req_input_len: a prompt must be shorter. managers/tp_worker.py sets max_req_len =
+    min(context_len - 1, KV pool tokens - 1) and max_req_input_len = max_req_len - 5 (this KV slab holds any
+    max_running full contexts)."""
     return context_len - 1 - 5
 
 
