@@ -98,7 +98,7 @@ def test_health_generates_through_the_pause_gate(url, models):
     and /server_info answer while paused; after continue /health is 200 and the server healthy again.
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=False (environ.py: EnvBool lower-cases it): /health is 200 without
     generating, also while paused. That server runs without --weight-version: it reports "default" (0.5.23's server
-    args default), which the client reads as version 0."""
+    args default), which the client reads as version 0; its --context-length 64 is /server_info's context_length."""
     assert requests.get(url + "/health", timeout=10).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
     assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -113,10 +113,14 @@ def test_health_generates_through_the_pause_gate(url, models):
         assert post(url, "/continue_generation").status_code == 200
     assert requests.get(url + "/health", timeout=30).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
-    off, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "False",
-                                                                    "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
+    off, handle = engine.launch(models[0]["A"], num_threads=1, context_length=64,
+                                env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "False",
+                                     "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
     try:  # (launched without --weight-version: arg_groups/fields/serving.py weight_version defaults to "default")
         assert requests.get(off + "/model_info", timeout=10).json()["weight_version"] == "default"
+        info = requests.get(off + "/server_info", timeout=10).json()
+        assert (info["context_length"], info["max_req_input_len"]) == (64, 58)  # the flag as given, and its limit
+        assert requests.get(off + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 64
         out = gen(off, P, max_new_tokens=2)
         assert out["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
         assert rollout.parse_generate_response(out).versions == [0, 0]  # the client's version 0: the launch weights
