@@ -4,7 +4,7 @@ It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/
 pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
 versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang or this engine.
 
-Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version 0]
+Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version default]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = scheduler.init_weight_update_group(addr, port, 0, world_size,
@@ -26,14 +26,22 @@ Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md
 tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
 lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
 repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight
-version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors are 422, bad values 400;
-group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
+version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
+prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
+too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
+tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
 Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
-tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens; batches do not stream;
-no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens;
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
-(generation waits until they are resumed).
+(generation waits until they are resumed); /tokenize takes `prompt` only (no chat template renderer for `messages`).
+
+Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties, `logit_bias`,
+grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
+only: each reshapes the logits before sampling, and RL rollouts here sample from the plain distribution);
+`custom_logit_processor` (SGLang runs pickled Python from the request; nothing here calls it); `input_embeds` and
+image/video/audio data (text-only decoders, token-id prompts); LoRA, sessions, hidden states, entropy; streaming of
+batches and of n > 1 (the client sends list requests unstreamed: one reply in input order, as 0.5.23 gives it).
 """
 from __future__ import annotations
 
@@ -69,10 +77,36 @@ DEFAULT_MAX_RUNNING = 64  # requests decoded together without --max-running-requ
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
-HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # /health: 503 after this
-HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") not in ("0", "false")  # /health
-REQUEST_STATE_WAIT_TIMEOUT_S = float(os.environ.get("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4))  # how soon a
-# request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """An SGLang switch as environ.py's EnvBool reads it: lower-cased true/1/yes/y or false/0/no/n; another value
+    warns and gives the default."""
+    value = os.environ.get(name)
+    if value is not None and value.lower() in ("true", "1", "yes", "y", "false", "0", "no", "n"):
+        return value.lower() in ("true", "1", "yes", "y")
+    if value is not None:
+        log.warning('Invalid value for %s: "%s" is not a valid boolean value, using default "%s"', name, value,
+                    default)
+    return default
+
+
+def env_int(name: str, default: int) -> int:
+    """An SGLang integer as environ.py's EnvInt reads it: int(value); another value warns and gives the default."""
+    value = os.environ.get(name)
+    try:
+        return default if value is None else int(value)
+    except ValueError:
+        log.warning('Invalid value for %s: "%s" is not a valid integer value, using default "%s"', name, value,
+                    default)
+        return default
+
+
+# /health: 503 after this many seconds (entrypoints/http_server.py reads it with int(), a non-integer fails the start)
+HEALTH_CHECK_TIMEOUT_S = int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+HEALTH_GENERATES = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)  # /health generates a token
+# how soon a request whose client went away is noticed (tokenizer_manager.py polls is_disconnected at this interval)
+REQUEST_STATE_WAIT_TIMEOUT_S = env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
 
@@ -90,8 +124,10 @@ RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class SchemaError(BadRequest):
-    """A /generate field of the wrong JSON type, or a body that is not JSON: HTTP 422, as FastAPI's validation of
-    GenerateReqInput answers (entrypoints/http_server.py), where values out of range are 400."""
+    """A /generate field of the wrong JSON type, or a body that is not a JSON object: HTTP 400 with an ErrorResponse
+    body {"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}, as 0.5.23 answers a body
+    GenerateReqInput does not validate (entrypoints/http_server.py: validation_exception_handler overrides FastAPI's
+    422); values out of range are 400 with {"error": {"message"}} (http_server.py: _create_error_response)."""
 
 
 # -- Request parsing and validation --------------------------------------------------------------------------------
@@ -175,12 +211,16 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         **flags)
 
 
-# The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is HTTP 422.
+# The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is a SchemaError.
 GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
     "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
     "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
+# GenerateReqInput fields outside engine.py's subset (see the module docstring): HTTP 400 naming the field unless
+# null or false, so that a request that relies on one fails instead of being answered without it.
+UNSERVED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor", "lora_path",
+            "session_params", "return_hidden_states", "return_entropy")
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -194,6 +234,9 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
     for name, ok in GENERATE_SCHEMA.items():
         if body.get(name) is not None and not ok(body[name]):
             raise SchemaError(f"field `{name}` has the wrong type: {json.dumps(body[name])[:80]}")
+    for name in UNSERVED:
+        if body.get(name) not in (None, False):
+            raise BadRequest(f"field `{name}` is not supported by engine.py (its docstring lists what it serves)")
     text, ids = body.get("text"), body.get("input_ids")
     batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
     if not batch:
@@ -205,8 +248,11 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
         rid = body.get("rid")
         if isinstance(rid, str):
             body = {**body, "rid": [f"{rid}_{i}" for i in range(size)]}
-        elif isinstance(rid, list) and (len(rid) != size or len(set(rid)) != size):
+        elif isinstance(rid, list) and len(rid) != size:
             raise BadRequest(f"field `rid` must hold {size} unique strings, one per item of the batch")
+        elif isinstance(rid, list) and len(set(rid)) != size:  # io_struct.py: _validate_rid_uniqueness
+            raise BadRequest("Duplicate request IDs detected within the request: "
+                             f"{[x for x in dict.fromkeys(rid) if rid.count(x) > 1]}")
         for k in PER_ITEM:
             if isinstance(body.get(k), list) and len(body[k]) != size:
                 raise BadRequest(f"field `{k}` holds {len(body[k])} values for a batch of {size}")
@@ -228,6 +274,13 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
     return reqs, batch or n > 1, n
 
 
+def max_req_input_len(context_len: int) -> int:
+    """The scheduler's max_req_input_len: a prompt must be shorter. managers/tp_worker.py sets max_req_len =
+    min(context_len - 1, KV pool tokens - 1) and max_req_input_len = max_req_len - 5 (this KV slab holds any
+    max_running full contexts)."""
+    return context_len - 1 - 5
+
+
 def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, context_len: int, token_chars: int) -> Req:
     """A validated Req from one item of a /generate body. Sizes are checked before the work they bound: a prompt
     too long for the context is refused before its text is tokenized or its ids are checked one by one."""
@@ -239,19 +292,26 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
             raise BadRequest(f"field `text` has {len(text)} characters, more than the model's context length of "
                              f"{context_len} tokens can hold (a token is at most {token_chars} characters)")
         ids = tokenizer.encode(text)
-    if len(ids) >= context_len:
-        raise BadRequest(f"field `{'input_ids' if text is None else 'text'}` has {len(ids)} tokens; the model's "
-                         f"context length is {context_len}")
+    if len(ids) >= context_len:  # the limits and messages of tokenizer_manager.py: _validate_one_request
+        raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length ({context_len} "
+                         "tokens).")
     if text is None and not all(0 <= t < vocab_size for t in ids):
         raise BadRequest(f"field `input_ids` must be a list of integers in [0, {vocab_size})")
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
-    if sp.max_new_tokens is None:
-        sp = replace(sp, max_new_tokens=context_len - len(ids))
-    elif len(ids) + sp.max_new_tokens > context_len:
-        raise BadRequest(f"field `sampling_params.max_new_tokens` ({sp.max_new_tokens}) plus the {len(ids)} input "
-                         f"tokens exceeds the model's context length {context_len}")
+    if sp.max_new_tokens is not None and len(ids) + sp.max_new_tokens > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+                         f"You requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from the "
+                         f"input messages and {sp.max_new_tokens} tokens for the completion. Please reduce the number "
+                         "of tokens in the input messages or the completion to fit within the limit.")
+    if len(ids) >= max_req_input_len(context_len):  # the scheduler's check (managers/utils.py: validate_input_length)
+        raise BadRequest(f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                         f"({max_req_input_len(context_len)} tokens). Use a shorter input or enable "
+                         "--allow-auto-truncate.")
+    # scheduler.py init_req_max_new_tokens: at most max_req_len - input - 1 (max_req_len: the context length - 1)
+    sp = replace(sp, max_new_tokens=min(context_len - 2 - len(ids), 1 << 30 if sp.max_new_tokens is None
+                                        else sp.max_new_tokens))
     req = Req(
         rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp, return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -327,6 +387,13 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+def _error_response(message: str, status: int, kind: str) -> web.Response:
+    """SGLang's ErrorResponse body (entrypoints/openai/protocol.py), as its handlers of a RequestValidationError
+    (kind "Bad Request") and of an HTTPException (kind str(status)) answer (http_server.py)."""
+    return web.json_response({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                             status=status)
+
+
 def _fail(message: str, **extra) -> web.Response:
     """A weight-update call that failed, answered as SGLang does: 400 with success false and the message."""
     return web.json_response({"success": False, "message": message, **extra}, status=400)
@@ -372,7 +439,8 @@ class Server:
     def __init__(self, args, sched: Scheduler, tokenizer):
         self.args, self.sched, self.tokenizer = args, sched, tokenizer
         self.gate = Gate()
-        self.ready = False
+        self.ready, self.started = False, time.time()
+        self.model_path = args.model_path  # the checkpoint served: the launch one, then each /update_weights_from_disk
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
         self.session_open = False  # between /begin_weight_update and /end_weight_update
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
@@ -387,8 +455,10 @@ class Server:
         for name in ("generate", "abort_request", "pause_generation", "continue_generation", "update_weights_from_disk",
                      "init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
                      "end_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
-                     "update_weight_version"):  # POST /name is served by the method of that name
+                     "update_weight_version", "tokenize", "detokenize"):  # POST /name: the method of that name
             post(f"/{name}", getattr(self, name))
+        post("/v1/tokenize", self.tokenize)
+        post("/v1/detokenize", self.detokenize)
         for path, fn in (("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
                          ("/resume_memory_occupation", self.resume_memory)):
             get(path, fn)
@@ -396,7 +466,7 @@ class Server:
         for path, fn in (("/model_info", self.model_info), ("/get_model_info", self.model_info),
                          ("/server_info", self.server_info), ("/get_server_info", self.server_info),
                          ("/health", self.health), ("/health_generate", self.health), ("/ready", self.ready_),
-                         ("/v1/loads", self.loads), ("/get_loads", self.loads)):
+                         ("/v1/loads", self.loads), ("/get_loads", self.loads), ("/v1/models", self.models)):
             get(path, fn)
         self.app.on_startup.append(self._on_startup)
         self.app.on_shutdown.append(self._on_shutdown)
@@ -424,7 +494,7 @@ class Server:
         except TooLarge as e:
             return _error(str(e), 413)
         except SchemaError as e:
-            return web.json_response({"detail": [{"type": "model_attributes_type", "msg": str(e)}]}, status=422)
+            return _error_response(str(e), 400, "Bad Request")
         except BadRequest as e:
             return _error(str(e))
         except TimeoutError as e:
@@ -442,11 +512,15 @@ class Server:
         text = self.tokenizer.decode(ids[:-1] if _is_int(trim) else ids, skip_special_tokens=r.sp.skip_special_tokens)
         if isinstance(trim, str) and trim in text:
             text = text[:text.find(trim)]
-        spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
         meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens, "weight_versions": spans, "num_retractions": r.num_retractions,
-                "weight_version": spans[-1]["version"] if spans else self.sched.weight_version}
-        if final:
+                "cached_tokens": r.cached_tokens, "num_retractions": r.num_retractions,
+                "weight_version": self.sched.weight_version}
+        if final:  # spans only in the final output (scheduler_components/output_streamer.py); a request with no
+            # output token has one empty span of the current version (utils/weight_versions.py: compute_weight_version_
+            # spans, add_weight_versions_to_meta_info, which also sets weight_version to the last span's)
+            spans = [{"version": v, "start": s, "end": min(e, n)} for v, s, e in list(r.spans) if s < n]
+            meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
+            meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
         if r.return_logprob:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
@@ -458,7 +532,7 @@ class Server:
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request, error=SchemaError)  # FastAPI answers a body that is not a JSON object with 422
+        body = await _body(request, error=SchemaError)  # a body that is no JSON object fails GenerateReqInput too
         args = (body, self.tokenizer, self.sched.vocab_size, self.sched.context_len, self.token_chars)
         long = any(isinstance(v, (str, list)) and len(v) > 4096 for v in (body.get("text"), body.get("input_ids")))
         # a long prompt is tokenized / checked off the event loop, which meanwhile serves everyone else
@@ -476,6 +550,9 @@ class Server:
                 if left[0] and not (_is_int(code) and code >= 400):
                     return
             loop.call_soon_threadsafe(updates.put_nowait, (i, n, final))
+        for r in reqs:  # a live rid is refused, never replaced (tokenizer_manager.py: _init_req_state)
+            if r.rid in self.live:
+                raise BadRequest(f"Duplicate request ID detected: {r.rid}")
         for i, r in enumerate(reqs):
             r.notify = lambda n, final, i=i: notify(i, n, final)
             self.live[r.rid] = r  # registered before the pause gate, as SGLang's tokenizer manager does
@@ -544,7 +621,9 @@ class Server:
             i = (await updates.get())[0]
             code = (reqs[i].finish or {}).get("status_code")
             if _is_int(code) and code >= 400:
-                return _error(reqs[i].finish.get("message") or "request failed", code)
+                # tokenizer_manager.py _handle_abort_finish_reason: 400 is a ValueError, another an HTTPException
+                message = reqs[i].finish.get("message") or "request failed"
+                return _error(message) if code == 400 else _error_response(message, code, str(code))
             outs = [self._output(x, len(x.output_ids), True) for x in reqs]
             # SGLang answers with orjson too (http_server.py: ORJSONResponse)
             return web.Response(body=orjson.dumps(outs if listed else outs[0]), content_type="application/json")
@@ -635,9 +714,12 @@ class Server:
         if not Path(path).is_dir():
             return _fail(f"model_path {path} is not a directory", num_paused_requests=0)
         version, dtype = options[2], self.args.dtype
-        return await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
+        resp = await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
                                   f"Succeeded to update model weights from {path}.", f"loading {path} failed: ",
                                   num_paused_requests=0)  # 0.5.23's scheduler always answers 0
+        if resp.status == 200:  # /model_info names the new checkpoint (tokenizer_manager.py: _update_model_path_info)
+            self.model_path = path
+        return resp
 
     async def init_weights_update_group(self, request):
         body = await _body(request)
@@ -753,19 +835,68 @@ class Server:
     async def resume_memory(self, request):
         return await self._memory(request, self.sched.resume_memory, "Resumed")
 
+    # -- tokenizer endpoints (entrypoints/openai/serving_tokenize.py) ------------------------------------------
+    async def tokenize(self, request):
+        """/tokenize: {"prompt": str or [str], "add_special_tokens": true} -> {"tokens", "count", "max_model_len"}
+        (TokenizeRequest / TokenizeResponse); chat `messages` are not served here (no chat template renderer)."""
+        body = await _body(request, error=SchemaError)
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise SchemaError("Exactly one of 'prompt' or 'messages' must be provided.")
+        if body.get("messages") is not None:
+            raise BadRequest("field `messages` is not supported by engine.py's /tokenize; send `prompt`")
+        prompt = body["prompt"]
+        if not _list_of(_is_str)(prompt):
+            raise SchemaError(f"field `prompt` must be a string or a list of strings, got {json.dumps(prompt)[:80]}")
+        special = _field(body, "add_special_tokens", True, _is_bool, "true or false")
+        tokens = [self.tokenizer.encode(t, add_special_tokens=special) for t in ([prompt] if _is_str(prompt)
+                                                                                 else prompt)]
+        most = getattr(self.tokenizer, "model_max_length", -1)  # a tokenizer's "no limit" (1e30): the context length
+        most = self.sched.context_len if _is_int(most) and not -2 ** 63 <= most < 2 ** 64 else most
+        return web.json_response({"tokens": tokens[0] if _is_str(prompt) else tokens,
+                                  "count": len(tokens[0]) if _is_str(prompt) else [len(t) for t in tokens],
+                                  "max_model_len": most})
+
+    async def detokenize(self, request):
+        """/detokenize: {"tokens": [int] or [[int]], "skip_special_tokens": true} -> {"text": str or [str]}."""
+        body = await _body(request, error=SchemaError)
+        tokens = body.get("tokens")
+        if not (_all_of(_is_int)(tokens) or _all_of(_all_of(_is_int))(tokens)):
+            raise SchemaError(f"field `tokens` must be a list of integers or of lists of integers, got "
+                              f"{json.dumps(tokens)[:80]}")
+        skip = _field(body, "skip_special_tokens", True, _is_bool, "true or false")
+        if tokens and isinstance(tokens[0], list):
+            return web.json_response({"text": [self.tokenizer.decode(t, skip_special_tokens=skip) for t in tokens]})
+        return web.json_response({"text": self.tokenizer.decode(tokens, skip_special_tokens=skip) if tokens else ""})
+
     # -- info endpoints ---------------------------------------------------------------------------------------
     async def model_info(self, request):
         cfg = self.sched.model.config
         return web.json_response({
-            "model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "model_path": self.model_path, "served_model_name": self.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.sched.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": cfg.model_type,
             "architectures": getattr(cfg, "architectures", None)})
 
+    def limits(self) -> dict:
+        """/server_info's size fields: `context_length` is the --context-length flag as given (server args, null when
+        absent); the scheduler's max_total_num_tokens (the KV slab: max_running full contexts) and max_req_input_len
+        (managers/scheduler.py: get_init_info, merged by utils/common.py: build_server_info). The context length
+        itself is /v1/models `max_model_len`."""
+        return {"context_length": self.args.context_length, "max_req_input_len": max_req_input_len(
+            self.sched.context_len), "max_total_num_tokens": self.sched.max_running * self.sched.context_len}
+
+    async def models(self, request):
+        """/v1/models (entrypoints/http_server.py: available_models): one ModelCard, max_model_len the context length
+        requests are checked against."""
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_path, "object": "model", "created": int(self.started), "owned_by": "sglang",
+            "root": self.model_path, "parent": None, "max_model_len": self.sched.context_len}]})
+
     async def server_info(self, request):
         info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}
         info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
-                     "weight_version": self.sched.weight_version, "context_length": self.sched.context_len,
+                     "weight_version": self.sched.weight_version, **self.limits(),
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
                                           "effective_max_running_requests_per_dp": self.sched.max_running}]})
         return web.json_response(info)
@@ -882,10 +1013,14 @@ def main(argv=None):
     p.add_argument("--max-running-requests", type=int, default=None,
                    help=f"requests decoded together; the rest queue (default {DEFAULT_MAX_RUNNING}; /server_info\n"
                         "reports the flag as given, null when absent, and the limit in internal_states)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the context length requests are checked against (default: the model's\n"
+                        "max_position_embeddings; at most that)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
-    p.add_argument("--weight-version", default="0", help="weight_version reported until an update changes it")
+    p.add_argument("--weight-version", default="default",
+                   help="weight_version reported until an update changes it (SGLang's default, 'default')")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on GPU")
@@ -922,6 +1057,11 @@ def main(argv=None):
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
                       args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
     sched.weights_cpu_backup = args.enable_weights_cpu_backup
+    if args.context_length is not None:
+        if not 8 <= args.context_length <= sched.context_len:
+            p.error(f"--context-length must be in [8, {sched.context_len}] (the model's max_position_embeddings), "
+                    f"got {args.context_length}")
+        sched.context_len = args.context_length
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",

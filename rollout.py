@@ -48,7 +48,8 @@ Every /generate is a list request (one item per trajectory) with one string rid,
 SGLang names its items f"{rid}_{i}". The trailing dot keeps a request's rid from being a prefix of another's, since
 SGLang aborts by prefix; within a request item 1 is a prefix of item 10, so the producer aborts a request's items
 together. (The sglang router takes a batch only with one string rid and one sampling_params object.) Weight versions
-are ints; a response's `weight_versions` spans (end-exclusive) give each token's version.
+are ints ("default", SGLang's until the first update, is 0); a response's `weight_versions` spans (end-exclusive) give
+each token's version.
 
 A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
@@ -137,12 +138,15 @@ class Generation:
 
 
 def parse_version(value: Any, where: str) -> int:
-    """A server's weight_version string as an int (this project's versions are str(int), the first weights 0)."""
+    """A server's weight_version string as an int (this project's versions are str(int), the first weights 0).
+    "default", SGLang's --weight-version until an update sets one (server args), is the launch checkpoint: 0."""
+    if value == "default":
+        return 0
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where} weight_version {value!r} is not an integer; start the servers with "
-                         "--weight-version 0 (SGLang's default is 'default')") from None
+        raise ValueError(f"{where} weight_version {value!r} is not an integer (nor 'default'); this project's "
+                         "servers report str(int) versions (--weight-version N, weight_version in updates)") from None
 
 
 def parse_generate_response(out: dict) -> Generation:
@@ -571,6 +575,22 @@ class Fleet:
             raise FleetError(f"{'; '.join(bad)}: this project speaks the HTTP API of sglang "
                              f"{' or '.join(SUPPORTED_SGLANG_VERSIONS)} only (requirements-gpu.txt pins it)")
 
+    async def context_limits(self) -> tuple[Optional[int], Optional[int]]:
+        """(context length, max_req_input_len) that every worker takes: the least /v1/models `max_model_len` (0.5.23's
+        tokenizer manager refuses prompt + max_new_tokens above it, tokenizer_manager.py _validate_one_request; its
+        /server_info `context_length` is the raw flag, null by default) and the least /server_info `max_req_input_len`
+        (the scheduler refuses a prompt of as many tokens, managers/utils.py validate_input_length); None where no
+        worker reports one (a server without /v1/models)."""
+        async def model_len(url: str) -> Optional[int]:
+            with contextlib.suppress(FleetError, AttributeError, LookupError, TypeError):
+                return (await self._call(url, "GET", "/v1/models"))["data"][0]["max_model_len"]
+        lens = await asyncio.gather(*[model_len(u) for u in await self.workers()])
+        inputs = [info.get("max_req_input_len") for info in await self.server_infos()]
+
+        def least(xs: list) -> Optional[int]:
+            return min((x for x in xs if isinstance(x, int) and x > 0), default=None)
+        return least(lens), least(inputs)
+
     async def concurrency(self) -> Optional[int]:
         """The fleet's concurrency: sum of the workers' enforced limits (server_concurrency of /server_info), capped
         by rollout.router_max_concurrent_requests; None (with a warning) when a server reports none and no router
@@ -834,6 +854,8 @@ class Rollout:
         self.version: Optional[int] = None  # the last resume(version): the weights every server should now serve
         self._version_warned = False
         self.max_new_tokens = r.sampling.max_new_tokens
+        self.context_len: Optional[int] = None  # the fleet's (Fleet.context_limits), read by start()
+        self.max_input_len: Optional[int] = None  # prompt + response of a request must stay below it
         self.stats = _new_stats()
         self._groups: dict[tuple[int, int], _GroupRun] = {}
         self._active: dict[str, _Active] = {}
@@ -905,6 +927,7 @@ class Rollout:
         self.max_samples = clamp_max_concurrent_samples(self.cfg.rollout.async_max_concurrent_samples, self.n,
                                                         await self.fleet.concurrency())
         self.max_groups = None if self.max_samples is None else self.max_samples // self.n
+        self.context_len, self.max_input_len = await self.fleet.context_limits()
         if self.max_samples is not None:  # the buffer enforces (and reports) the clamped cap, not the configured one
             await asyncio.to_thread(self.buffer.set_max_concurrent_samples, self.max_samples)
         self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -1005,7 +1028,11 @@ class Rollout:
             by_budget: dict[int, list[int]] = {}
             for i in todo:
                 budget = self.max_new_tokens - trajs[i].response_ids.numel()
-                if budget <= 0:
+                # capped at the context: prompt + max_new_tokens above it is a 400 for the whole list request
+                total = trajs[i].prompt_ids.numel() + trajs[i].response_ids.numel()
+                if self.context_len is not None:
+                    budget = min(budget, self.context_len - total)
+                if budget <= 0 or (self.max_input_len is not None and total >= self.max_input_len):
                     trajs[i].status, finish[i] = TRUNCATED, "length"
                 else:
                     by_budget.setdefault(budget, []).append(i)

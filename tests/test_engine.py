@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine
 import losses
+import rollout
 import scheduler
 import tasks
 import weight_sync
@@ -95,7 +96,7 @@ def wait_until(pred, timeout=20.0, what="condition"):
 
 
 def version(url) -> int:
-    return int(requests.get(url + "/model_info", timeout=10).json()["weight_version"])
+    return rollout.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
 
 
 def hf_greedy(model, ids, n):
@@ -611,24 +612,27 @@ def test_lost_abort_is_not_repeated_and_pause_abort_still_stops_everything(model
 # Robustness
 
 @pytest.mark.parametrize("path,body,field", [
-    ("/generate", b"{not json", "JSON 422"),
-    ("/generate", b"[1, 2]", "JSON object 422"),
+    ("/generate", b"{not json", "JSON schema"),
+    ("/generate", b"[1, 2]", "JSON object schema"),
     ("/generate", {"sampling_params": {"max_new_tokens": 3}}, "input_ids"),
-    ("/generate", {"input_ids": "abc"}, "input_ids 422"),
+    ("/generate", {"input_ids": "abc"}, "input_ids schema"),
     ("/generate", {"input_ids": [1, 10 ** 9]}, "input_ids"),
     ("/generate", {"input_ids": [1], "text": "a"}, "input_ids"),
-    ("/generate", {"input_ids": [1], "rid": 5}, "rid 422"),
-    ("/generate", {"input_ids": [1], "stream": "yes"}, "stream 422"),
+    ("/generate", {"input_ids": [1], "rid": 5}, "rid schema"),
+    ("/generate", {"input_ids": [1], "stream": "yes"}, "stream schema"),
     ("/generate", {"input_ids": [1], "sampling_params": {"tempreature": 1.0}}, "`tempreature`"),
     ("/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature"),
     ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
     ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10 ** 6}}, "max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10 ** 6}}, "maximum context length"),
     ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [1.5]}}, "stop_token_ids"),
     ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params.n"),
     ("/generate", {"input_ids": [1], "sampling_params": {"regex": "a+"}}, "regex"),
-    ("/generate", {"input_ids": [[1], [2]], "rid": ["a.", "a."]}, "rid"),
+    ("/generate", {"input_ids": [1], "custom_logit_processor": "{}"}, "custom_logit_processor"),
+    ("/generate", {"input_embeds": [[0.5, 0.5]]}, "input_embeds"),
+    ("/generate", {"input_ids": [[1], [2]], "rid": ["a.", "a."]},
+     "Duplicate request IDs detected within the request: ['a.']"),
     ("/pause_generation", b"", "JSON object"),
     ("/pause_generation", {"mode": "later"}, "mode"),
     ("/abort_request", {"rid": 3}, "rid"),
@@ -642,14 +646,16 @@ def test_lost_abort_is_not_repeated_and_pause_abort_still_stops_everything(model
     ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
 ])
 def test_malformed_requests_get_400_naming_the_field(url, path, body, field):
-    """A value out of range is 400; a /generate field of the wrong JSON type (or no JSON object) is 422, FastAPI's
-    answer to a body GenerateReqInput does not validate (marked " 422")."""
+    """A value out of range is 400; so is a /generate field of the wrong JSON type or a body that is no JSON object
+    (marked " schema"): entrypoints/http_server.py validation_exception_handler answers those with 400 (not
+    FastAPI's 422) and an ErrorResponse body {"object": "error", "message", "type", "param", "code"}."""
     data = body if isinstance(body, bytes) else json.dumps(body)
     r = requests.post(url + path, data=data, timeout=30)
-    field, schema, _ = field.partition(" 422")
-    assert r.status_code == (422 if schema else 400), r.text
+    field, schema, _ = field.partition(" schema")
+    assert r.status_code == 400, r.text
     j = r.json()
-    msg = j["detail"][0]["msg"] if "detail" in j else j["error"]["message"] if "error" in j else j["message"]
+    assert (j.get("object"), j.get("code")) == (("error", 400) if schema else (None, None)), j
+    msg = j["error"]["message"] if "error" in j else j["message"]
     assert field in msg
 
 
@@ -697,7 +703,9 @@ def test_text_too_long_for_the_context_is_refused_without_tokenizing(url):
         thread.join()
     assert latencies and max(latencies) < 0.25, latencies
     r = post(url, "/generate", {"text": "1" * 5000, "sampling_params": {"max_new_tokens": 4}})
-    assert r.status_code == 400 and "field `text` has 5000 tokens" in r.text  # short enough to tokenize
+    assert r.status_code == 400, r.text  # short enough to tokenize, then refused by its token count
+    assert r.json()["error"]["message"] == "The input (5000 tokens) is longer than the model's context length (4096 " \
+        "tokens)."
 
 
 def test_200_concurrent_requests_with_random_aborts_and_pauses(url, models):

@@ -53,8 +53,9 @@ def test_parse_response_versions_from_spans_and_finish():
     g = rollout.parse_generate_response(_response([5, 6], "2", finish={"type": "length", "length": 2}))
     assert g.versions == [2, 2] and g.finish == "length"
     assert rollout.parse_generate_response(_response([], "0", finish={"type": "abort", "message": "x"})).ids == []
-    with pytest.raises(ValueError, match="weight_version 'default' is not an integer"):
-        rollout.parse_generate_response(_response([5], "default"))
+    assert rollout.parse_generate_response(_response([5], "default")).versions == [0]  # SGLang's launch version
+    with pytest.raises(ValueError, match="weight_version 'v7' is not an integer"):
+        rollout.parse_generate_response(_response([5], "v7"))
     bad = _response([5, 6])
     bad["meta_info"]["output_token_logprobs"] = bad["meta_info"]["output_token_logprobs"][:1]
     with pytest.raises(ValueError, match="return_logprob"):
@@ -501,7 +502,8 @@ def test_kept_pause_continues_every_request_across_a_weight_update(server, token
                    f"rollout.mask_offpolicy_in_partial_rollout={str(mask).lower()}",
                    "rollout.sampling.max_new_tokens=400")
     wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 10, "the previous test's requests to end")
-    v0 = int(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"])  # earlier tests'
+    v0 = rollout.parse_version(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"],
+                               "/model_info")  # earlier tests'
     with producer(cfg, tokenizer) as (buf, ro, sync):
         wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
         pause = ro.pause()

@@ -8,6 +8,7 @@ them stays short. Tests that change its weights restore A and flush. Run:
 .venv/bin/python -m pytest -q tests/test_sglang_conformance.py
 """
 import concurrent.futures as cf
+import json
 import time
 import types
 
@@ -26,7 +27,8 @@ import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
 from test_rollout import wait_until
 
-HEALTH_S, NOTICE_S = 2.0, 1.0  # the module's SGLANG_HEALTH_CHECK_TIMEOUT and SGLANG_REQUEST_STATE_WAIT_TIMEOUT
+HEALTH_S, NOTICE_S = 2, 1  # the module's SGLANG_HEALTH_CHECK_TIMEOUT, SGLANG_REQUEST_STATE_WAIT_TIMEOUT (integers,
+# as 0.5.23 reads them)
 LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
 P = [5, 6, 7, 8, 9]
 
@@ -84,7 +86,7 @@ def set_weights(url, path, version, flush=True):
 
 
 def version(url):
-    return int(requests.get(url + "/model_info", timeout=10).json()["weight_version"])
+    return rollout.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,7 +96,9 @@ def test_health_generates_through_the_pause_gate(url, models):
     """entrypoints/http_server.py: health_generate. A paused server's /health waits SGLANG_HEALTH_CHECK_TIMEOUT for
     output, answers 503 and marks the server unhealthy (/ready 503, tokenizer_manager.py: is_ready); /model_info
     and /server_info answer while paused; after continue /health is 200 and the server healthy again.
-    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health is 200 without generating, also while paused."""
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=False (environ.py: EnvBool lower-cases it): /health is 200 without
+    generating, also while paused. That server runs without --weight-version: it reports "default" (0.5.23's server
+    args default), which the client reads as version 0; its --context-length 64 is /server_info's context_length."""
     assert requests.get(url + "/health", timeout=10).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
     assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
@@ -109,14 +113,58 @@ def test_health_generates_through_the_pause_gate(url, models):
         assert post(url, "/continue_generation").status_code == 200
     assert requests.get(url + "/health", timeout=30).status_code == 200
     assert requests.get(url + "/ready", timeout=10).status_code == 200
-    off, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
-                                                                    "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
-    try:
+    off, handle = engine.launch(models[0]["A"], num_threads=1, context_length=64,
+                                env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "False",
+                                     "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_S)})
+    try:  # (launched without --weight-version: arg_groups/fields/serving.py weight_version defaults to "default")
+        assert requests.get(off + "/model_info", timeout=10).json()["weight_version"] == "default"
+        info = requests.get(off + "/server_info", timeout=10).json()
+        assert (info["context_length"], info["max_req_input_len"]) == (64, 58)  # the flag as given, and its limit
+        assert requests.get(off + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 64
+        out = gen(off, P, max_new_tokens=2)
+        assert out["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
+        assert rollout.parse_generate_response(out).versions == [0, 0]  # the client's version 0: the launch weights
         assert post(off, "/pause_generation", {"mode": "in_place"}).status_code == 200
         assert requests.get(off + "/health", timeout=10).status_code == 200
         assert requests.get(off + "/health_generate", timeout=30).status_code == 503  # still generates
     finally:
         handle.stop()
+
+
+def test_environment_switches_are_read_as_environ_py_reads_them(monkeypatch):
+    """environ.py: EnvBool lower-cases the value (true/1/yes/y, false/0/no/n), EnvInt takes int(value); anything
+    else warns and gives the default."""
+    for value, want in (("False", False), ("NO", False), ("0", False), ("n", False), ("True", True), ("Y", True),
+                        ("1", True), ("maybe", True)):
+        monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", value)
+        assert engine.env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True) is want, value
+    monkeypatch.delenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+    assert engine.env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True) is True
+    for value, want in (("7", 7), ("1.5", 4), ("", 4)):
+        monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", value)
+        assert engine.env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4) == want, value
+
+
+def test_an_abort_with_status_400_or_above_is_that_http_error_in_sglangs_body():
+    """managers/tokenizer_manager.py: _handle_abort_finish_reason raises a ValueError for status 400 (http_server.py
+    _create_error_response: {"error": {"message"}}) and an HTTPException otherwise, which http_server.py's
+    HTTPException handler answers with an ErrorResponse {"object": "error", "message", "type": str(status), "param":
+    null, "code": status}."""
+    import asyncio
+
+    server = engine.Server.__new__(engine.Server)
+    for status, want in ((400, {"error": {"message": "bad"}}),
+                         (503, {"object": "error", "message": "bad", "type": "503", "param": None, "code": 503}),
+                         (500, {"object": "error", "message": "bad", "type": "500", "param": None, "code": 500})):
+        r = scheduler.Req("r", [1], engine.parse_sampling_params({"max_new_tokens": 1}, 10))
+        r.finish = scheduler.abort_reason("bad", status, "X")
+
+        async def respond():
+            updates = asyncio.Queue()
+            updates.put_nowait((0, 0, True))
+            return await server._respond(None, [r], False, updates)
+        resp = asyncio.run(respond())
+        assert (resp.status, json.loads(resp.body)) == (status, want)
 
 
 def test_weight_sync_liveness_answers_on_paused_servers(url):
@@ -324,7 +372,79 @@ def test_batched_generate_answers_in_order_and_aborts_one_item_only(url):
     assert out[0]["meta_info"]["completion_tokens"] == 3 and out[2]["meta_info"]["completion_tokens"] == 5
     assert 0 < len(out[1]["output_ids"]) == len(out[1]["meta_info"]["output_token_logprobs"]) < LONG
     bad = post(url, "/generate", {"input_ids": [[5], [6]], "sampling_params": [{}, {"max_new_tokens": 10 ** 6}]})
-    assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "maximum context length" in bad.json()["error"]["message"]
+
+
+def test_a_live_rid_is_refused_not_replaced_and_a_batch_needs_unique_rids(url):
+    """managers/tokenizer_manager.py: _init_req_state refuses a request whose rid is still live with a ValueError
+    (400 "Duplicate request ID detected: <rid>") and leaves the first request alone, so /abort_request still reaches
+    it; managers/io_struct.py: _validate_rid_uniqueness refuses a batch naming one rid twice."""
+    with cf.ThreadPoolExecutor(1) as ex:
+        first = ex.submit(gen, url, [3, 4], max_new_tokens=LONG, ignore_eos=True, rid="dup.")
+        wait_until(lambda: running(url) == 1, 30, "the first request to run")
+        r = post(url, "/generate", {"input_ids": [5], "rid": "dup.", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Duplicate request ID detected: dup.", r.text
+        r = post(url, "/generate", {"input_ids": [[5], [6]], "rid": ["dup.", "other."]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Duplicate request ID detected: dup.", r.text
+        assert running(url) == 1
+        assert post(url, "/abort_request", {"rid": "dup."}).status_code == 200
+        out = first.result(30)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < LONG
+    r = post(url, "/generate", {"input_ids": [[5], [6], [7]], "rid": ["x.", "y.", "x."]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "Duplicate request IDs detected within the request: ['x.']"
+    assert gen(url, [5], rid="dup.")["meta_info"]["id"] == "dup."  # free again once the first one finished
+
+
+def test_model_info_names_the_checkpoint_of_the_last_update_from_disk(url, models):
+    """managers/tokenizer_manager.py: _update_model_path_info. A successful /update_weights_from_disk makes its
+    model_path the /model_info model_path and served_model_name; a failed one leaves them."""
+    paths = models[0]
+
+    def info():
+        return requests.get(url + "/model_info", timeout=10).json()
+    assert (info()["model_path"], info()["served_model_name"]) == (paths["A"], paths["A"])
+    v0 = version(url)
+    try:
+        set_weights(url, paths["B"], v0 + 1)
+        assert (info()["model_path"], info()["served_model_name"]) == (paths["B"], paths["B"])
+        assert post(url, "/update_weights_from_disk", {"model_path": paths["B"] + "-missing"}).status_code == 400
+        assert info()["model_path"] == paths["B"]
+    finally:
+        set_weights(url, paths["A"], v0 + 2)
+    assert info()["model_path"] == paths["A"]
+
+
+def test_weight_versions_come_with_the_final_output_and_an_unstarted_abort_has_an_empty_span(url):
+    """scheduler_components/output_streamer.py: spans are computed for finished requests only, so a stream's chunks
+    carry weight_version (the server's) but no weight_versions until the last; utils/weight_versions.py:
+    compute_weight_version_spans gives a request aborted before its first token [{"version": v, "start": 0,
+    "end": 0}]. The client's parser (rollout.parse_generate_response) takes both."""
+    v = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
+    body = {"input_ids": P, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "stream_interval": 1}}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=60) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != b"data: [DONE]"]
+    assert len(chunks) > 1 and all("weight_versions" not in c["meta_info"] for c in chunks[:-1])
+    assert all(c["meta_info"]["weight_version"] == v for c in chunks)
+    assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": v, "start": 0, "end": 4}]
+    full = {"input_ids": [P] * 8, "rid": [f"full-{i}." for i in range(8)],
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(2) as ex:
+        batch = ex.submit(post, url, "/generate", full)
+        wait_until(lambda: running(url) == 8, 30, "8 requests to fill max_running_requests")
+        queued = ex.submit(gen, url, P, rid="queued.")
+        wait_until(lambda: requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]["num_waiting_reqs"] == 1,
+                   30, "the ninth request to wait")
+        assert post(url, "/abort_request", {"rid": "queued."}).status_code == 200
+        out = queued.result(30)
+        post(url, "/abort_request", {"abort_all": True})
+        assert batch.result(30).status_code == 200
+    m = out["meta_info"]
+    assert m["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert m["weight_versions"] == [{"version": v, "start": 0, "end": 0}] and m["weight_version"] == v
+    g = rollout.parse_generate_response(out)
+    assert (g.ids, g.versions, g.finish) == ([], [], "abort")
 
 
 def test_a_batch_with_one_string_rid_names_its_items_rid_i(url):
@@ -361,17 +481,45 @@ def test_n_samples_get_fresh_rids_prompt_major_after_a_prefill_warm_up(url):
     assert isinstance(single, list) and len(single) == 2
 
 
-def test_schema_errors_are_422_and_value_errors_400(url):
-    """entrypoints/http_server.py: generate_request takes GenerateReqInput, which FastAPI validates (422 for a field
-    of the wrong type or a body that is no JSON object); sampling/sampling_params.py: verify and unknown keys are
-    ValueErrors (400)."""
+def test_schema_errors_and_value_errors_are_400(url):
+    """entrypoints/http_server.py: generate_request takes GenerateReqInput; a field of the wrong type or a body that
+    is no JSON object is a RequestValidationError, which validation_exception_handler answers with 400 (not FastAPI's
+    422) and an ErrorResponse body; sampling/sampling_params.py: verify and unknown keys are ValueErrors, 400 with
+    {"error": {"message"}} (_create_error_response)."""
     for body in ({"input_ids": "abc"}, {"input_ids": [1], "return_logprob": "yes"}, {"input_ids": [1], "rid": 3},
                  {"input_ids": [1], "sampling_params": "hot"}):
         r = post(url, "/generate", body)
-        assert r.status_code == 422 and r.json()["detail"], (body, r.text)
-    assert requests.post(url + "/generate", data=b"{no", timeout=10).status_code == 422
+        assert r.status_code == 400, (body, r.text)
+        j = r.json()
+        assert (j["object"], j["type"], j["code"], j["param"]) == ("error", "Bad Request", 400, None) and j["message"]
+    r = requests.post(url + "/generate", data=b"{no", timeout=10)
+    assert r.status_code == 400 and r.json()["code"] == 400
     for sp in ({"top_p": 0}, {"tempreature": 1}):
-        assert post(url, "/generate", {"input_ids": [1], "sampling_params": sp}).status_code == 400
+        r = post(url, "/generate", {"input_ids": [1], "sampling_params": sp})
+        assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize(url, models):
+    """entrypoints/openai/serving_tokenize.py: OpenAIServingTokenize / OpenAIServingDetokenize, served at /tokenize,
+    /detokenize and their /v1/ paths (http_server.py): a prompt string or list gives tokens, count and max_model_len
+    (the tokenizer's model_max_length, else the context length); tokens give text; exactly one of prompt and
+    messages, else a schema error (400)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(models[0]["A"])
+    ctx = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    limit = tok.model_max_length if tok.model_max_length < 2 ** 63 else ctx
+    one = post(url, "/tokenize", {"prompt": "12+34="}).json()
+    assert one == {"tokens": tok.encode("12+34="), "count": len(tok.encode("12+34=")), "max_model_len": limit}
+    two = post(url, "/v1/tokenize", {"prompt": ["1", "22"], "add_special_tokens": False}).json()
+    assert two["tokens"] == [tok.encode(t, add_special_tokens=False) for t in ("1", "22")]
+    assert two["count"] == [len(t) for t in two["tokens"]]
+    assert post(url, "/detokenize", {"tokens": one["tokens"]}).json() == {"text": tok.decode(one["tokens"],
+                                                                                              skip_special_tokens=True)}
+    assert post(url, "/v1/detokenize", {"tokens": two["tokens"]}).json() == {"text": ["1", "22"]}
+    assert post(url, "/detokenize", {"tokens": []}).json() == {"text": ""}
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [1, [2]]})):
+        r = post(url, path, body)
+        assert r.status_code == 400 and r.json()["code"] == 400, (path, body, r.text)
 
 
 def test_greedy_below_1e_6(url, models):
@@ -434,3 +582,46 @@ def test_request_timeout_below_the_routers_is_checked_at_start_up():
     cfg = config.load_config(None, ["rollout.router_url=http://127.0.0.1:1"])
     assert cfg.rollout.request_timeout_s < cfg.rollout.router_request_timeout_s == 1800
     assert config.load_config(None, ["rollout.request_timeout_s=3600"]).rollout.request_timeout_s == 3600
+
+
+def test_context_limits_are_0_5_23s_and_the_client_caps_max_new_tokens_to_them(url, models):
+    """managers/tokenizer_manager.py: _validate_one_request refuses prompt + max_new_tokens > the context length with
+    a ValueError (400 for the whole list request); the scheduler refuses a prompt of max_req_input_len = context - 6
+    tokens or more (managers/utils.py: validate_input_length, managers/tp_worker.py) and caps max_new_tokens at
+    context - 2 - prompt (scheduler.py: init_req_max_new_tokens). /v1/models max_model_len is the context length
+    (http_server.py: available_models); /server_info's context_length is the raw flag, next to the scheduler's
+    max_req_input_len and max_total_num_tokens (utils/common.py: build_server_info). The client reads both limits
+    once and caps each item's max_new_tokens, so a prompt near the context is a truncated trajectory, not a 400."""
+    ctx = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    info = requests.get(url + "/server_info", timeout=10).json()
+    assert (info["context_length"], info["max_req_input_len"], info["max_total_num_tokens"]) == (None, ctx - 6, 8 * ctx)
+    near = (P * ctx)[:ctx - 16]
+    r = post(url, "/generate", {"input_ids": [P, near], "sampling_params": {"max_new_tokens": 17}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a total "
+        f"of {ctx + 1} tokens"), r.text
+    out = gen(url, near, max_new_tokens=16, ignore_eos=True)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 14}
+    too_long = (P * ctx)[:ctx - 6]
+    r = post(url, "/generate", {"input_ids": too_long, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        f"Input length ({ctx - 6} tokens) exceeds the maximum allowed length ({ctx - 6} tokens)."), r.text
+
+    from transformers import AutoTokenizer
+    cfg = config.load_config(None, ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1",
+                                    "trainer.mini_batch_size=2", "rollout.sampling.max_new_tokens=24",
+                                    "rollout.sampling.temperature=1e-7", f"rollout.servers=[{url}]"])
+    buf = rollout.DatasetBuffer([{"prompt_ids": near, "label": ""}, {"prompt_ids": too_long, "label": ""}], 1)
+    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, AutoTokenizer.from_pretrained(models[0]["A"]))
+    try:
+        ro.start()
+        assert (ro.context_len, ro.max_input_len) == (ctx, ctx - 6)
+        assert buf.done.wait(60), "the two trajectories did not finish"
+    finally:
+        ro.stop()
+        sync.close()
+    capped, too_long = buf.results[0][0], buf.results[1][0]
+    assert capped.status == "truncated" and capped.metadata["finish_reason"] == {"type": "length", "length": 14}
+    assert capped.response_ids.numel() == 14
+    assert too_long.status == "truncated" and too_long.response_ids.numel() == 0
