@@ -29,8 +29,8 @@ repeats until no request holds the lock; /health generates through the gate; the
 version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors are 422, bad values 400;
 group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
-Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
-tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens; batches do not stream;
+Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests, LRU
+leaves evicted beyond PREFIX_CACHE_TOKENS) is bypassed by requests that ask for input log-probs; batches do not stream;
 no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
 (generation waits until they are resumed).

@@ -17,6 +17,7 @@ import base64
 import collections
 import concurrent.futures
 import datetime
+import heapq
 import inspect
 import io
 import logging
@@ -237,6 +238,24 @@ class KVBatch:
                        torch.cat([p[0].last_tok[p[1]] for p in pieces]))
 
 
+class _Node:
+    """A radix-tree node (mem_cache/radix_cache.py TreeNode): a run of tokens and their per-layer (K, V) [H, len, D],
+    children by their first token, and the access tick eviction orders leaves by."""
+    __slots__ = ("key", "kv", "parent", "children", "last_access")
+
+    def __init__(self, key: list, kv: list, parent: Optional["_Node"]):
+        self.key, self.kv, self.parent, self.children, self.last_access = key, kv, parent, {}, 0
+
+
+def _common_len(key: list, seq: list, pos: int) -> int:
+    """How many leading tokens of key equal seq[pos:] (RadixKey.match)."""
+    n = min(len(key), len(seq) - pos)
+    i = 0
+    while i < n and key[i] == seq[pos + i]:
+        i += 1
+    return i
+
+
 # -- Torch distributed weight-update group (both sides use these helpers) ------------------------------------------
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -434,7 +453,7 @@ class Scheduler:
         self.released: set = set()
         self.groups: dict = {}  # group_name -> (process group, device of its tensors)
         self.disable_radix_cache = disable_radix_cache
-        self._cache_clear()  # (namespace, token ids) -> per-layer KV, LRU order; the lengths cached per namespace
+        self._cache_clear()  # the radix trees of the prefix cache, one per (extra_key, cache_salt)
         self.last_output = 0.0  # perf_counter of the last token generated (/health: did the scheduler answer)
         self.generated_tokens = 0  # total, for throughput in /server_info
         self.throughput = 0.0
@@ -525,7 +544,10 @@ class Scheduler:
             if src[-1] == len(first):
                 first.append(i)
         useqs = [seqs[i] for i in first]
-        hits = [(0, None) if want_input_lp[i] else self._cache_match(new[i].cache_ns, seqs[i]) for i in first]
+        # at most all but the last token is matched (Req._compute_max_prefix_len: input_len - 1, the last one's logits are
+        # needed); none when input log-probs are asked for (they need the prompt's logits)
+        hits = [self._cache_match(new[i].cache_ns, seqs[i], 0 if want_input_lp[i] else len(seqs[i]) - 1)
+                for i in first]
         cached = max(c for c, _ in hits)
         width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
@@ -574,36 +596,87 @@ class Scheduler:
         self.running += [new[live[k]] for k in keep]
         self.prefilling = []
 
-    # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: keyed by token ids + namespace) ----------
-    def _cache_match(self, ns: tuple, seq: list) -> tuple:
-        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq in namespace ns, at most
-        all but its last token (one is computed, for the logits); (0, None) when none is cached. A cached sequence
-        matches when it is seq or a prefix of it (SGLang's radix tree also matches part of a longer one)."""
-        for k in sorted(self.cache_lengths.get(ns, ()), reverse=True):
-            entry = self.prefix_cache.get((ns, tuple(seq[:k]))) if k <= len(seq) else None
-            if entry is not None:
-                self.prefix_cache.move_to_end((ns, tuple(seq[:k])))
-                use = min(k, len(seq) - 1)
-                return (use, [(kk[:, :use], vv[:, :use]) for kk, vv in entry]) if use else (0, None)
-        return 0, None
+    # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: a token tree per namespace) -------------
+    def _cache_match(self, ns: tuple, seq: list, limit: int) -> tuple:
+        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq[:limit] in namespace ns;
+        (0, None) when none. The walk of RadixCache._match_prefix_helper: whole nodes, then the matched part of the
+        node where seq diverges (split there, as SGLang splits, so the next walk ends on a node boundary)."""
+        node, pos, parts = self.radix.get(ns), 0, []
+        key = seq[:limit]
+        self._tick += 1
+        while node is not None and pos < len(key) and key[pos] in node.children:
+            child = node.children[key[pos]]
+            m = _common_len(child.key, key, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = self._tick
+            parts.append(child.kv)
+            node, pos = child, pos + m
+        if not pos:
+            return 0, None
+        return pos, [(torch.cat([p[li][0] for p in parts], 1), torch.cat([p[li][1] for p in parts], 1))
+                     for li in range(self.num_layers)]
+
+    def _split(self, child: "_Node", m: int) -> "_Node":
+        """RadixCache._split_node: child's first m tokens become a new node above it."""
+        top = _Node(child.key[:m], [(k[:, :m].clone(), v[:, :m].clone()) for k, v in child.kv], child.parent)
+        top.children, top.last_access = {child.key[m]: child}, child.last_access
+        child.parent.children[child.key[0]] = top
+        child.key, child.parent = child.key[m:], top
+        child.kv = [(k[:, m:].clone(), v[:, m:].clone()) for k, v in child.kv]
+        return top
 
     def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> None:
-        """Cache the KV of row `row` of a prefilled batch (its tokens seq), evicting the least recently used."""
-        key = (ns, tuple(seq))
-        if self.disable_radix_cache or key in self.prefix_cache:
+        """RadixCache.insert of row `row` of kv (its real columns hold the KV of seq): the tokens past the longest
+        cached prefix become a new leaf (the cached part keeps its KV); then the least recently used leaves are
+        evicted (RadixCache.evict) until at most PREFIX_CACHE_TOKENS tokens are held."""
+        if self.disable_radix_cache or not seq:
             return
-        cols = kv.mask[row, :kv.n].nonzero()[:, 0]
-        self.prefix_cache[key] = [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
-                                  for layer in kv.layers]
-        self.cache_lengths.setdefault(ns, collections.Counter())[len(seq)] += 1
-        self.cache_tokens += len(seq)
-        while self.cache_tokens > PREFIX_CACHE_TOKENS:
-            (old_ns, old), _ = self.prefix_cache.popitem(last=False)
-            self.cache_tokens -= len(old)
-            self.cache_lengths[old_ns] -= collections.Counter([len(old)])  # (drops the lengths counted 0)
+        node = self.radix.setdefault(ns, _Node([], [], None))
+        pos = 0
+        self._tick += 1
+        while pos < len(seq) and seq[pos] in node.children:
+            child = node.children[seq[pos]]
+            m = _common_len(child.key, seq, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = self._tick
+            node, pos = child, pos + m
+        if pos < len(seq):
+            cols = kv.mask[row, :kv.n].nonzero()[:, 0]
+            assert len(cols) == len(seq), (len(cols), len(seq))
+            cols = cols[pos:]
+            leaf = _Node(seq[pos:], [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
+                                     for layer in kv.layers], node)
+            leaf.last_access = self._tick
+            node.children[seq[pos]] = leaf
+            self.cache_tokens += len(leaf.key)
+        if self.cache_tokens > PREFIX_CACHE_TOKENS:
+            self._evict(self.cache_tokens - PREFIX_CACHE_TOKENS)
+
+    def _evict(self, tokens: int) -> None:
+        """RadixCache.evict: free least recently used leaves (a parent left childless becomes one) until `tokens`
+        tokens are freed."""
+        leaves = []
+        stack = list(self.radix.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if not n.children and n.parent is not None:
+                leaves.append((n.last_access, id(n), n))
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < tokens and leaves:
+            _, _, n = heapq.heappop(leaves)
+            del n.parent.children[n.key[0]]
+            freed += len(n.key)
+            p = n.parent
+            if not p.children and p.parent is not None:
+                heapq.heappush(leaves, (p.last_access, id(p), p))
+        self.cache_tokens -= freed
 
     def _cache_clear(self) -> None:
-        self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
+        self.radix, self.cache_tokens, self._tick = {}, 0, 0  # namespace -> root _Node; tokens held; access clock
 
     def _decode(self):
         if self.kv.n + 1 > self.kv.cap:  # out of columns: rebuild, dropping those no row uses any more
@@ -618,7 +691,12 @@ class Scheduler:
             self._remove(dead)
 
     def _remove(self, dead: list):
-        """Drop rows `dead` of the running batch (finished or aborted), in place."""
+        """Drop rows `dead` of the running batch (finished or aborted), in place, caching each one's KV first: its
+        prompt and all but its last output token, the last one never having been forwarded (0.5.23's
+        release_kv_cache(checkpoint=True) of a finished request; a retracted one is not cached, release_req)."""
+        for i in dead:
+            r = self.running[i]
+            self._cache_insert(r.cache_ns, r.input_ids + r.output_ids[:-1], self.kv, i)
         if len(dead) == len(self.running):
             self.kv, self.running = None, []
         else:

@@ -1,0 +1,127 @@
+"""scheduler.py as SGLang 0.5.23's scheduler behaves (issue 29): the radix prefix cache, the queue and timeout
+limits, and the logprob fields. Each test's docstring names the 0.5.23 file (under sglang/srt/) and the function
+it follows. One engine subprocess (tiny Qwen3) serves the module; tests that need other flags launch their own.
+Run: .venv/bin/python -m pytest -q tests/test_scheduler_fidelity.py
+"""
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import engine
+import scheduler
+from test_engine import make_model
+from test_sglang_conformance import reference_lps
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("fidelity") / "A"), 0)
+
+
+@pytest.fixture(scope="module")
+def ref(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path).eval()
+
+
+@pytest.fixture(scope="module")
+def url(model_path):
+    url, handle = engine.launch(model_path, max_running_requests=8, num_threads=1, wait_timeout=60)
+    yield url
+    handle.stop()
+
+
+def post(url, path, body=None, timeout=60):
+    return requests.post(url + path, json=body if body is not None else {}, timeout=timeout)
+
+
+def gen(url, ids, **kw):
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    body.update(kw)
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def lps(out):
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def close_to_reference(ref, prompt, out, tol=1e-4):
+    want = reference_lps(ref, prompt, out["output_ids"])
+    return max(abs(a - b) for a, b in zip(lps(out), want)) < tol
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The radix prefix cache (issue 29 item 9)
+
+LONG_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+
+
+def test_prefix_cache_matches_token_prefixes_like_a_radix_tree(url, ref):
+    """mem_cache/radix_cache.py: RadixCache.match_prefix / _match_prefix_helper (the longest cached token prefix,
+    splitting a node where the match ends) and managers/schedule_batch.py: Req._compute_max_prefix_len (at most
+    input_len - 1). A strict prefix of a cached prompt reuses all but its last token, a prompt that diverges
+    inside a cached one reuses the common part, and the reused KV gives the model's own log-probs."""
+    assert post(url, "/flush_cache").status_code == 200
+    first = gen(url, LONG_PROMPT)
+    assert first["meta_info"]["cached_tokens"] == 0
+    head = LONG_PROMPT[:7]
+    short = gen(url, head)
+    assert short["meta_info"]["cached_tokens"] == len(head) - 1
+    assert close_to_reference(ref, head, short)
+    fork = LONG_PROMPT[:5] + [40, 41, 42]
+    forked = gen(url, fork)
+    assert forked["meta_info"]["cached_tokens"] == 5
+    assert close_to_reference(ref, fork, forked)
+    again = gen(url, fork[:6] + [50])  # ends one past the node boundary the last match split
+    assert again["meta_info"]["cached_tokens"] == 6
+    assert gen(url, head, extra_key="other")["meta_info"]["cached_tokens"] == 0
+    assert gen(url, head, cache_salt="s")["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_finished_request_caches_its_prompt_and_output(url, ref):
+    """mem_cache/common.py: release_kv_cache(checkpoint=True) -> RadixCache.checkpoint of a finished request: its
+    prompt and all output tokens but the last (never forwarded) go into the tree, so a multi-turn rollout's next
+    turn (prompt + answer + new text) reuses them; the decoded KV gives the model's log-probs."""
+    assert post(url, "/flush_cache").status_code == 200
+    turn1 = gen(url, LONG_PROMPT, sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    out = turn1["output_ids"]
+    prompt2 = LONG_PROMPT + out + [30, 31]
+    turn2 = gen(url, prompt2)
+    assert turn2["meta_info"]["cached_tokens"] == len(LONG_PROMPT) + len(out) - 1
+    assert close_to_reference(ref, prompt2, turn2)
+
+
+def _run(sched, reqs):
+    """Drive the scheduler in this thread until reqs finished (its loop without the thread)."""
+    sched.waiting.extend(reqs)
+    with torch.inference_mode():
+        while sched.waiting or sched.running:
+            if sched.waiting and len(sched.running) < sched.max_running:
+                sched._admit()
+            if sched.running:
+                sched._decode()
+
+
+def _req(ids, n=1):
+    sp = engine.parse_sampling_params({"max_new_tokens": n, "temperature": 0}, 1 << 30)
+    return scheduler.Req(rid=str(ids), input_ids=list(ids), sp=sp)
+
+
+def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_path, monkeypatch):
+    """mem_cache/radix_cache.py: RadixCache.evict (least recently used leaves first, a parent left childless
+    becomes a leaf) keeps the tree within PREFIX_CACHE_TOKENS; a shared prefix is stored once."""
+    monkeypatch.setattr(scheduler, "PREFIX_CACHE_TOKENS", 20)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    sched = scheduler.Scheduler(model, AutoTokenizer.from_pretrained(model_path), torch.device("cpu"), 4, 1024, "0")
+    stem = [3, 4, 5, 6, 7, 8]
+    _run(sched, [_req(stem + [9, 10])])  # max_new_tokens 1: only the prompt is cached (8 tokens)
+    _run(sched, [_req(stem + [11, 12])])  # shares the stem: 2 more tokens
+    assert sched.cache_tokens == 10
+    _run(sched, [_req(stem + [9, 10, 13])])  # reuses stem+[9, 10], adds [13]: [11, 12] is the least recently used
+    assert sched.cache_tokens == 11
+    _run(sched, [_req([20 + i for i in range(12)])])  # 12 new tokens: 23 > 20, [11, 12] then [13] go
+    assert sched.cache_tokens == 20
+    assert sched._cache_match((None, None), stem + [11, 12, 0], 8)[0] == 6
+    assert sched._cache_match((None, None), stem + [9, 10, 0], 8)[0] == 8
