@@ -489,7 +489,7 @@ class Server:
                 await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
                                             sp=replace(r.sp, max_new_tokens=0)) for r in reqs[::n]],
                                        self.args.wait_timeout)  # (tokenizer_manager.py)
-            self.sched.call(lambda: self.sched.waiting.extend(reqs))
+            self.sched.call(lambda: self.sched.submit(reqs))
             return await self._respond(request, reqs, listed, updates)
         except asyncio.CancelledError:
             if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
@@ -517,7 +517,7 @@ class Server:
         done = [loop.create_future() for _ in reqs]
         for r, fut in zip(reqs, done):  # a request is notified final once
             r.notify = lambda n, final, fut=fut: final and loop.call_soon_threadsafe(fut.set_result, None)
-        self.sched.call(lambda: self.sched.waiting.extend(reqs))
+        self.sched.call(lambda: self.sched.submit(reqs))
         await asyncio.wait(done, timeout=timeout)
 
     async def _gated(self, reqs, run_s: float) -> None:
@@ -882,6 +882,9 @@ def main(argv=None):
     p.add_argument("--max-running-requests", type=int, default=None,
                    help=f"requests decoded together; the rest queue (default {DEFAULT_MAX_RUNNING}; /server_info\n"
                         "reports the flag as given, null when absent, and the limit in internal_states)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="a request that finds this many waiting is aborted with 503 \"The request queue is full.\"\n"
+                        "(default: unbounded; SGLang's flag)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
@@ -906,7 +909,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     for name, v in (("--max-running-requests", args.max_running_requests),
-                    ("--max-prefill-tokens", args.max_prefill_tokens)):
+                    ("--max-prefill-tokens", args.max_prefill_tokens),
+                    ("--max-queued-requests", args.max_queued_requests)):
         if v is not None and v < 1:
             p.error(f"{name} must be >= 1, got {v}")
     if not args.max_request_mb > 0:
@@ -918,7 +922,8 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
-                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
+                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache,
+                      args.max_queued_requests)
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",

@@ -21,6 +21,7 @@ import heapq
 import inspect
 import io
 import logging
+import os
 import pickle
 import queue
 import threading
@@ -36,7 +37,12 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 log = logging.getLogger("engine")
 
 KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
-PREFIX_CACHE_TOKENS = 1 << 16  # prompt tokens the prefix cache holds (least recently used entries go first)
+PREFIX_CACHE_TOKENS = 1 << 16  # tokens the prefix cache holds (least recently used leaves go first)
+# A request waiting longer than this (since it last entered the queue), or running longer (since its first forward),
+# is aborted with 503; <= 0: never (0.5.23's environ.py, EnvFloat(-1); managers/scheduler.py _poll_timeout_aborts)
+REQ_WAITING_TIMEOUT_S = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT", -1))
+REQ_RUNNING_TIMEOUT_S = float(os.environ.get("SGLANG_REQ_RUNNING_TIMEOUT", -1))
+QUEUE_FULL = "The request queue is full."  # 0.5.23's message (managers/scheduler.py _abort_on_queued_limit)
 
 
 class BadRequest(ValueError):
@@ -76,6 +82,8 @@ class Req:
     cache_ns: tuple = (None, None)  # (extra_key, cache_salt): the prefix cache's namespace of this request
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     created: float = field(default_factory=time.perf_counter)
+    queued_at: float = 0.0  # perf_counter when it last entered the waiting queue (time_stats.wait_queue_entry_time)
+    forward_at: float = 0.0  # perf_counter of its first prefill (time_stats.forward_entry_time; kept on retract)
     output_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # float per output token
     top_logprobs: list = field(default_factory=list)  # per output token: list of (logprob, id)
@@ -427,7 +435,7 @@ class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
-                 weight_version: str, disable_radix_cache: bool = False):
+                 weight_version: str, disable_radix_cache: bool = False, max_queued: Optional[int] = None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self._targets = None  # checkpoint name -> parameter view (checkpoint_targets), made at the first load
         self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
@@ -453,6 +461,7 @@ class Scheduler:
         self.released: set = set()
         self.groups: dict = {}  # group_name -> (process group, device of its tensors)
         self.disable_radix_cache = disable_radix_cache
+        self.max_queued = max_queued  # --max-queued-requests: None, unbounded
         self._cache_clear()  # the radix trees of the prefix cache, one per (extra_key, cache_salt)
         self.last_output = 0.0  # perf_counter of the last token generated (/health: did the scheduler answer)
         self.generated_tokens = 0  # total, for throughput in /server_info
@@ -473,6 +482,34 @@ class Scheduler:
         self.thread.join(timeout=30)
 
     # -- loop ---------------------------------------------------------------------------------------------------
+    def submit(self, reqs: list) -> None:
+        """Queue new requests, in order (on the model thread)."""
+        for r in reqs:
+            self._enqueue(r)
+
+    def _enqueue(self, r: Req) -> None:
+        """Scheduler._add_request_to_queue: a request that finds --max-queued-requests already waiting is aborted
+        with 503 (_abort_on_queued_limit), also a retracted one; else it joins the end of the queue."""
+        if self.max_queued is not None and len(self.waiting) + 1 > self.max_queued:
+            self._finish(r, abort_reason(QUEUE_FULL, 503))
+            return
+        r.queued_at = time.perf_counter()
+        self.waiting.append(r)
+
+    def _poll_timeouts(self) -> None:
+        """Scheduler._poll_timeout_aborts, run every iteration (paused too): 503 aborts of requests waiting longer
+        than SGLANG_REQ_WAITING_TIMEOUT and of running ones past SGLANG_REQ_RUNNING_TIMEOUT since their first
+        forward (a running one paused in place is finished by its next forward, as any abort)."""
+        now = time.perf_counter()
+        late = []
+        if REQ_WAITING_TIMEOUT_S > 0:
+            late += [(r, "waiting") for r in self.waiting if 0 < r.queued_at < now - REQ_WAITING_TIMEOUT_S]
+        if REQ_RUNNING_TIMEOUT_S > 0:
+            late += [(r, "running") for r in self.running
+                     if r.finish is None and r.to_finish is None and 0 < r.forward_at < now - REQ_RUNNING_TIMEOUT_S]
+        for r, where in late:
+            self.abort(r.rid, exact=True, reason=abort_reason(f"Request {where} timeout reached.", 503))
+
     def _busy(self) -> bool:
         return bool(self.running or self.waiting) and self.paused is None and not self.released
 
@@ -495,6 +532,7 @@ class Scheduler:
         with torch.inference_mode():
             while not self._stop:
                 self._run_calls()
+                self._poll_timeouts()
                 if not self._busy():
                     continue
                 try:
@@ -530,6 +568,7 @@ class Scheduler:
             if new and tokens + n > self.max_prefill_tokens:
                 break
             new.append(self.waiting.popleft())
+            new[-1].forward_at = new[-1].forward_at or time.perf_counter()
             tokens += n
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
@@ -768,23 +807,24 @@ class Scheduler:
         r.notify(len(r.output_ids), True)
 
     # -- control calls (run on the model thread via call()) -----------------------------------------------------
-    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
-        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all); queued
-        ones "Abort in waiting queue". Paused in place, a running one is only marked: SGLang's aborted request "still
-        runs one decode forward pass" (managers/scheduler.py), which a paused scheduler runs after continue."""
+    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False, reason: Optional[dict] = None) -> int:
+        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all) with
+        `reason` (default: queued ones "Abort in waiting queue", running ones "Aborted"). Paused in place, a running
+        one is only marked: SGLang's aborted request "still runs one decode forward pass" (managers/scheduler.py),
+        which a paused scheduler runs after continue."""
         def hit(r):
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:
-            self._finish(r, abort_reason("Abort in waiting queue"))
+            self._finish(r, reason or abort_reason("Abort in waiting queue"))
         n, dead = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):
             if hit(r) and self.paused != "in_place":
-                self._finish(r, abort_reason("Aborted"))
+                self._finish(r, reason or abort_reason("Aborted"))
                 dead.append(i)
             elif hit(r):  # paused in place: finished by its next forward pass
-                r.to_finish = abort_reason("Aborted")
+                r.to_finish = reason or abort_reason("Aborted")
         if dead:
             self._remove(dead)
         return n
@@ -794,11 +834,11 @@ class Scheduler:
         are recomputed after continue), in_place (keep requests and KV). Returns the number of requests kept."""
         if mode == "abort":
             self.abort(abort_all=True)
-        elif mode == "retract":
-            for r in self.running:
+        elif mode == "retract":  # 0.5.23 pause_generation: each to the end of the queue (_add_request_to_queue)
+            retracted, self.running, self.kv = self.running, [], None
+            for r in retracted:
                 r.num_retractions += 1
-            self.waiting.extendleft(reversed(self.running))
-            self.running, self.kv = [], None
+                self._enqueue(r)
         self.paused = mode
         return len(self.running) + len(self.waiting)
 

@@ -3,15 +3,21 @@ limits, and the logprob fields. Each test's docstring names the 0.5.23 file (und
 it follows. One engine subprocess (tiny Qwen3) serves the module; tests that need other flags launch their own.
 Run: .venv/bin/python -m pytest -q tests/test_scheduler_fidelity.py
 """
+import concurrent.futures as cf
+import time
+
 import pytest
 import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine
+import rollout
 import scheduler
 from test_engine import make_model
 from test_sglang_conformance import reference_lps
+
+QUEUE_FULL = "The request queue is full."
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +131,102 @@ def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_p
     assert sched.cache_tokens == 20
     assert sched._cache_match((None, None), stem + [11, 12, 0], 8)[0] == 6
     assert sched._cache_match((None, None), stem + [9, 10, 0], 8)[0] == 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Server limits an RL client meets (issue 29 item 8)
+
+LONG = 3000  # max_new_tokens of a request meant to be still running when the test acts on it
+
+
+def loads(url):
+    load = requests.get(url + "/v1/loads", timeout=10).json()["loads"][0]
+    return load["num_running_reqs"], load["num_waiting_reqs"]
+
+
+def wait_until(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def queued_url(model_path):
+    """One running request, one queued: the third is refused."""
+    url, handle = engine.launch(model_path, max_running_requests=1, max_queued_requests=1, num_threads=1)
+    yield url
+    handle.stop()
+
+
+def long_body(rid):
+    return {"input_ids": [3, 4, 5], "rid": rid, "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+
+
+def test_a_full_queue_answers_503_and_the_client_retries_it(queued_url):
+    """managers/scheduler.py: _add_request_to_queue -> _abort_on_queued_limit: a request that finds
+    --max-queued-requests waiting is aborted with 503 "The request queue is full." (tokenizer_manager.py:
+    _handle_abort_finish_reason raises it as the HTTP status), also a request retracted by a pause (pause_generation
+    re-queues each). rollout.Fleet.generate retries a 5xx with backoff, so the trajectory goes on once the queue
+    drains, and after rollout.max_retries it fails naming the status and the message."""
+    url = queued_url
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(post, url, "/generate", long_body("q-a"))
+        wait_until(lambda: loads(url) == (1, 0), 30, "the first request to run")
+        b = ex.submit(post, url, "/generate", long_body("q-b"))
+        wait_until(lambda: loads(url) == (1, 1), 30, "the second request to queue")
+        full = post(url, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
+        assert full.status_code == 503 and QUEUE_FULL in full.text
+        sync = rollout.SyncFleet(rollout.Fleet([url], max_retries=0))
+        with pytest.raises(rollout.FleetError, match=r"HTTP 503.*The request queue is full\."):
+            sync.generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
+        sync.close()
+        sync = rollout.SyncFleet(rollout.Fleet([url], max_retries=50, retry_backoff_s=0.05))
+        try:
+            c = sync.submit("generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2,
+                                                                                   "ignore_eos": True}})
+            wait_until(lambda: sync.fleet.retries >= 1, 30, "the client to retry a 503")
+            assert post(url, "/abort_request", {"rid": "q-b"}).status_code == 200
+            assert post(url, "/abort_request", {"rid": "q-a"}).status_code == 200
+            out = c.result(60)
+            assert len(out["output_ids"]) == 2 and out["meta_info"]["finish_reason"]["type"] == "length"
+        finally:
+            sync.close()
+        assert [f.result(30).json()["meta_info"]["finish_reason"]["type"] for f in (a, b)] == ["abort", "abort"]
+    # a retract pause re-queues the running request: with one already waiting, it is refused
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(post, url, "/generate", long_body("r-a"))
+        wait_until(lambda: loads(url) == (1, 0), 30, "the first request to run")
+        b = ex.submit(post, url, "/generate", long_body("r-b"))
+        wait_until(lambda: loads(url) == (1, 1), 30, "the second request to queue")
+        assert post(url, "/pause_generation", {"mode": "retract"}).status_code == 200
+        try:
+            ra = a.result(30)
+            assert ra.status_code == 503 and QUEUE_FULL in ra.text
+            assert loads(url) == (0, 1)
+        finally:
+            assert post(url, "/continue_generation").status_code == 200
+            post(url, "/abort_request", {"rid": "r-b"})
+        assert b.result(30).json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_waiting_and_running_timeouts_abort_with_503(model_path):
+    """managers/scheduler.py: _poll_timeout_aborts: SGLANG_REQ_WAITING_TIMEOUT aborts a request queued longer
+    (since it entered the queue) with 503 "Request waiting timeout reached.", SGLANG_REQ_RUNNING_TIMEOUT one
+    running longer since its first forward with 503 "Request running timeout reached."."""
+    env = {"SGLANG_REQ_WAITING_TIMEOUT": "1", "SGLANG_REQ_RUNNING_TIMEOUT": "3"}
+    url, handle = engine.launch(model_path, max_running_requests=1, num_threads=1, env=env)
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            a = ex.submit(post, url, "/generate", long_body("t-a"))
+            wait_until(lambda: loads(url) == (1, 0), 30, "the first request to run")
+            t0 = time.monotonic()
+            b = post(url, "/generate", long_body("t-b"))
+            assert b.status_code == 503 and "Request waiting timeout reached." in b.text
+            assert time.monotonic() - t0 >= 1.0
+            ra = a.result(60)
+            assert ra.status_code == 503 and "Request running timeout reached." in ra.text
+            short = post(url, "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 3}})
+            assert short.status_code == 200 and len(short.json()["output_ids"]) <= 3
+    finally:
+        handle.stop()
