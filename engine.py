@@ -801,10 +801,14 @@ class Server:
         return web.Response(status=200 if ok else 503)
 
     async def loads(self, request):
-        s, kv = self.sched, self.sched.kv
-        # a request that just finished leaves the batch at the end of its step: count only unfinished ones
-        running, waiting = sum(r.finish is None for r in list(s.running)), len(s.waiting)
-        used = kv.n * len(s.running) if kv is not None else 0
+        """/v1/loads, counted on the model thread between two steps as 0.5.23's scheduler answers get_loads
+        (load_inquirer.py): read from here, a request being prefilled (off the queue, not yet running) was in
+        neither count, and a test that waited for "0 running, 0 waiting" went on while one was still coming."""
+        s = self.sched
+
+        def count():
+            return len(s.running), len(s.waiting), s.kv.n * len(s.running) if s.kv is not None else 0
+        running, waiting, used = await self._run(count)
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
             "num_used_tokens": used, "max_running_requests": s.max_running, "paused": s.paused}]})
