@@ -29,8 +29,8 @@ repeats until no request holds the lock; /health generates through the gate; the
 version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors are 422, bad values 400;
 group and tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
-Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests, LRU
-leaves evicted beyond PREFIX_CACHE_TOKENS) is bypassed by requests that ask for input log-probs; batches do not stream;
+Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests) holds
+PREFIX_CACHE_TOKENS tokens, not what the memory allows (least recently used leaves go first); batches do not stream;
 no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
 (generation waits until they are resumed).
@@ -180,7 +180,8 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
     "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
-    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
+    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str),
+    "token_ids_logprob": lambda v: _all_of(_is_int)(v) or _all_of(_all_of(_is_int))(v)}
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -207,11 +208,13 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
             body = {**body, "rid": [f"{rid}_{i}" for i in range(size)]}
         elif isinstance(rid, list) and (len(rid) != size or len(set(rid)) != size):
             raise BadRequest(f"field `rid` must hold {size} unique strings, one per item of the batch")
-        for k in PER_ITEM:
+        per_item = PER_ITEM + (("token_ids_logprob",) if isinstance((body.get("token_ids_logprob") or [0])[0], list)
+                               else ())  # a list of lists: one per item; a flat list: the same for all (io_struct.py)
+        for k in per_item:
             if isinstance(body.get(k), list) and len(body[k]) != size:
                 raise BadRequest(f"field `{k}` holds {len(body[k])} values for a batch of {size}")
         items = [{**body, "text" if text is not None else "input_ids": (text if text is not None else ids)[i],
-                  **{k: body[k][i] for k in PER_ITEM if isinstance(body.get(k), list)}} for i in range(size)]
+                  **{k: body[k][i] for k in per_item if isinstance(body.get(k), list)}} for i in range(size)]
     ns = {(it.get("sampling_params") or {}).get("n", 1) for it in items}
     n = ns.pop() if len(ns) == 1 else None
     if not (_is_int(n) and n >= 1):
@@ -247,6 +250,13 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
+    token_ids = body.get("token_ids_logprob") or None  # tokenizer_manager.py: _validate_token_ids_logprob
+    if token_ids is not None and not all(map(_is_int, token_ids)):
+        raise BadRequest("token_ids_logprob must be a flat list of integers.")
+    bad = next((t for t in token_ids or [] if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"token_ids_logprob contains out-of-vocabulary token id {bad}; valid range is "
+                         f"[0, {vocab_size}).")
     if sp.max_new_tokens is None:
         sp = replace(sp, max_new_tokens=context_len - len(ids))
     elif len(ids) + sp.max_new_tokens > context_len:
@@ -256,10 +266,12 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
         rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp, return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
-        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False),
+        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False), token_ids_logprob=token_ids,
         stream=_flag(body, "stream", False), cache_ns=(body.get("extra_key") or None, body.get("cache_salt") or None))
     if req.logprob_start_len >= len(ids):
         raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
+    if req.return_logprob and req.logprob_start_len == -1 and token_ids is not None:
+        req.logprob_start_len = len(ids) - 1  # 0.5.23 scheduler.py handle_generate_request: the last input token
     return req
 
 
@@ -452,9 +464,15 @@ class Server:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.logprobs[:n], ids)]
             meta["input_token_logprobs"] = [[lp, t, tt(t)] for lp, t in r.input_logprobs]
+            # per position a list of [lp, id, text], None where it has none (detokenize_top_logprobs_tokens)
+            def tops(rows):
+                return [[[lp, t, tt(t)] for lp, t in row] if row else None for row in rows]
             if r.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[lp, t, tt(t)] for lp, t in top] for top in r.top_logprobs[:n]]
-                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = tops(r.top_logprobs[:n])
+                meta["input_top_logprobs"] = tops(r.input_top_logprobs)
+            if r.token_ids_logprob is not None:  # tokenizer_manager.py add_logprob_to_meta_info, part 3
+                meta["input_token_ids_logprobs"] = tops(r.input_token_ids_logprobs)
+                meta["output_token_ids_logprobs"] = tops(r.output_token_ids_logprobs[:n])
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -78,6 +78,7 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    token_ids_logprob: Optional[list] = None  # ids whose log-probs are reported at every position (None: none)
     stream: bool = False
     cache_ns: tuple = (None, None)  # (extra_key, cache_salt): the prefix cache's namespace of this request
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -88,6 +89,9 @@ class Req:
     logprobs: list = field(default_factory=list)  # float per output token
     top_logprobs: list = field(default_factory=list)  # per output token: list of (logprob, id)
     input_logprobs: list = field(default_factory=list)  # (logprob|None, id) per input token from logprob_start_len
+    input_top_logprobs: list = field(default_factory=list)  # per input token from logprob_start_len: None | [(lp, id)]
+    input_token_ids_logprobs: list = field(default_factory=list)  # the same for the token_ids_logprob ids
+    output_token_ids_logprobs: list = field(default_factory=list)  # per output token: [(lp, id)] of those ids
     spans: list = field(default_factory=list)  # [version, start, end) over output token indices
     finish: Optional[dict] = None  # SGLang finish_reason once finished
     finished_at: float = 0.0
@@ -573,20 +577,21 @@ class Scheduler:
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
         want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
+        # At most all but the last token is matched, and no further than logprob_start_len when input log-probs are
+        # asked for (Req._compute_max_prefix_len): the logits after the cached part are computed.
+        limits = [min(len(s) - 1, r.logprob_start_len) if w else len(s) - 1
+                  for r, s, w in zip(new, seqs, want_input_lp)]
         # Requests with the same tokens in the same namespace (a group's samples: one prompt N times) share one row
         # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
         # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
         rows: dict = {}
         src, first = [], []  # request -> its row; row -> its first request
-        for i, (r, s, w) in enumerate(zip(new, seqs, want_input_lp)):
-            src.append(rows.setdefault((r.cache_ns, tuple(s), w), len(rows)))
+        for i, (r, s, w, lim) in enumerate(zip(new, seqs, want_input_lp, limits)):
+            src.append(rows.setdefault((r.cache_ns, tuple(s), w, lim), len(rows)))
             if src[-1] == len(first):
                 first.append(i)
         useqs = [seqs[i] for i in first]
-        # at most all but the last token is matched (Req._compute_max_prefix_len: input_len - 1, the last one's logits are
-        # needed); none when input log-probs are asked for (they need the prompt's logits)
-        hits = [self._cache_match(new[i].cache_ns, seqs[i], 0 if want_input_lp[i] else len(seqs[i]) - 1)
-                for i in first]
+        hits = [self._cache_match(new[i].cache_ns, seqs[i], limits[i]) for i in first]
         cached = max(c for c, _ in hits)
         width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
@@ -612,8 +617,8 @@ class Scheduler:
         kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
         for i, (r, s) in enumerate(zip(new, seqs)):
             r.cached_tokens = hits[src[i]][0]
-            if want_input_lp[i]:
-                self._input_logprobs(r, logits[src[i], q - len(s):], s)
+            if want_input_lp[i]:  # the row's computed columns: positions cached_tokens .. len(s) - 1
+                self._input_logprobs(r, logits[src[i], q - (len(s) - r.cached_tokens):], s, r.cached_tokens)
             if first[src[i]] == i:
                 self._cache_insert(r.cache_ns, s, kv, src[i])
             if r.sp.sampling_seed is not None and r.generator is None:
@@ -758,15 +763,27 @@ class Scheduler:
             tv, ti = (t.cpu().tolist() for t in logp.topk(min(k, logp.shape[1]), dim=-1))
         for i, r in enumerate(reqs):
             top = list(zip(tv[i], ti[i]))[:r.top_logprobs_num] if k else None
+            if r.return_logprob and r.token_ids_logprob is not None:  # (before _append, which may notify)
+                r.output_token_ids_logprobs.append(list(zip(logp[i, r.token_ids_logprob].cpu().tolist(),
+                                                            r.token_ids_logprob)))
             self._append(r, int(host[0][i]), host[1][i], top)
         return toks
 
-    def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list):
-        """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""
-        lp = torch.log_softmax(logits.float() / r.sp.temperature, -1)
-        tgt = torch.tensor(seq[1:], device=lp.device)
-        full = [None] + lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
-        r.input_logprobs = [(full[j], seq[j]) for j in range(r.logprob_start_len, len(seq))]
+    def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list, c: int):
+        """Prompt log-probs from logprob_start_len (logits: positions c..len-1, c <= logprob_start_len): token j's
+        under the prefix before it, with None at logprob_start_len itself, as 0.5.23 lays out input_token_logprobs,
+        input_top_logprobs and input_token_ids_logprobs (logprob_result_processor.py: [None] + values[:-1])."""
+        start = r.logprob_start_len
+        lp = torch.log_softmax(logits[start - c:len(seq) - 1 - c].float() / r.sp.temperature, -1)
+        tgt = torch.tensor(seq[start + 1:], device=lp.device, dtype=torch.long)
+        vals = [None] + lp.gather(1, tgt[:, None])[:, 0].cpu().tolist()
+        r.input_logprobs = list(zip(vals, seq[start:]))
+        if r.top_logprobs_num:
+            tv, ti = (t.cpu().tolist() for t in lp.topk(min(r.top_logprobs_num, lp.shape[1]), dim=-1))
+            r.input_top_logprobs = [None] + [list(zip(v, i)) for v, i in zip(tv, ti)]
+        if r.token_ids_logprob is not None:
+            ids = r.token_ids_logprob
+            r.input_token_ids_logprobs = [None] + [list(zip(v, ids)) for v in lp[:, ids].cpu().tolist()]
 
     def _append(self, r: Req, tok: int, lp: float, top: Optional[list]):
         n = len(r.output_ids)

@@ -275,3 +275,75 @@ def test_loads_counts_a_request_while_it_is_prefilled(model_path):
     finally:
         release.set()
         sched.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprob fields (issue 29 item 4)
+
+def reference_logp(ref, ids):
+    """log_softmax of the model's logits at every position of ids (float32) [len(ids), V]."""
+    with torch.no_grad():
+        return torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_input_top_logprobs_and_token_ids_logprob_are_answered_per_position(url, ref):
+    """managers/scheduler_components/logprob_result_processor.py: _process_input_top_logprobs /
+    _process_input_token_ids_logprobs ([None] + one row per later input position) and tokenizer_manager.py:
+    add_logprob_to_meta_info (input_top_logprobs, input_token_ids_logprobs, output_token_ids_logprobs: per
+    position a list of [logprob, id, text], None where there is none). Each value is the model's own."""
+    prompt, ids = [11, 12, 13, 14, 15, 16], [5, 7]
+    out = gen(url, prompt, logprob_start_len=0, top_logprobs_num=3, token_ids_logprob=ids,
+              sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    m = out["meta_info"]
+    lp = reference_logp(ref, prompt + out["output_ids"])
+    assert m["input_top_logprobs"][0] is None and len(m["input_top_logprobs"]) == len(prompt)
+    for j, row in enumerate(m["input_top_logprobs"][1:], 1):
+        want = lp[j - 1].topk(3)
+        assert [t for _, t, _ in row] == want.indices.tolist()
+        assert max(abs(a - b) for (a, _, _), b in zip(row, want.values.tolist())) < 1e-4
+    assert m["input_token_ids_logprobs"][0] is None and len(m["input_token_ids_logprobs"]) == len(prompt)
+    for j, row in enumerate(m["input_token_ids_logprobs"][1:], 1):
+        assert [t for _, t, _ in row] == ids
+        assert max(abs(a - lp[j - 1, t].item()) for a, t, _ in row) < 1e-4
+    assert len(m["output_token_ids_logprobs"]) == len(out["output_ids"]) == 3
+    for k, row in enumerate(m["output_token_ids_logprobs"]):
+        assert [t for _, t, _ in row] == ids
+        assert max(abs(a - lp[len(prompt) - 1 + k, t].item()) for a, t, _ in row) < 1e-4
+    text = gen(url, prompt, token_ids_logprob=ids, return_text_in_logprobs=True)["meta_info"]
+    assert len(text["output_token_ids_logprobs"][0][0]) == 3 and isinstance(text["output_token_ids_logprobs"][0][0][2],
+                                                                            str)
+    # logprob_start_len -1 with token ids: the last input position only (scheduler.py handle_generate_request)
+    assert text["input_token_ids_logprobs"] == [None] and [t for _, t, _ in text["input_token_logprobs"]] == [16]
+
+
+def test_input_logprobs_start_at_logprob_start_len_after_a_cached_prefix(url, ref):
+    """managers/schedule_batch.py: Req._compute_max_prefix_len caps the cache match at logprob_start_len, and
+    logprob_result_processor.py puts None at logprob_start_len itself: the prompt's cached part is reused and the
+    reported log-probs are the model's."""
+    assert post(url, "/flush_cache").status_code == 200
+    prompt = [21, 22, 23, 24, 25, 26, 27]
+    gen(url, prompt)
+    out = gen(url, prompt, logprob_start_len=3)
+    m = out["meta_info"]
+    assert m["cached_tokens"] == 3
+    lp = reference_logp(ref, prompt)
+    assert [t for _, t, _ in m["input_token_logprobs"]] == prompt[3:] and m["input_token_logprobs"][0][0] is None
+    assert max(abs(a - lp[j - 1, prompt[j]].item()) for j, (a, _, _) in enumerate(m["input_token_logprobs"][1:], 4)
+               ) < 1e-4
+
+
+def test_token_ids_logprob_is_validated(url):
+    """managers/tokenizer_manager.py: _validate_token_ids_logprob (400: a flat list of in-vocabulary ints) and
+    managers/io_struct.py: GenerateReqInput.token_ids_logprob (a list of lists: one per item of a batch, a flat
+    list: the same for every item; another JSON type fails FastAPI's schema check, 422)."""
+    body = {"input_ids": [3, 4], "return_logprob": True, "sampling_params": {"max_new_tokens": 1}}
+    r = post(url, "/generate", {**body, "token_ids_logprob": [1, 10 ** 7]})
+    assert r.status_code == 400 and "out-of-vocabulary token id 10000000" in r.text, r.text
+    r = post(url, "/generate", {**body, "token_ids_logprob": [[1, 2]]})
+    assert r.status_code == 400 and "token_ids_logprob must be a flat list of integers." in r.text, r.text
+    assert post(url, "/generate", {**body, "token_ids_logprob": ["a"]}).status_code == 422
+    batch = {**body, "input_ids": [[3, 4], [5, 6]]}
+    flat = post(url, "/generate", {**batch, "token_ids_logprob": [1, 2]}).json()
+    assert [[t for _, t, _ in o["meta_info"]["output_token_ids_logprobs"][0]] for o in flat] == [[1, 2], [1, 2]]
+    nested = post(url, "/generate", {**batch, "token_ids_logprob": [[1], [2, 3]]}).json()
+    assert [[t for _, t, _ in o["meta_info"]["output_token_ids_logprobs"][0]] for o in nested] == [[1], [2, 3]]
