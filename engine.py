@@ -464,6 +464,7 @@ class Server:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.logprobs[:n], ids)]
             meta["input_token_logprobs"] = [[lp, t, tt(t)] for lp, t in r.input_logprobs]
+            meta["output_token_logprobs_length"] = n  # (add_logprob_to_meta_info)
             # per position a list of [lp, id, text], None where it has none (detokenize_top_logprobs_tokens)
             def tops(rows):
                 return [[[lp, t, tt(t)] for lp, t in row] if row else None for row in rows]

@@ -290,7 +290,8 @@ def test_input_top_logprobs_and_token_ids_logprob_are_answered_per_position(url,
     """managers/scheduler_components/logprob_result_processor.py: _process_input_top_logprobs /
     _process_input_token_ids_logprobs ([None] + one row per later input position) and tokenizer_manager.py:
     add_logprob_to_meta_info (input_top_logprobs, input_token_ids_logprobs, output_token_ids_logprobs: per
-    position a list of [logprob, id, text], None where there is none). Each value is the model's own."""
+    position a list of [logprob, id, text], None where there is none; output_token_logprobs_length). Each value
+    is the model's own."""
     prompt, ids = [11, 12, 13, 14, 15, 16], [5, 7]
     out = gen(url, prompt, logprob_start_len=0, top_logprobs_num=3, token_ids_logprob=ids,
               sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
@@ -305,7 +306,7 @@ def test_input_top_logprobs_and_token_ids_logprob_are_answered_per_position(url,
     for j, row in enumerate(m["input_token_ids_logprobs"][1:], 1):
         assert [t for _, t, _ in row] == ids
         assert max(abs(a - lp[j - 1, t].item()) for a, t, _ in row) < 1e-4
-    assert len(m["output_token_ids_logprobs"]) == len(out["output_ids"]) == 3
+    assert len(m["output_token_ids_logprobs"]) == len(out["output_ids"]) == m["output_token_logprobs_length"] == 3
     for k, row in enumerate(m["output_token_ids_logprobs"]):
         assert [t for _, t, _ in row] == ids
         assert max(abs(a - lp[len(prompt) - 1 + k, t].item()) for a, t, _ in row) < 1e-4
