@@ -825,6 +825,8 @@ class Server:
         (load_inquirer.py): read from here, a request being prefilled (off the queue, not yet running) was in
         neither count, and a test that waited for "0 running, 0 waiting" went on while one was still coming."""
         s = self.sched
+        if not s.thread.is_alive():  # (nothing would answer the call)
+            return _error("the model thread is not running", 503)
 
         def count():
             return len(s.running), len(s.waiting), s.kv.n * len(s.running) if s.kv is not None else 0
