@@ -6,6 +6,7 @@ versions, memory release, loads), so rollout.py and train.py run one code path a
 
 Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version default]
                         [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
+                        [--max-queued-requests N]   (SGLANG_REQ_WAITING_TIMEOUT / _RUNNING_TIMEOUT: 503 aborts)
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = scheduler.init_weight_update_group(addr, port, 0, world_size,
 group_name, backend)` then `scheduler.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
@@ -31,10 +32,12 @@ prompt + max_new_tokens above the context length is a 400 (for a whole list requ
 too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
 tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
 
-Simplifications against SGLang: the prefix cache stores each prefilled sequence whole (matched when it is a request's
-tokens or a prefix of them; output tokens are not cached), LRU in PREFIX_CACHE_TOKENS tokens;
-`spaces_between_special_tokens` is ignored; full-attention decoders only; released weights stay in host memory
-(generation waits until they are resumed); /tokenize takes `prompt` only (no chat template renderer for `messages`).
+Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests) holds
+PREFIX_CACHE_TOKENS tokens, not what the memory allows (least recently used leaves go first); batches do not stream;
+no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+`spaces_between_special_tokens` is ignored; full-attention decoders only; released weights move to host memory
+(generation waits until they are resumed) and come back as NaN, buffers too, unless --enable-weights-cpu-backup;
+/tokenize takes `prompt` only (no chat template renderer for `messages`).
 
 Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties, `logit_bias`,
 grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
@@ -216,7 +219,8 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
     "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
-    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
+    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str),
+    "token_ids_logprob": lambda v: _all_of(_is_int)(v) or _all_of(_all_of(_is_int))(v)}
 # GenerateReqInput fields outside engine.py's subset (see the module docstring): HTTP 400 naming the field unless
 # null or false, so that a request that relies on one fails instead of being answered without it.
 UNSERVED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor", "lora_path",
@@ -253,11 +257,13 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, context_len: int,
         elif isinstance(rid, list) and len(set(rid)) != size:  # io_struct.py: _validate_rid_uniqueness
             raise BadRequest("Duplicate request IDs detected within the request: "
                              f"{[x for x in dict.fromkeys(rid) if rid.count(x) > 1]}")
-        for k in PER_ITEM:
+        per_item = PER_ITEM + (("token_ids_logprob",) if isinstance((body.get("token_ids_logprob") or [0])[0], list)
+                               else ())  # a list of lists: one per item; a flat list: the same for all (io_struct.py)
+        for k in per_item:
             if isinstance(body.get(k), list) and len(body[k]) != size:
                 raise BadRequest(f"field `{k}` holds {len(body[k])} values for a batch of {size}")
         items = [{**body, "text" if text is not None else "input_ids": (text if text is not None else ids)[i],
-                  **{k: body[k][i] for k in PER_ITEM if isinstance(body.get(k), list)}} for i in range(size)]
+                  **{k: body[k][i] for k in per_item if isinstance(body.get(k), list)}} for i in range(size)]
     ns = {(it.get("sampling_params") or {}).get("n", 1) for it in items}
     n = ns.pop() if len(ns) == 1 else None
     if not (_is_int(n) and n >= 1):
@@ -300,6 +306,13 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
     if not ids:
         raise BadRequest("field `input_ids` must not be empty")
     rid = _field(body, "rid", None, lambda v: _is_str(v) and v != "", "a non-empty string")
+    token_ids = body.get("token_ids_logprob") or None  # tokenizer_manager.py: _validate_token_ids_logprob
+    if token_ids is not None and not all(map(_is_int, token_ids)):
+        raise BadRequest("token_ids_logprob must be a flat list of integers.")
+    bad = next((t for t in token_ids or [] if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"token_ids_logprob contains out-of-vocabulary token id {bad}; valid range is "
+                         f"[0, {vocab_size}).")
     if sp.max_new_tokens is not None and len(ids) + sp.max_new_tokens > context_len:
         raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
                          f"You requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from the "
@@ -316,10 +329,12 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
         rid=rid or uuid.uuid4().hex, input_ids=list(ids), sp=sp, return_logprob=_flag(body, "return_logprob", False),
         top_logprobs_num=_field(body, "top_logprobs_num", 0, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         logprob_start_len=_field(body, "logprob_start_len", -1, lambda v: _is_int(v) and v >= -1, "an integer >= -1"),
-        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False),
+        return_text_in_logprobs=_flag(body, "return_text_in_logprobs", False), token_ids_logprob=token_ids,
         stream=_flag(body, "stream", False), cache_ns=(body.get("extra_key") or None, body.get("cache_salt") or None))
     if req.logprob_start_len >= len(ids):
         raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
+    if req.return_logprob and req.logprob_start_len == -1 and token_ids is not None:
+        req.logprob_start_len = len(ids) - 1  # 0.5.23 scheduler.py handle_generate_request: the last input token
     return req
 
 
@@ -526,9 +541,16 @@ class Server:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.logprobs[:n], ids)]
             meta["input_token_logprobs"] = [[lp, t, tt(t)] for lp, t in r.input_logprobs]
+            meta["output_token_logprobs_length"] = n  # (add_logprob_to_meta_info)
+            # per position a list of [lp, id, text], None where it has none (detokenize_top_logprobs_tokens)
+            def tops(rows):
+                return [[[lp, t, tt(t)] for lp, t in row] if row else None for row in rows]
             if r.top_logprobs_num:
-                meta["output_top_logprobs"] = [[[lp, t, tt(t)] for lp, t in top] for top in r.top_logprobs[:n]]
-                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = tops(r.top_logprobs[:n])
+                meta["input_top_logprobs"] = tops(r.input_top_logprobs)
+            if r.token_ids_logprob is not None:  # tokenizer_manager.py add_logprob_to_meta_info, part 3
+                meta["input_token_ids_logprobs"] = tops(r.input_token_ids_logprobs)
+                meta["output_token_ids_logprobs"] = tops(r.output_token_ids_logprobs[:n])
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -566,7 +588,7 @@ class Server:
                 await self._run_to_end([Req(rid=uuid.uuid4().hex, input_ids=r.input_ids, cache_ns=r.cache_ns,
                                             sp=replace(r.sp, max_new_tokens=0)) for r in reqs[::n]],
                                        self.args.wait_timeout)  # (tokenizer_manager.py)
-            self.sched.call(lambda: self.sched.waiting.extend(reqs))
+            self.sched.call(lambda: self.sched.submit(reqs))
             return await self._respond(request, reqs, listed, updates)
         except asyncio.CancelledError:
             if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
@@ -594,7 +616,7 @@ class Server:
         done = [loop.create_future() for _ in reqs]
         for r, fut in zip(reqs, done):  # a request is notified final once
             r.notify = lambda n, final, fut=fut: final and loop.call_soon_threadsafe(fut.set_result, None)
-        self.sched.call(lambda: self.sched.waiting.extend(reqs))
+        self.sched.call(lambda: self.sched.submit(reqs))
         await asyncio.wait(done, timeout=timeout)
 
     async def _gated(self, reqs, run_s: float) -> None:
@@ -932,10 +954,16 @@ class Server:
         return web.Response(status=200 if ok else 503)
 
     async def loads(self, request):
-        s, kv = self.sched, self.sched.kv
-        # a request that just finished leaves the batch at the end of its step: count only unfinished ones
-        running, waiting = sum(r.finish is None for r in list(s.running)), len(s.waiting)
-        used = kv.n * len(s.running) if kv is not None else 0
+        """/v1/loads, counted on the model thread between two steps as 0.5.23's scheduler answers get_loads
+        (load_inquirer.py): read from here, a request being prefilled (off the queue, not yet running) was in
+        neither count, and a test that waited for "0 running, 0 waiting" went on while one was still coming."""
+        s = self.sched
+        if not s.thread.is_alive():  # (nothing would answer the call)
+            return _error("the model thread is not running", 503)
+
+        def count():
+            return len(s.running), len(s.waiting), s.kv.n * len(s.running) if s.kv is not None else 0
+        running, waiting, used = await self._run(count)
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
             "num_used_tokens": used, "max_running_requests": s.max_running, "paused": s.paused}]})
@@ -1016,6 +1044,9 @@ def main(argv=None):
     p.add_argument("--context-length", type=int, default=None,
                    help="the context length requests are checked against (default: the model's\n"
                         "max_position_embeddings; at most that)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="a request that finds this many waiting is aborted with 503 \"The request queue is full.\"\n"
+                        "(default: unbounded; SGLang's flag)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
@@ -1043,7 +1074,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     for name, v in (("--max-running-requests", args.max_running_requests),
-                    ("--max-prefill-tokens", args.max_prefill_tokens)):
+                    ("--max-prefill-tokens", args.max_prefill_tokens),
+                    ("--max-queued-requests", args.max_queued_requests)):
         if v is not None and v < 1:
             p.error(f"{name} must be >= 1, got {v}")
     if not args.max_request_mb > 0:
@@ -1055,7 +1087,8 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
-                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
+                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache,
+                      args.max_queued_requests)
     sched.weights_cpu_backup = args.enable_weights_cpu_backup
     if args.context_length is not None:
         if not 8 <= args.context_length <= sched.context_len:

@@ -17,9 +17,11 @@ import base64
 import collections
 import concurrent.futures
 import datetime
+import heapq
 import inspect
 import io
 import logging
+import os
 import pickle
 import queue
 import threading
@@ -35,7 +37,12 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 log = logging.getLogger("engine")
 
 KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
-PREFIX_CACHE_TOKENS = 1 << 16  # prompt tokens the prefix cache holds (least recently used entries go first)
+PREFIX_CACHE_TOKENS = 1 << 16  # tokens the prefix cache holds (least recently used leaves go first)
+# A request waiting longer than this (since it last entered the queue), or running longer (since its first forward),
+# is aborted with 503; <= 0: never (0.5.23's environ.py, EnvFloat(-1); managers/scheduler.py _poll_timeout_aborts)
+REQ_WAITING_TIMEOUT_S = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT", -1))
+REQ_RUNNING_TIMEOUT_S = float(os.environ.get("SGLANG_REQ_RUNNING_TIMEOUT", -1))
+QUEUE_FULL = "The request queue is full."  # 0.5.23's message (managers/scheduler.py _abort_on_queued_limit)
 
 
 class BadRequest(ValueError):
@@ -71,14 +78,20 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    token_ids_logprob: Optional[list] = None  # ids whose log-probs are reported at every position (None: none)
     stream: bool = False
     cache_ns: tuple = (None, None)  # (extra_key, cache_salt): the prefix cache's namespace of this request
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     created: float = field(default_factory=time.perf_counter)
+    queued_at: float = 0.0  # perf_counter when it last entered the waiting queue (time_stats.wait_queue_entry_time)
+    forward_at: float = 0.0  # perf_counter of its first prefill (time_stats.forward_entry_time; kept on retract)
     output_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # float per output token
     top_logprobs: list = field(default_factory=list)  # per output token: list of (logprob, id)
     input_logprobs: list = field(default_factory=list)  # (logprob|None, id) per input token from logprob_start_len
+    input_top_logprobs: list = field(default_factory=list)  # per input token from logprob_start_len: None | [(lp, id)]
+    input_token_ids_logprobs: list = field(default_factory=list)  # the same for the token_ids_logprob ids
+    output_token_ids_logprobs: list = field(default_factory=list)  # per output token: [(lp, id)] of those ids
     spans: list = field(default_factory=list)  # [version, start, end) over output token indices
     finish: Optional[dict] = None  # SGLang finish_reason once finished
     finished_at: float = 0.0
@@ -235,6 +248,24 @@ class KVBatch:
             r += len(idx)
         return KVBatch(layers, mask, torch.cat([p[0].next_pos[p[1]] for p in pieces]),
                        torch.cat([p[0].last_tok[p[1]] for p in pieces]))
+
+
+class _Node:
+    """A radix-tree node (mem_cache/radix_cache.py TreeNode): a run of tokens and their per-layer (K, V) [H, len, D],
+    children by their first token, and the access tick eviction orders leaves by."""
+    __slots__ = ("key", "kv", "parent", "children", "last_access")
+
+    def __init__(self, key: list, kv: list, parent: Optional["_Node"]):
+        self.key, self.kv, self.parent, self.children, self.last_access = key, kv, parent, {}, 0
+
+
+def _common_len(key: list, seq: list, pos: int) -> int:
+    """How many leading tokens of key equal seq[pos:] (RadixKey.match)."""
+    n = min(len(key), len(seq) - pos)
+    i = 0
+    while i < n and key[i] == seq[pos + i]:
+        i += 1
+    return i
 
 
 # -- Torch distributed weight-update group (both sides use these helpers) ------------------------------------------
@@ -408,7 +439,7 @@ class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
-                 weight_version: str, disable_radix_cache: bool = False):
+                 weight_version: str, disable_radix_cache: bool = False, max_queued: Optional[int] = None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self._targets = None  # checkpoint name -> parameter view (checkpoint_targets), made at the first load
         self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
@@ -435,7 +466,8 @@ class Scheduler:
         self.weights_cpu_backup = False  # --enable-weights-cpu-backup: released weights come back as they were
         self.groups: dict = {}  # group_name -> (process group, device of its tensors)
         self.disable_radix_cache = disable_radix_cache
-        self._cache_clear()  # (namespace, token ids) -> per-layer KV, LRU order; the lengths cached per namespace
+        self.max_queued = max_queued  # --max-queued-requests: None, unbounded
+        self._cache_clear()  # the radix trees of the prefix cache, one per (extra_key, cache_salt)
         self.last_output = 0.0  # perf_counter of the last token generated (/health: did the scheduler answer)
         self.generated_tokens = 0  # total, for throughput in /server_info
         self.throughput = 0.0
@@ -455,6 +487,34 @@ class Scheduler:
         self.thread.join(timeout=30)
 
     # -- loop ---------------------------------------------------------------------------------------------------
+    def submit(self, reqs: list) -> None:
+        """Queue new requests, in order (on the model thread)."""
+        for r in reqs:
+            self._enqueue(r)
+
+    def _enqueue(self, r: Req) -> None:
+        """Scheduler._add_request_to_queue: a request that finds --max-queued-requests already waiting is aborted
+        with 503 (_abort_on_queued_limit), also a retracted one; else it joins the end of the queue."""
+        if self.max_queued is not None and len(self.waiting) + 1 > self.max_queued:
+            self._finish(r, abort_reason(QUEUE_FULL, 503))
+            return
+        r.queued_at = time.perf_counter()
+        self.waiting.append(r)
+
+    def _poll_timeouts(self) -> None:
+        """Scheduler._poll_timeout_aborts, run every iteration (paused too): 503 aborts of requests waiting longer
+        than SGLANG_REQ_WAITING_TIMEOUT and of running ones past SGLANG_REQ_RUNNING_TIMEOUT since their first
+        forward (a running one paused in place is finished by its next forward, as any abort)."""
+        now = time.perf_counter()
+        late = []
+        if REQ_WAITING_TIMEOUT_S > 0:
+            late += [(r, "waiting") for r in self.waiting if 0 < r.queued_at < now - REQ_WAITING_TIMEOUT_S]
+        if REQ_RUNNING_TIMEOUT_S > 0:
+            late += [(r, "running") for r in self.running
+                     if r.finish is None and r.to_finish is None and 0 < r.forward_at < now - REQ_RUNNING_TIMEOUT_S]
+        for r, where in late:
+            self.abort(r.rid, exact=True, reason=abort_reason(f"Request {where} timeout reached.", 503))
+
     def _busy(self) -> bool:
         return bool(self.running or self.waiting) and self.paused is None and not self.released
 
@@ -477,6 +537,7 @@ class Scheduler:
         with torch.inference_mode():
             while not self._stop:
                 self._run_calls()
+                self._poll_timeouts()
                 if not self._busy():
                     continue
                 try:
@@ -512,21 +573,26 @@ class Scheduler:
             if new and tokens + n > self.max_prefill_tokens:
                 break
             new.append(self.waiting.popleft())
+            new[-1].forward_at = new[-1].forward_at or time.perf_counter()
             tokens += n
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
         want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
+        # At most all but the last token is matched, and no further than logprob_start_len when input log-probs are
+        # asked for (Req._compute_max_prefix_len): the logits after the cached part are computed.
+        limits = [min(len(s) - 1, r.logprob_start_len) if w else len(s) - 1
+                  for r, s, w in zip(new, seqs, want_input_lp)]
         # Requests with the same tokens in the same namespace (a group's samples: one prompt N times) share one row
         # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
         # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
         rows: dict = {}
         src, first = [], []  # request -> its row; row -> its first request
-        for i, (r, s, w) in enumerate(zip(new, seqs, want_input_lp)):
-            src.append(rows.setdefault((r.cache_ns, tuple(s), w), len(rows)))
+        for i, (r, s, w, lim) in enumerate(zip(new, seqs, want_input_lp, limits)):
+            src.append(rows.setdefault((r.cache_ns, tuple(s), w, lim), len(rows)))
             if src[-1] == len(first):
                 first.append(i)
         useqs = [seqs[i] for i in first]
-        hits = [(0, None) if want_input_lp[i] else self._cache_match(new[i].cache_ns, seqs[i]) for i in first]
+        hits = [self._cache_match(new[i].cache_ns, seqs[i], limits[i]) for i in first]
         cached = max(c for c, _ in hits)
         width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
@@ -552,8 +618,8 @@ class Scheduler:
         kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
         for i, (r, s) in enumerate(zip(new, seqs)):
             r.cached_tokens = hits[src[i]][0]
-            if want_input_lp[i]:
-                self._input_logprobs(r, logits[src[i], q - len(s):], s)
+            if want_input_lp[i]:  # the row's computed columns: positions cached_tokens .. len(s) - 1
+                self._input_logprobs(r, logits[src[i], q - (len(s) - r.cached_tokens):], s, r.cached_tokens)
             if first[src[i]] == i:
                 self._cache_insert(r.cache_ns, s, kv, src[i])
             if r.sp.sampling_seed is not None and r.generator is None:
@@ -575,36 +641,87 @@ class Scheduler:
         self.running += [new[live[k]] for k in keep]
         self.prefilling = []
 
-    # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: keyed by token ids + namespace) ----------
-    def _cache_match(self, ns: tuple, seq: list) -> tuple:
-        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq in namespace ns, at most
-        all but its last token (one is computed, for the logits); (0, None) when none is cached. A cached sequence
-        matches when it is seq or a prefix of it (SGLang's radix tree also matches part of a longer one)."""
-        for k in sorted(self.cache_lengths.get(ns, ()), reverse=True):
-            entry = self.prefix_cache.get((ns, tuple(seq[:k]))) if k <= len(seq) else None
-            if entry is not None:
-                self.prefix_cache.move_to_end((ns, tuple(seq[:k])))
-                use = min(k, len(seq) - 1)
-                return (use, [(kk[:, :use], vv[:, :use]) for kk, vv in entry]) if use else (0, None)
-        return 0, None
+    # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: a token tree per namespace) -------------
+    def _cache_match(self, ns: tuple, seq: list, limit: int) -> tuple:
+        """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq[:limit] in namespace ns;
+        (0, None) when none. The walk of RadixCache._match_prefix_helper: whole nodes, then the matched part of the
+        node where seq diverges (split there, as SGLang splits, so the next walk ends on a node boundary)."""
+        node, pos, parts = self.radix.get(ns), 0, []
+        key = seq[:limit]
+        self._tick += 1
+        while node is not None and pos < len(key) and key[pos] in node.children:
+            child = node.children[key[pos]]
+            m = _common_len(child.key, key, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = self._tick
+            parts.append(child.kv)
+            node, pos = child, pos + m
+        if not pos:
+            return 0, None
+        return pos, [(torch.cat([p[li][0] for p in parts], 1), torch.cat([p[li][1] for p in parts], 1))
+                     for li in range(self.num_layers)]
+
+    def _split(self, child: "_Node", m: int) -> "_Node":
+        """RadixCache._split_node: child's first m tokens become a new node above it."""
+        top = _Node(child.key[:m], [(k[:, :m].clone(), v[:, :m].clone()) for k, v in child.kv], child.parent)
+        top.children, top.last_access = {child.key[m]: child}, child.last_access
+        child.parent.children[child.key[0]] = top
+        child.key, child.parent = child.key[m:], top
+        child.kv = [(k[:, m:].clone(), v[:, m:].clone()) for k, v in child.kv]
+        return top
 
     def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> None:
-        """Cache the KV of row `row` of a prefilled batch (its tokens seq), evicting the least recently used."""
-        key = (ns, tuple(seq))
-        if self.disable_radix_cache or key in self.prefix_cache:
+        """RadixCache.insert of row `row` of kv (its real columns hold the KV of seq): the tokens past the longest
+        cached prefix become a new leaf (the cached part keeps its KV); then the least recently used leaves are
+        evicted (RadixCache.evict) until at most PREFIX_CACHE_TOKENS tokens are held."""
+        if self.disable_radix_cache or not seq:
             return
-        cols = kv.mask[row, :kv.n].nonzero()[:, 0]
-        self.prefix_cache[key] = [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
-                                  for layer in kv.layers]
-        self.cache_lengths.setdefault(ns, collections.Counter())[len(seq)] += 1
-        self.cache_tokens += len(seq)
-        while self.cache_tokens > PREFIX_CACHE_TOKENS:
-            (old_ns, old), _ = self.prefix_cache.popitem(last=False)
-            self.cache_tokens -= len(old)
-            self.cache_lengths[old_ns] -= collections.Counter([len(old)])  # (drops the lengths counted 0)
+        node = self.radix.setdefault(ns, _Node([], [], None))
+        pos = 0
+        self._tick += 1
+        while pos < len(seq) and seq[pos] in node.children:
+            child = node.children[seq[pos]]
+            m = _common_len(child.key, seq, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = self._tick
+            node, pos = child, pos + m
+        if pos < len(seq):
+            cols = kv.mask[row, :kv.n].nonzero()[:, 0]
+            assert len(cols) == len(seq), (len(cols), len(seq))
+            cols = cols[pos:]
+            leaf = _Node(seq[pos:], [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
+                                     for layer in kv.layers], node)
+            leaf.last_access = self._tick
+            node.children[seq[pos]] = leaf
+            self.cache_tokens += len(leaf.key)
+        if self.cache_tokens > PREFIX_CACHE_TOKENS:
+            self._evict(self.cache_tokens - PREFIX_CACHE_TOKENS)
+
+    def _evict(self, tokens: int) -> None:
+        """RadixCache.evict: free least recently used leaves (a parent left childless becomes one) until `tokens`
+        tokens are freed."""
+        leaves = []
+        stack = list(self.radix.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if not n.children and n.parent is not None:
+                leaves.append((n.last_access, id(n), n))
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < tokens and leaves:
+            _, _, n = heapq.heappop(leaves)
+            del n.parent.children[n.key[0]]
+            freed += len(n.key)
+            p = n.parent
+            if not p.children and p.parent is not None:
+                heapq.heappush(leaves, (p.last_access, id(p), p))
+        self.cache_tokens -= freed
 
     def _cache_clear(self) -> None:
-        self.prefix_cache, self.cache_lengths, self.cache_tokens = collections.OrderedDict(), {}, 0
+        self.radix, self.cache_tokens, self._tick = {}, 0, 0  # namespace -> root _Node; tokens held; access clock
 
     def _decode(self):
         if self.kv.n + 1 > self.kv.cap:  # out of columns: rebuild, dropping those no row uses any more
@@ -619,7 +736,12 @@ class Scheduler:
             self._remove(dead)
 
     def _remove(self, dead: list):
-        """Drop rows `dead` of the running batch (finished or aborted), in place."""
+        """Drop rows `dead` of the running batch (finished or aborted), in place, caching each one's KV first: its
+        prompt and all but its last output token, the last one never having been forwarded (0.5.23's
+        release_kv_cache(checkpoint=True) of a finished request; a retracted one is not cached, release_req)."""
+        for i in dead:
+            r = self.running[i]
+            self._cache_insert(r.cache_ns, r.input_ids + r.output_ids[:-1], self.kv, i)
         if len(dead) == len(self.running):
             self.kv, self.running = None, []
         else:
@@ -642,15 +764,27 @@ class Scheduler:
             tv, ti = (t.cpu().tolist() for t in logp.topk(min(k, logp.shape[1]), dim=-1))
         for i, r in enumerate(reqs):
             top = list(zip(tv[i], ti[i]))[:r.top_logprobs_num] if k else None
+            if r.return_logprob and r.token_ids_logprob is not None:  # (before _append, which may notify)
+                r.output_token_ids_logprobs.append(list(zip(logp[i, r.token_ids_logprob].cpu().tolist(),
+                                                            r.token_ids_logprob)))
             self._append(r, int(host[0][i]), host[1][i], top)
         return toks
 
-    def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list):
-        """Prompt log-probs from logprob_start_len: position j's token under the prefix before it (None at 0)."""
-        lp = torch.log_softmax(logits.float() / r.sp.temperature, -1)
-        tgt = torch.tensor(seq[1:], device=lp.device)
-        full = [None] + lp[:-1].gather(1, tgt[:, None])[:, 0].cpu().tolist()
-        r.input_logprobs = [(full[j], seq[j]) for j in range(r.logprob_start_len, len(seq))]
+    def _input_logprobs(self, r: Req, logits: torch.Tensor, seq: list, c: int):
+        """Prompt log-probs from logprob_start_len (logits: positions c..len-1, c <= logprob_start_len): token j's
+        under the prefix before it, with None at logprob_start_len itself, as 0.5.23 lays out input_token_logprobs,
+        input_top_logprobs and input_token_ids_logprobs (logprob_result_processor.py: [None] + values[:-1])."""
+        start = r.logprob_start_len
+        lp = torch.log_softmax(logits[start - c:len(seq) - 1 - c].float() / r.sp.temperature, -1)
+        tgt = torch.tensor(seq[start + 1:], device=lp.device, dtype=torch.long)
+        vals = [None] + lp.gather(1, tgt[:, None])[:, 0].cpu().tolist()
+        r.input_logprobs = list(zip(vals, seq[start:]))
+        if r.top_logprobs_num:
+            tv, ti = (t.cpu().tolist() for t in lp.topk(min(r.top_logprobs_num, lp.shape[1]), dim=-1))
+            r.input_top_logprobs = [None] + [list(zip(v, i)) for v, i in zip(tv, ti)]
+        if r.token_ids_logprob is not None:
+            ids = r.token_ids_logprob
+            r.input_token_ids_logprobs = [None] + [list(zip(v, ids)) for v in lp[:, ids].cpu().tolist()]
 
     def _append(self, r: Req, tok: int, lp: float, top: Optional[list]):
         n = len(r.output_ids)
@@ -691,23 +825,24 @@ class Scheduler:
         r.notify(len(r.output_ids), True)
 
     # -- control calls (run on the model thread via call()) -----------------------------------------------------
-    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> int:
-        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all); queued
-        ones "Abort in waiting queue". Paused in place, a running one is only marked: SGLang's aborted request "still
-        runs one decode forward pass" (managers/scheduler.py), which a paused scheduler runs after continue."""
+    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False, reason: Optional[dict] = None) -> int:
+        """Abort (and count) requests whose rid starts with `rid` (equals it when exact; all with abort_all) with
+        `reason` (default: queued ones "Abort in waiting queue", running ones "Aborted"). Paused in place, a running
+        one is only marked: SGLang's aborted request "still runs one decode forward pass" (managers/scheduler.py),
+        which a paused scheduler runs after continue."""
         def hit(r):
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:
-            self._finish(r, abort_reason("Abort in waiting queue"))
+            self._finish(r, reason or abort_reason("Abort in waiting queue"))
         n, dead = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):
             if hit(r) and self.paused != "in_place":
-                self._finish(r, abort_reason("Aborted"))
+                self._finish(r, reason or abort_reason("Aborted"))
                 dead.append(i)
             elif hit(r):  # paused in place: finished by its next forward pass
-                r.to_finish = abort_reason("Aborted")
+                r.to_finish = reason or abort_reason("Aborted")
         if dead:
             self._remove(dead)
         return n
@@ -717,11 +852,11 @@ class Scheduler:
         are recomputed after continue), in_place (keep requests and KV). Returns the number of requests kept."""
         if mode == "abort":
             self.abort(abort_all=True)
-        elif mode == "retract":
-            for r in self.running:
+        elif mode == "retract":  # 0.5.23 pause_generation: each to the end of the queue (_add_request_to_queue)
+            retracted, self.running, self.kv = self.running, [], None
+            for r in retracted:
                 r.num_retractions += 1
-            self.waiting.extendleft(reversed(self.running))
-            self.running, self.kv = [], None
+                self._enqueue(r)
         self.paused = mode
         return len(self.running) + len(self.waiting)
 
