@@ -184,6 +184,9 @@ class WeightSync:
             targets = box[0]
         plan = plan_buckets(self.model, self.dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20)
         pending, self.last_bytes = None, 0  # the bucket in flight and its handles
+        no_expandable = method == "tensor" and self.device.type == "cuda"
+        if no_expandable:  # CUDA IPC cannot export expandable segments' blocks: off while buckets are made (verl)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         try:
             for k, spec in enumerate(plan):
                 bucket = gather_bucket(self.model, spec, self.dtype, self.device)  # overlaps the previous push
@@ -196,6 +199,9 @@ class WeightSync:
                 error = self._finish(pending, error)
         except Exception as e:  # a collective itself failed: the session must still close, or the retry's
             error = error or e  # /begin_weight_update finds it open and the run stops
+        finally:
+            if no_expandable and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         if session:
             try:
                 self.fleet.end_weight_update(None if error is None else SESSION_END_TIMEOUT_S)
@@ -275,8 +281,14 @@ class WeightSync:
                 fut.result(max(1.0, p["deadline"] - time.monotonic()))
             except Exception as e:
                 error = RuntimeError(f"weight sync: /update_weights_from_{ws.method} failed: {e}")
-        if ws.method == "tensor" and self.world > 1:  # the servers hold the handles: now every rank may free
+        if ws.method == "tensor" and self.world > 1:  # the servers have answered: now every rank may free
             dist.barrier(group=self.ctrl)
+        if ws.method == "tensor" and self.device.type == "cuda":
+            # The bucket's block was exported by CUDA IPC: the caching allocator keeps such a block out of reuse
+            # until the importer has let go, and ipc_collect hands back those it has (slime does so after every
+            # bucket, update_weight_from_tensor.py). The block is freed only after the server answered.
+            p.pop("bucket", None)
+            torch.cuda.ipc_collect()
         return error
 
     # ---- the broadcast group (distributed) ----

@@ -46,7 +46,7 @@ def _seqs(lengths, seed=0):
     return out
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "flex_attention"])
 def test_packed_position_ids_keep_sequences_apart(tiny_path, impl):
     """Each CPU attention path of the installed transformers masks across packed sequences from position_ids
     (with no attention mask and no cache); the control shows the mask comes from them."""
