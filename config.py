@@ -22,9 +22,9 @@ from typing import Any, Optional
 import yaml
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
-# model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa:
-# tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
-ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
+# model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa,
+# flex_attention: tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2")
 # algorithm.policy_loss: the keys of losses.POLICY_LOSSES (listed here so that config.py does not import torch)
 POLICY_LOSSES = ("ppo", "truncated_is", "recompute", "loglinear")
 
@@ -38,7 +38,7 @@ class ModelConfig:
     tiny_pretrain_steps: int = 300  # supervised steps of the tiny base on its task's pretraining task (0 = random)
     dtype: str = "float32"  # training parameter dtype on GPU mixed precision: float32 | bfloat16
     activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
-    attn_implementation: str = "auto"  # auto (flash_attention_2 on cuda if installed, else sdpa) | eager | sdpa | ...
+    attn_implementation: str = "auto"  # auto (cuda: flash_attention_2 if installed, else flex_attention; cpu: sdpa) | ...
 
 
 @dataclass

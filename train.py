@@ -42,6 +42,7 @@ import datetime
 import faulthandler
 import gc
 import glob
+import itertools
 import json
 import math
 import os
@@ -373,9 +374,11 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
 
     dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    impl = attn_implementation(cfg, device)
+    if rank == 0:
+        print(f"[train] attention: {impl} (model.attn_implementation={cfg.model.attn_implementation})", flush=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
-                                                 attn_implementation=attn_implementation(cfg, device))
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
@@ -446,14 +449,17 @@ def memory_report(cfg, model, world: int, device: torch.device) -> str:
 
 
 def attn_implementation(cfg, device: torch.device) -> str:
-    """model.attn_implementation with auto resolved: flash_attention_2 (varlen over packed rows) on cuda when
-    flash_attn is installed, else sdpa."""
+    """model.attn_implementation with auto resolved to the best kernel installed: on cuda flash_attention_2 (varlen
+    over packed rows) when flash_attn is installed, else flex_attention (ships with torch: a block-sparse mask of
+    the packed sequences, with GQA), not sdpa's dense [n, n] mask; sdpa on CPU."""
     import importlib.util
 
     name = cfg.model.attn_implementation
     if name != "auto":
         return name
-    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
 
 
 def build_optimizer(model, t):
@@ -560,8 +566,11 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
     for i, n in enumerate(lengths):
         index[i, :n - 1] = torch.arange(off, off + n - 1)
         off += n
+    # sequence boundaries for flash-attention's varlen kernel, made here once per micro-batch: without them
+    # transformers recomputes them from position_ids in every layer, with a host sync each time
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
-            "index": index, **out}
+            "index": index, "cu": cu, "max_len": max(lengths), **out}
 
 
 def micro_batch_loss(cfg, logp: torch.Tensor, old_lp: torch.Tensor, b: dict, denom: float, entropy, step: int):
@@ -595,6 +604,9 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     import losses
 
     kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
+    if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs
+        kwargs |= {"cu_seq_lens_q": b["cu"], "cu_seq_lens_k": b["cu"], "max_length_q": b["max_len"],
+                   "max_length_k": b["max_len"]}
     head, targets = model.get_output_embeddings(), b["ids"][:, 1:]
     fused = (isinstance(head, torch.nn.Linear) and head.bias is None
              and not getattr(model.config, "final_logit_softcapping", None))
@@ -722,7 +734,7 @@ class Actor:
             dist.scatter_object_list(out, None, src=0, group=_ctrl_group())
             plan = out[0]
         cfg, t = self.cfg, self.cfg.trainer
-        batches = [{k: v.to(self.device) for k, v in mb.items()} for mb in plan]
+        batches = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in plan]
         old = self._old_log_probs(batches, step)
         self.model.train()
         sums, weights, extremes = {}, {}, {}

@@ -82,6 +82,8 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
         if packing:  # one row, no padding: n = the sequences' tokens
             assert b["ids"].shape == (1, sum(p + r for p, r in [(5, 9), (3, 2), (7, 14), (4, 1), (6, 6)]))
             assert b["pos"][0, :14].tolist() == list(range(14)) and b["pos"][0, 14:19].tolist() == list(range(5))
+            # flash-attention's varlen boundaries, made once here rather than in every layer
+            assert b["cu"].tolist() == [0, 14, 19, 40, 45, 57] and b["cu"].dtype == torch.int32 and b["max_len"] == 21
     (lp0, e0, l0, g0), (lp1, e1, l1, g1) = results[False], results[True]
     assert (lp0 - lp1).abs().max() < 1e-5 and (e0 - e1).abs().max() < 1e-5
     assert abs(float(l0 - l1)) < 1e-5 and float(l0.abs()) > 1e-3
