@@ -109,6 +109,7 @@ class TrainerConfig:
     warmup_steps: int = 0  # linear warmup of the learning rate, in optimizer updates
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple = (0.9, 0.999)  # AdamW betas
+    optimizer_impl: str = "auto"  # AdamW kernel: auto (fused on cuda, foreach on cpu) | fused | foreach | for_loop
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
     micro_batch_tokens: int = 16384  # max tokens per forward/backward micro-batch on one rank (padded: rows x longest)
     packing: bool = True  # a micro-batch is one row of concatenated sequences (restarting position_ids, no padding)
@@ -602,6 +603,8 @@ def validate(cfg: Config) -> Config:
     if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
         raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
+    if t.optimizer_impl not in ("auto", "fused", "foreach", "for_loop"):
+        raise ValueError(f"trainer.optimizer_impl must be auto, fused, foreach or for_loop, got '{t.optimizer_impl}'")
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:
             raise ValueError(f"trainer.{key} must be >= 0, got {getattr(t, key)}")

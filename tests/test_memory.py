@@ -34,26 +34,52 @@ def qwen3_30b():
         return AutoModelForCausalLM.from_config(hf)
 
 
+SHAPE_30B = {"hidden_size": 2048, "vocab_size": 151936, "num_hidden_layers": 48}
+CONFIG_30B_8GPU = os.path.join(ROOT, "configs", "qwen3_30b_a3b_dapo_8gpu.yaml")
+
+
 def test_the_30b_config_fits_8_gpus_of_80gb_by_its_own_estimate(qwen3_30b):
+    """Every term of train.memory_estimate, from the 30B's HF config on the meta device (never loaded)."""
     n, largest = train.param_counts(qwen3_30b)
     assert 30.4e9 < n < 30.6e9  # "30.5B" on the model card
     cfg = config.load_config(CONFIG_30B)
-    est = train.memory_estimate(cfg, n, largest, 8, "cuda")
+    est = train.memory_estimate(cfg, n, largest, 8, "cuda", SHAPE_30B)
+    p = est["parts"]
     shard = n / 8 * 4 / GIB  # float32 master weights, 1/8 each
-    assert est["parts"]["params"] == pytest.approx(shard) and est["parts"]["grads"] == pytest.approx(shard)
-    assert est["parts"]["optimizer"] == pytest.approx(2 * shard)  # AdamW: exp_avg + exp_avg_sq
+    assert p["params"] == pytest.approx(shard) and p["grads"] == pytest.approx(shard)
+    assert p["optimizer"] == pytest.approx(2 * shard)  # AdamW: exp_avg + exp_avg_sq
+    assert p["optimizer step"] == 0.0  # fused AdamW on cuda: no foreach temporaries
+    assert p["gathered layers"] == pytest.approx(2 * largest * 2 / GIB)
+    assert p["layer gradients"] == pytest.approx(largest * (2 + 4) / GIB)  # bf16 grad + its float32 reduce input
+    tokens, h, v = 24576, 2048, 151936
+    assert p["activations"] == pytest.approx((48 * tokens * h * 2 + 34 * tokens * h) / GIB)  # checkpointed
+    assert p["log-probs"] == pytest.approx((1024 * v * 6 + v * h * 4) / GIB)  # one chunk, never [tokens, vocab]
+    assert p["cuda runtime"] == train.CUDA_RUNTIME_GIB
     assert est["host"] == pytest.approx(shard / 2)  # trainer.snapshot: cpu, in bf16 (the compute dtype)
-    assert est["device"] == pytest.approx(4 * shard + 2 * largest * 2 / GIB)
-    assert est["device"] * GIB < GPU_80GB - 15 * GIB  # >= 15 GiB left for activations
-    # the snapshot on the device: half a shard more there; as it was (a float32 copy on the GPU), under 5 GiB left
+    assert est["device"] == pytest.approx(sum(x for k, x in p.items() if k != "snapshot"))
+    assert 70 < est["device"] < GPU_80GB / GIB - 1.5  # fits, by under 2 GiB (the config says so)
+    # foreach AdamW: its temporaries are a full float32 shard more, and then it does not fit
+    foreach = train.memory_estimate(config.load_config(CONFIG_30B, ["trainer.optimizer_impl=foreach"]), n, largest,
+                                    8, "cuda", SHAPE_30B)
+    assert foreach["device"] == pytest.approx(est["device"] + shard) and foreach["device"] * GIB > GPU_80GB
     on_device = train.memory_estimate(config.load_config(CONFIG_30B, ["trainer.snapshot=device"]), n, largest, 8,
-                                      "cuda")
+                                      "cuda", SHAPE_30B)
     assert on_device["device"] == pytest.approx(est["device"] + shard / 2) and on_device["host"] == 0
-    assert GPU_80GB - (on_device["device"] + shard / 2) * GIB < 5 * GIB
-    offload = train.memory_estimate(config.load_config(CONFIG_30B, ["trainer.cpu_offload=true"]), n, largest, 8,
-                                    "cuda")
-    assert offload["device"] == pytest.approx(2 * largest * 2 / GIB)
-    assert offload["host"] == pytest.approx(4.5 * shard)
+    assert on_device["device"] * GIB > GPU_80GB
+
+
+def test_the_30b_8_gpu_node_layout_fits_by_the_estimate(qwen3_30b):
+    """configs/qwen3_30b_a3b_dapo_8gpu.yaml: 4 trainer ranks with cpu_offload (the state on the host, the step on
+    the CPU) beside two TP=2 servers on one 8 x 80 GB node."""
+    n, largest = train.param_counts(qwen3_30b)
+    cfg = config.load_config(CONFIG_30B_8GPU)
+    assert cfg.trainer.num_gpus_per_node == 4 and cfg.trainer.cpu_offload
+    assert sorted(g for s in cfg.rollout.server_layout for g in s.gpus) == [4, 5, 6, 7]
+    assert train.optimizer_impl(cfg, "cuda") == "foreach"  # the step runs on the CPU
+    est = train.memory_estimate(cfg, n, largest, 4, "cuda", SHAPE_30B)
+    shard = n / 4 * 4 / GIB
+    assert est["host"] == pytest.approx(5 * shard + shard / 2)  # params, grads, 2 moments, step temporaries, snapshot
+    assert est["device"] < 20 and 4 * est["host"] < 700  # GiB a GPU; GiB of host memory for the node
 
 
 def test_no_snapshot_without_a_second_training_call_or_with_rollout_log_probs(qwen3_30b):
@@ -68,7 +94,7 @@ def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(q
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=GPU_80GB))
     cuda = torch.device("cuda", 0)
     line = train.memory_report(config.load_config(CONFIG_30B), qwen3_30b, 8, cuda)
-    assert line.startswith("[train] memory per rank, estimated before activations (30.53B parameters over 8 ranks)")
+    assert line.startswith("[train] memory per rank, estimated at a step's peak (30.53B parameters over 8 ranks)")
     assert "warning" not in line
     line = train.memory_report(config.load_config(CONFIG_30B), qwen3_30b, 4, cuda)  # half the ranks: 2x the shards
     assert "[train] warning: that is more than the device's 74.5 GiB; set trainer.cpu_offload=true" in line
