@@ -372,8 +372,9 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
-                                                 attn_implementation=attn_implementation(cfg, device))
+        # experts_implementation: as engine.py's scheduler.load_model (eager on CPU: grouped_mm is ~10x slower there)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation(
+            cfg, device), experts_implementation="eager" if device.type == "cpu" else None)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
