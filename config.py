@@ -92,6 +92,7 @@ class AlgorithmConfig:
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     m2po: M2POConfig = field(default_factory=M2POConfig)
     opsm: OPSMConfig = field(default_factory=OPSMConfig)
+    routing_replay: bool = False  # MoE only: the trainer routes each token to the experts the server chose (R3)
 
 
 @dataclass

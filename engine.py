@@ -58,6 +58,7 @@ import orjson
 import torch
 from aiohttp import web
 
+import moe
 from scheduler import (BadRequest, Req, SamplingParams, Scheduler, broadcast_tensors,
                        deserialize_named_tensors, init_weight_update_group, load_model)
 
@@ -180,7 +181,8 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "text": _list_of(_is_str), "input_ids": _list_of(_all_of(_is_int)), "rid": _list_of(_is_str),
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
     "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
-    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str)}
+    "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str),
+    "return_routed_experts": _is_bool, "routed_experts_start_len": _is_int}
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
@@ -260,6 +262,12 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
         stream=_flag(body, "stream", False), cache_ns=(body.get("extra_key") or None, body.get("cache_salt") or None))
     if req.logprob_start_len >= len(ids):
         raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
+    req.return_routed_experts = _flag(body, "return_routed_experts", False)
+    req.routed_experts_start_len = _field(body, "routed_experts_start_len", 0, lambda v: _is_int(v) and v >= 0,
+                                          "an integer >= 0")
+    if req.routed_experts_start_len > len(ids):  # 0.5.23 scheduler.py: aborts such a request with this check
+        raise BadRequest(f"field `routed_experts_start_len` ({req.routed_experts_start_len}) must be <= the "
+                         f"{len(ids)} input tokens")
     return req
 
 
@@ -448,6 +456,11 @@ class Server:
                 "weight_version": spans[-1]["version"] if spans else self.sched.weight_version}
         if final:
             meta["e2e_latency"] = r.finished_at - r.created
+        if final and r.return_routed_experts and self.sched.recorder is not None:
+            # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1)
+            end = len(r.input_ids) + n - 1
+            rows = torch.cat(r.routes) if r.routes else torch.zeros(0, 1, 1, dtype=torch.int32)  # never prefilled
+            meta["routed_experts"] = moe.encode(rows[min(r.routed_experts_start_len, end):end])
         if r.return_logprob:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.logprobs[:n], ids)]
@@ -884,6 +897,9 @@ def main(argv=None):
                         "reports the flag as given, null when absent, and the limit in internal_states)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record a MoE's top-k experts per token for requests with return_routed_experts (SGLang's\n"
+                        "flag; without it they get no meta_info.routed_experts)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
     p.add_argument("--weight-version", default="0", help="weight_version reported until an update changes it")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
@@ -918,7 +934,8 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
-                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache)
+                      args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache,
+                      args.enable_return_routed_experts)
     sched.thread.start()
     server = Server(args, sched, tokenizer)
     log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+import moe
+
 log = logging.getLogger("engine")
 
 KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
@@ -87,6 +89,9 @@ class Req:
     to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
+    return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (--enable-return-routed-experts)
+    routed_experts_start_len: int = 0  # its first position
+    routes: list = field(default_factory=list)  # int32 [tokens, layers, top-k] chunks: positions 0, 1, ... so far
 
 
 def abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
@@ -411,8 +416,10 @@ class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
-                 weight_version: str, disable_radix_cache: bool = False):
+                 weight_version: str, disable_radix_cache: bool = False, record_routes: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        # a MoE's routed experts per token (sglang's --enable-return-routed-experts; moe.Recorder)
+        self.recorder = moe.Recorder(model) if record_routes else None
         self._targets = None  # checkpoint name -> parameter view (checkpoint_targets), made at the first load
         self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
         cfg = model.config.get_text_config()
@@ -518,17 +525,20 @@ class Scheduler:
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
         want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
+        # A request that wants its routed experts is prefilled in full (no cached prefix: its positions' routes are
+        # all computed here; sglang keeps the cached tokens' routes beside their KV)
+        full = [w or (r.return_routed_experts and self.recorder is not None) for r, w in zip(new, want_input_lp)]
         # Requests with the same tokens in the same namespace (a group's samples: one prompt N times) share one row
         # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
         # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
         rows: dict = {}
         src, first = [], []  # request -> its row; row -> its first request
-        for i, (r, s, w) in enumerate(zip(new, seqs, want_input_lp)):
+        for i, (r, s, w) in enumerate(zip(new, seqs, full)):
             src.append(rows.setdefault((r.cache_ns, tuple(s), w), len(rows)))
             if src[-1] == len(first):
                 first.append(i)
         useqs = [seqs[i] for i in first]
-        hits = [(0, None) if want_input_lp[i] else self._cache_match(new[i].cache_ns, seqs[i]) for i in first]
+        hits = [(0, None) if full[i] else self._cache_match(new[i].cache_ns, seqs[i]) for i in first]
         cached = max(c for c, _ in hits)
         width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
@@ -552,7 +562,11 @@ class Scheduler:
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
         kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
+        routed = self.recorder.take().view(len(rows), q, self.num_layers, -1) if self.recorder and any(
+            r.return_routed_experts for r in new) else None
         for i, (r, s) in enumerate(zip(new, seqs)):
+            if routed is not None and r.return_routed_experts:  # every position of s (a retracted one's again)
+                r.routes = [routed[src[i], q - len(s):]]
             r.cached_tokens = hits[src[i]][0]
             if want_input_lp[i]:
                 self._input_logprobs(r, logits[src[i], q - len(s):], s)
@@ -614,6 +628,11 @@ class Scheduler:
         kv = self.kv
         kv.mask[:, kv.n] = 1
         logits = self._forward(kv.last_tok[:, None], kv, kv.next_pos[:, None], last_only=True)
+        if self.recorder and any(r.return_routed_experts for r in self.running):
+            routed = self.recorder.take()  # row i: the route of running[i]'s last token
+            for i, r in enumerate(self.running):
+                if r.return_routed_experts:
+                    r.routes.append(routed[i:i + 1])
         kv.next_pos = kv.next_pos + 1
         kv.last_tok = self._sample_and_append(self.running, logits[:, -1])
         dead = [i for i, r in enumerate(self.running) if r.finish is not None]

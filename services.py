@@ -233,6 +233,8 @@ class Services:
                 cmd += ["--max-running-requests", str(a.max_running_requests)]
             if a.api_key:
                 cmd += ["--api-key", a.api_key]
+            if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
+                cmd += ["--enable-return-routed-experts"]
             if r.launch == "sglang":
                 if a.mem_fraction_static:
                     cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]

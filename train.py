@@ -475,7 +475,8 @@ def make_sequences(groups: list, cfg) -> list[dict]:
         for t, a in zip(g.trajectories, adv.tolist()):
             out.append({"prompt": t.prompt_ids.tolist(), "response": t.response_ids.tolist(),
                         "mask": t.loss_mask.tolist(), "rollout_lp": t.rollout_log_probs.tolist(),
-                        "versions": t.versions.tolist(), "adv": a})
+                        "versions": t.versions.tolist(), "adv": a,
+                        **({"routes": t.routed_experts} if t.routed_experts.numel() else {})})
     return out
 
 
@@ -547,6 +548,13 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
     if mask_offpolicy:
         mask = losses.offpolicy_token_mask(ver, mask)
     out = {"mask": mask, "rollout_lp": rlp, "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    shape = next((s["routes"].shape[1:] for s in seqs if "routes" in s), None)
+    if shape is not None:  # routing replay: the server's experts per input position, -1 (own choice) elsewhere
+        routes = torch.full((b, L, *shape), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            if "routes" in s:
+                routes[i, :s["routes"].shape[0]] = s["routes"]
+        out["routes"] = routes
     if not packing:
         return {"ids": ids, "attn": attn, **out}
     lengths = [_length(s) for s in seqs]
@@ -555,6 +563,8 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
     for i, n in enumerate(lengths):
         index[i, :n - 1] = torch.arange(off, off + n - 1)
         off += n
+    if shape is not None:  # the packed row's positions, as ids
+        out["routes"] = out["routes"][attn > 0][None]
     return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
             "index": index, **out}
 
@@ -571,7 +581,9 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
     per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them)."""
     import losses
+    import moe
 
+    moe.set_routes(model, b.get("routes"))  # routing replay (none recorded: the routers' own top-k)
     if "pos" in b:
         logits = model(input_ids=b["ids"], position_ids=b["pos"], use_cache=False).logits[:, :-1]
     else:
@@ -1164,6 +1176,17 @@ def check_launch(cfg, world: int) -> None:
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
         raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
                          "model.make_tiny=true to create the tiny model there")
+    if cfg.algorithm.routing_replay:  # the model's config says whether it is a MoE (config.validate cannot see it)
+        import moe
+
+        path, sparse = os.path.join(cfg.model.path, "config.json"), cfg.model.tiny_num_experts > 0  # (tiny: made later)
+        if os.path.isfile(path):
+            with open(path) as f:
+                sparse = moe.is_moe(json.load(f))
+        if not sparse:
+            raise ValueError(f"algorithm.routing_replay=true replays a MoE's expert choices, but model.path "
+                             f"'{cfg.model.path}' is a dense model (no num_experts_per_tok in its config.json); set "
+                             "algorithm.routing_replay=false")
     needs_servers = cfg.run_mode != "train-only"
     if needs_servers and not r.servers and not r.router_url:
         if r.launch == "none":
