@@ -89,15 +89,15 @@ class Trajectory(_WireState):
     rollout_log_probs: torch.Tensor = field(default_factory=lambda: _EMPTY_FLOAT32)  # float32 [T]
     versions: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T]
     loss_mask: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T], 0/1
-    # algorithm.routing_replay: the experts the server routed positions 0 .. R-1 of prompt + response to, int32
-    # [R, layers, top-k] (sglang's meta_info.routed_experts layout), R = P + T - 1 once generated (the last token
-    # never went through a forward); empty otherwise
-    routed_experts: torch.Tensor = field(default_factory=lambda: _EMPTY_INT32)
     reward: float = 0.0
     status: str = COMPLETED  # completed | truncated | aborted | failed
     start_version: int = -1  # weight version of the first generated token (-1: nothing generated yet)
     end_version: int = -1  # weight version of the last generated token
     metadata: dict = field(default_factory=dict)  # free-form (turns, finish reason, errors, timings, ...)
+    # algorithm.routing_replay: the experts the server routed positions 0 .. R-1 of prompt + response to, int32
+    # [R, layers, top-k] (sglang's meta_info.routed_experts layout), R = P + T - 1 once generated (the last token
+    # never went through a forward); empty otherwise
+    routed_experts: torch.Tensor = field(default_factory=lambda: _EMPTY_INT32)
 
     @property
     def prompt_id(self) -> tuple[int, int]:
