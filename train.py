@@ -340,7 +340,10 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
                cpu_offload: bool = False) -> None:
     """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
-    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload:
+    backward comes right away). A MoE decoder layer (attention, router and all its experts) is one unit: transformers
+    5 keeps a layer's experts as two fused parameters [E, ...], each sharded over the ranks along E like any other
+    parameter, and a batch's tokens are routed to most experts, so they are all-gathered together (units per
+    expert would add collectives and gather the same bytes; expert parallelism is not implemented). param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload:
     the shards, their gradients and so the optimizer state stay in host memory (pinned on cuda; pinning needs
     an accelerator), copied to the device per layer for forward and backward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -399,7 +402,8 @@ GIB = 2 ** 30
 
 def param_counts(model) -> tuple[int, int]:
     """(parameters, parameters of the largest decoder layer) of an HF causal LM: sharded (a DTensor's numel() is
-    the full parameter's) or on the meta device (a config's model, never loaded)."""
+    the full parameter's) or on the meta device (a config's model, never loaded). A MoE's experts count as stored:
+    all E of every layer (each rank holds 1/world of each fused expert tensor), not the top-k a token runs."""
     return (sum(p.numel() for p in model.parameters()),
             max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers))
 
