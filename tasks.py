@@ -1,7 +1,7 @@
 r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
 
-- `make_tiny_model(out_dir)`: a Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2 layers) with
-  a character-level tokenizer built with the `tokenizers` library, random init and optionally `pretrain`ed on a
+- `make_tiny_model(out_dir)`: a Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2 layers; or,
+  num_experts > 0, a Qwen3-MoE: configs/tiny_moe.yaml) with a character-level tokenizer built with the `tokenizers` library, random init and optionally `pretrain`ed on a
   toy task (PRETRAIN_TASK_OF: each RL task's base), saved with `save_pretrained` (safetensors) so that
   AutoModelForCausalLM / AutoTokenizer and any engine load the directory.
 - `load_prompts(ds_cfg, tokenizer, split)`: the prompts of one config.DataSourceConfig, deterministic from its seed,
@@ -121,7 +121,7 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
     torch.manual_seed(seed)
     model = (Qwen3MoeForCausalLM if num_experts else Qwen3ForCausalLM)(config).float()
     if num_experts:
-        model.set_experts_implementation("eager")  # one matmul per expert: transformers' grouped_mm is ~10x slower on CPU
+        model.set_experts_implementation("eager")  # a matmul per expert: transformers' grouped_mm is ~10x slower on CPU
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.pad_token_id)

@@ -343,9 +343,10 @@ def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Op
     backward comes right away). A MoE decoder layer (attention, router and all its experts) is one unit: transformers
     5 keeps a layer's experts as two fused parameters [E, ...], each sharded over the ranks along E like any other
     parameter, and a batch's tokens are routed to most experts, so they are all-gathered together (units per
-    expert would add collectives and gather the same bytes; expert parallelism is not implemented). param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload:
-    the shards, their gradients and so the optimizer state stay in host memory (pinned on cuda; pinning needs
-    an accelerator), copied to the device per layer for forward and backward."""
+    expert would add collectives and gather the same bytes; expert parallelism is not implemented).
+    param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload: the shards, their gradients and
+    so the optimizer state stay in host memory (pinned on cuda; pinning needs an accelerator), copied to the device
+    per layer for forward and backward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
