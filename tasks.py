@@ -1,9 +1,10 @@
 r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
 
 - `make_tiny_model(out_dir)`: a Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2 layers; or,
-  num_experts > 0, a Qwen3-MoE: configs/tiny_moe.yaml) with a character-level tokenizer built with the `tokenizers` library, random init and optionally `pretrain`ed on a
-  toy task (PRETRAIN_TASK_OF: each RL task's base), saved with `save_pretrained` (safetensors) so that
-  AutoModelForCausalLM / AutoTokenizer and any engine load the directory.
+  num_experts > 0, a Qwen3-MoE: configs/tiny_moe.yaml) with a character-level tokenizer built with the `tokenizers`
+  library, random init and optionally `pretrain`ed on a toy task (PRETRAIN_TASK_OF: each RL task's base), saved
+  with `save_pretrained` (safetensors) so that AutoModelForCausalLM / AutoTokenizer and any engine load the
+  directory.
 - `load_prompts(ds_cfg, tokenizer, split)`: the prompts of one config.DataSourceConfig, deterministic from its seed,
   with a held-out "eval" split disjoint from "train". Tasks (data_source.task):
     reverse_digits  prompt "12345=" (1-5 digits), target "54321" then eos. Raw text, no chat template.
