@@ -94,9 +94,9 @@ class Trajectory(_WireState):
     start_version: int = -1  # weight version of the first generated token (-1: nothing generated yet)
     end_version: int = -1  # weight version of the last generated token
     metadata: dict = field(default_factory=dict)  # free-form (turns, finish reason, errors, timings, ...)
-    # algorithm.routing_replay: the experts the server routed positions 0 .. R-1 of prompt + response to, int32
-    # [R, layers, top-k] (sglang's meta_info.routed_experts layout), R = P + T - 1 once generated (the last token
-    # never went through a forward); empty otherwise
+    # algorithm.routing_replay: the experts the server routed positions 0 .. R-1 of prompt + response to, [R, layers,
+    # top-k] as sglang's meta_info.routed_experts (in uint8, or int16 over 256 experts), R = P + T - 1 once generated
+    # (the last token never went through a forward); empty otherwise
     routed_experts: torch.Tensor = field(default_factory=lambda: _EMPTY_INT32)
 
     @property

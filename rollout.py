@@ -841,6 +841,10 @@ class Rollout:
                 hf = json.load(f)
             hf = hf.get("text_config", hf)
             self.routes_shape = (hf["num_hidden_layers"], hf["num_experts_per_tok"])
+            # stored in the smallest integer that holds an expert id: a 20K-token Qwen3-30B-A3B trajectory's routes
+            # (48 layers, top-8) are 7.7 MB as uint8, 31 MB as sglang's int32
+            experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 1 << 15
+            self.routes_dtype = torch.uint8 if experts <= 256 else torch.int16
         self.stats = _new_stats()
         self._groups: dict[tuple[int, int], _GroupRun] = {}
         self._active: dict[str, _Active] = {}
@@ -1069,7 +1073,7 @@ class Rollout:
         if text is None:
             raise ValueError("algorithm.routing_replay=true but the server returned no meta_info.routed_experts; "
                              "launch it with --enable-return-routed-experts (launched servers get it)")
-        rows = moe.decode(text, *self.routes_shape)
+        rows = moe.decode(text, *self.routes_shape).to(self.routes_dtype)
         have, end = t.routed_experts.shape[0], t.num_tokens - 1
         if rows.shape[0] != end - start:
             raise ValueError(f"meta_info.routed_experts has {rows.shape[0]} rows, expected {end - start} (positions "

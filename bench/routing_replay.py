@@ -45,7 +45,7 @@ def sample(url: str, tokenizer, n_prompts: int, layers: int, top_k: int) -> list
             "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 0}}
     items = requests.post(url + "/generate", json=body, timeout=300).json()
     side = object.__new__(rollout.Rollout)
-    side.routes_shape = (layers, top_k)
+    side.routes_shape, side.routes_dtype = (layers, top_k), torch.uint8
     out = []
     for p, item in zip(body["input_ids"], items):
         t = buffer.Trajectory(0, 0, 0, torch.tensor(p))

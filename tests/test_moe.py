@@ -271,7 +271,7 @@ def sampled_sequences(url, k: int = 16) -> list:
             gen = rollout.parse_generate_response(item)
             rollout._extend(t, gen.ids, gen.log_probs, gen.versions, 1)
             fleet_side = object.__new__(rollout.Rollout)
-            fleet_side.routes_shape = (2, 2)
+            fleet_side.routes_shape, fleet_side.routes_dtype = (2, 2), torch.uint8
             fleet_side._extend_routes(t, item, 0)
             out.append(t)
     return out
@@ -360,16 +360,16 @@ def test_a_restored_trajectory_keeps_its_routes():
     """A partial rollout continued from its restored tokens asks for routes from the fewest any item has
     (routed_experts_start_len) and appends only the positions it had none for."""
     t = buffer.Trajectory(0, 0, 0, torch.tensor([1, 2, 3]), response_ids=torch.tensor([4, 5]))
-    t.routed_experts = torch.full((4, 2, 2), 7, dtype=torch.int32)  # positions 0-3 (5 was never run)
+    t.routed_experts = torch.full((4, 2, 2), 7, dtype=torch.uint8)  # positions 0-3 (5 was never run)
     fresh = buffer.Trajectory(0, 0, 1, torch.tensor([1, 2, 3]))
     assert rollout._routes_start([t, fresh]) == 0
     r = object.__new__(rollout.Rollout)
-    r.routes_shape = (2, 2)
+    r.routes_shape, r.routes_dtype = (2, 2), torch.uint8
     t.response_ids = torch.tensor([4, 5, 6, 8])  # the continuation generated 6 and 8: positions 0-5 were run
     new = torch.arange(6 * 4, dtype=torch.int32).view(6, 2, 2)  # from start 0: its own routes for 0-3 too
     r._extend_routes(t, {"meta_info": {"routed_experts": moe_lib.encode(new)}}, 0)
-    assert torch.equal(t.routed_experts[:4], torch.full((4, 2, 2), 7, dtype=torch.int32))
-    assert torch.equal(t.routed_experts[4:], new[4:])
+    assert torch.equal(t.routed_experts[:4], torch.full((4, 2, 2), 7, dtype=torch.uint8))
+    assert torch.equal(t.routed_experts[4:], new[4:].to(torch.uint8))
     with pytest.raises(ValueError, match="enable-return-routed-experts"):
         r._extend_routes(t, {"meta_info": {}}, 0)
 
