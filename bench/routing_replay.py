@@ -13,7 +13,7 @@ experts its MoE blocks actually ran with are read at their input. Printed per no
   lp gap      mean and max |trainer - server| log-prob over the response tokens.
 
 Run: python bench/routing_replay.py [--model runs/tiny-moe-base] [--prompts 64] [--eps 0 0.00390625 0.0156]
-(~1 minute; the model is made as train.py would, 300 copy_digits steps, when --model does not exist)
+(1-2 minutes; the model is made as train.py would, 300 copy_digits steps, when --model does not exist)
 """
 from __future__ import annotations
 
