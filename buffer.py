@@ -45,6 +45,7 @@ class NothingToTrain(RuntimeError):
 
 
 _EMPTY_INT64, _EMPTY_FLOAT32 = torch.zeros(0, dtype=torch.long), torch.zeros(0)
+_EMPTY_INT32 = torch.zeros(0, dtype=torch.int32)
 WIRE_BYTES_MAX = 256  # tensor fields of at most this many elements are pickled as bytes (_WireState)
 
 
@@ -93,6 +94,10 @@ class Trajectory(_WireState):
     start_version: int = -1  # weight version of the first generated token (-1: nothing generated yet)
     end_version: int = -1  # weight version of the last generated token
     metadata: dict = field(default_factory=dict)  # free-form (turns, finish reason, errors, timings, ...)
+    # algorithm.routing_replay: the experts the server routed positions 0 .. R-1 of prompt + response to, [R, layers,
+    # top-k] as sglang's meta_info.routed_experts (in uint8, or int16 over 256 experts), R = P + T - 1 once generated
+    # (the last token never went through a forward); empty otherwise
+    routed_experts: torch.Tensor = field(default_factory=lambda: _EMPTY_INT32)
 
     @property
     def prompt_id(self) -> tuple[int, int]:

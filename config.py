@@ -36,6 +36,8 @@ class ModelConfig:
     tiny_hidden_size: int = 64  # width of the tiny model made by `make_tiny`
     tiny_num_layers: int = 2  # decoder layers of the tiny model
     tiny_pretrain_steps: int = 300  # supervised steps of the tiny base on its task's pretraining task (0 = random)
+    tiny_num_experts: int = 0  # > 0: the tiny model is a Qwen3-MoE with this many experts per layer (0 = dense)
+    tiny_experts_per_token: int = 2  # top-k experts per token of the tiny Qwen3-MoE
     dtype: str = "float32"  # training parameter dtype on GPU mixed precision: float32 | bfloat16
     activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
     attn_implementation: str = "auto"  # auto (cuda: flash_attention_2 if installed, else flex_attention; cpu: sdpa) | ...
@@ -93,6 +95,7 @@ class AlgorithmConfig:
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     m2po: M2POConfig = field(default_factory=M2POConfig)
     opsm: OPSMConfig = field(default_factory=OPSMConfig)
+    routing_replay: bool = False  # MoE only: the trainer routes each token to the experts the server chose (R3)
 
 
 @dataclass
@@ -441,6 +444,11 @@ def validate(cfg: Config) -> Config:
     _positive(M, "trainer.mini_batch_size")
     if cfg.model.tiny_pretrain_steps < 0:
         raise ValueError(f"model.tiny_pretrain_steps must be >= 0, got {cfg.model.tiny_pretrain_steps}")
+    if cfg.model.tiny_num_experts < 0:
+        raise ValueError(f"model.tiny_num_experts must be >= 0 (0: a dense model), got {cfg.model.tiny_num_experts}")
+    if cfg.model.tiny_num_experts and not 0 < cfg.model.tiny_experts_per_token <= cfg.model.tiny_num_experts:
+        raise ValueError(f"model.tiny_experts_per_token must be in 1 .. model.tiny_num_experts "
+                         f"({cfg.model.tiny_num_experts}), got {cfg.model.tiny_experts_per_token}")
     if (B * N) % M != 0:
         raise ValueError(
             f"data_source.num_prompts_per_step x data_source.num_trajectories_per_prompt ({B} x {N} = {B * N}) "

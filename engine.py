@@ -69,6 +69,7 @@ import orjson
 import torch
 from aiohttp import web
 
+import moe
 from scheduler import (BadRequest, Req, SamplingParams, Scheduler, broadcast_tensors,
                        deserialize_named_tensors, init_weight_update_group, load_model)
 
@@ -220,7 +221,8 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
     "sampling_params": _list_of(lambda v: isinstance(v, dict)), "return_logprob": _list_of(_is_bool),
     "logprob_start_len": _list_of(_is_int), "top_logprobs_num": _list_of(_is_int), "return_text_in_logprobs": _is_bool,
     "stream": _is_bool, "extra_key": _list_of(_is_str), "cache_salt": _list_of(_is_str),
-    "token_ids_logprob": lambda v: _all_of(_is_int)(v) or _all_of(_all_of(_is_int))(v)}
+    "token_ids_logprob": lambda v: _all_of(_is_int)(v) or _all_of(_all_of(_is_int))(v),
+    "return_routed_experts": _is_bool, "routed_experts_start_len": _is_int}
 # GenerateReqInput fields outside engine.py's subset (see the module docstring): HTTP 400 naming the field unless
 # null or false, so that a request that relies on one fails instead of being answered without it.
 UNSERVED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor", "lora_path",
@@ -335,6 +337,12 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
         raise BadRequest(f"field `logprob_start_len` ({req.logprob_start_len}) must be < the {len(ids)} input tokens")
     if req.return_logprob and req.logprob_start_len == -1 and token_ids is not None:
         req.logprob_start_len = len(ids) - 1  # 0.5.23 scheduler.py handle_generate_request: the last input token
+    req.return_routed_experts = _flag(body, "return_routed_experts", False)
+    req.routed_experts_start_len = _field(body, "routed_experts_start_len", 0, lambda v: _is_int(v) and v >= 0,
+                                          "an integer >= 0")
+    if req.routed_experts_start_len > len(ids):  # 0.5.23 scheduler.py: aborts such a request with this check
+        raise BadRequest(f"field `routed_experts_start_len` ({req.routed_experts_start_len}) must be <= the "
+                         f"{len(ids)} input tokens")
     return req
 
 
@@ -537,6 +545,11 @@ class Server:
             meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
             meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
+        if final and r.return_routed_experts and self.sched.recorder is not None:
+            # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1)
+            end = len(r.input_ids) + n - 1
+            rows = torch.cat(r.routes) if r.routes else torch.zeros(0, 1, 1, dtype=torch.int32)  # never prefilled
+            meta["routed_experts"] = moe.encode(rows[min(r.routed_experts_start_len, end):end])
         if r.return_logprob:
             tt = (lambda t: self.tokenizer.decode([t])) if r.return_text_in_logprobs else (lambda t: None)
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.logprobs[:n], ids)]
@@ -1049,6 +1062,9 @@ def main(argv=None):
                         "(default: unbounded; SGLang's flag)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record a MoE's top-k experts per token for requests with return_routed_experts (SGLang's\n"
+                        "flag; without it they get no meta_info.routed_experts)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens prefilled in one batch")
     p.add_argument("--weight-version", default="default",
                    help="weight_version reported until an update changes it (SGLang's default, 'default')")
@@ -1088,7 +1104,7 @@ def main(argv=None):
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
                       args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache,
-                      args.max_queued_requests)
+                      max_queued=args.max_queued_requests, record_routes=args.enable_return_routed_experts)
     sched.weights_cpu_backup = args.enable_weights_cpu_backup
     if args.context_length is not None:
         if not 8 <= args.context_length <= sched.context_len:

@@ -96,6 +96,7 @@ import torch
 
 import config as config_lib
 import losses
+import moe
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory
 
 log = logging.getLogger("rollout")
@@ -719,6 +720,11 @@ async def _unless(event: asyncio.Event, coro) -> Any:
     return task.result() if task.done() and not task.cancelled() else None
 
 
+def _routes_start(trajs: list) -> int:
+    """routed_experts_start_len of a request of trajs: the fewest positions any of them already has routes for."""
+    return min(t.routed_experts.shape[0] for t in trajs)
+
+
 def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
     """Append tokens. Each field is rebuilt from one list through numpy: the producer's hot path, where
     torch.tensor(list) costs ~3x as much (5.3 against 1.5 us for 6 ids)."""
@@ -856,6 +862,16 @@ class Rollout:
         self.max_new_tokens = r.sampling.max_new_tokens
         self.context_len: Optional[int] = None  # the fleet's (Fleet.context_limits), read by start()
         self.max_input_len: Optional[int] = None  # prompt + response of a request must stay below it
+        self.routes_shape: Optional[tuple] = None  # (layers, top-k) of meta_info.routed_experts (routing replay)
+        if cfg.algorithm.routing_replay:
+            with open(os.path.join(cfg.model.path, "config.json")) as f:
+                hf = json.load(f)
+            hf = hf.get("text_config", hf)
+            self.routes_shape = (hf["num_hidden_layers"], hf["num_experts_per_tok"])
+            # stored in the smallest integer that holds an expert id: a 20K-token Qwen3-30B-A3B trajectory's routes
+            # (48 layers, top-8) are 7.7 MB as uint8, 31 MB as sglang's int32
+            experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 1 << 15
+            self.routes_dtype = torch.uint8 if experts <= 256 else torch.int16
         self.stats = _new_stats()
         self._groups: dict[tuple[int, int], _GroupRun] = {}
         self._active: dict[str, _Active] = {}
@@ -1048,6 +1064,8 @@ class Rollout:
                         continue
                     gen = parse_generate_response(item)
                     _extend(t, gen.ids, gen.log_probs, gen.versions, 1)
+                    if self.routes_shape and gen.ids:
+                        self._extend_routes(t, item, _routes_start([trajs[j] for j in idx]))
                     self.stats["generated_tokens"] += len(gen.ids)
                     if gen.versions and sent_version is not None and gen.versions[-1] < sent_version:
                         self.old_version_response(gen.versions[-1])
@@ -1069,6 +1087,8 @@ class Rollout:
         stopped or dropped first."""
         payload = {"input_ids": [t.prompt_ids.tolist() + t.response_ids.tolist() for t in trajs],
                    "return_logprob": True, "sampling_params": {**self.sampling_params, "max_new_tokens": budget}}
+        if self.routes_shape:  # one start for the list (sglang's field is per request): the least any item has
+            payload["return_routed_experts"], payload["routed_experts_start_len"] = True, _routes_start(trajs)
         if not self.cfg.flush_on_update:  # the prefix cache outlives updates (in_place): one namespace per version
             payload["extra_key"] = f"weights-{self.version if self.version is not None else 'initial'}"
         out = await _unless(active.drop, self.fleet.generate(payload, lambda: self._rid(active, trajs), active.stop))
@@ -1076,6 +1096,21 @@ class Rollout:
             raise ValueError(f"/generate answered a list request of {len(trajs)} items with "
                              f"{len(out) if isinstance(out, list) else type(out).__name__}")
         return out
+
+    def _extend_routes(self, t: Trajectory, item: dict, start: int) -> None:
+        """Append the routes of the positions t had none for yet (a restored trajectory keeps its own, from the
+        weights that generated its tokens) from a response's meta_info.routed_experts, which covers positions
+        [start, prompt + response - 1): every token but the last went through the server's forward."""
+        text = (item.get("meta_info") or {}).get("routed_experts")
+        if text is None:
+            raise ValueError("algorithm.routing_replay=true but the server returned no meta_info.routed_experts; "
+                             "launch it with --enable-return-routed-experts (launched servers get it)")
+        rows = moe.decode(text, *self.routes_shape).to(self.routes_dtype)
+        have, end = t.routed_experts.shape[0], t.num_tokens - 1
+        if rows.shape[0] != end - start:
+            raise ValueError(f"meta_info.routed_experts has {rows.shape[0]} rows, expected {end - start} (positions "
+                             f"{start} to {end} of prompt + response)")
+        t.routed_experts = torch.cat([t.routed_experts, rows[have - start:]]) if have else rows
 
     async def _run(self, g: PromptGroup, trajs: list) -> None:
         """Generate trajs of group g: the group's unfinished trajectories in one list request (rollout.function

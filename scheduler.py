@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+import moe
+
 log = logging.getLogger("engine")
 
 KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
@@ -100,6 +102,9 @@ class Req:
     to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
+    return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (--enable-return-routed-experts)
+    routed_experts_start_len: int = 0  # its first position
+    routes: list = field(default_factory=list)  # int32 [tokens, layers, top-k] chunks: positions 0, 1, ... so far
 
 
 def abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
@@ -397,7 +402,10 @@ def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
 def load_model(path: str, device: torch.device, dtype: str):
     from transformers import AutoModelForCausalLM
     torch_dtype = (torch.float32 if device.type == "cpu" else "auto") if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    # experts_implementation: a MoE's experts one matmul per expert on CPU (transformers' default grouped_mm is ~10x
+    # slower there on the tiny MoE); the trainer does the same (train.load_model), so both compute alike
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, experts_implementation="eager" if
+                                                 device.type == "cpu" else None).to(device).eval()
     cfg = model.config.get_text_config()
     layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
@@ -439,8 +447,11 @@ class Scheduler:
     """Owns the model and all request state; runs in its own thread. Other threads only enqueue calls."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
-                 weight_version: str, disable_radix_cache: bool = False, max_queued: Optional[int] = None):
+                 weight_version: str, disable_radix_cache: bool = False, max_queued: Optional[int] = None,
+                 record_routes: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        # a MoE's routed experts per token (sglang's --enable-return-routed-experts; moe.Recorder)
+        self.recorder = moe.Recorder(model) if record_routes else None
         self._targets = None  # checkpoint name -> parameter view (checkpoint_targets), made at the first load
         self.max_running, self.max_prefill_tokens, self.weight_version = max_running, max_prefill_tokens, weight_version
         cfg = model.config.get_text_config()
@@ -582,17 +593,20 @@ class Scheduler:
         # asked for (Req._compute_max_prefix_len): the logits after the cached part are computed.
         limits = [min(len(s) - 1, r.logprob_start_len) if w else len(s) - 1
                   for r, s, w in zip(new, seqs, want_input_lp)]
+        # A request that wants its routed experts is prefilled in full (no cached prefix: its positions' routes are
+        # all computed here; sglang keeps the cached tokens' routes beside their KV)
+        full = [r.return_routed_experts and self.recorder is not None for r in new]
         # Requests with the same tokens in the same namespace (a group's samples: one prompt N times) share one row
         # of the forward; src[i] is request i's row. SGLang computes each (on a GPU the copies cost next to nothing,
         # here as much as the first); what a request sees (tokens, log-probs, cached_tokens) is the same.
         rows: dict = {}
         src, first = [], []  # request -> its row; row -> its first request
-        for i, (r, s, w, lim) in enumerate(zip(new, seqs, want_input_lp, limits)):
-            src.append(rows.setdefault((r.cache_ns, tuple(s), w, lim), len(rows)))
+        for i, (r, s, w, lim, f) in enumerate(zip(new, seqs, want_input_lp, limits, full)):
+            src.append(rows.setdefault((r.cache_ns, tuple(s), w, lim, f), len(rows)))
             if src[-1] == len(first):
                 first.append(i)
         useqs = [seqs[i] for i in first]
-        hits = [self._cache_match(new[i].cache_ns, seqs[i], limits[i]) for i in first]
+        hits = [(0, None) if full[i] else self._cache_match(new[i].cache_ns, seqs[i], limits[i]) for i in first]
         cached = max(c for c, _ in hits)
         width = cached + max(len(s) - c for s, (c, _) in zip(useqs, hits))
         q = width - cached  # the columns this forward computes
@@ -616,7 +630,11 @@ class Scheduler:
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
         kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
+        routed = self.recorder.take().view(len(rows), q, self.num_layers, -1) if self.recorder and any(
+            r.return_routed_experts for r in new) else None
         for i, (r, s) in enumerate(zip(new, seqs)):
+            if routed is not None and r.return_routed_experts:  # every position of s (a retracted one's again)
+                r.routes = [routed[src[i], q - len(s):]]
             r.cached_tokens = hits[src[i]][0]
             if want_input_lp[i]:  # the row's computed columns: positions cached_tokens .. len(s) - 1
                 self._input_logprobs(r, logits[src[i], q - (len(s) - r.cached_tokens):], s, r.cached_tokens)
@@ -729,6 +747,11 @@ class Scheduler:
         kv = self.kv
         kv.mask[:, kv.n] = 1
         logits = self._forward(kv.last_tok[:, None], kv, kv.next_pos[:, None], last_only=True)
+        if self.recorder and any(r.return_routed_experts for r in self.running):
+            routed = self.recorder.take()  # row i: the route of running[i]'s last token
+            for i, r in enumerate(self.running):
+                if r.return_routed_experts:
+                    r.routes.append(routed[i:i + 1])
         kv.next_pos = kv.next_pos + 1
         kv.last_tok = self._sample_and_append(self.running, logits[:, -1])
         dead = [i for i, r in enumerate(self.running) if r.finish is not None]

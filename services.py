@@ -235,6 +235,8 @@ class Services:
                 cmd += ["--api-key", a.api_key]
             if self.cfg.colocate:  # a released weights region comes back undefined, buffers (rotary caches) too,
                 cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
+            if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
+                cmd += ["--enable-return-routed-experts"]
             if r.launch == "sglang":
                 if a.mem_fraction_static:
                     cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]

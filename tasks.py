@@ -1,9 +1,10 @@
 r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
 
-- `make_tiny_model(out_dir)`: a Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2 layers) with
-  a character-level tokenizer built with the `tokenizers` library, random init and optionally `pretrain`ed on a
-  toy task (PRETRAIN_TASK_OF: each RL task's base), saved with `save_pretrained` (safetensors) so that
-  AutoModelForCausalLM / AutoTokenizer and any engine load the directory.
+- `make_tiny_model(out_dir)`: a Qwen3 (transformers.Qwen3Config, ~0.1M parameters at width 64 and 2 layers; or,
+  num_experts > 0, a Qwen3-MoE: configs/tiny_moe.yaml) with a character-level tokenizer built with the `tokenizers`
+  library, random init and optionally `pretrain`ed on a toy task (PRETRAIN_TASK_OF: each RL task's base), saved
+  with `save_pretrained` (safetensors) so that AutoModelForCausalLM / AutoTokenizer and any engine load the
+  directory.
 - `load_prompts(ds_cfg, tokenizer, split)`: the prompts of one config.DataSourceConfig, deterministic from its seed,
   with a held-out "eval" split disjoint from "train". Tasks (data_source.task):
     reverse_digits  prompt "12345=" (1-5 digits), target "54321" then eos. Raw text, no chat template.
@@ -27,6 +28,7 @@ normalised strings first and with math-verify only when those differ.
 
 Run:
     python tasks.py make-tiny-model --out runs/tiny-base [--hidden-size 64 --num-layers 2 --seed 0]
+                                    [--num-experts 8 --experts-per-token 2]   # a Qwen3-MoE
                                     [--pretrain-task copy_digits --pretrain-steps 300]
     python tasks.py show --task reverse_digits [--path FILE] [--split eval] [-n 5]   # print some prompts
 """
@@ -82,21 +84,28 @@ def build_tokenizer():
 
 
 def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-                    pretrain_task: Optional[str] = None, pretrain_steps: int = 0) -> str:
-    """Write a Qwen3ForCausalLM + character tokenizer to `out_dir`; returns `out_dir`.
+                    pretrain_task: Optional[str] = None, pretrain_steps: int = 0, num_experts: int = 0,
+                    experts_per_token: int = 2) -> str:
+    """Write a Qwen3ForCausalLM + character tokenizer to `out_dir`; returns `out_dir`. num_experts > 0: a
+    Qwen3MoeForCausalLM instead, every layer sparse with `num_experts` experts of width hidden_size // 2, top
+    `experts_per_token` (renormalised, as Qwen3-30B-A3B's norm_topk_prob), so that its active MLP width equals
+    the dense model's at top-2 and the two bases are of one size class.
 
     Random init, then (pretrain_steps > 0) `pretrain_steps` supervised steps on the toy task `pretrain_task`
     (PRETRAIN_TASKS), with the loss curve written to `out_dir/pretrain.json`. Training happens in a temporary
     directory renamed into place at the end, so an interrupted run never leaves a half-made model at `out_dir`.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if hidden_size % 16 != 0:
         raise ValueError(f"hidden_size must be a multiple of 16 (head_dim 16), got {hidden_size}")
     tokenizer = build_tokenizer()
     num_heads = hidden_size // 16
-    config = Qwen3Config(
+    moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=hidden_size // 2,
+               decoder_sparse_step=1, norm_topk_prob=True) if num_experts else {}
+    config = (Qwen3MoeConfig if num_experts else Qwen3Config)(
+        **moe,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -111,7 +120,9 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float()
+    model = (Qwen3MoeForCausalLM if num_experts else Qwen3ForCausalLM)(config).float()
+    if num_experts:
+        model.set_experts_implementation("eager")  # a matmul per expert: transformers' grouped_mm is ~10x slower on CPU
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.pad_token_id)
@@ -167,7 +178,8 @@ def make_tiny_for(cfg) -> str:
     """The tiny model a run's config asks for (config.Config: model.tiny_*, the first data source's task's base)."""
     m = cfg.model
     return make_tiny_model(m.path, m.tiny_hidden_size, m.tiny_num_layers, cfg.seed,
-                           PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps)
+                           PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps,
+                           m.tiny_num_experts, m.tiny_experts_per_token)
 
 
 def pretrain(model, tokenizer, task: str, steps: int, seed: int = 0) -> dict:
@@ -570,6 +582,8 @@ def main(argv=None):
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts per layer")
+    p.add_argument("--experts-per-token", type=int, default=2, help="top-k of the Qwen3-MoE")
     p.add_argument("--pretrain-task", default=None, choices=sorted(PRETRAIN_TASKS),
                    help="supervised pretraining task of the base (default: random init)")
     p.add_argument("--pretrain-steps", type=int, default=300, help="steps of --pretrain-task")
@@ -582,7 +596,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
         steps = args.pretrain_steps if args.pretrain_task else 0
-        out = make_tiny_model(args.out, args.hidden_size, args.num_layers, args.seed, args.pretrain_task, steps)
+        out = make_tiny_model(args.out, args.hidden_size, args.num_layers, args.seed, args.pretrain_task, steps,
+                              args.num_experts, args.experts_per_token)
         print(f"wrote tiny model to {out}" + (f" ({steps} steps of {args.pretrain_task})" if steps else ""))
     elif args.task in TOY_TASKS:
         for text, label in toy_examples(args.task, args.n, args.seed, args.split):

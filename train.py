@@ -343,9 +343,13 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
                cpu_offload: bool = False) -> None:
     """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
-    backward comes right away). param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload:
-    the shards, their gradients and so the optimizer state stay in host memory (pinned on cuda; pinning needs
-    an accelerator), copied to the device per layer for forward and backward."""
+    backward comes right away). A MoE decoder layer (attention, router and all its experts) is one unit: transformers
+    5 keeps a layer's experts as two fused parameters [E, ...], each sharded over the ranks along E like any other
+    parameter, and a batch's tokens are routed to most experts, so they are all-gathered together (units per
+    expert would add collectives and gather the same bytes; expert parallelism is not implemented).
+    param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload: the shards, their gradients and
+    so the optimizer state stay in host memory (pinned on cuda; pinning needs an accelerator), copied to the device
+    per layer for forward and backward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -378,7 +382,9 @@ def load_model(cfg, mesh, device: torch.device, rank: int):
     if rank == 0:
         print(f"[train] attention: {impl} (model.attn_implementation={cfg.model.attn_implementation})", flush=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
+        # experts_implementation: as engine.py's scheduler.load_model (eager on CPU: grouped_mm is ~10x slower there)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl,
+                                                 experts_implementation="eager" if device.type == "cpu" else None)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gpu = device.type == "cuda"
@@ -406,7 +412,8 @@ GIB = 2 ** 30
 
 def param_counts(model) -> tuple[int, int]:
     """(parameters, parameters of the largest decoder layer) of an HF causal LM: sharded (a DTensor's numel() is
-    the full parameter's) or on the meta device (a config's model, never loaded)."""
+    the full parameter's) or on the meta device (a config's model, never loaded). A MoE's experts count as stored:
+    all E of every layer (each rank holds 1/world of each fused expert tensor), not the top-k a token runs."""
     return (sum(p.numel() for p in model.parameters()),
             max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers))
 
@@ -528,7 +535,8 @@ def make_sequences(groups: list, cfg) -> list[dict]:
         for t, a in zip(g.trajectories, adv.tolist()):
             out.append({"prompt": t.prompt_ids.tolist(), "response": t.response_ids.tolist(),
                         "mask": t.loss_mask.tolist(), "rollout_lp": t.rollout_log_probs.tolist(),
-                        "versions": t.versions.tolist(), "adv": a})
+                        "versions": t.versions.tolist(), "adv": a,
+                        **({"routes": t.routed_experts} if t.routed_experts.numel() else {})})
     return out
 
 
@@ -601,6 +609,13 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
         mask = losses.offpolicy_token_mask(ver, mask)
     out = {"mask": mask, "rollout_lp": rlp, "versions": ver,
            "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
+    shape = next((s["routes"].shape[1:] for s in seqs if "routes" in s), None)
+    if shape is not None:  # routing replay: the server's experts per input position, -1 (own choice) elsewhere
+        routes = torch.full((b, L, *shape), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            if "routes" in s:
+                routes[i, :s["routes"].shape[0]] = s["routes"]
+        out["routes"] = routes
     if not packing:
         return {"ids": ids, "attn": attn, **out}
     lengths = [_length(s) for s in seqs]
@@ -612,6 +627,8 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
     # sequence boundaries for flash-attention's varlen kernel, made here once per micro-batch: without them
     # transformers recomputes them from position_ids in every layer, with a host sync each time
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    if shape is not None:  # the packed row's positions, as ids
+        out["routes"] = out["routes"][attn > 0][None]
     return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
             "index": index, "cu": cu, "max_len": max(lengths), **out}
 
@@ -645,7 +662,9 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     not a bias-free Linear, or logits that the model post-processes (final_logit_softcapping), take the unfused
     path (losses.token_logprobs on the logits)."""
     import losses
+    import moe
 
+    moe.set_routes(model, b.get("routes"))  # routing replay (none recorded: the routers' own top-k)
     kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
     if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs
         kwargs |= {"cu_seq_lens_q": b["cu"], "cu_seq_lens_k": b["cu"], "max_length_q": b["max_len"],
@@ -1282,6 +1301,17 @@ def check_launch(cfg, world: int) -> None:
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
         raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
                          "model.make_tiny=true to create the tiny model there")
+    if cfg.algorithm.routing_replay:  # the model's config says whether it is a MoE (config.validate cannot see it)
+        import moe
+
+        path, sparse = os.path.join(cfg.model.path, "config.json"), cfg.model.tiny_num_experts > 0  # (tiny: made later)
+        if os.path.isfile(path):
+            with open(path) as f:
+                sparse = moe.is_moe(json.load(f))
+        if not sparse:
+            raise ValueError(f"algorithm.routing_replay=true replays a MoE's expert choices, but model.path "
+                             f"'{cfg.model.path}' is a dense model (no num_experts_per_tok in its config.json); set "
+                             "algorithm.routing_replay=false")
     needs_servers = cfg.run_mode != "train-only"
     if needs_servers and not r.servers and not r.router_url:
         if r.launch == "none":

@@ -356,7 +356,8 @@ def test_trajectories_pickle_short_tensors_as_bytes_and_come_back_equal():
     long = Trajectory(0, 3, 2, torch.arange(buffer.WIRE_BYTES_MAX + 1), torch.zeros(0, dtype=torch.long))
     prompt.partial = [short, long]
     state, wired = short.__getstate__()
-    assert sorted(wired) == ["loss_mask", "prompt_ids", "response_ids", "rollout_log_probs", "versions"]
+    assert sorted(wired) == ["loss_mask", "prompt_ids", "response_ids", "rollout_log_probs", "routed_experts",
+                             "versions"]
     assert not any(isinstance(v, torch.Tensor) for v in state.values())
     assert "prompt_ids" not in long.__getstate__()[1] and "response_ids" in long.__getstate__()[1]
     back = pickle.loads(pickle.dumps(prompt))

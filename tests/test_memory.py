@@ -99,3 +99,22 @@ def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(q
     line = train.memory_report(config.load_config(CONFIG_30B), qwen3_30b, 4, cuda)  # half the ranks: 2x the shards
     assert "[train] warning: that is more than the device's 74.5 GiB; set trainer.cpu_offload=true" in line
     assert "trainer.snapshot=cpu" in line and "model.dtype=bfloat16" in line
+
+
+def test_a_moes_experts_count_as_stored(qwen3_30b, tmp_path):
+    """Every expert counts (not the top-8 a token runs): the largest layer, gathered whole (FSDP2's unit), holds its
+    128 experts; and a tiny Qwen3-MoE counts exactly the tensors of its save_pretrained file."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    import tasks
+
+    _, largest = train.param_counts(qwen3_30b)
+    experts = 128 * 3 * 2048 * 768  # gate, up and down of each expert
+    assert experts < largest < experts + 25e6  # + attention, norms and the router
+    path = tasks.make_tiny_model(str(tmp_path / "moe"), num_experts=8, experts_per_token=2)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        stored = sum(f.get_slice(k).get_shape()[0] * torch.Size(f.get_slice(k).get_shape()[1:]).numel()
+                     for k in f.keys())
+    n, _ = train.param_counts(AutoModelForCausalLM.from_pretrained(path))
+    assert n == stored

@@ -3,10 +3,13 @@ experts fused (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj); its 
 loader (models/qwen3_moe.py Qwen3MoeForCausalLM.load_weights: FusedMoE.make_expert_params_mapping, and
 `if name not in params_dict: continue` for any other name), know only experts.{i}.gate_proj/up_proj/down_proj.
 engine.py (scheduler.load_tensors) loads the same way, so fused names are dropped silently and only a
-trainer-vs-engine log-prob gap shows it; weight_sync's converted buckets close the gap. CPU only, fp32.
+trainer-vs-engine log-prob gap shows it; weight_sync's converted buckets close the gap; configs/tiny_moe.yaml runs
+through train.py with the gap < 1e-4 after every sync. Rollout routing replay (moe.py): the engine's routes in
+sglang's layout, the trainer's experts equal to them, its log-probs equal to the engine's. CPU only, fp32.
 Run: .venv/bin/python -m pytest -q tests/test_moe.py
 """
 import concurrent.futures as cf
+import json
 import os
 import subprocess
 import sys
@@ -16,13 +19,20 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+import buffer
+import config
 import engine
 import losses
+import moe as moe_lib  # (the fixture `moe` is the engine)
+import rollout
 import scheduler
 import tasks
+import train
 import weight_sync
 from test_engine import generate, make_model, post, version
-from test_train import ROOT, TORCHRUN
+from test_train import ROOT, TORCHRUN, _free_port
+
+TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.yaml")
 
 PROMPTS = [[5, 6, 7], list(range(20, 31))]
 
@@ -182,6 +192,203 @@ def test_fsdp2_gathered_buckets_equal_the_save_pretrained_file(moe):
                        timeout=240, start_new_session=True,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
     assert p.returncode == 0 and "RESULT same" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def moe_base(tmp_path_factory) -> str:
+    """configs/tiny_moe.yaml's base, briefly copy-pretrained (30 steps: its groups' rewards differ, so every step
+    moves the policy)."""
+    return tasks.make_tiny_model(str(tmp_path_factory.mktemp("moe_base") / "base"), 64, 2, 0, "copy_digits", 30,
+                                 num_experts=8, experts_per_token=2)
+
+
+@pytest.mark.parametrize("mode", ["distributed", "colocate-tensor"])
+def test_tiny_moe_config_runs_with_engine_and_trainer_log_probs_equal(mode, moe_base, tmp_path):
+    """configs/tiny_moe.yaml through train.py (2 FSDP2 ranks, engine.py), synchronous so that each step's
+    trajectories come from the weights the previous step pushed: the trainer's step-start log-probs equal the
+    engine's after every sync, over the broadcast group (distributed, with routing replay) and over shared tensors
+    (colocate). With the fused names pushed (weight_sync.to_checkpoint made the identity), the engine keeps the
+    base's experts: the gap after the syncs of steps 1 and 2 was 0.11, 0.43 (distributed, without replay) and 1.01,
+    2.08 (colocate). run_dir/hf has save_pretrained's keys."""
+    run_dir = tmp_path / "run"
+    extra = (["colocate=true", "weight_sync.method=tensor"] if mode == "colocate-tensor" else
+             ["weight_sync.method=distributed", f"weight_sync.master_port={_free_port()}",
+              "algorithm.routing_replay=true"])  # and the trainer replays the engine's routes
+    p = subprocess.run([*TORCHRUN, "train.py", "--config", TINY_MOE, f"run_dir={run_dir}", f"model.path={moe_base}",
+                        *extra, "fully_async.enable=false", "rollout.partial=false",
+                        "rollout.mask_offpolicy_in_partial_rollout=false", "weight_sync.bucket_mb=1",
+                        f"rollout.base_port={_free_port()}", "data_source.num_prompts=64",
+                        "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=8",
+                        "trainer.mini_batch_size=32", "trainer.total_steps=3", "trainer.eval_freq=0",
+                        "trainer.save_freq=0", "trainer.lr=0.01", "rollout.filter=[failed]",
+                        "buffer.get_timeout_s=120", "rollout.startup_timeout_s=120"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    with open(run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["train/rollout_logprob_diff_max"] < 1e-4, (r["step"], r["train/rollout_logprob_diff_max"])
+        assert r["rollout/weight_version"] == r["step"] - 1, r
+    assert max(r["train/grad_norm"] for r in rows[:-1]) > 0.1  # the policy did move between the syncs
+    def keys(d):
+        with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert keys(run_dir / "hf") == keys(moe_base)  # the base was written by save_pretrained
+    trained = AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"))
+    base = AutoModelForCausalLM.from_pretrained(moe_base)
+    assert isinstance(trained, Qwen3MoeForCausalLM)
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert not torch.equal(trained.get_parameter(name), base.get_parameter(name))  # trained experts were written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout routing replay (algorithm.routing_replay)
+
+@pytest.fixture(scope="module")
+def routed(moe):
+    """An engine with --enable-return-routed-experts on model A, and trainer copies of A: exact, and rounded to
+    bfloat16 and back (every weight off by up to 2^-9 relative, as a bf16 trainer's or server's are)."""
+    _, paths, _ = moe
+    url, handle = engine.launch(paths["A"], dist_timeout=60, wait_timeout=120, enable_return_routed_experts=True)
+    exact = AutoModelForCausalLM.from_pretrained(paths["A"], experts_implementation="eager").eval()
+    rounded = AutoModelForCausalLM.from_pretrained(paths["A"], experts_implementation="eager").eval()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    yield url, exact, rounded
+    alive = handle.proc.poll() is None
+    handle.stop()
+    assert alive, f"the routed engine died during the tests:\n{handle.log_tail()}"
+
+
+def sampled_sequences(url, k: int = 16) -> list:
+    """Trajectories of PROMPTS (sampled, temperature 1) with the engine's routes, as rollout.py stores them."""
+    out = []
+    for p in PROMPTS:
+        body = {"input_ids": [p] * k, "return_logprob": True, "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}}
+        for item in post(url, "/generate", body).json():
+            t = buffer.Trajectory(0, 0, 0, torch.tensor(p))
+            gen = rollout.parse_generate_response(item)
+            rollout._extend(t, gen.ids, gen.log_probs, gen.versions, 1)
+            fleet_side = object.__new__(rollout.Rollout)
+            fleet_side.routes_shape, fleet_side.routes_dtype = (2, 2), torch.uint8
+            fleet_side._extend_routes(t, item, 0)
+            out.append(t)
+    return out
+
+
+def expert_choices(model, b: dict) -> tuple:
+    """(train.token_logprobs of micro-batch b, the top-k ids every MoE block's experts were run with, per layer
+    [tokens, k]): read at the experts' input, after any replay."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[1].clone())))
+    try:
+        with torch.no_grad():
+            lp, _ = train.token_logprobs(model, b, 1.0, 1024)
+    finally:
+        for h in hooks:
+            h.remove()
+    return lp, seen
+
+
+def batch(trajs: list, packing: bool, replay: bool) -> dict:
+    seqs = train.make_sequences([buffer.Group(None, trajs)], config.Config())
+    if not replay:
+        seqs = [{k: v for k, v in s.items() if k != "routes"} for s in seqs]
+    return train.collate(seqs, packing=packing)
+
+
+def test_engine_returns_routed_experts_in_sglang_layout(routed):
+    """meta_info.routed_experts: int32 [prompt + output - 1 - routed_experts_start_len, layers, top-k] in base64
+    (0.5.23: batch_result_processor._maybe_collect_routed_experts, detokenizer_manager._b64_encode_per_request), the
+    experts the model's own routers pick at those positions (same weights, fp32)."""
+    url, exact, _ = routed
+    body = {"input_ids": [PROMPTS[1], PROMPTS[0]], "return_routed_experts": True, "routed_experts_start_len": 2,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    items = post(url, "/generate", body).json()
+    for p, item in zip([PROMPTS[1], PROMPTS[0]], items):
+        rows = moe_lib.decode(item["meta_info"]["routed_experts"], 2, 2)
+        assert rows.dtype == torch.int32 and rows.shape == (len(p) + 5 - 1 - 2, 2, 2)
+        ids = torch.tensor([p + item["output_ids"]])
+        rec = moe_lib.Recorder(exact)
+        with torch.no_grad():
+            exact(ids)
+        assert torch.equal(rec.take()[2:-1], rows)
+        for h in rec.handles:
+            h.remove()
+    plain = post(url, "/generate", {**body, "return_routed_experts": False}).json()
+    assert all("routed_experts" not in it["meta_info"] for it in plain)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_replay_uses_the_engines_experts_for_every_token(routed, packing):
+    """With bf16-rounded trainer weights the trainer's own routers pick other experts than the engine's for some
+    tokens; with the engine's routes replayed its experts are the engine's at every position the engine ran
+    (prompt and response), padded and packed."""
+    url, _, rounded = routed
+    trajs = sampled_sequences(url)
+    for replay in (False, True):
+        b = batch(trajs, packing, replay)
+        ref = batch(trajs, packing, True)["routes"]  # [rows, L, layers, k], -1 where the engine ran nothing
+        _, seen = expert_choices(rounded, b)
+        known = ref[..., 0, 0].reshape(-1) >= 0
+        differ = sum(int((seen[i].sort(-1).values != ref[:, :, i].reshape(-1, 2).long().sort(-1).values)
+                         .any(-1)[known].sum()) for i in seen)
+        if replay:
+            assert differ == 0
+        else:
+            assert differ > 0, "bf16 rounding changed no router decision: the test would not see a replay bug"
+
+
+def test_replayed_log_probs_equal_the_engines_with_matching_weights(routed):
+    """The same weights as the engine (fp32): the replayed forward's log-probs are the engine's within 1e-5 on every
+    response token, and the router still gets a gradient (its weights come from the trainer's own logits)."""
+    url, exact, _ = routed
+    trajs = sampled_sequences(url)
+    b = batch(trajs, False, True)
+    lp, _ = expert_choices(exact, b)
+    assert ((lp - b["rollout_lp"]).abs() * b["mask"]).max() < 1e-5
+    exact.zero_grad()
+    logp, _ = train.token_logprobs(exact, b, 1.0, 1024)
+    (logp * b["mask"]).sum().backward()
+    assert exact.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    moe_lib.set_routes(exact, None)
+
+
+def test_a_restored_trajectory_keeps_its_routes():
+    """A partial rollout continued from its restored tokens asks for routes from the fewest any item has
+    (routed_experts_start_len) and appends only the positions it had none for."""
+    t = buffer.Trajectory(0, 0, 0, torch.tensor([1, 2, 3]), response_ids=torch.tensor([4, 5]))
+    t.routed_experts = torch.full((4, 2, 2), 7, dtype=torch.uint8)  # positions 0-3 (5 was never run)
+    fresh = buffer.Trajectory(0, 0, 1, torch.tensor([1, 2, 3]))
+    assert rollout._routes_start([t, fresh]) == 0
+    r = object.__new__(rollout.Rollout)
+    r.routes_shape, r.routes_dtype = (2, 2), torch.uint8
+    t.response_ids = torch.tensor([4, 5, 6, 8])  # the continuation generated 6 and 8: positions 0-5 were run
+    new = torch.arange(6 * 4, dtype=torch.int32).view(6, 2, 2)  # from start 0: its own routes for 0-3 too
+    r._extend_routes(t, {"meta_info": {"routed_experts": moe_lib.encode(new)}}, 0)
+    assert torch.equal(t.routed_experts[:4], torch.full((4, 2, 2), 7, dtype=torch.uint8))
+    assert torch.equal(t.routed_experts[4:], new[4:].to(torch.uint8))
+    with pytest.raises(ValueError, match="enable-return-routed-experts"):
+        r._extend_routes(t, {"meta_info": {}}, 0)
+
+
+def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
+    dense = make_model(str(tmp_path / "dense"), 0)
+    cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"model.path={dense}",
+                                                                          "algorithm.routing_replay=true"])
+    with pytest.raises(ValueError, match="algorithm.routing_replay=true replays a MoE's expert choices"):
+        train.check_launch(cfg, 2)
+    cfg.model.path = str(tmp_path / "not-made")  # the tiny model, made at start-up: its config says
+    with pytest.raises(ValueError, match="is a dense model"):
+        train.check_launch(cfg, 2)
+    cfg.model.tiny_num_experts = 8
+    train.check_launch(cfg, 2)
+    cfg.model.path = make_moe(str(tmp_path / "moe"), 0)  # a MoE's config.json (num_local_experts, transformers 5)
+    train.check_launch(cfg, 2)
 
 
 def _fsdp_gather(path: str) -> None:
