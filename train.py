@@ -673,19 +673,17 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     fused = (isinstance(head, torch.nn.Linear) and head.bias is None
              and not getattr(model.config, "final_logit_softcapping", None))
     if fused:
-        out = {}
-
-        def head_forward(hidden):
-            out["logp"], out["ent"] = losses.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature,
-                                                                   chunk_tokens, with_entropy)
-            return out["logp"]
+        def head_forward(hidden):  # the model's output: FSDP2's pre-backward hook is registered on it
+            logp, ent = losses.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature, chunk_tokens,
+                                                     with_entropy)
+            return torch.stack([logp, ent], -1) if with_entropy else logp
 
         head.forward = head_forward
         try:
-            model(input_ids=b["ids"], **kwargs)
+            out = model(input_ids=b["ids"], **kwargs).logits
         finally:
             del head.forward
-        logp, ent = out["logp"], out["ent"]
+        logp, ent = (out[..., 0], out[..., 1]) if with_entropy else (out, None)
     else:
         logits = model(input_ids=b["ids"], **kwargs).logits[:, :-1]
         logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy=with_entropy)
