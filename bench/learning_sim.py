@@ -528,7 +528,14 @@ def ci(xs: list) -> tuple[float, float]:
 
 
 def cells(results: list[dict], target: float) -> list[dict]:
-    """One row per (split, rule, level, loss, lr scale): the seeds' means and 95% half-widths."""
+    """One row per (split, rule, level, loss, lr scale): the seeds' means and 95% half-widths. The "paired" figures
+    divide each seed's samples / time to the target by those of sync on the same seed and split (same task), which
+    takes the task-to-task spread out of the comparison; the "loss" ones by those of the default loss with the same
+    rule, level, learning rate and seed."""
+    ref = {(r["split"], r["seed"]): to_target(r, target) for r in results
+           if "error" not in r and r["rule"] == "sync" and r["loss"] == DEFAULT_LOSS}
+    ref_loss = {(r["split"], r["seed"], r["rule"], r["level"], r["lr_scale"]): to_target(r, target) for r in results
+                if "error" not in r and r["loss"] == DEFAULT_LOSS}
     by: dict = {}
     for r in results:
         by.setdefault((r["split"], r["rule"], r["level"], r["loss"], r["lr_scale"]), []).append(r)
@@ -547,6 +554,14 @@ def cells(results: list[dict], target: float) -> list[dict]:
                                ("kl_step", [r["kl_step"] for r in ok]),
                                ("tokens_per_s", [B * N * r["trained_len"] / r["step_s"] for r in ok])):
                 row[name] = ci(vals)
+            base = [ref.get((r["split"], r["seed"])) for r in ok]
+            if all(b is not None and not math.isinf(b[1]) for b in base):
+                row["samples_x"] = ci([t[2] / b[2] for t, b in zip(tt, base)])
+                row["time_x"] = ci([t[1] / b[1] for t, b in zip(tt, base)])
+            base = [ref_loss.get((r["split"], r["seed"], r["rule"], r["level"], r["lr_scale"])) for r in ok]
+            if all(b is not None and not math.isinf(b[1]) for b in base):
+                row["loss_samples_x"] = ci([t[2] / b[2] for t, b in zip(tt, base)])
+                row["loss_time_x"] = ci([t[1] / b[1] for t, b in zip(tt, base)])
             row["missed"] = sum(math.isinf(t[0]) for t in tt)
             row["stale_max"] = max(r["staleness_max"] for r in ok)
             row["ideal_step_s"] = float(np.mean([r["ideal_step_s"] for r in ok]))
@@ -564,7 +579,8 @@ def _pm(c, fmt="{:.0f}") -> str:
 def table(rows: list[dict], target: float) -> str:
     cols = ["split", "rule", "k", "loss", "lr x", f"steps to {target}", f"sim time to {target} (s)",
             "samples to target", "eval at end", "step (s) / ideal", "generated / trained tokens",
-            "token staleness mean / max", "IS ESS", "KL per step (x1e-3)", "trained vs dispatched: length, difficulty"]
+            "token staleness mean / max", "IS ESS", "KL per step (x1e-3)", "trained vs dispatched: length, difficulty",
+            "paired vs sync: samples x, time x", "paired vs the default loss: samples x"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
     for r in rows:
         if not r["seeds"]:
@@ -580,7 +596,9 @@ def table(rows: list[dict], target: float) -> str:
             f"{r['stale_mean'][0]:.2f} / {r['stale_max']}", _pm(r["ess"], "{:.3f}"),
             f"{r['kl_step'][0] * 1e3:.2f}",
             f"{r['trained_len']:.1f} vs {r['dispatched_len']:.1f}, {r['trained_difficulty']:.2f} vs "
-            f"{r['dispatched_difficulty']:.2f}"]) + " |")
+            f"{r['dispatched_difficulty']:.2f}",
+            f"{_pm(r['samples_x'], '{:.2f}')}, {_pm(r['time_x'], '{:.2f}')}" if "samples_x" in r else "-",
+            _pm(r["loss_samples_x"], "{:.2f}") if "loss_samples_x" in r else "-"]) + " |")
     return "\n".join(lines)
 
 
@@ -590,7 +608,7 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 6.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(17, 7))
     tab = plt.get_cmap("tab10").colors
     colors = {n: tab[i % 10] for i, n in enumerate(rules(None))}
     loss_colors = {n: tab[i % 10] for i, n in enumerate(LOSSES)}
@@ -605,25 +623,29 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
             if not on:
                 continue
             tag = f"{r['rule']} k={r['level']}" if side == "a" else f"{r['rule']} {r['loss']} lr x{r['lr_scale']:g}"
-            if math.isinf(r["time"][0]):
+            xk, yk = ("samples_x", "time_x") if side == "a" else ("loss_samples_x", "loss_time_x")
+            if yk not in r or math.isinf(r[yk][0]):
                 missed[side].append(tag + f" ({r['missed']}/{r['seeds']} missed)")
                 continue
             style = dict(fmt=level_markers.get(r["level"], "o"), color=colors.get(r["rule"], "k")) if side == "a" else \
                 dict(fmt=rule_markers[r["rule"]], color=loss_colors.get(r["loss"], "k"))
             hollow = side == "b" and r["lr_scale"] != lr_scale
-            ax.errorbar(r["samples"][0], r["time"][0] / 3600, xerr=r["samples"][1], yerr=r["time"][1] / 3600,
+            ax.errorbar(r[xk][0], r[yk][0], xerr=r[xk][1], yerr=r[yk][1],
                         capsize=3, ms=7, label=tag, mfc="none" if hollow else None, **style)
-    for ax, side, title in ((a, "a", f"every rule x k (loss {DEFAULT_LOSS}, lr x{lr_scale:g})"),
-                            (b, "b", f"the loss factor at k = {kmax} (hollow: the larger learning rate)")):
-        ax.set_xlabel(f"trained samples to eval {target} (left = more sample-efficient)")
-        ax.set_ylabel(f"simulated hours to eval {target}")
+    for ax, side, title, ref in ((a, "a", f"every rule x k (loss {DEFAULT_LOSS}, lr x{lr_scale:g})", "sync's"),
+                                 (b, "b", f"the loss factor at k = {kmax} (hollow: the larger learning rate)",
+                                  f"loss {DEFAULT_LOSS}'s (same rule, lr)")):
+        ax.set_xlabel(f"trained samples to eval {target}, / {ref} on the same seed (left = more sample-efficient)")
+        ax.set_ylabel(f"simulated time to eval {target}, / {ref} on the same seed")
+        ax.axvline(1, color="k", linewidth=0.6, linestyle=":")
+        ax.axhline(1, color="k", linewidth=0.6, linestyle=":")
         if missed[side]:
             title += "\nnever reached: " + "; ".join(missed[side])
         ax.set_title(title, fontsize=8)
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(alpha=0.3)
-    fig.suptitle(f"bench/learning_sim.py, {split}: means of the seeds with 95% intervals "
-                 "(left markers: * sync, o k=1, s k=2, ^ k=4)", fontsize=10)
+    fig.suptitle(f"bench/learning_sim.py, {split}: paired ratios to sync (same seed = same task), means of the seeds "
+                 "with 95% intervals (left markers: * sync, o k=1, s k=2, ^ k=4)", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=80)
