@@ -24,6 +24,13 @@ Simplifications of the harness: automatic garbage collection is off in each run 
 inside the simulated training time (full collections of the shared interpreter stalled every thread, x compression);
 torch uses one intra-op thread, as in the buffer process.
 
+--sweep: the fair comparison. Every rule over its knob (k = 1, 2, 4 steps: stale_steps k for the spec's three, the
+presets' knobs as bench/policies.py maps them) plus rows at the peers' own default knobs, at 8:8 and 10:6, each
+--repeats times in alternating order, scored against one ideal per split (the expected tokens of a step of fresh
+groups, the same for every rule, so a rule that throws tokens away does not raise its own bar); the figure plots
+trained tokens per second against the measured mean staleness, so rules are compared at equal staleness, not at
+equal knob values.
+
 --policies: every staleness policy side by side (the spec's three strategies and the six peers' presets of
 strategies.py), each with the parameter that allows one step of staleness, at 8:8 and 10:6, in one table: step time,
 efficiency, staleness, off-policy tokens, tokens thrown away, samples dropped; and each run's prompt accounting
@@ -32,6 +39,10 @@ efficiency, staleness, off-policy tokens, tokens thrown away, samples dropped; a
 Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid in well under a minute):
     python bench/pipeline_sim.py [--quick] [--json out.json] [--png out.png] [--steps 9] [--compression 120]
     python bench/pipeline_sim.py --policies [--quick] [--steps 6]
+    python bench/pipeline_sim.py --sweep [--levels 1,2,4] [--repeats 3] [--batch-scale 4] [--png docs/x.png]
+    (the figure docs/pipeline_sim_sweep.png: --sweep --batch-scale 4 --levels 1,2,4 --repeats 3 --steps 5
+    --compression 200 --json runs/pipeline_sweep.json --png docs/pipeline_sim_sweep.png: 174 runs, 35 min of wall time
+    at load average 2.5-10 under nice, 5.8 CPU min in the parent)
     python bench/pipeline_sim.py --only colocate,fifo-s1 --workload my_workload.yaml
     python bench/pipeline_sim.py --overhead-check --only colocate,fifo-s2
 """
@@ -39,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -150,6 +162,188 @@ def policy_grid(quick: bool, B: int, N: int, splits=((8, 8), (10, 6))) -> list[S
             out.append(Setup(f"{name}-{t}:{i}", f"{name}, {label}", "policies", t, i, window=name, stale=0.0,
                              partial=partial, pause_mode=pause_mode, param=param))
     return out
+
+
+SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")
+# The peers' own default knobs, where their source says it (../shared/peer_policies.md; AReaL areal/api/cli_args.py
+# InferenceEngineConfig.max_head_offpolicyness default 0; prime-rl max_off_policy_steps default 8).
+PEER_DEFAULTS = (("areal", 0.0, "eta = 0, AReaL's default"), ("prime-rl", 8.0, "M = 8, prime-rl's default"))
+
+
+def sweep_param(name: str, k: int, B: int, N: int) -> tuple[float, Optional[float]]:
+    """(stale_steps, policy_param) of rule `name` at knob level k (k steps; bench/policies.py's mapping): the spec's
+    rules take stale_steps k, pipelinerl max_lag k B N, slime-async C = k B groups, the others k in their unit."""
+    if name in SPEC_RULES:
+        return float(k), None
+    return 0.0, float(k * B * N if name == "pipelinerl" else k * B if name == "slime-async" else k)
+
+
+def sweep_grid(B: int, N: int, levels: list[int], splits=((8, 8), (10, 6)), only: Optional[list] = None) -> list:
+    """Every rule at every knob level, then the rows at the peers' default knobs, per split (section "sweep")."""
+    import strategies
+    out = []
+    for t, i in splits:
+        rows = [(name, k, None) for name in (*SPEC_RULES, *strategies.PRESETS) for k in levels]
+        rows += [(name, None, (param, label)) for name, param, label in PEER_DEFAULTS]
+        for name, k, default in rows:
+            if only and name not in only:
+                continue
+            if default is None:
+                stale, param = sweep_param(name, k, B, N)
+                tag, label = f"k{k}", f"{name}, k = {k}"
+            else:
+                (param, label), stale = default, 0.0
+                tag, label = "default", f"{name}, {label}"
+            if name in SPEC_RULES:
+                partial, pause_mode = True, "abort"
+            else:
+                cls = strategies.REGISTRY[name]
+                partial, pause_mode = (cls.actions or cls(B, B, param, N).actions)[0].rollout_settings
+            s = Setup(f"{name}-{tag}-{t}:{i}", label, "sweep", t, i, window=name, stale=stale, partial=partial,
+                      pause_mode=pause_mode, param=param)
+            s.rule, s.level = name, k  # for the sweep table and figure
+            out.append(s)
+    return out
+
+
+def scaled_workload(wl: sim_server.Workload, f: int) -> sim_server.Workload:
+    """The workload with B, M, the fleet's concurrency and the training throughput divided by f: the same step time
+    and generation:training ratio with 1/f of the trajectories, i.e. of the real code's own time per step."""
+    return dataclasses.replace(wl, num_prompts_per_step=wl.num_prompts_per_step // f,
+                               mini_batch_size=wl.mini_batch_size // f, c_half=wl.c_half / f,
+                               max_running=max(1, wl.max_running // f),
+                               train_tokens_per_s_per_gpu=wl.train_tokens_per_s_per_gpu / f)
+
+
+@functools.lru_cache(maxsize=8)
+def _mean_length(*length_fields) -> float:
+    """E[L] of the workload's response lengths over 4,000 groups of 8 (deterministic; the lengths' fields only)."""
+    seed, median, group_sigma, traj_sigma, lo, hi = length_fields
+    wl = sim_server.Workload(seed=seed, median_tokens=median, group_sigma=group_sigma, traj_sigma=traj_sigma,
+                             min_tokens=lo, max_new_tokens=hi)
+    lengths = [wl.response_length(f"ideal{g}", 0, i)[0] for g in range(4000) for i in range(8)]
+    return sum(lengths) / len(lengths)
+
+
+def split_ideal(wl: sim_server.Workload, s: Setup) -> dict:
+    """One ideal per split, the same for every rule: the expected generated tokens of a step of fresh groups
+    (B N E[L], E[L] over 4,000 groups of the workload's lengths) at max(fleet peak, training + weight update)."""
+    tokens = wl.num_prompts_per_step * wl.num_trajectories_per_prompt * _mean_length(
+        wl.seed, wl.median_tokens, wl.group_sigma, wl.traj_sigma, wl.min_tokens, wl.max_new_tokens)
+    peak = sum(wl.replica_peak_tokens_per_s(g) for g in s.replicas)
+    step = max(tokens / peak, tokens / (wl.train_tokens_per_s_per_gpu * s.train_gpus) + wl.update_weights_s)
+    return {"ideal_step_s": step, "ideal_trained_tokens_per_s": tokens / step}
+
+
+def run_sweep(setups: list[Setup], args, wl: sim_server.Workload) -> list[dict]:
+    """Each setup args.repeats times, the grid in alternating order (forward, backward, ...), so that a drift of the
+    machine's load over the run does not fall on the same rules every time."""
+    results = []
+    ideals = {s.resource: split_ideal(wl, s) for s in setups}
+    for rep in range(args.repeats):
+        order = setups if rep % 2 == 0 else setups[::-1]
+        print(f"[sweep] repeat {rep + 1} of {args.repeats}, {'forward' if rep % 2 == 0 else 'backward'}", flush=True)
+        for r, s in zip(run_grid(order, args, wl), order):
+            r.update(rule=s.rule, level=s.level, repeat=rep, **ideals[s.resource])
+            if "error" not in r:
+                r["trained_tokens_per_s"] = r["trained_tokens_per_step"] / r["avg_step_excl0_s"]
+                r["efficiency_split"] = r["trained_tokens_per_s"] / r["ideal_trained_tokens_per_s"]
+            results.append(r)
+    return results
+
+
+def sweep_rows(results: list[dict]) -> list[dict]:
+    """Per setup: mean and spread (min, max) over the repeats of throughput, efficiency and staleness."""
+    by: dict = {}
+    for r in results:
+        by.setdefault(r["name"], []).append(r)
+    rows = []
+    for name, rs in by.items():
+        ok = [r for r in rs if "error" not in r]
+        row = {k: rs[0].get(k) for k in ("name", "label", "rule", "level", "resource", "ideal_step_s",
+                                         "ideal_trained_tokens_per_s")}
+        row.update(repeats=len(ok), errors=[r["error"] for r in rs if "error" in r])
+        for key in ("trained_tokens_per_s", "efficiency_split", "avg_step_excl0_s", "staleness_mean",
+                    "offpolicy_token_share", "discarded_share"):
+            vals = [r["discarded_tokens_per_step"] / max(1.0, r["generated_tokens_per_step"]) if key ==
+                    "discarded_share" else r[key] for r in ok]
+            row[key] = (_mean(vals), min(vals), max(vals)) if vals else (math.nan,) * 3
+        row["staleness_max"] = max((r["staleness_max"] for r in ok), default=None)
+        rows.append(row)
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    cols = ["rule, knob", "resource", "trained tokens / s: mean [min-max]", "of the split's ideal", "step (excl. 0)",
+            "staleness mean [min-max] / max", "off-policy tokens", "thrown away", "repeats"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
+
+    def spread(x, fmt):
+        return f"{fmt.format(x[0])} [{fmt.format(x[1])}-{fmt.format(x[2])}]"
+    for r in rows:
+        if not r["repeats"]:
+            lines.append(f"| {r['label']} | {r['resource']} | failed: {r['errors'][0]} |" + " - |" * (len(cols) - 3))
+            continue
+        lines.append("| " + " | ".join([
+            r["label"], r["resource"], spread(r["trained_tokens_per_s"], "{:.0f}"),
+            spread(r["efficiency_split"], "{:.2f}"), spread(r["avg_step_excl0_s"], "{:.0f}"),
+            f"{spread(r['staleness_mean'], '{:.2f}')} / {r['staleness_max']}",
+            f"{r['offpolicy_token_share'][0]:.0%}", f"{r['discarded_share'][0]:.1%}",
+            str(r["repeats"]) + (f" ({len(r['errors'])} failed)" if r["errors"] else "")]) + " |")
+    ideals = {r["resource"]: r for r in rows}
+    lines.append("")
+    lines.append("One ideal per split (the expected tokens of a step of fresh groups at the larger of the fleet's peak "
+                 "and training + weight update): " + "; ".join(
+                     f"{k}: {v['ideal_step_s']:.0f} s a step, {v['ideal_trained_tokens_per_s']:.0f} trained tokens / s"
+                     for k, v in ideals.items()))
+    return "\n".join(lines)
+
+
+def sweep_plot(rows: list[dict], path: str) -> None:
+    """Throughput against measured staleness, one panel per split, a line per rule through its knob levels; the
+    bars are the spread (min-max) over the repeats; stars are the peers' default knobs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    splits = list(dict.fromkeys(r["resource"] for r in rows))
+    fig, axes = plt.subplots(1, len(splits), figsize=(7.5 * len(splits), 6), squeeze=False)
+    names = list(dict.fromkeys(r["rule"] for r in rows))
+    colors = {n: plt.get_cmap("tab10").colors[i % 10] for i, n in enumerate(names)}
+    for ax, split in zip(axes[0], splits):
+        for name in names:
+            pts = sorted((r for r in rows if r["resource"] == split and r["rule"] == name and r["repeats"]),
+                         key=lambda r: (r["level"] is None, r["level"] or 0))
+            for default in (False, True):
+                sel = [r for r in pts if (r["level"] is None) == default]
+                if not sel:
+                    continue
+                x = [r["staleness_mean"][0] for r in sel]
+                y = [r["trained_tokens_per_s"][0] for r in sel]
+                # (max(0, .): the mean of equal values can round a hair outside them)
+                xerr = [[max(0.0, r["staleness_mean"][0] - r["staleness_mean"][1]) for r in sel],
+                        [max(0.0, r["staleness_mean"][2] - r["staleness_mean"][0]) for r in sel]]
+                yerr = [[max(0.0, r["trained_tokens_per_s"][0] - r["trained_tokens_per_s"][1]) for r in sel],
+                        [max(0.0, r["trained_tokens_per_s"][2] - r["trained_tokens_per_s"][0]) for r in sel]]
+                ax.errorbar(x, y, xerr=xerr, yerr=yerr, color=colors[name], capsize=3,
+                            fmt="*" if default else "-o", ms=12 if default else 5,
+                            label=f"{name} (peer default)" if default else name)
+                if not default:
+                    for r, xi, yi in zip(sel, x, y):
+                        ax.annotate(f"k{r['level']}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ideal = next(r["ideal_trained_tokens_per_s"] for r in rows if r["resource"] == split)
+        ax.axhline(ideal, color="k", linestyle=":", linewidth=1)
+        ax.text(0.02, ideal, "the split's ideal", fontsize=7, va="bottom", transform=ax.get_yaxis_transform())
+        ax.set_xlabel("measured staleness of the trained trajectories, mean (trainer version - start version)")
+        ax.set_ylabel("trained tokens per simulated second")
+        ax.set_title(f"split {split}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("pipeline_sim --sweep: each rule over its knob; bars: min-max over the repeats (alternating order)",
+                 fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -695,6 +889,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--policies", action="store_true",
                     help="every staleness policy (spec strategies + peers' presets) at 8:8 and 10:6, one table")
+    ap.add_argument("--sweep", action="store_true",
+                    help="every rule over its knob (--levels) and at the peers' default knobs, at 8:8 and 10:6, "
+                         "--repeats times in alternating order: throughput against measured staleness")
+    ap.add_argument("--levels", default="1,2,4", help="--sweep: knob levels in steps of staleness")
+    ap.add_argument("--repeats", type=int, default=3, help="--sweep: runs of each configuration")
+    ap.add_argument("--batch-scale", type=int, default=1,
+                    help="divide B, M, the fleet's concurrency and the training throughput by this (same step time "
+                         "and split ratio, 1/f of the real code's work per step)")
     ap.add_argument("--overhead-check", action="store_true",
                     help="run the --only configurations (default colocate,fifo-s2) at the compression and at half "
                          "of it, and fit the real code's own time per step")
@@ -705,6 +907,11 @@ def main(argv=None) -> int:
     args.steps = args.steps or (3 if args.quick else 9)
     args.compression = args.compression or (1000.0 if args.quick else 120.0)
     wl = sim_server.load_workload(args.workload_path)
+    if args.batch_scale > 1:  # the fleet reads its workload from a file: write the scaled one
+        wl = scaled_workload(wl, args.batch_scale)
+        fd, args.workload_path = tempfile.mkstemp(prefix="pipeline_sim_workload_", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            json.dump(dataclasses.asdict(wl), f)  # JSON is YAML
     if args.quick:
         wl = dataclasses.replace(wl, num_prompts_per_step=16, mini_batch_size=32)
     import tasks
@@ -717,7 +924,13 @@ def main(argv=None) -> int:
     if args.policies:
         setups = policy_grid(args.quick, wl.num_prompts_per_step, wl.num_trajectories_per_prompt)
         known = {s.name: s for s in policy_grid(False, wl.num_prompts_per_step, wl.num_trajectories_per_prompt)}
-    if args.only or args.overhead_check:
+    if args.sweep:
+        B, N = wl.num_prompts_per_step, wl.num_trajectories_per_prompt
+        levels = [int(x) for x in args.levels.split(",")]
+        setups = sweep_grid(B, N, levels, ((8, 8),) if args.quick else ((8, 8), (10, 6)),
+                            args.only.split(",") if args.only else None)
+        known = {s.name: s for s in setups}
+    if (args.only and not args.sweep) or args.overhead_check:
         names = (args.only or "colocate,fifo-s2").split(",")
         unknown = [n for n in names if n not in known]
         if unknown:
@@ -734,6 +947,22 @@ def main(argv=None) -> int:
         overhead_check(setups, args, wl)
         print(f"wall time: {time.monotonic() - t0:.0f} s")
         return 0
+    if args.sweep:
+        results = run_sweep(setups, args, wl)
+        rows = sweep_rows(results)
+        print()
+        print(sweep_table(rows))
+        print()
+        print(SIMULATION_NOTE)
+        if args.json_path:  # first: the runs are the expensive part
+            with open(args.json_path, "w") as f:
+                json.dump({"runs": [{k: v for k, v in r.items() if k != "per_step"} for r in results],
+                           "rows": rows}, f, indent=1)
+        png = args.png or os.path.join("runs", "pipeline_sim_sweep.png")
+        sweep_plot(rows, png)
+        print(f"figure: {png}")
+        print(f"wall time: {time.monotonic() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
+        return 1 if any(r["errors"] for r in rows) else 0
     results = run_grid(setups, args, wl)
     print()
     if args.policies:

@@ -205,3 +205,37 @@ def test_policies_bench_plans_a_valid_run_per_preset_and_staleness_level():
             preset = name.rsplit("-s", 1)[0]
             assert strategies.pairing_note(preset, cfg.algorithm.policy_loss,
                                            cfg.rollout.mask_offpolicy_in_partial_rollout) is None, name
+
+
+def test_sweep_grid_is_valid_and_scores_every_rule_against_one_ideal_per_split():
+    """--sweep: every rule at every knob level plus the peers' defaults, each a valid config whose capacity grows
+    with the level; one ideal per split (not per row); --batch-scale keeps the step time and the split's ratio."""
+    import pipeline_sim
+    import strategies
+
+    wl = pipeline_sim.scaled_workload(sim_server.Workload(), 4)
+    B, N = wl.num_prompts_per_step, wl.num_trajectories_per_prompt
+    setups = pipeline_sim.sweep_grid(B, N, [1, 2, 4])
+    rules = (*pipeline_sim.SPEC_RULES, *strategies.PRESETS)
+    assert {(s.rule, s.level, s.resource) for s in setups if s.level is not None} == {
+        (r, k, split) for r in rules for k in (1, 2, 4) for split in ("8:8", "10:6")}
+    assert {(s.rule, s.param) for s in setups if s.level is None} == {("areal", 0.0), ("prime-rl", 8.0)}
+    caps: dict = {}
+    for s in setups:
+        cfg = pipeline_sim.make_cfg(s, wl, ["http://127.0.0.1:1"], 3, 32, "/tmp/unused", 64)
+        if s.level is not None and s.resource == "8:8":
+            caps.setdefault(s.rule, []).append(cfg.capacity)
+    for rule, c in caps.items():
+        if rule != "prime-rl":  # prime-rl's lead is fixed; M only drops
+            assert c == sorted(c) and c[0] < c[-1], (rule, c)
+    ideal = {s.resource: pipeline_sim.split_ideal(wl, s)["ideal_step_s"] for s in setups}
+    full = {s.resource: pipeline_sim.split_ideal(sim_server.Workload(), s)["ideal_step_s"] for s in setups}
+    for split in ideal:
+        assert ideal[split] == pytest.approx(full[split], rel=1e-6)  # the scaled workload keeps the step time
+    rows = pipeline_sim.sweep_rows([
+        {"name": "a", "label": "a", "rule": "areal", "level": 1, "resource": "8:8", "ideal_step_s": 1.0,
+         "ideal_trained_tokens_per_s": 10.0, "trained_tokens_per_s": x, "efficiency_split": x / 10,
+         "avg_step_excl0_s": 1.0, "staleness_mean": 1.0, "offpolicy_token_share": 0.5,
+         "discarded_tokens_per_step": 0.0, "generated_tokens_per_step": 5.0, "staleness_max": 1} for x in (8, 9, 7)])
+    assert rows[0]["trained_tokens_per_s"] == (8.0, 7, 9) and rows[0]["repeats"] == 3
+    assert "8 [7-9]" in pipeline_sim.sweep_table(rows)
