@@ -159,8 +159,9 @@ def stage_preflight(ctx) -> dict:
          "transformers": transformers.__version__, "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        f.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / GIB, 1), capability=f"{p.major}.{p.minor}",
-                 nccl=".".join(map(str, torch.cuda.nccl.version())))
+        f.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / GIB, 1), capability=f"{p.major}.{p.minor}")
+        with contextlib.suppress(Exception):
+            f["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     f["modules"] = {m: importlib.util.find_spec(m) is not None for m in OPTIONAL}
     f["attention_kernels"] = _installed_kernels(ctx["device"])
     try:
@@ -546,6 +547,8 @@ def main() -> int:
     work = os.environ.get("SMOKE_WORK") or os.path.join("/tmp", f"gpu_smoke_{os.getpid()}")
     os.makedirs(work, exist_ok=True)
     only = {s for s in args.only.split(",") if s}
+    if only - {n for n, *_ in STAGES}:
+        ap.error(f"--only takes stages among {', '.join(n for n, *_ in STAGES)}, got {sorted(only)}")
     start = time.perf_counter()
     deadline = start + TOTAL_S[args.device]
     report = {"device": args.device, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
