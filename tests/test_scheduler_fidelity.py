@@ -217,17 +217,27 @@ def test_a_full_queue_answers_503_and_the_client_retries_it(queued_url):
 def test_waiting_and_running_timeouts_abort_with_503(model_path):
     """managers/scheduler.py: _poll_timeout_aborts: SGLANG_REQ_WAITING_TIMEOUT aborts a request queued longer
     (since it entered the queue) with 503 "Request waiting timeout reached.", SGLANG_REQ_RUNNING_TIMEOUT one
-    running longer since its first forward with 503 "Request running timeout reached."."""
+    running longer since its first forward with 503 "Request running timeout reached.". The first request is held
+    by an in-place pause once the second is queued (still running, generating nothing), so that it cannot finish
+    before its timeout however fast the machine is; the abort marked meanwhile ends it at its next step."""
     env = {"SGLANG_REQ_WAITING_TIMEOUT": "1", "SGLANG_REQ_RUNNING_TIMEOUT": "3"}
     url, handle = engine.launch(model_path, max_running_requests=1, num_threads=1, env=env)
     try:
         with cf.ThreadPoolExecutor(2) as ex:
             a = ex.submit(post, url, "/generate", long_body("t-a"))
             wait_until(lambda: loads(url) == (1, 0), 30, "the first request to run")
-            t0 = time.monotonic()
-            b = post(url, "/generate", long_body("t-b"))
+            t0 = t_run = time.monotonic()  # a's first forward was before this
+            fb = ex.submit(post, url, "/generate", long_body("t-b"))
+            wait_until(lambda: loads(url) == (1, 1) or fb.done(), 30, "the second request to queue")
+            # (a paused server holds new requests at its gate, before the queue: pause once b is queued)
+            assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+            b = fb.result(60)
             assert b.status_code == 503 and "Request waiting timeout reached." in b.text
             assert time.monotonic() - t0 >= 1.0
+            # paused, a's abort is only marked (it finishes at its next step, as in 0.5.23): past its timeout,
+            # continue, and its next step ends it
+            time.sleep(max(0.0, t_run + 3.5 - time.monotonic()))
+            assert post(url, "/continue_generation", {}).status_code == 200
             ra = a.result(60)
             assert ra.status_code == 503 and "Request running timeout reached." in ra.text
             short = post(url, "/generate", {"input_ids": [3], "sampling_params": {"max_new_tokens": 3}})
