@@ -159,6 +159,25 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
 #   calc_tool      <- calc_call:   "37*59=" -> "calc 37*59" eos, the tool-call turn alone. Teaches the call syntax;
 #                     reading the tool's answer back and stopping after it is left to RL.
 
+def make_sharp_model(out_dir: str, seed: int = 0, num_experts: int = 0) -> str:
+    """make_tiny_model (no pretraining; num_experts > 0: the tiny Qwen3-MoE, top-2) with random RMSNorm gains
+    (2 x N(0, 1), a generator seeded with `seed`): a random-init model with tied embeddings greedily repeats its
+    last input token and attends almost uniformly, which would make engine-vs-trainer and weight-change checks
+    vacuous. For tests and benches, not training."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_model(out_dir, seed=seed, num_experts=num_experts)
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def _copy_digits_example(rng: random.Random) -> tuple[str, str]:
     digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(1, 5)))
     return f"{digits}=", digits

@@ -365,28 +365,9 @@ def stage_single_rank(ctx) -> dict:
 
 
 def _make_moe(path: str, seed: int) -> str:
-    """tests/test_moe.py make_moe: a tiny Qwen3-MoE (8 experts, top-2, 2 layers) with random norm gains and tasks'
-    character tokenizer, written by save_pretrained (per-expert checkpoint names)."""
-    import torch
-    from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     import tasks
 
-    tasks.make_tiny_model(path, seed=seed)
-    dense = AutoConfig.from_pretrained(path)
-    cfg = Qwen3MoeConfig(vocab_size=dense.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
-                         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=dense.bos_token_id,
-                         eos_token_id=dense.eos_token_id, pad_token_id=dense.pad_token_id)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(2 * torch.randn(p.shape))
-    model.save_pretrained(path)
-    return path
+    return tasks.make_sharp_model(path, seed, num_experts=8)  # tests/test_moe.py's tiny MoE
 
 
 def stage_moe(ctx) -> dict:

@@ -1,4 +1,4 @@
-"""bench/memory_check.py: train.memory_estimate against the measured peak of real training steps, on CPU.
+"""bench/memory_check.py: memory.memory_estimate against the measured peak of real training steps, on CPU.
 
 One process (a one-rank gloo group, FSDP2 over it): a random Qwen3 of the given size is written as an HF checkpoint,
 loaded by train.load_model (FSDP2-wrapped, activation checkpointing as configured), and trained for a few steps on
@@ -21,17 +21,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from logprob_memory import peak_rss_bytes, rss_bytes  # noqa: E402  (bench/ is this script's own directory)
+
 GIB = 2 ** 30
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def main() -> None:
@@ -67,7 +59,7 @@ def main() -> None:
     device = torch.device("cpu")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = rss()
+    before = rss_bytes()
     model, _ = train.load_model(cfg, init_device_mesh("cpu", (1,)), device, 0)
     opt, _ = train.build_optimizer(model, cfg.trainer, a.optimizer)
     g = torch.Generator().manual_seed(0)
@@ -81,7 +73,7 @@ def main() -> None:
         ((logp * b["mask"]).sum() / b["mask"].sum() + 0.0 * ent.sum()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    measured = (peak() - before) / GIB
+    measured = (peak_rss_bytes() - before) / GIB
     n, largest = train.param_counts(model)
     est = train.memory_estimate(cfg, n, largest, 1, "cpu", {"hidden_size": a.hidden, "vocab_size": a.vocab,
                                                              "num_hidden_layers": a.layers})

@@ -36,17 +36,9 @@ LONG = 3000  # max_new_tokens of requests meant to be still running when the tes
 
 
 def make_model(path: str, seed: int) -> str:
-    """tasks.make_tiny_model with random RMSNorm gains: a random-init model with tied embeddings greedily repeats
-    its last input token, which would make the greedy and weight-change checks vacuous."""
-    tasks.make_tiny_model(path, seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    return path
+    """tasks.make_sharp_model: the tiny model with random RMSNorm gains (a random-init model with tied embeddings
+    greedily repeats its last input token, which would make the greedy and weight-change checks vacuous)."""
+    return tasks.make_sharp_model(path, seed)
 
 
 @pytest.fixture(scope="module")
