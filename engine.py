@@ -71,7 +71,7 @@ from aiohttp import web
 
 import moe
 from scheduler import (BadRequest, Req, SamplingParams, Scheduler, broadcast_tensors,
-                       deserialize_named_tensors, init_weight_update_group, load_model)
+                       deserialize_named_tensors, env_bool, env_int, init_weight_update_group, load_model)
 
 log = logging.getLogger("engine")
 
@@ -81,29 +81,6 @@ DEFAULT_MAX_RUNNING = 64  # requests decoded together without --max-running-requ
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's message
 PAUSE_ABORT_POLL_S = 1.0  # pause mode abort: repeat abort-all at this interval until no request holds the lock
-
-
-def env_bool(name: str, default: bool) -> bool:
-    """An SGLang switch as environ.py's EnvBool reads it: lower-cased true/1/yes/y or false/0/no/n; another value
-    warns and gives the default."""
-    value = os.environ.get(name)
-    if value is not None and value.lower() in ("true", "1", "yes", "y", "false", "0", "no", "n"):
-        return value.lower() in ("true", "1", "yes", "y")
-    if value is not None:
-        log.warning('Invalid value for %s: "%s" is not a valid boolean value, using default "%s"', name, value,
-                    default)
-    return default
-
-
-def env_int(name: str, default: int) -> int:
-    """An SGLang integer as environ.py's EnvInt reads it: int(value); another value warns and gives the default."""
-    value = os.environ.get(name)
-    try:
-        return default if value is None else int(value)
-    except ValueError:
-        log.warning('Invalid value for %s: "%s" is not a valid integer value, using default "%s"', name, value,
-                    default)
-        return default
 
 
 # /health: 503 after this many seconds (entrypoints/http_server.py reads it with int(), a non-integer fails the start)

@@ -42,8 +42,43 @@ KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so
 PREFIX_CACHE_TOKENS = 1 << 16  # tokens the prefix cache holds (least recently used leaves go first)
 # A request waiting longer than this (since it last entered the queue), or running longer (since its first forward),
 # is aborted with 503; <= 0: never (0.5.23's environ.py, EnvFloat(-1); managers/scheduler.py _poll_timeout_aborts)
-REQ_WAITING_TIMEOUT_S = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT", -1))
-REQ_RUNNING_TIMEOUT_S = float(os.environ.get("SGLANG_REQ_RUNNING_TIMEOUT", -1))
+
+
+def _env(name: str, default, parse, kind: str):
+    """An SGLang environment value as environ.py's EnvField.get reads it: unset gives the default, a value that
+    does not parse warns and gives the default."""
+    value = os.environ.get(name)
+    try:
+        return default if value is None else parse(value)
+    except ValueError:
+        log.warning('Invalid value for %s: "%s" is not a valid %s value, using default "%s"', name, value, kind,
+                    default)
+        return default
+
+
+def _bool(value: str) -> bool:
+    if value.lower() not in ("true", "1", "yes", "y", "false", "0", "no", "n"):
+        raise ValueError(value)
+    return value.lower() in ("true", "1", "yes", "y")
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """EnvBool: lower-cased true/1/yes/y or false/0/no/n."""
+    return _env(name, default, _bool, "boolean")
+
+
+def env_int(name: str, default: int) -> int:
+    """EnvInt: int(value)."""
+    return _env(name, default, int, "integer")
+
+
+def env_float(name: str, default: float) -> float:
+    """EnvFloat: float(value)."""
+    return _env(name, default, float, "float")
+
+
+REQ_WAITING_TIMEOUT_S = env_float("SGLANG_REQ_WAITING_TIMEOUT", -1.0)
+REQ_RUNNING_TIMEOUT_S = env_float("SGLANG_REQ_RUNNING_TIMEOUT", -1.0)
 QUEUE_FULL = "The request queue is full."  # 0.5.23's message (managers/scheduler.py _abort_on_queued_limit)
 
 

@@ -132,8 +132,8 @@ def test_health_generates_through_the_pause_gate(url, models):
 
 
 def test_environment_switches_are_read_as_environ_py_reads_them(monkeypatch):
-    """environ.py: EnvBool lower-cases the value (true/1/yes/y, false/0/no/n), EnvInt takes int(value); anything
-    else warns and gives the default."""
+    """environ.py: EnvBool lower-cases the value (true/1/yes/y, false/0/no/n), EnvInt takes int(value), EnvFloat
+    float(value); anything else warns and gives the default (EnvField.get)."""
     for value, want in (("False", False), ("NO", False), ("0", False), ("n", False), ("True", True), ("Y", True),
                         ("1", True), ("maybe", True)):
         monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", value)
@@ -143,6 +143,9 @@ def test_environment_switches_are_read_as_environ_py_reads_them(monkeypatch):
     for value, want in (("7", 7), ("1.5", 4), ("", 4)):
         monkeypatch.setenv("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", value)
         assert engine.env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4) == want, value
+    for value, want in (("2.5", 2.5), ("3", 3.0), ("soon", -1.0)):  # EnvFloat: SGLANG_REQ_*_TIMEOUT
+        monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", value)
+        assert scheduler.env_float("SGLANG_REQ_WAITING_TIMEOUT", -1.0) == want, value
 
 
 def test_an_abort_with_status_400_or_above_is_that_http_error_in_sglangs_body():
