@@ -6,6 +6,7 @@ Run: .venv/bin/python -m pytest -q tests/test_stall.py
 """
 import json
 import os
+import re
 import random
 import socket
 import subprocess
@@ -236,7 +237,8 @@ def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
     assert n >= 64, msg
     assert msg[len(head):].startswith(f"{n} groups (all 4 rewards 0.0: {n}; trajectory rewards seen: 0.0 ({4 * n}))")
     assert "(task jsonl, reward the task's default): prompt '<|im_start|>user\\nTom has " in msg, msg
-    assert "How many has he?<|im_end|>\\n<|im_start|>assistant\\n', response '" in msg, msg
+    # the response is the repr of a random sample: quoted with " when it holds a ' (a clean-clone CI run's did)
+    assert re.search(r"How many has he\?<\|im_end\|>\\n<\|im_start\|>assistant\\n', response ['\"]", msg), msg
     label = msg.split(", label '", 1)[1].split("'", 1)[0]
     assert label in {str(2 * i + 3) for i in range(16)}  # the "#### N" of the row, as the reward sees it
     assert "rollout.filter_stop_groups=64" in msg
