@@ -517,9 +517,16 @@ class PipelineServer(Exchange):
             _check_trajectory(t, self.N)
         with self._cond:
             aborting = set(self._update_aborts_locked())
-            if keep_in_flight and any(t.prompt_id not in aborting for t in returned):
-                raise ValueError(f"step_boundary(keep_in_flight=True) got {len(returned)} returned trajectories; a "
-                                 "boundary that keeps in-flight groups takes back only those of update_aborts()")
+            if keep_in_flight:
+                # The groups the rollout aborted (those of an earlier update_aborts() call) are dropped whatever
+                # update_aborts() says now: a trajectory that finished in between, having waited in a server's
+                # queue, can carry a later start version and take its group out of the list.
+                stray = {t.prompt_id for t in returned} - set(self._in_flight)
+                if stray:
+                    raise ValueError(f"step_boundary(keep_in_flight=True) got trajectories of groups {sorted(stray)} "
+                                     "that are not in flight; a boundary that keeps in-flight groups takes back only "
+                                     "those of update_aborts()")
+                aborting |= {t.prompt_id for t in returned}
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
             if keep_in_flight:
                 dropped = aborting & set(self._in_flight)

@@ -8,6 +8,8 @@ import os
 import random
 import re
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -457,14 +459,35 @@ def test_prime_rl_drops_queued_groups_older_than_m_and_aborts_them_in_flight():
     g4, g5 = srv.dispatch()  # started under version 1, up to the cap
     assert g4.seq == 4 and srv.update_aborts() == [(0, 2), (0, 3)]  # 2 - 0 > M; g4: 2 - 1 = 1
     srv.put([traj(g2, 0)])  # finished before the abort: dropped with its group
-    with pytest.raises(ValueError, match="update_aborts"):
-        srv.step_boundary([aborted(g4, 0)], keep_in_flight=True)
+    with pytest.raises(ValueError, match=r"groups \[\(0, 9\)\] that are not in flight"):
+        srv.step_boundary([aborted(SimpleNamespace(epoch=0, seq=9, prompt_ids=g4.prompt_ids), 0)],
+                          keep_in_flight=True)
     m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], keep_in_flight=True)
     assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == [(0, 4), (0, 5)]
     srv.set_weight_version(2)  # g1 (start 0) is now 2 > M old: leaves PipelineBuffer
     m = srv.step_metrics()
     assert srv.stats()["Q"] == 0 and m["rollout/policy_drop"] == 1
     assert m["rollout/discarded_tokens"] == 3 + 3 * 2 + 2 * 3  # g2's finished + 3 aborted partials + g1's two
+
+
+def test_a_group_aborted_by_staleness_is_dropped_even_if_a_late_finisher_takes_it_off_update_aborts():
+    """rollout.py asks update_aborts(), aborts those groups' requests, then calls step_boundary. A trajectory of
+    such a group that finished in between, having waited in a server's queue, carries a later start version, so
+    update_aborts() no longer names the group: step_boundary still drops it (the rollout took its other
+    trajectories away; kept in flight it could never complete). bench/pipeline_sim.py --sweep raised here on
+    prime-rl at M = 1, 2, 4 (step_boundary(keep_in_flight=True) got 546 returned trajectories)."""
+    srv = preset("prime-rl", B=2, N=2, param=1, pause_mode="in_place",
+                 overrides=["rollout.async_max_concurrent_samples=8"])
+    g0, g1, g2, g3 = srv.dispatch()
+    srv.put(finish(g0, 2) + finish(g1, 2))
+    srv.get(2, timeout=0)
+    srv.step_boundary([], keep_in_flight=True)
+    srv.set_weight_version(1)  # g2, g3 dispatched at version 0: 2 - 0 > M at the next update
+    assert srv.update_aborts() == [(0, 2), (0, 3)]
+    srv.put([traj(g2, 0, start=1, end=1)])  # waited in a queue, started under version 1: g2 now starts at 1
+    assert srv.update_aborts() == [(0, 3)]
+    m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], keep_in_flight=True)
+    assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == []
 
 
 def test_prime_rl_gates_on_batches_shipped_not_on_groups_in_flight():
