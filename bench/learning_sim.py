@@ -3,8 +3,10 @@
 What is real: `buffer.PipelineServer` (collection run inside put(), collector_thread=False, so a run is
 deterministic) with the rule of `strategies.REGISTRY`, called as rollout.py and train.run_steps call it: dispatch,
 put, update_aborts + step_boundary at the pause (abort / in_place / drain, the rule's update-time action),
-set_weight_version after the update, get by training call. The losses are `losses.policy_loss`,
-`losses.proximal_log_probs` and `losses.truncated_is_loss`, and `losses.offpolicy_token_mask` where a rule masks.
+set_weight_version after the update, get by training call. The loss is algorithm.policy_loss's choice
+(`losses.chosen_policy_loss`, called as train.micro_batch_loss calls it, with the run's config: each preset with its
+peer's loss and off-policy mask from `strategies.peer_overrides`, the spec's rules and sync with tiny.yaml's), and
+`losses.offpolicy_token_mask` where the config masks.
 What is simulated:
   - the clock and the fleet: the latency model of ../shared/bench/spec_workload.md (bench/sim_server.Workload),
     scaled: response lengths / --token-scale (100: median 35 tokens), decode speed / the same factor, so a step
@@ -26,11 +28,13 @@ of the behaviour weights pi_old / mu per training call, the mean length and diff
 what was dispatched, the per-step KL.
 
 Grid: every rule (the spec's three at stale_steps k, the presets at their knob for k steps: areal eta, verl s,
-pipelinerl max_lag k B N, prime-rl M = k, roll alpha, slime-async C = k B; and sync, staleness 0) x k = 1, 2, 4 x a
-training-bound (8:8) and a generation-bound (12:4) split x 3 seeds, with the project's default loss (tiny.yaml:
-PPO against the step-start snapshot, truncated IS weight min(pi_old / mu, 2)); then the loss factor at k = 4 for
-areal and pipelinerl: naive PPO (ratio against mu), PPO without IS, the default, decoupled PPO recompute / loglinear,
-PipelineRL's truncated IS, at the tuned learning rate and at 4x it (per-step KL ~5e-3: a faster-moving policy).
+pipelinerl max_lag k B N, prime-rl M = k, roll alpha, slime-async C = k B; and sync, staleness 0) x k = 1, 2, 4
+(and prime-rl at its default M = 8) x a training-bound (8:8) and a generation-bound (12:4) split x 3 seeds, each
+rule with its own loss (areal: recompute, pipelinerl: truncated_is, the others: ppo, i.e. tiny.yaml's PPO against
+the step-start snapshot with the IS weight min(pi_old / mu, 2)); then the loss factor at k = 4 for areal and
+pipelinerl: every algorithm.policy_loss (ppo, truncated_is, recompute, loglinear) and two baselines of ppo, naive PPO
+(the ratio against mu: trainer.use_rollout_log_probs=true, no IS) and PPO without the IS weight, at the tuned
+learning rate and at 4x it (per-step KL ~4e-3: a faster-moving policy).
 
 Run (the grid: 300 runs of 50 steps, ~625 CPU s, i.e. ~5.5 min on 2 free cores; measured 27 min of wall time on the
 shared 2-core machine at load average 7-10 under nice; --quick: 5 runs of 12 steps, seconds):
@@ -72,12 +76,23 @@ SIMULATION_NOTE = ("Simulated: the clock, the fleet (spec_workload.md's latency 
 V, F = 4, 8  # tokens, prompt features
 B, N, M = 16, 8, 32  # groups per step, trajectories per group, trajectories per training call
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")
-MASKING = set(SPEC_RULES) | {"slime-async"}  # rollout.mask_offpolicy_in_partial_rollout: tiny.yaml's; slime's flag
-LOSSES = ("naive", "ppo-nois", "ppo", "recompute", "loglinear", "truncated_is")
-DEFAULT_LOSS = "ppo"
+# The losses: algorithm.policy_loss's choices (losses.POLICY_LOSSES, as train.micro_batch_loss calls them) and two
+# baselines of ppo: naive PPO (the ratio against the behaviour policy mu) and PPO without the IS weight.
+LOSS_OVERRIDES = {
+    "naive": ["algorithm.policy_loss=ppo", "trainer.use_rollout_log_probs=true", "algorithm.is_correction.enable=false"],
+    "ppo-nois": ["algorithm.policy_loss=ppo", "algorithm.is_correction.enable=false"],
+    **{name: [f"algorithm.policy_loss={name}"] for name in losses.POLICY_LOSSES},
+}
+LOSSES = tuple(LOSS_OVERRIDES)
+DEFAULT_LOSS = "ppo"  # tiny.yaml's: the spec's rules and sync train with it
 SPLITS = {"training-bound 8:8": (8, [4, 4]), "generation-bound 12:4": (12, [4])}  # train GPUs, replica GPUs
-TIS_EPS_HIGH = 1.0  # truncated_is: w = clamp(pi / mu, 0, 2)
-BEHAV_CAP = 5.0  # decoupled PPO's behaviour-weight cap (AReaL behav_imp_weight_cap), masked above
+PRIME_RL_DEFAULT_M = 8  # prime-rl's max_off_policy_steps default: one more row for it
+
+
+def own_loss(rule: str) -> str:
+    """The loss a rule is paired with: a preset's peer's (strategies.Preset.policy_loss), else tiny.yaml's."""
+    cls = strategies.REGISTRY.get(rule)
+    return cls.policy_loss if cls is not None and issubclass(cls, strategies.Preset) else DEFAULT_LOSS
 
 
 @dataclass
@@ -86,10 +101,13 @@ class Run:
     level: int  # staleness steps k (0 for sync)
     split: str
     seed: int
-    loss: str = DEFAULT_LOSS
+    loss: Optional[str] = None  # None: the rule's own (own_loss)
     steps: int = 50
     lr_scale: float = 1.0
     token_scale: int = 100
+
+    def __post_init__(self):
+        self.loss = self.loss or own_loss(self.rule)
 
     @property
     def name(self) -> str:
@@ -120,9 +138,14 @@ def make_cfg(run: Run):
          "trainer": {"mini_batch_size": M, "total_steps": run.steps},
          "fully_async": {"enable": fa, "sliding_window": run.rule if fa else "no-window", "stale_steps": stale,
                          "policy_param": param},
+         "algorithm": {"is_correction": {"enable": True}},  # tiny.yaml's
          "rollout": {"partial": partial, "pause_mode": pause_mode, "filter": [],
-                     "mask_offpolicy_in_partial_rollout": run.rule in MASKING}}
-    return config.validate(config.from_dict(d))
+                     "mask_offpolicy_in_partial_rollout": True}}  # tiny.yaml's
+    over = []
+    if run.rule in strategies.PRESETS:  # the peer's loss and, where the peer has one, its off-policy mask
+        over = [o for o in strategies.peer_overrides(run.rule) if not o.startswith("algorithm.policy_loss=")]
+    over += LOSS_OVERRIDES[run.loss]
+    return config.validate(config.from_dict(config._merge(d, config.parse_overrides(over))))
 
 
 class Task:
@@ -208,11 +231,7 @@ class Sim:
         self.action = self.buf.action
         self.fa = self.cfg.fully_async.enable
         self.mask = self.cfg.rollout.mask_offpolicy_in_partial_rollout
-        self.algo = config.AlgorithmConfig()
-        is_on = dataclasses.replace(self.algo.is_correction, enable=True)
-        capped = dataclasses.replace(is_on, clip=BEHAV_CAP, mask_high=BEHAV_CAP)
-        self.algo_is = dataclasses.replace(self.algo, is_correction=is_on)
-        self.algo_capped = dataclasses.replace(self.algo, is_correction=capped)
+        self.loss_fn = losses.chosen_policy_loss(self.cfg.algorithm.policy_loss)
         self.now, self.version = 0.0, 0
         self.reqs: dict = {}  # (key, index) -> Req of groups in flight that are still generating
         self.generated_tokens = 0
@@ -368,21 +387,13 @@ class Sim:
         live = mask > 0
         w = torch.where(live, (old - mu).exp(), 0.0)
         self.ess.append(float(w.sum() ** 2 / (live.sum().clamp(min=1) * (w ** 2).sum()).clamp(min=1e-12)))
-        denom = losses.loss_denominator(mask, "token-mean")
-        loss_name = self.run.loss
-        if loss_name == "truncated_is":
-            loss, _ = losses.truncated_is_loss(lp, mu, adv, mask, TIS_EPS_HIGH, denom)
-        else:
-            if loss_name == "naive":
-                args = (mu, None, self.algo)
-            elif loss_name == "ppo-nois":
-                args = (old, None, self.algo)
-            elif loss_name == "ppo":
-                args = (old, mu, self.algo_is)
-            else:  # recompute / loglinear: decoupled PPO
-                prox = losses.proximal_log_probs(loss_name, old, mu, lp, vers, self.version)
-                args = (prox, mu, self.algo_capped)
-            loss, m = losses.policy_loss(lp, args[0], args[1], adv, mask, args[2], denom)
+        algo = self.cfg.algorithm
+        denom = losses.loss_denominator(mask, algo.loss_agg_mode)
+        # as train.micro_batch_loss calls it: old_log_probs are the step-start snapshot's (mu under
+        # trainer.use_rollout_log_probs), current_version the version this step's update produces
+        pi_old = mu if self.cfg.trainer.use_rollout_log_probs else old
+        loss, m = self.loss_fn(lp, pi_old, mu, adv, mask, vers, self.version + 1, algo, denom)
+        if "train/approx_kl" in m:
             self.kl_train.append(float(m["train/approx_kl"]))
         self.learner.opt.zero_grad()
         loss.backward()
@@ -496,13 +507,15 @@ def grid(args) -> list[Run]:
     for split in SPLITS:
         for seed in range(args.seeds):
             for rule in rules(args.only):
-                for k in [0] if rule == "sync" else args.levels:
+                levels = [0] if rule == "sync" else [*args.levels, *([PRIME_RL_DEFAULT_M] if rule == "prime-rl"
+                                                                     and not getattr(args, "quick", False) else [])]
+                for k in levels:
                     out.append(Run(rule, k, split, seed, steps=args.steps, lr_scale=args.lr_scale))
             if args.loss_factor:
                 for lr in args.loss_lr_scales:
                     for rule in [r for r in ("areal", "pipelinerl") if not args.only or r in args.only]:
                         for loss in LOSSES:
-                            if loss != DEFAULT_LOSS or lr != args.lr_scale:
+                            if loss != own_loss(rule) or lr != args.lr_scale:
                                 out.append(Run(rule, max(args.levels), split, seed, loss, args.steps, lr))
     return out
 
@@ -533,12 +546,12 @@ def ci(xs: list) -> tuple[float, float]:
 def cells(results: list[dict], target: float) -> list[dict]:
     """One row per (split, rule, level, loss, lr scale): the seeds' means and 95% half-widths. The "paired" figures
     divide each seed's samples / time to the target by those of sync on the same seed and split (same task), which
-    takes the task-to-task spread out of the comparison; the "loss" ones by those of the default loss with the same
+    takes the task-to-task spread out of the comparison; the "loss" ones by those of the rule's own loss with the same
     rule, level, learning rate and seed."""
     ref = {(r["split"], r["seed"]): to_target(r, target) for r in results
-           if "error" not in r and r["rule"] == "sync" and r["loss"] == DEFAULT_LOSS}
+           if "error" not in r and r["rule"] == "sync" and r["loss"] == own_loss("sync")}
     ref_loss = {(r["split"], r["seed"], r["rule"], r["level"], r["lr_scale"]): to_target(r, target) for r in results
-                if "error" not in r and r["loss"] == DEFAULT_LOSS}
+                if "error" not in r and r["loss"] == own_loss(r["rule"])}
     by: dict = {}
     for r in results:
         by.setdefault((r["split"], r["rule"], r["level"], r["loss"], r["lr_scale"]), []).append(r)
@@ -583,7 +596,7 @@ def table(rows: list[dict], target: float) -> str:
     cols = ["split", "rule", "k", "loss", "lr x", f"steps to {target}", f"sim time to {target} (s)",
             "samples to target", "eval at end", "step (s) / ideal", "generated / trained tokens",
             "token staleness mean / max", "IS ESS", "KL per step (x1e-3)", "trained vs dispatched: length, difficulty",
-            "paired vs sync: samples x, time x", "paired vs the default loss: samples x"]
+            "paired vs sync: samples x, time x", "paired vs the rule's own loss: samples x"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
     for r in rows:
         if not r["seeds"]:
@@ -606,7 +619,7 @@ def table(rows: list[dict], target: float) -> str:
 
 
 def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float = 1.0) -> None:
-    """Left: every rule and level with the default loss; right: the loss factor at the loosest level (colour = loss,
+    """Left: every rule and level with its own loss; right: the loss factor at the loosest level (colour = loss,
     marker = rule, hollow = the larger learning rate). Means of the seeds with 95% intervals on both axes."""
     import matplotlib
     matplotlib.use("Agg")
@@ -615,12 +628,12 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
     tab = plt.get_cmap("tab10").colors
     colors = {n: tab[i % 10] for i, n in enumerate(rules(None))}
     loss_colors = {n: tab[i % 10] for i, n in enumerate(LOSSES)}
-    level_markers, rule_markers = {0: "*", 1: "o", 2: "s", 4: "^"}, {"areal": "o", "pipelinerl": "s"}
+    level_markers, rule_markers = {0: "*", 1: "o", 2: "s", 4: "^", 8: "D"}, {"areal": "o", "pipelinerl": "s"}
     here = [r for r in rows if r["split"] == split and r["seeds"]]
-    kmax = max((r["level"] for r in here), default=0)
+    kmax = max((r["level"] for r in here if r["rule"] in rule_markers), default=0)
     missed = {"a": [], "b": []}
     for r in here:
-        left = r["loss"] == DEFAULT_LOSS and r["lr_scale"] == lr_scale
+        left = r["loss"] == own_loss(r["rule"]) and r["lr_scale"] == lr_scale and r["level"] <= kmax
         right = r["level"] == kmax and r["rule"] in rule_markers
         for ax, side, on in ((a, "a", left), (b, "b", right)):
             if not on:
@@ -635,9 +648,9 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
             hollow = side == "b" and r["lr_scale"] != lr_scale
             ax.errorbar(r[xk][0], r[yk][0], xerr=r[xk][1], yerr=r[yk][1],
                         capsize=3, ms=7, label=tag, mfc="none" if hollow else None, **style)
-    for ax, side, title, ref in ((a, "a", f"every rule x k (loss {DEFAULT_LOSS}, lr x{lr_scale:g})", "sync's"),
+    for ax, side, title, ref in ((a, "a", f"every rule x k, each with its own loss (lr x{lr_scale:g})", "sync's"),
                                  (b, "b", f"the loss factor at k = {kmax} (hollow: the larger learning rate)",
-                                  f"loss {DEFAULT_LOSS}'s (same rule, lr)")):
+                                  "the rule's own loss's (same lr)")):
         ax.set_xlabel(f"trained samples to eval {target}, / {ref} on the same seed (left = more sample-efficient)")
         ax.set_ylabel(f"simulated time to eval {target}, / {ref} on the same seed")
         ax.axvline(1, color="k", linewidth=0.6, linestyle=":")
@@ -657,14 +670,14 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
 
 def plot_throughput(rows: list[dict], path: str, lr_scale: float = 1.0) -> None:
     """Trained tokens per simulated second against the measured token staleness, a line per rule through its levels
-    (default loss), one panel per split, 95% intervals over the seeds; the dotted line is the split's one ideal."""
+    (its own loss), one panel per split, 95% intervals over the seeds; the dotted line is the split's one ideal."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(SPLITS), figsize=(7.5 * len(SPLITS), 6), squeeze=False)
     tab = plt.get_cmap("tab10").colors
     for ax, split in zip(axes[0], SPLITS):
-        here = [r for r in rows if r["split"] == split and r["seeds"] and r["loss"] == DEFAULT_LOSS
+        here = [r for r in rows if r["split"] == split and r["seeds"] and r["loss"] == own_loss(r["rule"])
                 and r["lr_scale"] == lr_scale]
         for i, name in enumerate(rules(None)):
             pts = sorted((r for r in here if r["rule"] == name), key=lambda r: r["level"])

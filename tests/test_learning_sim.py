@@ -61,3 +61,22 @@ def test_the_grid_table_has_intervals_over_seeds():
     mean, half = rows[0]["final"]
     assert half > 0 and 0.25 < mean < 1
     assert "+-" in ls.table(rows, 0.26)
+
+
+def test_each_rule_trains_with_its_peers_loss_and_mask_through_the_trainers_config():
+    """The simulator's losses are algorithm.policy_loss's (losses.POLICY_LOSSES) chosen by the run's config: a preset
+    with its peer's loss and mask (strategies.peer_overrides), the spec's rules with tiny.yaml's."""
+    import losses
+    import strategies
+    assert set(losses.POLICY_LOSSES) <= set(ls.LOSSES)
+    for rule in strategies.PRESETS:
+        cfg = ls.make_cfg(ls.Run(rule, 2, TB, 0))
+        peer = strategies.REGISTRY[rule]
+        assert cfg.algorithm.policy_loss == peer.policy_loss
+        assert cfg.rollout.mask_offpolicy_in_partial_rollout == (True if peer.offpolicy_mask is None
+                                                                 else peer.offpolicy_mask)
+    spec = ls.make_cfg(ls.Run("windowed-fifo", 2, TB, 0))
+    assert spec.algorithm.policy_loss == "ppo" and spec.rollout.mask_offpolicy_in_partial_rollout
+    naive = ls.make_cfg(ls.Run("areal", 4, TB, 0, loss="naive"))
+    assert naive.algorithm.policy_loss == "ppo" and naive.trainer.use_rollout_log_probs
+    assert not naive.algorithm.is_correction.enable and not naive.rollout.mask_offpolicy_in_partial_rollout
