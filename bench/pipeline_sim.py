@@ -244,7 +244,7 @@ def run_sweep(setups: list[Setup], args, wl: sim_server.Workload) -> list[dict]:
         order = setups if rep % 2 == 0 else setups[::-1]
         print(f"[sweep] repeat {rep + 1} of {args.repeats}, {'forward' if rep % 2 == 0 else 'backward'}", flush=True)
         for r, s in zip(run_grid(order, args, wl), order):
-            r.update(rule=s.rule, level=s.level, repeat=rep, **ideals[s.resource])
+            r.update(rule=s.rule, level=s.level, repeat=rep, resource=s.resource, **ideals[s.resource])
             if "error" not in r:
                 r["trained_tokens_per_s"] = r["trained_tokens_per_step"] / r["avg_step_excl0_s"]
                 r["efficiency_split"] = r["trained_tokens_per_s"] / r["ideal_trained_tokens_per_s"]
