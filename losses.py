@@ -575,19 +575,25 @@ def truncated_is_loss(log_probs: Tensor, rollout_log_probs: Tensor, advantages: 
     the mini-batch's loss tokens) -> (loss [], metrics). Per token, with w detached:
       w = clamp(pi_theta / mu, 0, 1 + eps_high),   l = -w A log pi_theta,   loss = sum_t l / D
     so the gradient is the importance-weighted REINFORCE estimator with the weight truncated above; no PPO clip.
-    Metrics over the loss tokens: train/tis_mean (w), train/tis_truncated_frac (pi / mu > 1 + eps_high).
+    Metrics over the loss tokens: train/tis_mean (w), train/tis_truncated_frac (pi / mu > 1 + eps_high),
+    train/nan_ratio (tokens with a non-finite input: left out of the loss and its gradient, as in policy_loss).
     """
     if eps_high <= 0:
         raise ValueError(f"truncated_is_loss eps_high must be > 0, got {eps_high}")
-    mask = loss_mask > 0
-    ratio = (log_probs.detach().float() - rollout_log_probs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    loss_tokens = loss_mask > 0
+    adv = advantages.detach().float().unsqueeze(-1).expand_as(log_probs)
+    bad = ~(torch.isfinite(log_probs.detach()) & torch.isfinite(rollout_log_probs) & torch.isfinite(adv))
+    mask = loss_tokens & ~bad  # as in policy_loss: non-finite tokens leave the loss (not D), counted in nan_ratio
+    lp = torch.where(bad, 0.0, log_probs.float())
+    ratio = (lp.detach() - torch.where(bad, 0.0, rollout_log_probs.float())).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     w = ratio.clamp(0.0, 1.0 + eps_high)
-    adv = advantages.detach().float().unsqueeze(-1)
-    loss_mat = torch.where(mask, -w * adv * log_probs.float(), 0.0)
+    loss_mat = torch.where(mask, -w * torch.where(bad, 0.0, adv) * lp, 0.0)
     denom = torch.as_tensor(loss_denominator, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
     loss = loss_mat.sum() / denom
     return loss, {"train/pg_loss": loss.detach(), "train/tis_mean": _masked_mean(w, mask),
-                  "train/tis_truncated_frac": _frac(mask & (ratio > 1.0 + eps_high), mask)}
+                  "train/tis_truncated_frac": _frac(mask & (ratio > 1.0 + eps_high), mask),
+                  "train/nan_ratio": _frac(loss_tokens & bad, loss_tokens)}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -718,6 +718,19 @@ def test_truncated_is_loss_value_and_gradient_hand_computed():
         losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.0, loss_denominator=2.0)
 
 
+def test_truncated_is_loss_leaves_non_finite_tokens_out_as_policy_loss_does():
+    """A NaN log-prob (trainer side) or an inf behaviour log-prob (a server's -inf) must not poison the loss or the
+    gradient of the other tokens; it leaves the loss and is counted in train/nan_ratio, D unchanged."""
+    lp = torch.tensor([[math.log(0.5), float("nan"), math.log(0.2)]], requires_grad=True)
+    mu = torch.tensor([[math.log(0.25), math.log(0.9), -float("inf")]])
+    adv, mask = torch.tensor([2.0]), torch.tensor([[1, 1, 1]])
+    loss, m = losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.5, loss_denominator=3.0)
+    assert float(loss) == pytest.approx(-(1.5 * 2 * math.log(0.5)) / 3)  # only the finite token, over D = 3
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 3, 0.0, 0.0])
+    assert float(m["train/nan_ratio"]) == pytest.approx(2 / 3) and float(m["train/tis_mean"]) == pytest.approx(1.5)
+
+
 def test_truncated_is_loss_matches_loop_reference():
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
