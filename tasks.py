@@ -132,8 +132,9 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
     os.makedirs(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    # transformers 5 writes its own class name, which the transformers 4.x that SGLang pins cannot resolve; the
-    # 4.x name loads in both.
+    # transformers 5 writes its own tokenizer class name (TokenizersBackend), which transformers 4.x cannot resolve;
+    # PreTrainedTokenizerFast loads in both (SGLang 0.5.23 pins transformers 5.19.0, but older servers and
+    # downstream tools still run 4.x).
     path = os.path.join(tmp, "tokenizer_config.json")
     with open(path) as f:
         tok_cfg = json.load(f)
