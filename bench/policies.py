@@ -139,10 +139,13 @@ def table(results: list[dict], eval_steps: list[int]) -> str:
 
 def _ci(xs: list) -> tuple[float, float]:
     """Mean and 95% t half-width (0 for one value)."""
-    import statistics
     t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}
-    m = statistics.fmean(xs)
-    return m, (t95.get(len(xs), 2.0) * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0)
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2 or m != m:  # one value, or a metric the run does not log (NaN)
+        return m, 0.0
+    sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
+    return m, t95.get(n, 2.0) * sd / n ** 0.5
 
 
 def _mean(xs) -> float:
