@@ -36,8 +36,8 @@ pipelinerl: every algorithm.policy_loss (ppo, truncated_is, recompute, loglinear
 (the ratio against mu: trainer.use_rollout_log_probs=true, no IS) and PPO without the IS weight, at the tuned
 learning rate and at 4x it (per-step KL ~4e-3: a faster-moving policy).
 
-Run (the grid: 300 runs of 50 steps, ~625 CPU s, i.e. ~5.5 min on 2 free cores; measured 27 min of wall time on the
-shared 2-core machine at load average 7-10 under nice; --quick: 5 runs of 12 steps, seconds):
+Run (the grid: 306 runs of 50 steps, 492 CPU s: 4 min 11 s of wall time on a quiet 2-core machine, load average
+1.1; --quick: 5 runs of 12 steps, seconds):
       nice -n 10 python bench/learning_sim.py --json runs/learning_sim.json --png-dir docs
       python bench/learning_sim.py [--quick] [--workers 2] [--steps 50] [--seeds 3] [--only areal,verl]
                                    [--no-loss-factor] [--lr-scale 1] [--replot runs/learning_sim.json]
@@ -633,7 +633,7 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
     kmax = max((r["level"] for r in here if r["rule"] in rule_markers), default=0)
     missed = {"a": [], "b": []}
     for r in here:
-        left = r["loss"] == own_loss(r["rule"]) and r["lr_scale"] == lr_scale and r["level"] <= kmax
+        left = r["loss"] == own_loss(r["rule"]) and r["lr_scale"] == lr_scale
         right = r["level"] == kmax and r["rule"] in rule_markers
         for ax, side, on in ((a, "a", left), (b, "b", right)):
             if not on:
@@ -661,7 +661,7 @@ def plot(rows: list[dict], split: str, target: float, path: str, lr_scale: float
         ax.legend(fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(alpha=0.3)
     fig.suptitle(f"bench/learning_sim.py, {split}: paired ratios to sync (same seed = same task), means of the seeds "
-                 "with 95% intervals (left markers: * sync, o k=1, s k=2, ^ k=4)", fontsize=10)
+                 "with 95% intervals (left markers: * sync, o k=1, s k=2, ^ k=4, D prime-rl M=8)", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=80)
