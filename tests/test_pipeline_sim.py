@@ -190,7 +190,7 @@ def test_policies_bench_plans_a_valid_run_per_preset_and_staleness_level():
     import strategies
 
     tiny = os.path.join(ROOT, "configs", "tiny.yaml")
-    plan = dict(policies.runs([1, 2, 4], None, 32, 16))
+    plan = dict(policies.preset_plan([1, 2, 4], None, 32, 16))
     assert set(plan) == {"windowed-fifo-s1", "prime-rl-s1"} | {f"{n}-s{k}" for n in
                                                                ("areal", "verl", "pipelinerl", "roll", "slime-async")
                                                                for k in (1, 2, 4)}
@@ -205,6 +205,30 @@ def test_policies_bench_plans_a_valid_run_per_preset_and_staleness_level():
             preset = name.rsplit("-s", 1)[0]
             assert strategies.pairing_note(preset, cfg.algorithm.policy_loss,
                                            cfg.rollout.mask_offpolicy_in_partial_rollout) is None, name
+
+
+def test_table3_plan_runs_areal_with_decoupled_ppo_and_naive_ppo_with_generation_forced_ahead():
+    """bench/policies.py --table3: eta 0 / 1 / 4 with AReaL's loss (no pairing note), eta 4 with naive PPO (the ratio
+    against the rollout's log-probs, no IS: the start-up pairing note says so), the filter off, per seed."""
+    import config
+    import policies
+    import strategies
+
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    plan = dict(policies.table3_plan([0, 1, 4], 2, None))
+    assert set(plan) == {f"areal-eta{e}-s{s}" for e in (0, 1, 4) for s in (0, 1)} | {"areal-eta4-naive-s0",
+                                                                                     "areal-eta4-naive-s1"}
+    for name, overrides in plan.items():
+        cfg = config.load_config(tiny, overrides)
+        eta = int(name.split("-eta")[1].split("-")[0])
+        assert cfg.fully_async.sliding_window == "areal" and cfg.capacity == 32 * (1 + eta), name
+        assert cfg.rollout.filter == ["failed"] and cfg.seed == int(name[-1]) == cfg.data_source.seed, name
+        note = strategies.pairing_note("areal", cfg.algorithm.policy_loss, cfg.rollout.mask_offpolicy_in_partial_rollout)
+        if "naive" in name:
+            assert cfg.trainer.use_rollout_log_probs and not cfg.algorithm.is_correction.enable, name
+            assert cfg.algorithm.policy_loss == "ppo" and "recompute" in note, name
+        else:
+            assert cfg.algorithm.policy_loss == "recompute" and note is None, name
 
 
 def test_sweep_grid_is_valid_and_scores_every_rule_against_one_ideal_per_split():
