@@ -6,8 +6,9 @@ Two experiments, each run as `torchrun train.py --config configs/tiny.yaml` once
 peer's loss (decoupled PPO, algorithm.policy_loss=recompute), and at eta = 4 without correction (naive PPO: the
 ratio taken against the behaviour policy, trainer.use_rollout_log_probs=true, no IS weight), --seeds seeds each.
 Generation is forced ahead of training so that staleness is real: rollout.filter=[failed] (tiny.yaml's
-all_equal_reward filter makes generation the bottleneck early on, ~90% of the base's groups are dropped) and
-trainer.micro_batch_tokens=--micro-batch-tokens (more, smaller micro-batches: the same gradient, a slower step).
+all_equal_reward filter makes generation the bottleneck early on, ~90% of the base's groups are dropped), which
+alone puts the measured staleness at the bound (3.9 at eta = 4); --micro-batch-tokens slows training further if a
+machine needs it (more, smaller micro-batches: the same gradient, a slower step).
 Measured per step and plotted against the step (never against wall time): the trained batch's reward
 (train/reward_mean, every group of the step, the filter being off), rollout/staleness_mean and _max, the IS weights
 (train/is_*) and train/approx_kl; the greedy eval at the last step. Means over the seeds with 95% t-intervals.
@@ -15,8 +16,8 @@ Measured per step and plotted against the step (never against wall time): the tr
 --presets: every preset of strategies.py at the knob for --stale steps of staleness with its peer's loss and mask
 (strategies.peer_overrides) and the configured windowed-fifo baseline, one seed each, greedy eval per --eval-every.
 
-Run (a row of 60 steps is ~2-4 minutes on a free 2-core machine; 12 rows for --table3):
-    python bench/policies.py [--table3] [--steps 60] [--seeds 3] [--etas 0,1,4] [--micro-batch-tokens 512]
+Run (--table3: 12 rows of 150 steps, 56-93 s each, 13 min 22 s in all on a quiet 2-core machine):
+    python bench/policies.py [--table3] [--steps 150] [--seeds 3] [--etas 0,1,4] [--micro-batch-tokens 512]
                              [--json runs/policies/table3.json] [--png docs/areal_table3.png]
     python bench/policies.py --presets [--steps 100] [--eval-every 25] [--stale 1,2,4] [--only areal,roll]
     python bench/policies.py --replot runs/policies/table3.json --png docs/areal_table3.png
