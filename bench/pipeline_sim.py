@@ -41,8 +41,8 @@ Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid
     python bench/pipeline_sim.py --policies [--quick] [--steps 6]
     python bench/pipeline_sim.py --sweep [--levels 1,2,4] [--repeats 3] [--batch-scale 4] [--png docs/x.png]
     (the figure docs/pipeline_sim_sweep.png: --sweep --batch-scale 4 --levels 1,2,4 --repeats 3 --steps 5
-    --compression 200 --json runs/pipeline_sweep.json --png docs/pipeline_sim_sweep.png: 174 runs, 35 min of wall time
-    at load average 2.5-10 under nice, 5.8 CPU min in the parent)
+    --compression 200 --json runs/pipeline_sweep.json --png docs/pipeline_sim_sweep.png: 174 runs, 31 min 35 s of
+    wall time on a quiet 2-core machine, load average 0.1)
     python bench/pipeline_sim.py --only colocate,fifo-s1 --workload my_workload.yaml
     python bench/pipeline_sim.py --overhead-check --only colocate,fifo-s2
 """
