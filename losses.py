@@ -447,6 +447,16 @@ CORRECTIONS: dict[str, Callable[[TokenBatch, object], Correction]] = {  # key = 
 # The policy loss
 # ---------------------------------------------------------------------------------------------------------
 
+def _nonfinite(*tensors: Optional[Tensor]) -> Tensor:
+    """Tokens where any of the [B, T] tensors given (None: skipped) is NaN or inf: left out of a loss."""
+    bad = None
+    for x in tensors:
+        if x is not None:
+            b = ~torch.isfinite(x.detach())
+            bad = b if bad is None else bad | b
+    return bad
+
+
 def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Optional[Tensor], advantages: Tensor,
                 loss_mask: Tensor, algo, loss_denominator: float | Tensor,
                 entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -470,10 +480,7 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
     agg = _lookup(LOSS_AGG, algo.loss_agg_mode, "algorithm.loss_agg_mode")
     mask = loss_mask > 0
     adv_tok = advantages.detach().float().unsqueeze(-1).expand_as(log_probs)
-    others = [old_log_probs, adv_tok] + [x for x in (rollout_log_probs, entropy) if x is not None]
-    bad = ~torch.isfinite(log_probs.detach())
-    for x in others:
-        bad |= ~torch.isfinite(x.detach())
+    bad = _nonfinite(log_probs, old_log_probs, adv_tok, rollout_log_probs, entropy)
     ok = mask & ~bad
 
     def clean(x: Optional[Tensor]) -> Optional[Tensor]:  # zeros at bad tokens, so no NaN reaches any product
@@ -582,7 +589,7 @@ def truncated_is_loss(log_probs: Tensor, rollout_log_probs: Tensor, advantages: 
         raise ValueError(f"truncated_is_loss eps_high must be > 0, got {eps_high}")
     loss_tokens = loss_mask > 0
     adv = advantages.detach().float().unsqueeze(-1).expand_as(log_probs)
-    bad = ~(torch.isfinite(log_probs.detach()) & torch.isfinite(rollout_log_probs) & torch.isfinite(adv))
+    bad = _nonfinite(log_probs, rollout_log_probs, adv)
     mask = loss_tokens & ~bad  # as in policy_loss: non-finite tokens leave the loss (not D), counted in nan_ratio
     lp = torch.where(bad, 0.0, log_probs.float())
     ratio = (lp.detach() - torch.where(bad, 0.0, rollout_log_probs.float())).clamp(

@@ -508,7 +508,7 @@ def grid(args) -> list[Run]:
         for seed in range(args.seeds):
             for rule in rules(args.only):
                 levels = [0] if rule == "sync" else [*args.levels, *([PRIME_RL_DEFAULT_M] if rule == "prime-rl"
-                                                                     and not getattr(args, "quick", False) else [])]
+                                                                     and not args.quick else [])]
                 for k in levels:
                     out.append(Run(rule, k, split, seed, steps=args.steps, lr_scale=args.lr_scale))
             if args.loss_factor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -37,6 +38,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import strategies  # noqa: E402
+from learning_sim import ci as _ci  # noqa: E402  (mean, 95% t half-width over seeds)
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 SERIES = ("train/reward_mean", "rollout/staleness_mean", "rollout/staleness_max", "train/is_mean", "train/is_min",
@@ -138,17 +140,6 @@ def table(results: list[dict], eval_steps: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _ci(xs: list) -> tuple[float, float]:
-    """Mean and 95% t half-width (0 for one value)."""
-    t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2 or m != m:  # one value, or a metric the run does not log (NaN)
-        return m, 0.0
-    sd = (sum((x - m) ** 2 for x in xs) / (n - 1)) ** 0.5
-    return m, t95.get(n, 2.0) * sd / n ** 0.5
-
-
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -197,9 +188,9 @@ def table3_table(rows: list[dict], steps: int, window: int) -> str:
         lines.append("| " + " | ".join([
             r["config"], str(r["seeds"]), f"{pm(r['staleness'], '{:.2f}')} ({r['staleness_max']})",
             pm(r["reward_first"]), pm(r["reward_last"]), pm(r["eval_final"]),
-            "- (off)" if r["is_mean"][0] != r["is_mean"][0] else
-            f"{r['is_mean'][0]:.3f} [{r['is_min']:.2f}, {r['is_max']:.2f}]",
-            "-" if r["is_masked"][0] != r["is_masked"][0] else f"{r['is_masked'][0]:.4f}",
+            f"{r['is_mean'][0]:.3f} [{r['is_min']:.2f}, {r['is_max']:.2f}]" if math.isfinite(r["is_mean"][0])
+            else "- (off)",
+            f"{r['is_masked'][0]:.4f}" if math.isfinite(r["is_masked"][0]) else "-",
             f"{r['approx_kl'][0]:.2e}", f"{r['clip_ratio'][0]:.3f}"]) + " |")
     return "\n".join(lines)
 

@@ -7,7 +7,6 @@ import io
 import os
 import random
 import re
-
 from types import SimpleNamespace
 
 import pytest
