@@ -8,11 +8,11 @@ is skipped, naming it.
   packing      tests/test_packing.py on the device for each installed attention kernel (eager on cpu, sdpa,
                flex_attention, flash_attention_2): the model with random norm gains (a fresh one attends near
                uniformly), packed rows equal the sequences alone given position_ids, the control without restarting
-               positions differs, and train.token_logprobs packed equals padded;
+               positions differs, and model.token_logprobs packed equals padded;
   single_rank  a Qwen3 of hidden 2048, vocab 151,936 and 4 layers (tiny on cpu), FSDP2 on one rank (nccl), model
                fp32 with bf16 compute, activation checkpointing, packing, 16-24K-token micro-batches, trained through
-               train.py's own load_model / Actor._train (the fused lm_head + log-softmax of train.token_logprobs):
-               the measured peak against train.memory_estimate, memory_reserved after the offload of parameters and
+               model.load_model and train.Actor.train_plan (the fused lm_head + log-softmax of model.token_logprobs):
+               the measured peak against memory.memory_estimate, memory_reserved after the offload of parameters and
                optimizer state (< 0.5 GiB), and a step after an offload round trip equal to one without;
   moe          a tiny Qwen3-MoE trained one step under FSDP2, pushed in weight_sync's checkpoint names
                (plan_buckets / gather_bucket / to_checkpoint) into engine.py's loader (scheduler.load_tensors,
@@ -82,19 +82,18 @@ def _device(ctx):
     return torch.device("cuda", 0) if ctx["device"] == "cuda" else torch.device("cpu")
 
 
-def _dist_init(device) -> None:
-    """One-rank process group (nccl on cuda, gloo on cpu) and train.py's gloo control group, as train.main sets up."""
+def _dist_init(device):
+    """One-rank process group (nccl on cuda, gloo on cpu); returns train.py's gloo control group, as train.main
+    sets them up."""
     import torch
     import torch.distributed as dist
-
-    import train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
-    train._CTRL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
 
 
 def _cfg(ctx, *overrides):
@@ -105,7 +104,7 @@ def _cfg(ctx, *overrides):
 
 
 def _seqs(lengths, vocab: int, seed: int = 0) -> list:
-    """Random trajectories as train.make_sequences returns them (tests/test_packing.py _seqs)."""
+    """Random trajectories as batching.make_sequences returns them (tests/test_packing.py _seqs)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -121,11 +120,11 @@ def _seqs(lengths, vocab: int, seed: int = 0) -> list:
 
 def _plan(cfg, seqs) -> tuple:
     """Packed micro-batches of one rank and the loss denominator, as Actor.train_minibatch makes them."""
+    import batching
     import losses
-    import train
 
-    plan = [train.collate(mb, packing=True)
-            for mb in train.plan_micro_batches(seqs, cfg.trainer.micro_batch_tokens, packing=True)]
+    plan = [batching.collate(mb, packing=True)
+            for mb in batching.plan_micro_batches(seqs, cfg.trainer.micro_batch_tokens, packing=True)]
     denom = sum(losses.loss_denominator(mb["mask"], cfg.algorithm.loss_agg_mode, cfg.rollout.sampling.max_new_tokens)
                 for mb in plan)
     return plan, denom
@@ -184,12 +183,13 @@ def stage_preflight(ctx) -> dict:
 def stage_packing(ctx) -> dict:
     """tests/test_packing.py on the device: for each kernel, packed vs alone (must be ~0) against the control that
     does not restart the positions (must be large: the second sequence then attends to the first), and
-    train.token_logprobs of a packed micro-batch vs the padded one."""
+    model.token_logprobs of a packed micro-batch vs the padded one."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    import batching
+    import model as model_lib
     import tasks
-    import train
 
     device, dtype = _device(ctx), getattr(torch, SIZES[ctx["device"]]["dtype"])
     path = tasks.make_tiny_model(os.path.join(ctx["work"], "packing_model"))
@@ -214,8 +214,8 @@ def stage_packing(ctx) -> dict:
                 control = float((run_on[9:] - alone[1]).abs().max())
                 lp = {}
                 for pack in (False, True):
-                    mb = {k: v.to(device) for k, v in train.collate(seqs, packing=pack).items()}
-                    lp[pack] = train.token_logprobs(model, mb, 1.0, 16)[0] * mb["mask"]
+                    mb = {k: v.to(device) for k, v in batching.collate(seqs, packing=pack).items()}
+                    lp[pack] = model_lib.token_logprobs(model, mb, 1.0, 16)[0] * mb["mask"]
                 lp_gap = float((lp[True] - lp[False]).abs().max())
             figures[impl] = {"packed_vs_alone_max": gap, "control_max": control, "packed_vs_padded_logp_max": lp_gap}
             # scale-free: the packing error a small fraction of what one sequence attending to the other gives
@@ -248,21 +248,21 @@ def _big_model(ctx) -> str:
 
 
 def _estimate(cfg, model, world: int, device_type: str) -> dict:
-    """train.memory_estimate through its signature of the day (another branch extends its terms): the arguments
+    """memory.memory_estimate through its signature of the day (another branch extends its terms): the arguments
     named as today's, any new one filled by name where it is known here; extra keys in its answer are kept."""
     import inspect
 
-    import train
+    import memory
 
-    n, largest = train.param_counts(model)
+    n, largest = memory.param_counts(model)
     known = {"cfg": cfg, "n_params": n, "largest_layer": largest, "world": world, "device_type": device_type,
              "model": model, "hf_config": model.config, "config": model.config}
-    sig = inspect.signature(train.memory_estimate)
+    sig = inspect.signature(memory.memory_estimate)
     args = {k: known[k] for k, p in sig.parameters.items() if k in known}
     missing = [k for k, p in sig.parameters.items() if k not in known and p.default is inspect.Parameter.empty]
     if missing:
-        return {"error": f"train.memory_estimate needs {missing}, which gpu_smoke.py does not know"}
-    est = train.memory_estimate(**args)
+        return {"error": f"memory.memory_estimate needs {missing}, which gpu_smoke.py does not know"}
+    est = memory.memory_estimate(**args)
     return json.loads(json.dumps(est, default=float))
 
 
@@ -295,35 +295,37 @@ def stage_single_rank(ctx) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
+    import memory
+    import model as model_lib
     import train
 
     device, s = _device(ctx), SIZES[ctx["device"]]
-    _dist_init(device)
+    ctrl = _dist_init(device)
     path = _big_model(ctx)
     cfg = _cfg(ctx, f"model.path={path}", "model.dtype=float32", "model.activation_checkpointing=true",
                "trainer.packing=true", f"trainer.micro_batch_tokens={s['micro_tokens']}", "trainer.lr=1e-5",
                "trainer.logprob_chunk_tokens=1024", f"run_dir={os.path.join(ctx['work'], 'single_rank_run')}")
-    model, _ = train.load_model(cfg, init_device_mesh(device.type, (1,)), device, 0)
-    opt, sched = train.build_optimizer(model, cfg.trainer)
-    actor = train.Actor(cfg, model, opt, sched, device)
+    model, _ = model_lib.load_model(cfg, init_device_mesh(device.type, (1,)), device, 0, ctrl)
+    opt, sched = model_lib.build_optimizer(model, cfg.trainer)
+    actor = train.Actor(cfg, model, opt, sched, device, ctrl)
     k = s["seq_scale"]
     # ~40K tokens of 512-token prompts and 1.5-3.9K-token responses: two packed micro-batches of 18-20K tokens
     lengths = [(512 // k, r // k) for r in (3900, 3500, 3300, 3100, 2900, 2700, 2500, 2300, 2100, 1900, 1700, 1500)]
     plan_a, denom_a = _plan(cfg, _seqs(lengths, s["vocab"], seed=1))
     plan_b, denom_b = _plan(cfg, _seqs(lengths, s["vocab"], seed=2))
-    f = {"attn_implementation": train.attn_implementation(cfg, device), "micro_batch_tokens": [
-        int(mb["ids"].shape[1]) for mb in plan_b], "parameters": train.param_counts(model)[0],
+    f = {"attn_implementation": model_lib.attn_implementation(cfg, device), "micro_batch_tokens": [
+        int(mb["ids"].shape[1]) for mb in plan_b], "parameters": memory.param_counts(model)[0],
          "calls_per_step": cfg.calls_per_step}
     cuda = device.type == "cuda"
     t0 = time.perf_counter()
-    actor._train(plan_a, 0, denom_a)  # step 0: Adam's moments exist from here
+    actor.train_plan(plan_a, 0, denom_a)  # step 0: Adam's moments exist from here
     f["first_step_s"] = time.perf_counter() - t0
     start = _state(actor)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    ref = actor._train(plan_b, 1, denom_b)
+    ref = actor.train_plan(plan_b, 1, denom_b)
     f["step_s"] = time.perf_counter() - t0
     f["peak_allocated_gib"] = ref["perf/train_memory_allocated_max"]
     f["peak_reserved_gib"] = ref["perf/train_memory_reserved_max"]
@@ -331,18 +333,18 @@ def stage_single_rank(ctx) -> dict:
     est_dev = f["estimate"].get("device")
     f["peak_over_estimate"] = f["peak_allocated_gib"] / est_dev if est_dev else None
     ref_params = [_local(p).detach().cpu().clone() for p in model.parameters()]
-    f.update(actor._leave_for_push())  # colocate's order before SGLang's weights come back: optimizer off
+    f.update(actor.leave_for_push())  # colocate's order before SGLang's weights come back: optimizer off
     _restore(actor, start)
-    # the offload round trip of colocate (Actor._sync's offload, release's onload) with the same start state
+    # the offload round trip of colocate (Actor.push_weights' offload, release's onload) with the same start state
     actor.snapshot = None
-    actor._offload("cpu")
+    actor.offload("cpu")
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         f["offloaded_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
         f["offloaded_allocated_gib"] = torch.cuda.memory_allocated(device) / GIB
-    actor._onload()
-    again = actor._train(plan_b, 1, denom_b)
+    actor.offload(device)
+    again = actor.train_plan(plan_b, 1, denom_b)
     rt = [_local(p).detach().cpu() for p in model.parameters()]
     upd = sum(float((r - s0).abs().sum()) for r, s0 in zip(ref_params, start["params"]))
     diff = sum(float((r - x).abs().sum()) for r, x in zip(ref_params, rt))
@@ -376,20 +378,21 @@ def stage_moe(ctx) -> dict:
     from transformers import AutoTokenizer
 
     import losses
+    import model as model_lib
     import scheduler
     import train
     import weight_sync
 
     device = _device(ctx)
-    _dist_init(device)
+    ctrl = _dist_init(device)
     a, b = (_make_moe(os.path.join(ctx["work"], f"moe_{k}"), seed) for k, seed in (("A", 0), ("B", 1)))
     cfg = _cfg(ctx, f"model.path={b}", "trainer.packing=true", "trainer.micro_batch_tokens=512", "trainer.lr=1e-2",
                f"run_dir={os.path.join(ctx['work'], 'moe_run')}")
-    model, _ = train.load_model(cfg, init_device_mesh(device.type, (1,)), device, 0)
-    opt, sched = train.build_optimizer(model, cfg.trainer)
-    actor = train.Actor(cfg, model, opt, sched, device)
+    model, _ = model_lib.load_model(cfg, init_device_mesh(device.type, (1,)), device, 0, ctrl)
+    opt, sched = model_lib.build_optimizer(model, cfg.trainer)
+    actor = train.Actor(cfg, model, opt, sched, device, ctrl)
     plan, denom = _plan(cfg, _seqs([(6, 20), (4, 30), (8, 12), (5, 25)], 90, seed=3))
-    step = actor._train(plan, 0, denom)
+    step = actor.train_plan(plan, 0, denom)
     dtype = actor.weights.dtype  # the servers' dtype: bf16 on cuda
     converted = [nt for spec in weight_sync.plan_buckets(model, dtype, 1)
                  for nt in weight_sync.gather_bucket(model, spec, dtype, device).named]
@@ -401,8 +404,8 @@ def stage_moe(ctx) -> dict:
     ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(4)).to(device)
     model.eval()
     with torch.no_grad():
-        trainer_lp = train.token_logprobs(model, {"ids": ids, "attn": torch.ones_like(ids)}, 1.0, 1024)[0]
-    train.reshard(model)
+        trainer_lp = model_lib.token_logprobs(model, {"ids": ids, "attn": torch.ones_like(ids)}, 1.0, 1024)[0]
+    model_lib.reshard(model)
 
     def gap() -> float:
         with torch.no_grad():

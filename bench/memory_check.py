@@ -1,9 +1,9 @@
 """bench/memory_check.py: memory.memory_estimate against the measured peak of real training steps, on CPU.
 
 One process (a one-rank gloo group, FSDP2 over it): a random Qwen3 of the given size is written as an HF checkpoint,
-loaded by train.load_model (FSDP2-wrapped, activation checkpointing as configured), and trained for a few steps on
-packed micro-batches of `--tokens` tokens through train.token_logprobs (the fused lm_head log-probs) and AdamW
-(train.build_optimizer). The figure is the process's peak RSS minus its RSS before the model was built (Linux
+loaded by model.load_model (FSDP2-wrapped, activation checkpointing as configured), and trained for a few steps on
+packed micro-batches of `--tokens` tokens through model.token_logprobs (the fused lm_head log-probs) and AdamW
+(model.build_optimizer). The figure is the process's peak RSS minus its RSS before the model was built (Linux
 VmHWM, reset after start-up), next to the estimate's device total for the same config (device=cpu: float32 and no
 mixed precision, so the compute dtype is float32 and the CUDA terms are 0). CPU allocator caching and Python
 overheads are in the measurement, not in the estimate.
@@ -42,12 +42,14 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    import batching
     import config
-    import train
+    import memory
+    import model as model_lib
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
-    train._CTRL = dist.new_group(backend="gloo")
+    ctrl = dist.new_group(backend="gloo")
     path = tempfile.mkdtemp(prefix="memory_check-")
     hf = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
                      num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
@@ -60,22 +62,22 @@ def main() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = rss_bytes()
-    model, _ = train.load_model(cfg, init_device_mesh("cpu", (1,)), device, 0)
-    opt, _ = train.build_optimizer(model, cfg.trainer, a.optimizer)
+    model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (1,)), device, 0, ctrl)
+    opt, _ = model_lib.build_optimizer(model, cfg.trainer, a.optimizer)
     g = torch.Generator().manual_seed(0)
     lengths = [a.tokens // 8] * 8
     seqs = [{"prompt": torch.randint(3, a.vocab, (16,), generator=g).tolist(),
              "response": torch.randint(3, a.vocab, (n - 16,), generator=g).tolist(), "mask": [1] * (n - 16),
              "rollout_lp": [-1.0] * (n - 16), "versions": [0] * (n - 16), "adv": 1.0} for n in lengths]
-    b = train.collate(seqs, packing=True)
+    b = batching.collate(seqs, packing=True)
     for _ in range(a.steps):
-        logp, ent = train.token_logprobs(model, b, 1.0, cfg.trainer.logprob_chunk_tokens, with_entropy=True)
+        logp, ent = model_lib.token_logprobs(model, b, 1.0, cfg.trainer.logprob_chunk_tokens, with_entropy=True)
         ((logp * b["mask"]).sum() / b["mask"].sum() + 0.0 * ent.sum()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     measured = (peak_rss_bytes() - before) / GIB
-    n, largest = train.param_counts(model)
-    est = train.memory_estimate(cfg, n, largest, 1, "cpu", {"hidden_size": a.hidden, "vocab_size": a.vocab,
+    n, largest = memory.param_counts(model)
+    est = memory.memory_estimate(cfg, n, largest, 1, "cpu", {"hidden_size": a.hidden, "vocab_size": a.vocab,
                                                              "num_hidden_layers": a.layers})
     parts = " + ".join(f"{k} {v:.3f}" for k, v in est["parts"].items() if v)
     print(f"{n / 1e6:.1f}M parameters, {a.tokens} tokens, checkpointing {not a.no_checkpointing}, AdamW "

@@ -3,13 +3,13 @@
 Part 1, tokens: one training call of ../shared/bench/spec_workload.md (M = 128 trajectories, prompts of ~200 tokens,
 response lengths from its long-tailed model: per group median exp(Normal(ln 3500, 0.6)), per trajectory
 exp(Normal(ln median, 0.45)) clamped to [16, 20480]), split over --ranks data-parallel ranks as train.py does, then
-planned into micro-batches of trainer.micro_batch_tokens by train.plan_micro_batches. Printed per budget: computed
+planned into micro-batches of trainer.micro_batch_tokens by batching.plan_micro_batches. Printed per budget: computed
 tokens / real tokens (padded: rows x longest row per micro-batch, plus the placeholder micro-batches a rank runs so
 every rank does the same number of forwards; packed: the real tokens, plus the placeholders' one token) and the
 number of forwards per rank. A model of the workload, not a measurement of it.
 
 Part 2, CPU time: the same length distribution scaled down by --scale (so a step runs in seconds here), one
-forward + backward of one training call on a random Qwen3 (--hidden, --layers) with train.token_logprobs and
+forward + backward of one training call on a random Qwen3 (--hidden, --layers) with model.token_logprobs and
 losses.policy_loss, padded vs packed, median of --repeats, per budget / --scale. CPU sdpa has no varlen kernel:
 a packed row attends over its whole length under a block-diagonal mask (n^2 per row instead of sum of L_i^2), so
 on CPU packing saves the padding's linear-layer work but pays more attention; on GPU flash_attention_2 runs varlen
@@ -35,7 +35,8 @@ import torch  # noqa: E402
 import config as config_lib  # noqa: E402
 import losses  # noqa: E402
 import tasks  # noqa: E402
-import train  # noqa: E402
+import batching  # noqa: E402
+import model as model_lib  # noqa: E402
 
 
 def spec_lengths(rng: random.Random, groups: int = 16, n: int = 8, prompt: int = 200) -> list[tuple[int, int]]:
@@ -57,20 +58,20 @@ def fake_seqs(lengths: list, vocab: int, rng: random.Random) -> list[dict]:
 def token_ratio(lengths: list, ranks: int, budget: int, packing: bool) -> tuple[float, int]:
     """(computed / real tokens of the call, forwards per rank)."""
     seqs = [{"prompt": [0] * p, "response": [0] * r} for p, r in lengths]
-    plans = [train.plan_micro_batches(share, budget, packing) for share in train.split_balanced(seqs, ranks)]
+    plans = [batching.plan_micro_batches(share, budget, packing) for share in batching.split_balanced(seqs, ranks)]
     n = max(len(p) for p in plans)
     real = sum(p + r for p, r in lengths)
-    computed = sum(sum(train._length(s) for s in mb) if packing else len(mb) * max(train._length(s) for s in mb)
+    computed = sum(sum(batching._length(s) for s in mb) if packing else len(mb) * max(batching._length(s) for s in mb)
                    for p in plans for mb in p) + sum(n - len(p) for p in plans)  # placeholders: one token each
     return computed / real, n
 
 
 def time_call(model, seqs: list, budget: int, packing: bool, algo) -> float:
-    mbs = [train.collate(mb, packing=packing) for mb in train.plan_micro_batches(seqs, budget, packing)]
+    mbs = [batching.collate(mb, packing=packing) for mb in batching.plan_micro_batches(seqs, budget, packing)]
     denom = sum(losses.loss_denominator(b["mask"], algo.loss_agg_mode) for b in mbs)
     t0 = time.perf_counter()
     for b in mbs:
-        logp, _ = train.token_logprobs(model, b, 1.0, 1024)
+        logp, _ = model_lib.token_logprobs(model, b, 1.0, 1024)
         loss, _ = losses.policy_loss(logp, logp.detach(), b["rollout_lp"], b["adv"], b["mask"], algo, denom)
         loss.backward()
     model.zero_grad(set_to_none=True)

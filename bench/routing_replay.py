@@ -5,8 +5,8 @@ server and a trainer's fp32 master weights or bf16 kernels that add in another o
 
 engine.py (--enable-return-routed-experts) serves the tiny Qwen3-MoE base of configs/tiny_moe.yaml and samples
 responses to reverse_digits prompts (temperature 1, as rollouts do), returning each position's experts; the trainer's
-forward (train.collate + train.token_logprobs, fp32, no FSDP) runs on the same tokens with the noisy weights, and the
-experts its MoE blocks actually ran with are read at their input. Printed per noise level:
+forward (batching.collate + model.token_logprobs, fp32, no FSDP) runs on the same tokens with the noisy weights, and
+the experts its MoE blocks actually ran with are read at their input. Printed per noise level:
   decisions   % of (token, layer) router decisions whose top-k set differs from the server's (Megatron-LM#4168
               reports ~10% per forward pass for Qwen3-30B-A3B between SGLang/vLLM and Megatron);
   tokens      % of tokens that differ in at least one layer;
@@ -32,7 +32,8 @@ import engine  # noqa: E402
 import moe  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
-import train  # noqa: E402
+import batching  # noqa: E402
+import model as model_lib  # noqa: E402
 
 
 def sample(url: str, tokenizer, n_prompts: int, layers: int, top_k: int) -> list:
@@ -57,8 +58,8 @@ def sample(url: str, tokenizer, n_prompts: int, layers: int, top_k: int) -> list
 
 
 def measure(model, trajs: list, replay: bool) -> dict:
-    seqs = train.make_sequences([buffer.Group(None, trajs)], config.Config())
-    b = train.collate(seqs)
+    seqs = batching.make_sequences([buffer.Group(None, trajs)], config.Config())
+    b = batching.collate(seqs)
     ref = b["routes"]  # [rows, L, layers, k]: the server's, -1 where it ran nothing
     if not replay:
         b = {k: v for k, v in b.items() if k != "routes"}
@@ -66,7 +67,7 @@ def measure(model, trajs: list, replay: bool) -> dict:
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[1])))
     with torch.no_grad():
-        lp, _ = train.token_logprobs(model, b, 1.0, 4096)
+        lp, _ = model_lib.token_logprobs(model, b, 1.0, 4096)
     for h in hooks:
         h.remove()
     known = ref[..., 0, 0].reshape(-1) >= 0

@@ -90,9 +90,9 @@ def plain_loop(cfg, steps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import batching
     import losses
     import tasks
-    import train
 
     torch.manual_seed(cfg.seed)
     ds = cfg.data_sources[0]
@@ -136,7 +136,7 @@ def plain_loop(cfg, steps: int) -> dict:
         seqs = [{"prompt": batch[i // N]["prompt_ids"], "response": r, "mask": [1] * len(r),
                  "rollout_lp": [0.0] * len(r), "versions": [0] * len(r), "adv": float(adv[i])}
                 for i, r in enumerate(resps)]
-        batches = [train.collate(seqs[c * M:(c + 1) * M]) for c in range(B * N // M)]
+        batches = [batching.collate(seqs[c * M:(c + 1) * M]) for c in range(B * N // M)]
         with torch.no_grad():  # the old policy: the weights at the step's start, for every update of the step
             olds = [losses.token_logprobs(model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1],
                                           b["ids"][:, 1:], temp, t.logprob_chunk_tokens)[0] for b in batches]

@@ -53,37 +53,36 @@ def worker(a) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import config as config_lib
+    import model as model_lib
     import rollout as rollout_lib
     import train
 
     dist.init_process_group("gloo")
-    train._CTRL = dist.new_group(backend="gloo")
+    ctrl = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config_lib.load_config(None, [f"model.path={a.model}", f"run_dir={a.run_dir}", "device=cpu",
                                         f"weight_sync.method={a.methods}",
                                         "colocate=false", f"weight_sync.bucket_mb={a.bucket_mb}",
                                         f"weight_sync.master_port={a.port + 1}", "weight_sync.master_address=127.0.0.1",
                                         f"trainer.num_gpus_per_node={world}"])
-    model, _ = train.load_model(cfg, init_device_mesh("cpu", (world,)), torch.device("cpu"), rank)
-    opt, sched = train.build_optimizer(model, cfg.trainer)
-    actor = train.Actor(cfg, model, opt, sched, torch.device("cpu"))
-    if rank != 0:
-        actor.follow()
-    else:
+    model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (world,)), torch.device("cpu"), rank, ctrl)
+    opt, sched = model_lib.build_optimizer(model, cfg.trainer)
+    actor = train.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
+    if rank == 0:
         actor.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet([a.url]))
-        nbytes = sum(p.numel() for p in model.parameters()) * 4
-        out, version = {}, 0
-        for method in a.methods.split(","):  # one per run (main): the other ranks read the same config
-            times = []
-            for _ in range(a.repeats):
-                version += 1
-                t0 = time.perf_counter()
-                actor.sync_weights(version)
-                times.append(time.perf_counter() - t0)
-            out[method] = times
-        actor.stop()
+    nbytes = sum(p.numel() for p in model.parameters()) * 4
+    out, version = {}, 0
+    for method in a.methods.split(","):  # one per run (main): the other ranks read the same config
+        times = []
+        for _ in range(a.repeats):  # every rank syncs, as in train.py's step loop
+            version += 1
+            t0 = time.perf_counter()
+            actor.sync_weights(version)
+            times.append(time.perf_counter() - t0)
+        out[method] = times
+    if rank == 0:
         print("RESULT " + json.dumps({"bytes": nbytes, "times": out}), flush=True)
-    dist.barrier(group=train._CTRL)
+    dist.barrier(group=ctrl)
     dist.destroy_process_group()
 
 

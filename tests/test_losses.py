@@ -769,9 +769,9 @@ def test_policy_loss_combinations_are_refused_in_one_sentence(overrides, fragmen
 
 
 def collated_batch(seed, step):
-    """A train.collate micro-batch (3 sequences, uneven lengths, tokens from versions up to `step`) and the current,
-    old and entropy tensors on its loss positions."""
-    import train
+    """A batching.collate micro-batch (3 sequences, uneven lengths, tokens from versions up to `step`) and the
+    current, old and entropy tensors on its loss positions."""
+    import batching
 
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -780,7 +780,7 @@ def collated_batch(seed, step):
                      "rollout_lp": (-torch.rand(T, generator=g) * 2).tolist(),
                      "versions": torch.randint(0, step + 1, (T,), generator=g).tolist(),
                      "adv": float(torch.randn(1, generator=g))})
-    b = train.collate(seqs)
+    b = batching.collate(seqs)
     rlp = b["rollout_lp"]
     old = rlp + torch.randn(rlp.shape, generator=g) * 0.4
     lp = (old + torch.randn(rlp.shape, generator=g) * 0.3).requires_grad_()
@@ -789,8 +789,9 @@ def collated_batch(seed, step):
 
 
 def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
-    """train.micro_batch_loss is the one call in Actor._train: each algorithm.policy_loss reaches its function, and
-    the four give different losses on the same batch (so a trainer that ignored the choice would fail here)."""
+    """train.micro_batch_loss is the one call in Actor.forward_backward: each algorithm.policy_loss reaches its
+    function, and the four give different losses on the same batch (so a trainer that ignored the choice would fail
+    here)."""
     import train
 
     step, cap = 3, 1.6

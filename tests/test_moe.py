@@ -27,7 +27,9 @@ import moe as moe_lib  # (the fixture `moe` is the engine)
 import rollout
 import scheduler
 import tasks
-import train
+import batching
+import checks
+import model as model_lib
 import weight_sync
 from test_engine import generate, make_model, post, version
 from test_train import ROOT, TORCHRUN, _free_port
@@ -280,14 +282,14 @@ def sampled_sequences(url, k: int = 16) -> list:
 
 
 def expert_choices(model, b: dict) -> tuple:
-    """(train.token_logprobs of micro-batch b, the top-k ids every MoE block's experts were run with, per layer
+    """(model_lib.token_logprobs of micro-batch b, the top-k ids every MoE block's experts were run with, per layer
     [tokens, k]): read at the experts' input, after any replay."""
     seen, hooks = {}, []
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[1].clone())))
     try:
         with torch.no_grad():
-            lp, _ = train.token_logprobs(model, b, 1.0, 1024)
+            lp, _ = model_lib.token_logprobs(model, b, 1.0, 1024)
     finally:
         for h in hooks:
             h.remove()
@@ -295,10 +297,10 @@ def expert_choices(model, b: dict) -> tuple:
 
 
 def batch(trajs: list, packing: bool, replay: bool) -> dict:
-    seqs = train.make_sequences([buffer.Group(None, trajs)], config.Config())
+    seqs = batching.make_sequences([buffer.Group(None, trajs)], config.Config())
     if not replay:
         seqs = [{k: v for k, v in s.items() if k != "routes"} for s in seqs]
-    return train.collate(seqs, packing=packing)
+    return batching.collate(seqs, packing=packing)
 
 
 def test_engine_returns_routed_experts_in_sglang_layout(routed):
@@ -352,7 +354,7 @@ def test_replayed_log_probs_equal_the_engines_with_matching_weights(routed):
     lp, _ = expert_choices(exact, b)
     assert ((lp - b["rollout_lp"]).abs() * b["mask"]).max() < 1e-5
     exact.zero_grad()
-    logp, _ = train.token_logprobs(exact, b, 1.0, 1024)
+    logp, _ = model_lib.token_logprobs(exact, b, 1.0, 1024)
     (logp * b["mask"]).sum().backward()
     assert exact.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
     moe_lib.set_routes(exact, None)
@@ -381,14 +383,14 @@ def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
     cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"model.path={dense}",
                                                                           "algorithm.routing_replay=true"])
     with pytest.raises(ValueError, match="algorithm.routing_replay=true replays a MoE's expert choices"):
-        train.check_launch(cfg, 2)
+        checks.check_launch(cfg, 2)
     cfg.model.path = str(tmp_path / "not-made")  # the tiny model, made at start-up: its config says
     with pytest.raises(ValueError, match="is a dense model"):
-        train.check_launch(cfg, 2)
+        checks.check_launch(cfg, 2)
     cfg.model.tiny_num_experts = 8
-    train.check_launch(cfg, 2)
+    checks.check_launch(cfg, 2)
     cfg.model.path = make_moe(str(tmp_path / "moe"), 0)  # a MoE's config.json (num_local_experts, transformers 5)
-    train.check_launch(cfg, 2)
+    checks.check_launch(cfg, 2)
 
 
 def _fsdp_gather(path: str) -> None:

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import config  # noqa: E402
 import losses  # noqa: E402
 import tasks  # noqa: E402
-import train  # noqa: E402
+import batching  # noqa: E402
+import model as model_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
     results = {}
     for packing in (False, True):
         model = _model(tiny_path, "sdpa")
-        b = train.collate(seqs, packing=packing)
-        logp, ent = train.token_logprobs(model, b, 1.0, 16, with_entropy=True)  # chunks smaller than a row
+        b = batching.collate(seqs, packing=packing)
+        logp, ent = model_lib.token_logprobs(model, b, 1.0, 16, with_entropy=True)  # chunks smaller than a row
         denom = losses.loss_denominator(b["mask"], agg)
         old = logp.detach() + 0.05 * torch.linspace(-1, 1, logp.numel()).view_as(logp)  # ratios away from 1
         loss, _ = losses.policy_loss(logp, old, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm, denom,
@@ -93,16 +94,16 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
 
 
 def test_fused_lm_head_log_probs_entropy_and_gradients_equal_the_logits_path(tiny_path):
-    """train.token_logprobs swaps the model's lm_head for losses.linear_token_logprobs inside model(...): log-probs,
+    """model_lib.token_logprobs swaps the model's lm_head for losses.linear_token_logprobs inside model(...): log-probs,
     entropy and every parameter's gradient (the lm_head / tied embedding included) equal those of the model's own
     logits through losses.token_logprobs, within 1e-5 in float32; the model's lm_head is itself again after."""
     seqs = _seqs([(5, 9), (3, 2), (7, 14)])
-    b = train.collate(seqs, packing=False)
+    b = batching.collate(seqs, packing=False)
     results = []
     for fused in (True, False):
         model = _model(tiny_path, "sdpa")
         if fused:
-            logp, ent = train.token_logprobs(model, b, 0.7, 5, with_entropy=True)
+            logp, ent = model_lib.token_logprobs(model, b, 0.7, 5, with_entropy=True)
             assert "forward" not in vars(model.get_output_embeddings())
         else:
             logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
@@ -120,11 +121,11 @@ def test_fused_lm_head_log_probs_entropy_and_gradients_equal_the_logits_path(tin
 
 def test_packed_micro_batches_hold_at_most_the_token_budget():
     seqs = _seqs([(4, n) for n in (30, 2, 2, 2, 10, 9, 8, 7, 25, 3)])
-    packed = train.plan_micro_batches(seqs, 40, packing=True)
-    padded = train.plan_micro_batches(seqs, 40)
+    packed = batching.plan_micro_batches(seqs, 40, packing=True)
+    padded = batching.plan_micro_batches(seqs, 40)
     assert sorted(id(s) for mb in packed for s in mb) == sorted(id(s) for s in seqs)
-    assert all(sum(train._length(s) for s in mb) <= 40 for mb in packed)
+    assert all(sum(batching._length(s) for s in mb) <= 40 for mb in packed)
     # first-fit decreasing: 134 tokens in 4 micro-batches (34+5|29+6+5|14+13+12+6|11+...) vs padded's
-    assert len(packed) == -(-sum(train._length(s) for s in seqs) // 40) < len(padded)
-    long = train.plan_micro_batches(_seqs([(4, 50), (4, 3)]), 40, packing=True)  # too long for the budget: alone
+    assert len(packed) == -(-sum(batching._length(s) for s in seqs) // 40) < len(padded)
+    long = batching.plan_micro_batches(_seqs([(4, 50), (4, 3)]), 40, packing=True)  # too long for the budget: alone
     assert [len(mb) for mb in long] == [1, 1]

@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import logger as logger_lib  # noqa: E402
+import run_modes  # noqa: E402
 import train  # noqa: E402
 from buffer import FAILED, PipelineServer  # noqa: E402
 from test_buffer import finish, make_cfg, make_prompts  # noqa: E402
@@ -119,9 +121,9 @@ class _Actor:
         return {}
 
 
-class _Producer(train.NoRollout):
+class _Producer(run_modes.NoRollout):
     """A rollout without servers: generates every group the buffer lets out, all rewards 0.0 until `vary` is set
-    (pause, resume and step_metrics do nothing, as train.NoRollout's)."""
+    (pause, resume and step_metrics do nothing, as run_modes.NoRollout's)."""
 
     def __init__(self, srv):
         self.srv, self.vary, self.stopped = srv, threading.Event(), threading.Event()
@@ -145,7 +147,7 @@ def test_the_waiting_line_says_what_the_filter_drops_and_why(tmp_path, capsys, m
                                 f"run_dir={tmp_path}", "buffer.get_timeout_s=60"])
     srv = PipelineServer(cfg, make_prompts(40), decode=_decode)
     producer = _Producer(srv)
-    logger = train.Logger(cfg)
+    logger = logger_lib.Logger(cfg)
     lines = []
     waiting = logger.waiting
 
@@ -259,11 +261,11 @@ def test_saved_rollouts_that_run_out_say_so(tmp_path):
 
     from buffer import Group, NothingToTrain, PromptGroup, Trajectory
 
-    rec = train.RolloutRecorder(types.SimpleNamespace(run_dir=str(tmp_path)), fleet=None)
+    rec = run_modes.RolloutRecorder(types.SimpleNamespace(run_dir=str(tmp_path)), fleet=None)
     for step in range(2):
         g = PromptGroup(0, step, step, torch.tensor([1, 2]), label="3")
         rec.train_minibatch([Group(g, [Trajectory(0, step, 0, g.prompt_ids, reward=1.0)])], step)
-    replay = train.ReplayBuffer(str(tmp_path / "rollouts"))
+    replay = run_modes.ReplayBuffer(str(tmp_path / "rollouts"))
     assert len(replay.get(1, timeout=1)) == 1
     with pytest.raises(NothingToTrain) as e:
         replay.get(2, timeout=1)

@@ -640,8 +640,8 @@ def test_spec_strategies_take_any_update_action_and_presets_cite_their_source():
 
 
 def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it():
+    import batching
     import config
-    import train
 
     want = {"areal": ("recompute", False), "verl": ("ppo", False), "pipelinerl": ("truncated_is", False),
             "prime-rl": ("ppo", False), "roll": ("ppo", False), "slime-async": ("ppo", None)}
@@ -661,7 +661,7 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
         # an in-place trajectory that spans a weight update (versions 0, 0, 1): the peer's mask setting decides
         seq = {"prompt": [1, 2], "response": [3, 4, 5], "mask": [1, 1, 1], "rollout_lp": [-1.0] * 3,
                "versions": [0, 0, 1], "adv": 1.0}
-        kept = train.collate([seq], cfg.rollout.mask_offpolicy_in_partial_rollout)["mask"].sum()
+        kept = batching.collate([seq], cfg.rollout.mask_offpolicy_in_partial_rollout)["mask"].sum()
         assert kept == (1 if name == "slime-async" else 3), name  # slime-async keeps tiny.yaml's mask (optional)
     note = strategies.pairing_note("areal", "ppo", True)  # tiny.yaml's loss under areal
     assert "algorithm.policy_loss=ppo (its peer trains with recompute or loglinear)" in note
@@ -697,8 +697,8 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     the last checkpoint's replay."""
     import subprocess
 
+    import checkpoint
     import tasks
-    import train
     from test_train import TINY, TORCHRUN, _read_rows, _run_overrides
 
     model = tasks.make_tiny_model(str(tmp_path / "model"))
@@ -717,7 +717,7 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     assert len(trained) == 16 and len(set(trained)) == 16, trained
     dropped = sum(row[k] for row in rows for k in ("rollout/filter_drop", "rollout/staleness_drop",
                                                    "rollout/policy_drop", "rollout/update_dropped_groups"))
-    state = train.load_run_state(train.latest_checkpoint(str(run_dir)))["buffer"]["data"]
+    state = checkpoint.load_run_state(checkpoint.latest_checkpoint(str(run_dir)))["buffer"]["data"]
     pending = {(g["epoch"], g["data_index"]) for g in state["lane"]}
     assert not pending & set(trained)
     assert len(trained) + dropped + len(pending) == state["next_seq"], (len(trained), dropped, pending, state)

@@ -24,6 +24,12 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 
 import config  # noqa: E402
+import batching  # noqa: E402
+import checkpoint  # noqa: E402
+import logger  # noqa: E402
+import model as model_lib  # noqa: E402
+import plot  # noqa: E402
+import run_modes  # noqa: E402
 import services as services_lib  # noqa: E402
 import train  # noqa: E402
 
@@ -84,7 +90,7 @@ def test_aggregate_follows_the_spec_naming_rule():
     calls = [{"timing/train": 1.0, "train/is_max": 3.0, "train/is_min": 0.5, "train/pg_loss": 0.2},
              {"timing/train": 2.0, "train/is_max": 5.0, "train/is_min": 0.1, "train/pg_loss": 0.4,
               "perf/train_memory_allocated_max": 7.0}]
-    out = train.aggregate(calls)
+    out = logger.aggregate(calls)
     assert out["timing/train"] == 3.0  # summed
     assert out["train/is_max"] == 5.0 and out["perf/train_memory_allocated_max"] == 7.0  # max
     assert out["train/is_min"] == 0.1  # min
@@ -98,18 +104,18 @@ def _seq(p, r, adv=1.0, versions=None):
 
 def test_split_balanced_by_tokens_and_micro_batches_fit():
     seqs = [_seq(4, n) for n in (30, 2, 2, 2, 10, 9, 8, 7)]
-    shares = train.split_balanced(seqs, 2)
-    loads = [sum(train._length(s) for s in sh) for sh in shares]
-    assert sum(loads) == sum(train._length(s) for s in seqs) and abs(loads[0] - loads[1]) <= 8
+    shares = batching.split_balanced(seqs, 2)
+    loads = [sum(batching._length(s) for s in sh) for sh in shares]
+    assert sum(loads) == sum(batching._length(s) for s in seqs) and abs(loads[0] - loads[1]) <= 8
     for sh in shares:
-        plan = train.plan_micro_batches(sh, max_tokens=40)
+        plan = batching.plan_micro_batches(sh, max_tokens=40)
         assert sum(len(mb) for mb in plan) == len(sh)
         for mb in plan:  # rows x longest row within the budget, unless a single row is longer
-            assert len(mb) == 1 or len(mb) * max(train._length(s) for s in mb) <= 40
+            assert len(mb) == 1 or len(mb) * max(batching._length(s) for s in mb) <= 40
 
 
 def test_collate_puts_response_tokens_on_their_predicting_positions():
-    b = train.collate([_seq(3, 2), _seq(2, 4, adv=-1.0)])
+    b = batching.collate([_seq(3, 2), _seq(2, 4, adv=-1.0)])
     assert b["ids"].shape == (2, 6) and b["mask"].shape == (2, 5)
     # sequence 0: prompt 0,1,2 then response 100,101: position 2 predicts 100, position 3 predicts 101
     assert b["mask"][0].tolist() == [0, 0, 1, 1, 0]
@@ -118,7 +124,7 @@ def test_collate_puts_response_tokens_on_their_predicting_positions():
     assert b["ids"][1, 1:][b["mask"][1] > 0].tolist() == [100, 101, 102, 103]
     assert b["attn"][0].tolist() == [1, 1, 1, 1, 1, 0] and b["adv"].tolist() == [1.0, -1.0]
     # a restored partial trajectory: tokens of version 3 before the newest version 4 leave the loss
-    m = train.collate([_seq(2, 4, versions=[3, 3, 4, 4])], mask_offpolicy=True)["mask"]
+    m = batching.collate([_seq(2, 4, versions=[3, 3, 4, 4])], mask_offpolicy=True)["mask"]
     assert m[0].tolist() == [0, 0, 0, 1, 1]
 
 
@@ -240,7 +246,7 @@ def _write_checkpoint(run_dir, step: int, shards: bool = True, state=None) -> st
     os.makedirs(path + ".tmp")
     if shards:
         dcp.save({"model": {"w": torch.arange(4096.0)}}, checkpoint_id=path + ".tmp", no_dist=True)
-    train._commit_checkpoint(path + ".tmp", path, state or {"step": step, "rng": [train._rng_state()]})
+    checkpoint.commit(path + ".tmp", path, state or {"step": step, "rng": [checkpoint.rng_state()]})
     return path
 
 
@@ -252,7 +258,7 @@ def _truncate(path: str) -> None:
 def test_latest_checkpoint_skips_those_that_do_not_load(tmp_path, capsys):
     run_dir = str(tmp_path)
     good = _write_checkpoint(run_dir, 1)
-    assert train.latest_checkpoint(run_dir) == good and train.load_run_state(good)["step"] == 1
+    assert checkpoint.latest_checkpoint(run_dir) == good and checkpoint.load_run_state(good)["step"] == 1
     cut_shard = _write_checkpoint(run_dir, 2)
     shard = [f for f in os.listdir(cut_shard) if f.endswith(".distcp")][0]
     _truncate(os.path.join(cut_shard, shard))
@@ -261,7 +267,7 @@ def test_latest_checkpoint_skips_those_that_do_not_load(tmp_path, capsys):
     code = _write_checkpoint(run_dir, 4, shards=False, state={"step": 4, "x": _RunsCode(tmp_path / "ran")})
     os.makedirs(os.path.join(run_dir, "checkpoints", "step_000005.tmp"))  # a save in progress
     capsys.readouterr()
-    assert train.latest_checkpoint(run_dir) == good
+    assert checkpoint.latest_checkpoint(run_dir) == good
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "skipping checkpoint" in ln]
     assert len(warnings) == 3, warnings
     assert code in warnings[0] and "run_state.pt does not load: UnpicklingError" in warnings[0]
@@ -269,7 +275,7 @@ def test_latest_checkpoint_skips_those_that_do_not_load(tmp_path, capsys):
     assert cut_shard in warnings[2] and f"shard {shard} has" in warnings[2] and "its metadata expects" in warnings[2]
     assert not (tmp_path / "ran").exists()  # loading it ran nothing
     _write_checkpoint(run_dir, 6, shards=False)  # a rollout-only checkpoint: run state only, no shards
-    assert train.latest_checkpoint(run_dir).endswith("step_000006")
+    assert checkpoint.latest_checkpoint(run_dir).endswith("step_000006")
 
 
 def test_resume_from_a_checkpoint_that_does_not_load_names_it(tmp_path, capsys):
@@ -291,17 +297,17 @@ def test_saved_rollouts_are_plain_data_and_replay_in_order(tmp_path):
                  for i in range(2)]
         return Group(PromptGroup(0, seq, 10 + seq, torch.tensor([1, 2]), label="21", metadata={"row": seq}), trajs)
 
-    rec = train.RolloutRecorder(types.SimpleNamespace(run_dir=str(tmp_path)), fleet=None)
+    rec = run_modes.RolloutRecorder(types.SimpleNamespace(run_dir=str(tmp_path)), fleet=None)
     rec.train_minibatch([group(0), group(1)], 0)
     rec.train_minibatch([group(2)], 0)
     for f in os.listdir(tmp_path / "rollouts"):
         torch.load(tmp_path / "rollouts" / f, weights_only=True)
-    replay = train.ReplayBuffer(str(tmp_path / "rollouts"))
+    replay = run_modes.ReplayBuffer(str(tmp_path / "rollouts"))
     first = replay.get(1, timeout=1)
     assert first[0].prompt.data_index == 10 and first[0].trajectories[1].reward == 0.25
     sd_path = tmp_path / "sd.pt"
     torch.save(replay.state_dict(), sd_path)
-    again = train.ReplayBuffer(str(tmp_path / "rollouts"))
+    again = run_modes.ReplayBuffer(str(tmp_path / "rollouts"))
     again.load_state_dict(torch.load(sd_path, weights_only=True))
     rest = again.get(2, timeout=1)
     assert [g.prompt.seq for g in rest] == [1, 2]
@@ -486,29 +492,34 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
 
 
 def test_a_push_that_fails_on_rank_0_only_is_agreed_on_and_retried(actor_checks):
-    """weight_sync.WeightSync.push's status collective: rank 0 raises the injected error, rank 1 returns, and the
-    retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
+    """weight_sync.WeightSync.push's status collective and Actor.push_weights: rank 0's injected error is returned
+    on both ranks, and the retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
     for method, r in actor_checks["sync"]["fault"].items():
         assert r["faults"] >= 1 and r["error"] is not None and "injected fault on rank 0" in r["error"], (method, r)
+        assert r["agreed"] == [True, True], (method, r)
         assert r["after_retry"] < 1e-4 and r["weight_version"] == r["version"], (method, r)
+
+
+_CTRL = None
 
 
 def _script_setup(args, overrides=()):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    global _CTRL
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-        train._CTRL = dist.new_group(backend="gloo")
+        _CTRL = dist.new_group(backend="gloo")  # train.py's control group
     rank = dist.get_rank()
     cfg = config.load_config(TINY, [f"model.path={args['model']}", f"run_dir={args['run_dir']}", "trainer.lr=0.01",
                                     "trainer.mini_batch_size=128",  # several training calls per step: a snapshot
                                     f"rollout.base_port={args.get('port', 31000)}",
                                     f"weight_sync.master_port={args.get('master_port', 29700)}",
                                     "weight_sync.master_address=127.0.0.1", *overrides])
-    model, _ = train.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank)
-    opt, sched = train.build_optimizer(model, cfg.trainer)
-    return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"))
+    model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank, _CTRL)
+    opt, sched = model_lib.build_optimizer(model, cfg.trainer)
+    return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"), _CTRL)
 
 
 @torch.no_grad()
@@ -516,7 +527,7 @@ def _log_probs(actor, batch, temperature=1.0):
     import losses
 
     logits = actor.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
-    train.reshard(actor.model)
+    model_lib.reshard(actor.model)
     return losses.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
 
 
@@ -539,9 +550,9 @@ def _snapshot_checks(args) -> list:
         seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
                  "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6,
                  "rollout_lp": [-2.0] * 6, "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
-        first, second = train.collate(seqs[4:]), train.collate(seqs[:4])
+        first, second = batching.collate(seqs[4:]), batching.collate(seqs[:4])
         step_start = _log_probs(actor, first)
-        first_call = actor._train([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
+        first_call = actor.train_plan([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
         live = _log_probs(actor, first)
         old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
         after = _log_probs(actor, first)
@@ -570,7 +581,7 @@ def _sync_checks(args) -> dict:
         for version, method in ((1, "distributed"), (2, "tensor"), (3, "disk")):
             cfg.weight_sync.method = method
             with torch.no_grad():  # move the trainer's weights away from the engine's
-                train.reshard(actor.model)
+                model_lib.reshard(actor.model)
                 gen = torch.Generator().manual_seed(version * 10 + rank)
                 for p in actor.model.parameters():
                     local = p.to_local()
@@ -584,15 +595,15 @@ def _sync_checks(args) -> dict:
                         "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}).json()
                     msg = [{"ids": out["output_ids"], "lp": [x[0] for x in out["meta_info"]["output_token_logprobs"]],
                             "version": out["meta_info"]["weight_version"]}]
-                dist.broadcast_object_list(msg, src=0, group=train._CTRL)
+                dist.broadcast_object_list(msg, src=0, group=_CTRL)
                 s = {"prompt": [5, 6, 7, 8, 9], "response": msg[0]["ids"], "mask": [1] * len(msg[0]["ids"]),
                      "rollout_lp": msg[0]["lp"], "versions": [0] * len(msg[0]["ids"]), "adv": 0.0}
-                b = train.collate([s])
+                b = batching.collate([s])
                 ours = _log_probs(actor, b)
                 return float(((ours - b["rollout_lp"]) * b["mask"]).abs().max()), msg[0]
 
             before, _ = engine_vs_trainer()
-            actor._sync(version)  # lockstep on both ranks (no command channel here)
+            assert actor.push_weights(version) is None  # lockstep on both ranks, as in train.py's loop
             after, msg = engine_vs_trainer()
             results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
                                "weight_version": msg["version"], "version": str(version)}
@@ -626,7 +637,7 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
     for version, method in ((5, "distributed"), (6, "tensor")):
         cfg.weight_sync.method = method
         with torch.no_grad():
-            train.reshard(actor.model)
+            model_lib.reshard(actor.model)
             gen = torch.Generator().manual_seed(version * 10 + rank)
             for p in actor.model.parameters():
                 p.to_local().add_(torch.randn(p.to_local().shape, generator=gen) * 0.05)
@@ -659,19 +670,19 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
         first_bucket = weight_sync.plan_buckets(actor.model, actor.weights.dtype, 0)[0][0][1]
         if rank == 0:
             setattr(owner, name, faulty)
-        error = None
         try:
-            actor._sync(version)
-        except Exception as e:
-            error = str(e)
+            error = actor.push_weights(version)  # every rank learns that it failed (rank 0's error)
         finally:
             setattr(owner, name, real)
+        agreed = [None, None]
+        dist.all_gather_object(agreed, error is not None, group=_CTRL)
+        error = None if error is None else str(error)
         if rank == 0 and method == "distributed":
             actor.weights.drop_group()  # what sync_weights' retry does (the tensor path has no group)
-        actor._sync(version)
+        assert actor.push_weights(version) is None
         after, msg = engine_vs_trainer()
-        out[method] = {"error": error, "faults": calls[0], "after_retry": after, "weight_version": msg["version"],
-                       "version": str(version)}
+        out[method] = {"error": error, "agreed": agreed, "faults": calls[0], "after_retry": after,
+                       "weight_version": msg["version"], "version": str(version)}
     cfg.weight_sync.bucket_mb = 512
     return out
 
@@ -736,7 +747,7 @@ def resumed_run(tmp_path_factory, tiny_model):
                          start_new_session=True)
     deadline = time.monotonic() + 240
     while True:
-        ck = train.latest_checkpoint(str(run_dir))
+        ck = checkpoint.latest_checkpoint(str(run_dir))
         if ck and int(ck.rsplit("_", 1)[1]) >= kill_after:
             break
         assert p.poll() is None and time.monotonic() < deadline, (seed, p.stdout.read()[-3000:] if p.poll() else "")
@@ -746,7 +757,7 @@ def resumed_run(tmp_path_factory, tiny_model):
     p.communicate(timeout=30)
     assert p.returncode == -signal.SIGKILL, (seed, "the run ended before it was killed")
     assert _wait_session_gone(p.pid), "SIGKILL left processes of the run behind"
-    newest = train.latest_checkpoint(str(run_dir))
+    newest = checkpoint.latest_checkpoint(str(run_dir))
     _truncate(os.path.join(newest, "run_state.pt"))  # as if the disk filled: resume falls back to the one before
     killed_at = int(newest.rsplit("_", 1)[1]) - 1
     p2 = subprocess.run([*args, "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -766,7 +777,7 @@ def test_resume_after_sigkill_trains_every_prompt_of_the_epoch_once(resumed_run)
     assert sorted(trained) == [(0, i) for i in range(32)], (r["seed"], r["killed_at"], trained)
     # the buffer's weight version during step i is i (each step's sync adds one), across both parts
     assert [row["rollout/weight_version"] for row in rows] == list(range(8)), r["seed"]
-    state = train.load_run_state(train.latest_checkpoint(r["run_dir"]))
+    state = checkpoint.load_run_state(checkpoint.latest_checkpoint(r["run_dir"]))
     assert state["step"] == 8 and state["weight_version"] == 8
     assert os.path.exists(os.path.join(r["run_dir"], "hf", "model.safetensors"))
 
@@ -798,7 +809,7 @@ def test_fully_async_run_reports_every_spec_metric_with_sane_values(resumed_run)
 
 
 def test_plot_writes_a_png(resumed_run, tmp_path):
-    out = train.plot(os.path.join(resumed_run["run_dir"], "metrics.jsonl"), str(tmp_path / "m.png"))
+    out = plot.plot(os.path.join(resumed_run["run_dir"], "metrics.jsonl"), str(tmp_path / "m.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,149 @@
+"""logger.py: rank 0's metrics and logging of a run: the spec's per-step aggregation of the training calls'
+metrics (aggregate), and Logger: the stdout line per step, metrics.jsonl, samples/*.jsonl, the waiting line
+(waiting.jsonl) and wandb when logging.wandb.enable. train.py's step loop calls Logger.log once per step."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+import torch
+
+import config as config_lib
+
+
+def aggregate(records: list[dict]) -> dict:
+    """Per-call metrics -> one value per step, by name (spec section 4): timing/* summed, *_max max, *_min min,
+    everything else averaged over the calls that reported it."""
+    out: dict = {}
+    for key in dict.fromkeys(k for r in records for k in r):
+        vals = [float(r[key]) for r in records if key in r and isinstance(r[key], (int, float, torch.Tensor))]
+        if not vals:
+            continue
+        if key.startswith("timing/"):
+            out[key] = sum(vals)
+        elif key.endswith("_max"):
+            out[key] = max(vals)
+        elif key.endswith("_min"):
+            out[key] = min(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+def trained_group_metrics(groups: list) -> dict:
+    """What one training call consumed (partial_ratio and staleness of it come from buffer.step_metrics)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    return {"train/reward_mean": sum(t.reward for t in trajs) / max(1, len(trajs)),
+            "train/response_length_mean": sum(len(t.response_ids) for t in trajs) / max(1, len(trajs))}
+
+
+SAMPLES_PER_STEP = 4  # trained trajectories written to samples/train.jsonl per step (one per group)
+
+
+def sample_records(groups: list, per_group: Optional[int] = None) -> list[dict]:
+    """Plain records of the trajectories (the first per_group of each group) for samples/*.jsonl: token ids,
+    reward, label, per-token weight versions and loss mask, status."""
+    return [{"prompt_ids": t.prompt_ids.tolist(), "response_ids": t.response_ids.tolist(), "reward": t.reward,
+             "label": g.prompt.label, "versions": t.versions.tolist(), "loss_mask": t.loss_mask.tolist(),
+             "status": t.status} for g in groups for t in g.trajectories[:per_group]]
+
+
+class Logger:
+    """Rank 0's logging: a stdout line per step with progress, metrics.jsonl (one object per step, `step` key),
+    the resolved config beside it, and wandb when logging.wandb.enable. What the model writes goes to
+    run_dir/samples/: `step_NNNNNN.jsonl` (every greedy eval response after NNNNNN steps) and `train.jsonl` (a few
+    trained trajectories per step, with per-token weight versions); with wandb, the same as tables.
+
+    On resume, lines of steps after the checkpoint are dropped, so metrics.jsonl is the history of the weights
+    being trained (a step whose checkpoint was lost is trained again and logged again).
+    """
+
+    def __init__(self, cfg, keep_until: int = -1, tokenizer=None):
+        self.cfg, self.total, self.tokenizer = cfg, cfg.trainer.total_steps, tokenizer
+        self.samples_dir = os.path.join(cfg.run_dir, "samples")
+        os.makedirs(self.samples_dir, exist_ok=True)
+        self.path = os.path.join(cfg.run_dir, "metrics.jsonl")
+        self.train_samples = os.path.join(self.samples_dir, "train.jsonl")
+        self.waiting_path = os.path.join(cfg.run_dir, "waiting.jsonl")
+        for path in (self.path, self.train_samples, self.waiting_path):  # a resumed run keeps its history
+            kept = []
+            if keep_until >= 0 and os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self.t0, self.first_step = time.time(), None
+        self.start = time.time()
+        self.wandb = None
+        if cfg.logging.wandb.enable:
+            import wandb
+
+            w = cfg.logging.wandb
+            self.wandb = wandb.init(project=w.project, name=w.name or os.path.basename(os.path.abspath(cfg.run_dir)),
+                                    mode=w.mode, dir=cfg.run_dir, config=config_lib.to_dict(cfg), resume="allow",
+                                    id=w.name or os.path.basename(os.path.abspath(cfg.run_dir)))
+
+    def samples(self, step: int, records: list[dict], eval_: bool) -> None:
+        """Decoded records -> samples/step_NNNNNN.jsonl (eval_) or one line each in samples/train.jsonl."""
+        if not records or self.tokenizer is None:
+            return
+        rows = [{"step": step, "prompt": self.tokenizer.decode(r["prompt_ids"]),
+                 "response": self.tokenizer.decode(r["response_ids"]), "reward": r["reward"], "label": r["label"],
+                 **({} if eval_ else {"versions": r["versions"], "loss_mask": r["loss_mask"],
+                                      "status": r["status"]})} for r in records]
+        path = os.path.join(self.samples_dir, f"step_{step:06d}.jsonl") if eval_ else self.train_samples
+        with open(path, "w" if eval_ else "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.wandb is not None:
+            import wandb
+
+            cols = list(rows[0])
+            self.wandb.log({"samples/eval" if eval_ else "samples/train": wandb.Table(
+                columns=cols, data=[[json.dumps(r[c]) if isinstance(r[c], list) else r[c] for c in cols]
+                                    for r in rows])}, step=step)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.samples(step, metrics.pop("data/samples", None), eval_=False)
+        self.samples(step, metrics.pop("data/eval_samples", None), eval_=True)
+        metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self.first_step is None or step <= self.first_step:  # the ETA counts from the first training step
+            self.first_step, self.t0 = step, time.time()
+        done = max(1, step - self.first_step)
+        eta = (time.time() - self.t0) / done * (self.total - step)
+        parts = [f"step {step}/{self.total} ({100 * step // max(1, self.total)}%)"]
+        for key, label, fmt in (("rollout/reward_mean", "reward", ".3f"), ("eval/reward_mean", "eval", ".3f"),
+                                ("rollout/pipeline_buf_size", "buf", ".0f"), ("rollout/partial_ratio", "partial",
+                                                                              ".2f"),
+                                ("train/grad_norm", "gnorm", ".3f"), ("timing/step", "step_s", ".2f"),
+                                ("perf/wait_ratio", "wait", ".2f")):
+            if isinstance(metrics.get(key), (int, float)):
+                parts.append(f"{label} {metrics[key]:{fmt}}")
+        el = time.time() - self.start
+        parts.append(f"elapsed {int(el // 60)}m{int(el % 60):02d}s eta {int(eta // 60)}m{int(eta % 60):02d}s")
+        print(" | ".join(parts), flush=True)
+
+    def waiting(self, step: int, rec: dict) -> None:
+        """One line while the trainer waits for the groups of `step` (run_steps' fetch), also in waiting.jsonl and
+        wandb (`waiting/*`): what it waits for, what the rollout made meanwhile, what the filter dropped and why."""
+        reasons = ", ".join(f"{r}: {c}" for r, c in sorted(rec["drop_reasons"].items(), key=lambda x: -x[1])[:3])
+        parts = [f"[train] step {step}: waiting {rec['waited_s']:.0f} s for groups, {rec['ready']}/{rec['needed']} "
+                 f"ready", f"{rec['generated']} trajectories generated in the last {rec['seconds']:.0f} s, "
+                 f"{rec['in_flight']} in flight", f"rollout.filter dropped {rec['filter_drop']} groups"
+                 + (f" ({reasons})" if reasons else "")]
+        if "servers_total" in rec:
+            parts.append(f"servers answering {rec['servers_up']}/{rec['servers_total']}")
+        print(" | ".join(parts), flush=True)
+        with open(self.waiting_path, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **rec}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"waiting/{k}": v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,172 @@
+"""model.py: the policy on the trainer ranks: the HF causal LM at model.path sharded by FSDP2 over its decoder layers
+(apply_fsdp, load_model), AdamW with warmup (build_optimizer), and its log-probs of a collated micro-batch
+(token_logprobs, with the lm_head fused into the chunked log-softmax)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import os
+
+import torch
+import torch.distributed as dist
+
+def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+               cpu_offload: bool = False) -> None:
+    """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
+    backward comes right away). A MoE decoder layer (attention, router and all its experts) is one unit: transformers
+    5 keeps a layer's experts as two fused parameters [E, ...], each sharded over the ranks along E like any other
+    parameter, and a batch's tokens are routed to most experts, so they are all-gathered together (units per
+    expert would add collectives and gather the same bytes; expert parallelism is not implemented).
+    param_dtype/reduce_dtype None = no mixed precision (CPU, float32). cpu_offload: the shards, their gradients and
+    so the optimizer state stay in host memory (pinned on cuda; pinning needs an accelerator), copied to the device
+    per layer for forward and backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    off = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
+
+
+def reshard(model) -> None:
+    """Free all-gathered parameters. Needed after a no-grad forward: the unresharded last layer and root would
+    otherwise keep stale full copies (and hide the sharded parameters) until the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def load_model(cfg, mesh, device: torch.device, rank: int, group):
+    """The HF causal LM at model.path, sharded: built on the meta device, FSDP2-wrapped, then rank 0's weights are
+    broadcast into the shards (one full copy in CPU memory, on rank 0 only). group: a gloo group with a long
+    timeout (train.py's control group), for the wait on rank 0's load and the buffers' broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    impl = attn_implementation(cfg, device)
+    if rank == 0:
+        print(f"[train] attention: {impl} (model.attn_implementation={cfg.model.attn_implementation})", flush=True)
+    with torch.device("meta"):
+        # experts_implementation: as engine.py's scheduler.load_model (eager on CPU: grouped_mm is ~10x slower there)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl,
+                                                 experts_implementation="eager" if device.type == "cpu" else None)
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gpu = device.type == "cuda"
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu else None, torch.float32 if gpu else None, cfg.trainer.cpu_offload)
+    model.to_empty(device="cpu" if cfg.trainer.cpu_offload else device)
+    full, buffers = {}, [None]
+    if rank == 0:
+        ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+        full, buffers = ref.state_dict(), [{k: v.cpu() for k, v in ref.named_buffers()}]
+    # The other ranks wait for rank 0's load (minutes for a 30B from disk) here, under the control group's long
+    # timeout, not inside the broadcast below, whose group times out (NCCL: kills) after weight_sync.timeout_s.
+    dist.barrier(group=group)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Non-persistent buffers (rotary inv_freq) are not in a state dict: rank 0's, on the device (also when the
+    # parameters are offloaded: FSDP2 moves only those).
+    dist.broadcast_object_list(buffers, src=0, group=group)
+    for prefix, mod in model.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            mod._buffers[name] = buffers[0][f"{prefix}.{name}" if prefix else name].to(device)
+    return model, hf_config
+
+
+def attn_implementation(cfg, device: torch.device) -> str:
+    """model.attn_implementation with auto resolved to the best kernel installed: on cuda flash_attention_2 (varlen
+    over packed rows) when flash_attn is installed, else flex_attention (ships with torch: a block-sparse mask of
+    the packed sequences, with GQA), not sdpa's dense [n, n] mask; sdpa on CPU."""
+    import importlib.util
+
+    name = cfg.model.attn_implementation
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "sdpa"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
+
+
+def build_optimizer(model, t, impl: str = "foreach"):
+    """AdamW (impl: fused / foreach / for_loop, see optimizer_impl) with linear warmup over trainer.warmup_steps
+    optimizer updates, constant after."""
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                            fused=impl == "fused", foreach=impl == "foreach")
+    warm = t.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
+    return opt, sched
+
+
+
+def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token values of the packed row [1, n - 1] -> the padded loss layout [b, L - 1] (0 off the sequences);
+    differentiable, so the loss (losses.py, one sequence per row) and its gradient are the padded path's."""
+    flat = packed[0][index.clamp(min=0)]
+    return torch.where(index >= 0, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False) -> tuple:
+    """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
+    as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
+    per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them).
+
+    The [tokens, vocab] logits are never built: for the run of model(...) its output layer's forward is swapped
+    for losses.linear_token_logprobs on the last hidden states (lm_head fused into the chunked log-softmax), so
+    .logits comes back as the log-probs. The swap sits inside model(...) because FSDP2 gathers the root unit's
+    parameters (lm_head, embeddings, final norm) in the root's forward and again for its backward. A head that is
+    not a bias-free Linear, or logits that the model post-processes (final_logit_softcapping), take the unfused
+    path (losses.token_logprobs on the logits)."""
+    import losses
+    import moe
+
+    moe.set_routes(model, b.get("routes"))  # routing replay (none recorded: the routers' own top-k)
+    kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
+    if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs
+        kwargs |= {"cu_seq_lens_q": b["cu"], "cu_seq_lens_k": b["cu"], "max_length_q": b["max_len"],
+                   "max_length_k": b["max_len"]}
+    head, targets = model.get_output_embeddings(), b["ids"][:, 1:]
+    fused = (isinstance(head, torch.nn.Linear) and head.bias is None
+             and not getattr(model.config, "final_logit_softcapping", None))
+    if fused:
+        def head_forward(hidden):  # the model's output: FSDP2's pre-backward hook is registered on it
+            logp, ent = losses.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature, chunk_tokens,
+                                                     with_entropy)
+            return torch.stack([logp, ent], -1) if with_entropy else logp
+
+        head.forward = head_forward
+        try:
+            out = model(input_ids=b["ids"], **kwargs).logits
+        finally:
+            del head.forward
+        logp, ent = (out[..., 0], out[..., 1]) if with_entropy else (out, None)
+    else:
+        logits = model(input_ids=b["ids"], **kwargs).logits[:, :-1]
+        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy=with_entropy)
+    if "pos" in b:
+        logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
+    return logp, ent
+
+
+def memory_now(device: torch.device) -> float:
+    """GiB this process holds now: the CUDA caching allocator's reserved bytes on GPU (what another process on
+    the GPU cannot have), the resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / 2 ** 30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
+
+
+def memory_metrics(device: torch.device) -> dict:
+    """perf/train_memory_*_max in GiB: CUDA allocator peaks on GPU; on CPU the process's peak RSS for both."""
+    if device.type == "cuda":
+        return {"perf/train_memory_allocated_max": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                "perf/train_memory_reserved_max": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
+    return {"perf/train_memory_allocated_max": rss, "perf/train_memory_reserved_max": rss}

@@ -1,0 +1,147 @@
+"""run_modes.py: what train.py's step loop runs with besides the trainer and the rollout: run_mode=rollout-only
+(RolloutRecorder: the groups saved, no training), run_mode=train-only (ReplayBuffer of those groups, NoRollout),
+and the greedy evaluator (make_evaluator: eval/* through the servers every trainer.eval_freq steps)."""
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import shutil
+import time
+from typing import Callable
+
+import torch
+
+import buffer as buffer_lib
+import checkpoint
+from logger import sample_records
+
+class RolloutRecorder:
+    """run_mode=rollout-only: no training; each call's groups are saved to run_dir/rollouts/ (for train-only) and
+    the servers' version label still advances every step, so staleness reads as it would when training."""
+
+    def __init__(self, cfg, fleet):
+        self.cfg, self.fleet = cfg, fleet
+        self.dir = os.path.join(cfg.run_dir, "rollouts")
+        os.makedirs(self.dir, exist_ok=True)
+        self.calls: dict = {}
+
+    def train_minibatch(self, groups, step):
+        call = self.calls[step] = self.calls.get(step, -1) + 1
+        torch.save([buffer_lib.group_to_dict(g) for g in groups],
+                   os.path.join(self.dir, f"step_{step:06d}_{call:03d}.pt"))
+        return {}
+
+    def sync_weights(self, version):
+        self.fleet.update_weight_version(version)
+        return {}
+
+    def save_checkpoint(self, steps_done, run_state):
+        path = os.path.join(self.cfg.run_dir, "checkpoints", f"step_{steps_done:06d}")
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        os.makedirs(path + ".tmp")
+        checkpoint.commit(path + ".tmp", path, {**run_state, "scheduler": {}, "rng": [checkpoint.rng_state()]})
+
+    def release(self):
+        return {}
+
+    def resume(self):
+        return {}
+
+
+class ReplayBuffer:
+    """run_mode=train-only: the groups a rollout-only run saved, in order (trainer.rollout_dir)."""
+
+    def __init__(self, directory: str):
+        self.files = sorted(glob.glob(os.path.join(directory, "step_*.pt")))
+        if not self.files:
+            raise ValueError(f"trainer.rollout_dir '{directory}' holds no step_*.pt files; run run_mode=rollout-only "
+                             "first (it saves them in its run_dir/rollouts)")
+        self.pending: list = []
+        self.pos = 0
+
+    def wait(self, k: int, timeout: float) -> dict:
+        return {"ready": k, "needed": k}  # saved groups are there or not: get() never waits
+
+    def get(self, k: int, timeout: float) -> list:
+        while len(self.pending) < k:
+            if self.pos >= len(self.files):
+                steps = len({os.path.basename(f).split("_")[1] for f in self.files})
+                raise buffer_lib.NothingToTrain(
+                    f"the data ran out before trainer.total_steps: the groups saved in "
+                    f"{os.path.dirname(self.files[0])} ({len(self.files)} files from {steps} steps of a rollout-only "
+                    f"run) are trained but {len(self.pending)} and {k} are wanted; train at most that many steps "
+                    f"(trainer.total_steps, with the recording's batch size) or record more with "
+                    f"run_mode=rollout-only")
+            try:
+                saved = torch.load(self.files[self.pos], weights_only=True)
+            except Exception as e:
+                raise ValueError(f"saved rollouts {self.files[self.pos]} do not load ({type(e).__name__}: {e}); "
+                                 "they are written by run_mode=rollout-only") from None
+            self.pending += [buffer_lib.group_from_dict(d) for d in saved]
+            self.pos += 1
+        out, self.pending = self.pending[:k], self.pending[k:]
+        return out
+
+    def step_metrics(self):
+        return {}
+
+    def set_weight_version(self, v):
+        pass
+
+    def state_dict(self):
+        return {"pos": self.pos, "pending": [buffer_lib.group_to_dict(g) for g in self.pending]}
+
+    def load_state_dict(self, sd):
+        self.pos, self.pending = sd["pos"], [buffer_lib.group_from_dict(d) for d in sd["pending"]]
+
+
+class NoRollout:
+    """run_mode=train-only: nothing generates."""
+
+    def start(self):
+        pass
+
+    def pause(self):
+        return {}
+
+    def resume(self, version):
+        pass
+
+    def step_metrics(self):
+        return {}
+
+    def stop(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation: greedy, on the held-out split, through the servers (the rollout function, so multi-turn works too)
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
+    """evaluate(steps_done) -> eval/reward_mean, eval/exact_ratio (reward >= 1), timing/eval and data/eval_samples
+    (every response, for samples/step_NNNNNN.jsonl): greedy, one response per held-out prompt."""
+    import rollout as rollout_lib
+    import tasks
+    from buffer import Group
+
+    ecfg = copy.deepcopy(cfg)
+    ecfg.data_sources = [copy.deepcopy(cfg.data_sources[0])]
+    ecfg.data_sources[0].num_trajectories_per_prompt = 1
+    ecfg.rollout.sampling.temperature = 0.0  # greedy (below losses.GREEDY_TEMPERATURE)
+    ecfg.rollout.partial = False
+    ecfg.rollout.async_max_concurrent_samples = None
+    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval", cfg.rollout.max_prompt_tokens)
+
+    def evaluate(steps_done: int) -> dict:
+        t0 = time.perf_counter()
+        fleet.continue_()  # the last step's pause (rollout.partial) leaves the servers paused: eval would wait
+        buf, summary = rollout_lib.generate_dataset(ecfg, prompts, fleet, tokenizer,
+                                                    cfg.rollout.trajectory_timeout_s + 60.0)
+        groups = [Group(buf.prompts[seq], trajs) for seq, trajs in sorted(buf.results.items())]
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        return {"eval/reward_mean": sum(rewards) / max(1, len(rewards)),
+                "eval/exact_ratio": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+                "timing/eval": time.perf_counter() - t0, "data/eval_samples": sample_records(groups)}
+    return evaluate
