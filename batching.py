@@ -8,6 +8,7 @@ import itertools
 
 import torch
 
+
 def make_sequences(groups: list, cfg) -> list[dict]:
     """Groups -> one dict per trajectory (plain lists: cheap to sort, split and collate) with its GRPO advantage."""
     import losses

@@ -55,6 +55,7 @@ def load(model, opt, sched, path: str) -> dict:
     set_rng_state(run_state["rng"][rank] if rank < len(run_state["rng"]) else run_state["rng"][0])
     return run_state
 
+
 def rng_state() -> dict:
     """This process's Python, torch and CUDA RNG states (run_state.pt keeps one per rank)."""
     return {"python": random.getstate(), "torch": torch.get_rng_state(),

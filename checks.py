@@ -12,7 +12,10 @@ import torch
 import checkpoint
 import services as services_lib
 
+
 def check_launch(cfg, world: int) -> None:
+    """Every rank: the processes started match trainer.num_nodes x num_gpus_per_node, the device exists, the model
+    is there (or can be made), routing replay has a MoE to replay, and the servers to use are named once."""
     t, r = cfg.trainer, cfg.rollout
     if cfg.run_mode != "rollout-only" and world != t.num_nodes * t.num_gpus_per_node:
         raise ValueError(f"trainer.num_nodes x trainer.num_gpus_per_node ({t.num_nodes} x {t.num_gpus_per_node}) "
@@ -54,7 +57,6 @@ def check_launch(cfg, world: int) -> None:
         if not glob.glob(os.path.join(d, "step_*.pt")):
             raise ValueError(f"run_mode=train-only needs trainer.rollout_dir with the step_*.pt files of a "
                              f"rollout-only run; '{d}' has none")
-
 
 
 def check_inputs(cfg) -> None:

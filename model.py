@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+
 def apply_fsdp(model, mesh, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
                cpu_offload: bool = False) -> None:
     """FSDP2: fully_shard each decoder layer, then the root. The last layer is not resharded after forward (its
@@ -100,7 +101,6 @@ def build_optimizer(model, t, impl: str = "foreach"):
     warm = t.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
     return opt, sched
-
 
 
 def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 
+
 def plot_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="plot.py", description="metrics.jsonl of a run -> a PNG")
     p.add_argument("run_dir")
@@ -66,7 +67,6 @@ def plot(metrics_path: str, out: str, dpi: int = 100) -> str:
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
-
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import buffer as buffer_lib
 import checkpoint
 from logger import sample_records
 
+
 class RolloutRecorder:
     """run_mode=rollout-only: no training; each call's groups are saved to run_dir/rollouts/ (for train-only) and
     the servers' version label still advances every step, so staleness reads as it would when training."""

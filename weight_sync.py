@@ -139,7 +139,7 @@ def gather_bucket(model, spec: list, dtype: torch.dtype, device: torch.device) -
 
 class WeightSync:
     """The push of one weight version from every trainer rank (all gather; rank 0 talks to the servers). fleet and
-    services are set on rank 0 by train.main; ctrl is train.py's gloo command group."""
+    services are set on rank 0 by train.main; ctrl is train.py's gloo control group."""
 
     def __init__(self, cfg, model, device: torch.device, ctrl):
         self.cfg, self.model, self.device, self.ctrl = cfg, model, device, ctrl

@@ -4,8 +4,9 @@ A random ~100M-parameter Qwen3 (hidden 768, 11 layers, vocab 32000, tied embeddi
 per sync) is loaded by --ranks trainer processes (gloo, FSDP2, torchrun) exactly as train.py loads it, one engine.py
 server serves it, and `Actor.sync_weights` pushes it --repeats times per method (a fresh engine and trainer per
 method). Printed per method: the first sync (it forms the broadcast group) and the median of the others, in
-seconds and GB/s (parameter bytes in the servers' dtype / seconds). --code DIR runs the Actor of another checkout (e.g. the code before the rewrite:
-`git archive 50d6948 | tar -x -C /tmp/before`), whose engine.py serves too; methods it lacks are skipped.
+seconds and GB/s (parameter bytes in the servers' dtype / seconds). --code DIR runs the Actor of another checkout
+whose train.py is one SPMD program (model.load_model and Actor take the control group; an older one, with
+train._CTRL and Actor.follow, does not run here), whose engine.py serves too; methods it lacks are skipped.
 The machine is shared and loaded: compare figures of one run, or of runs taken back to back.
 
 Run: python bench/weight_sync_bench.py [--code DIR] [--ranks 2] [--methods distributed,tensor,disk]
