@@ -65,7 +65,7 @@ from memory import memory_report, optimizer_impl  # noqa: E402
 from run_modes import NoRollout, ReplayBuffer, RolloutRecorder, make_evaluator  # noqa: E402
 from services import GRACE_S, ChildExited, Services  # noqa: E402
 
-STARTUP_ERROR_WAIT_S = 30.0  # a rank other than 0 that refused the config waits this long for torchrun to stop it
+STARTUP_ERROR_WAIT_S = 30.0  # a rank other than 0 that fails with rank 0 waits this long for torchrun to stop it
 
 
 # ---------------------------------------------------------------------------------------------------------------
