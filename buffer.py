@@ -10,14 +10,14 @@ rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sect
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
 
-Run the buffer process (train.py does this):  python buffer.py --config RESOLVED.yaml --rpc-init tcp://host:port
---rank R --world-size W. Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
-Imports only the standard library, torch and strategies.py (itself stdlib-only) at module level; config, tasks
-and transformers are imported inside serve().
+Settings: `BufferSettings` (defaults included), so a PipelineServer runs with one's own producer and consumer
+without the run's config (README, "Copy a piece"). The buffer process is started by workers.py (train.py does this):
+python workers.py buffer --config RESOLVED.yaml --rpc-init tcp://host:port --rank R --world-size W.
+Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
+Imports only the standard library, torch and strategies.py (itself stdlib-only).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import heapq
 import os
@@ -171,6 +171,84 @@ def group_to_dict(g: Group) -> dict:
 def group_from_dict(d: dict) -> Group:
     prompt = {**d["prompt"], "partial": [_traj_from_dict(t) for t in d["prompt"]["partial"]]}
     return Group(PromptGroup(**prompt), [_traj_from_dict(t) for t in d["trajectories"]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings: what a PipelineServer reads, with defaults (config.py builds them from a run's config)
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class BufferConfig:
+    get_timeout_s: float = 1800.0  # trainer waits this long for groups from PipelineBuffer before failing
+    rpc_timeout_s: float = 600.0  # timeout of each RPC between trainer, buffer and rollout
+
+
+@dataclass
+class SourceSettings:
+    """One data source as the buffer sees it: how its prompts are mixed and shuffled, and what the stop message
+    names (its task and reward)."""
+    task: str = "custom"  # named in the stop message
+    reward: Optional[str] = None  # named in the stop message (None: the task's default)
+    weight: float = 1.0  # mixing weight when several sources are given (synchronous mode only)
+    seed: int = 0  # seed of the epoch shuffles
+    shuffle: bool = True  # reshuffle the prompt order every epoch (deterministic from seed + epoch)
+
+
+@dataclass
+class BufferSettings:
+    """Everything a PipelineServer reads. The names are the run config's (config.Config.buffer_settings builds one
+    from it; config.validate checks them together); the defaults make a small fully-async pipeline of one source.
+    B = num_prompts_per_step, N = num_trajectories_per_prompt; C = capacity (a preset derives it from
+    policy_param)."""
+    num_prompts_per_step: int = 4  # B: prompt groups consumed per training step
+    num_trajectories_per_prompt: int = 2  # N: trajectories per prompt group
+    fully_async: bool = True  # fully_async.enable: false = synchronous mode, C = B + num_oversample
+    sliding_window: str = "no-window"  # fully_async.sliding_window: a strategies.REGISTRY name
+    stale_steps: float = 0.0  # fully_async.stale_steps: C = int(B * (1 + stale_steps)) (not presets)
+    policy_param: Optional[float] = None  # fully_async.policy_param: a preset's knob
+    num_oversample: int = 0  # rollout.sampler.num_oversample (synchronous mode)
+    async_max_concurrent_samples: Optional[int] = None  # rollout.async_max_concurrent_samples: groups = value // N
+    filter: tuple = ("failed",)  # rollout.filter: failed | all_equal_reward
+    filter_stop_groups: Optional[int] = None  # rollout.filter_stop_groups (None: 4 x B, >= 64; 0: off)
+    max_weight_staleness: Optional[int] = None  # rollout.max_weight_staleness
+    partial: bool = False  # rollout.partial: the update action's
+    pause_mode: str = "abort"  # rollout.pause_mode: the update action's
+    get_timeout_s: float = 1800.0  # buffer.get_timeout_s
+    rpc_timeout_s: float = 600.0  # buffer.rpc_timeout_s
+    sources: list = field(default_factory=lambda: [SourceSettings()])  # list[SourceSettings], one per data source
+
+    @property
+    def capacity(self) -> int:
+        """C: in-flight plus buffered prompt groups. Fully-async: int(B * (1 + stale_steps)), or the preset's from
+        policy_param (spec section 1); synchronous: B + num_oversample."""
+        B = self.num_prompts_per_step
+        if not self.fully_async:
+            return B + self.num_oversample
+        preset = strategies.REGISTRY.get(self.sliding_window)
+        if isinstance(preset, type) and issubclass(preset, strategies.Preset):
+            return preset.capacity(self.policy_param, B, self.num_trajectories_per_prompt)
+        return int(B * (1 + self.stale_steps))
+
+    @property
+    def stop_groups(self) -> int:
+        """Groups dropped by the filter in a row after which the run stops as untrainable (0: never). The default
+        4 x B, at least 64: a filter that drops 70% of the groups makes 64 in a row once in ~10^10."""
+        n = self.filter_stop_groups
+        return max(4 * self.num_prompts_per_step, 64) if n is None else n
+
+
+def validate_concurrency(value: Optional[int], n: int) -> None:
+    """rollout.async_max_concurrent_samples: unset is fine; otherwise > 0 and >= N (else zero groups in flight).
+
+    The clamp to the fleet's concurrency happens in rollout.py, where the fleet is known (a warning, not an error).
+    """
+    if value is None:
+        return
+    if value <= 0:
+        raise ValueError(f"rollout.async_max_concurrent_samples must be > 0 (or null for no cap), got {value}")
+    if value < n:
+        raise ValueError(f"rollout.async_max_concurrent_samples ({value}) must be >= "
+                         f"data_source.num_trajectories_per_prompt ({n}), otherwise no group can be in flight")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -402,30 +480,32 @@ class PipelineServer(Exchange):
       trajectories), PipelineBuffer <= C groups, the restored lane <= C groups;
       generating groups <= rollout.async_max_concurrent_samples // N when that is set.
     With `collector_thread=False` the collection runs inside put() (deterministic; used by the property tests);
-    the rules are identical. `cfg` is a config.Config that passed config.validate (which checks these settings).
+    the rules are identical. `settings` is a BufferSettings, or a config.Config that passed config.validate (its
+    buffer_settings() is taken).
     `decode` (token ids -> text) writes the sample prompt and response of wait()'s stop message; default: the ids.
     """
 
-    def __init__(self, cfg, prompts_per_source: list, collector_thread: bool = True,
+    def __init__(self, settings, prompts_per_source: list, collector_thread: bool = True,
                  decode: Optional[Callable[[list], str]] = None):
-        if len(prompts_per_source) != len(cfg.data_sources):
+        s = settings if isinstance(settings, BufferSettings) else settings.buffer_settings()
+        if len(prompts_per_source) != len(s.sources):
             raise ValueError(f"PipelineServer got {len(prompts_per_source)} prompt lists for "
-                             f"{len(cfg.data_sources)} data_sources; pass one list per data source")
-        self.B, self.N = cfg.B, cfg.N
-        self.fully_async = cfg.fully_async.enable
-        self.C = cfg.capacity if self.fully_async else self.B + cfg.rollout.sampler.num_oversample
-        cap = cfg.rollout.async_max_concurrent_samples
+                             f"{len(s.sources)} data_sources; pass one list per data source")
+        self.settings = s
+        self.B, self.N = s.num_prompts_per_step, s.num_trajectories_per_prompt
+        self.fully_async = s.fully_async
+        self.C = s.capacity
+        cap = s.async_max_concurrent_samples
         self.max_generating = None if cap is None else cap // self.N  # groups still generating (spec: value // N)
-        self.filters = tuple(cfg.rollout.filter)
-        self.stop_groups = cfg.filter_stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
-        self.sources = [(d.task, d.reward) for d in cfg.data_sources]
+        self.filters = tuple(s.filter)
+        self.stop_groups = s.stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
+        self.sources = [(d.task, d.reward) for d in s.sources]
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
-        self.max_staleness = cfg.rollout.max_weight_staleness  # None: no per-trajectory bound
-        self.get_timeout = float(cfg.buffer.get_timeout_s)
-        fa = cfg.fully_async
-        self.strategy = strategies.build(fa.sliding_window, self.B, self.C, self.fully_async, fa.policy_param, self.N)
-        self.action = self.strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)  # (c), at step_boundary
-        ds = cfg.data_sources
+        self.max_staleness = s.max_weight_staleness  # None: no per-trajectory bound
+        self.get_timeout = float(s.get_timeout_s)
+        self.strategy = strategies.build(s.sliding_window, self.B, self.C, self.fully_async, s.policy_param, self.N)
+        self.action = self.strategy.action(s.partial, s.pause_mode)  # (c), at step_boundary
+        ds = s.sources
         self.data = DataSource(prompts_per_source, [d.weight for d in ds], [d.seed for d in ds],
                                [d.shuffle for d in ds])
         self.queue = TrajQueue(self.N, max_groups=self.C)
@@ -978,29 +1058,17 @@ def _exit_when_orphaned(poll_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="buffer-parent-watch", daemon=True).start()
 
 
-def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
-          prompts_per_source: Optional[list] = None) -> None:
-    """Run the buffer process: a PipelineServer reachable as RPC worker "buffer" until every worker shuts down.
-
-    `prompts_per_source` defaults to tasks.load_prompts(...) of each data source (split "train").
-    """
-    import config  # light: stdlib + yaml
+def serve(settings, rpc_init_method: str, rank: int, world_size: int, prompts_per_source: list,
+          decode: Optional[Callable[[list], str]] = None) -> None:
+    """Run the buffer process (workers.py starts it, with the prompts of each data source): a PipelineServer of
+    `settings` (a BufferSettings, or a validated config.Config) reachable as RPC worker "buffer" until every worker
+    shuts down."""
     global _SERVER
     torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
-    cfg = config.validate(config.from_dict(cfg_dict))
-    decode = None
-    if prompts_per_source is None:
-        import tasks  # project module; imported here so buffer.py stays torch + stdlib at module level
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        prompts_per_source = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens)
-                              for ds in cfg.data_sources]
-        decode = tokenizer.decode
     # before init_rpc: clients may call as soon as it returns
-    _SERVER = PipelineServer(cfg, prompts_per_source, decode=decode)
+    _SERVER = PipelineServer(settings, prompts_per_source, decode=decode)
     try:
-        init_rpc("buffer", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
+        init_rpc("buffer", rank, world_size, rpc_init_method, _SERVER.settings.rpc_timeout_s)
         _exit_when_orphaned()
         rpc.shutdown(graceful=True)  # returns once the trainer and the rollout have shut down too
     finally:
@@ -1070,20 +1138,3 @@ class RemoteBuffer:
 
     def load_state_dict(self, sd: dict) -> None:
         return self._call("load_state_dict", sd)
-
-
-def main(argv: Optional[list] = None) -> None:
-    ap = argparse.ArgumentParser(description="Run the buffer process (RPC worker 'buffer').")
-    ap.add_argument("--config", required=True, help="resolved config YAML (train.py writes it to run_dir)")
-    ap.add_argument("--rpc-init", required=True, help="RPC rendezvous, e.g. tcp://127.0.0.1:29600")
-    ap.add_argument("--rank", type=int, required=True, help="this process's RPC rank")
-    ap.add_argument("--world-size", type=int, required=True, help="number of RPC workers (trainer, buffer, rollout)")
-    args = ap.parse_args(argv)
-    import config
-    serve(config.to_dict(config.load_config(args.config)), args.rpc_init, args.rank, args.world_size)
-
-
-if __name__ == "__main__":
-    import buffer  # RPC pickles calls as buffer._invoke: the singleton must live in the importable module
-
-    buffer.main()

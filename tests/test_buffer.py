@@ -530,12 +530,12 @@ def test_producer_collector_consumer_threads_with_partial_pauses():
 RPC_B, RPC_N, RPC_STEPS, RPC_T = 4, 2, 3, 1024
 
 
-def _rpc_worker(rank, init, out_dir, cfg_dict):
+def _rpc_worker(rank, init, out_dir, settings):
     """rank 0: the buffer process; rank 1: a producer ("rollout"); rank 2: a consumer ("trainer")."""
     import torch.distributed.rpc as rpc
     prompts = make_prompts(30)
     if rank == 0:
-        buffer.serve(cfg_dict, init, 0, 3, prompts)
+        buffer.serve(settings, init, 0, 3, prompts)
         return
     name = "rollout" if rank == 1 else "trainer"
     buffer.init_rpc(name, rank, 3, init, timeout=30)
@@ -579,7 +579,7 @@ def _rpc_worker(rank, init, out_dir, cfg_dict):
 def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
     import torch.multiprocessing as mp
     cfg = make_cfg(B=RPC_B, N=RPC_N, stale=1.0, overrides=["buffer.rpc_timeout_s=30"])
-    mp.spawn(_rpc_worker, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path), config.to_dict(cfg)), nprocs=3,
+    mp.spawn(_rpc_worker, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path), cfg.buffer_settings()), nprocs=3,
              join=True)
     rollout = json.load(open(tmp_path / "rollout.json"))
     trainer = json.load(open(tmp_path / "trainer.json"))
