@@ -433,6 +433,29 @@ class PipelineBuffer:
 # PipelineServer: dispatch -> TrajQueue -> collector -> PipelineBuffer -> trainer, with the step boundary
 # ---------------------------------------------------------------------------------------------------------
 
+# What happens to a group, decided by one function (PipelineServer._verdict) at collection and at every weight
+# update, with the reason. A group dropped is not trained, and its prompt is not dispatched again this epoch (the
+# data source moves on); a restored or requeued one is dispatched again first (the restored lane).
+KEEP, RESTORE, RESTART, REQUEUE, DROP = "keep", "restore", "restart", "requeue", "drop"
+# place of the group asked about
+COLLECTED = "collected"  # complete, leaving TrajQueue for PipelineBuffer
+BUFFERED = "buffered"  # in PipelineBuffer at a weight update
+IN_FLIGHT = "in_flight"  # dispatched and not collected, at a step boundary whose pause aborted the requests
+KEPT_IN_FLIGHT = "kept_in_flight"  # the same, at a boundary whose servers kept their requests (retract, in_place)
+# why a group is dropped, each counted in rollout/drop_<reason>_count (groups, per step)
+DROP_REASONS = ("filter", "max_weight_staleness", "strategy", "stale_after", "incomplete")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """keep | restore (abort, continue from the partial trajectories) | restart (abort, generate from the prompt
+    again) | requeue (nothing generated: dispatched again as it was) | drop, and why (a DROP_REASONS entry for a
+    drop; `detail` says more, e.g. the filter's sentence)."""
+    action: str
+    reason: str
+    detail: str = ""
+
+
 def _check_trajectory(t: Trajectory, n: int) -> None:
     if not 0 <= t.index < n:
         raise ValueError(f"trajectory {t.prompt_id} has index {t.index}; data_source.num_trajectories_per_prompt "
@@ -596,7 +619,6 @@ class PipelineServer(Exchange):
         for t in returned:
             _check_trajectory(t, self.N)
         with self._cond:
-            aborting = set(self._update_aborts_locked())
             if keep_in_flight:
                 # The groups the rollout aborted (those of an earlier update_aborts() call) are dropped whatever
                 # update_aborts() says now: a trajectory that finished in between, having waited in a server's
@@ -606,10 +628,13 @@ class PipelineServer(Exchange):
                     raise ValueError(f"step_boundary(keep_in_flight=True) got trajectories of groups {sorted(stray)} "
                                      "that are not in flight; a boundary that keeps in-flight groups takes back only "
                                      "those of update_aborts()")
-                aborting |= {t.prompt_id for t in returned}
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
             if keep_in_flight:
-                dropped = aborting & set(self._in_flight)
+                returned_keys = frozenset(t.prompt_id for t in returned)
+                verdicts = {key: self._verdict(KEPT_IN_FLIGHT, pg, self.queue.slots(key), returned=returned_keys)
+                            for key, pg in self._in_flight.items()}
+                self._count_drops(list(verdicts.values()))
+                dropped = [key for key, v in verdicts.items() if v.action == DROP]
                 tokens = sum(int(t.response_ids.numel()) for t in returned)
                 for key in dropped:
                     tokens += sum(int(s.response_ids.numel()) for s in self.queue.pop(key) if s is not None)
@@ -624,29 +649,32 @@ class PipelineServer(Exchange):
                 return dict(self._boundary)
             for t in returned:
                 self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
-            aborting = set(self._update_aborts_locked())  # with the returned partials' start versions
             restored, dropped_trajs, dropped_groups, untouched, update_dropped, restarted = [], 0, 0, 0, 0, 0
+            # every verdict first (with the returned partials' start versions), then their effects
+            verdicts = {key: self._verdict(IN_FLIGHT, pg, self.queue.slots(key))
+                        for key, pg in self._in_flight.items()}
+            self._count_drops(list(verdicts.values()))
             for key in sorted(self._in_flight):
-                pg = self._in_flight[key]
+                pg, verdict = self._in_flight[key], verdicts[key]
                 slots = self.queue.pop(key)
                 present = sum(s is not None for s in slots)
                 tokens = sum(int(s.response_ids.numel()) for s in slots if s is not None)
-                if key in aborting:  # (c) abort by staleness: too old to be trained under the next weights
+                if verdict.reason == "stale_after":  # (c) abort by staleness: too old under the next weights
                     update_dropped += 1
                     self._counts["discarded_tokens"] += tokens
-                elif present == self.N and self.action.restart and any(s.status == ABORTED for s in slots):
-                    restarted += 1  # (c) restart from the prompt: the partial tokens are thrown away
+                elif verdict.action == RESTART:  # (c) restart from the prompt: the partial tokens are thrown away
+                    restarted += 1
                     self._counts["discarded_tokens"] += tokens
                     pg.partial = []
                     pg.metadata.pop("dispatch_version", None)
                     restored.append(pg)
-                elif present == self.N:
+                elif verdict.action == RESTORE:
                     pg.partial = slots
                     restored.append(pg)
-                elif present == 0:
+                elif verdict.action == REQUEUE:
                     untouched += 1
                     restored.append(pg)  # keeps the partial it was dispatched with, if any
-                else:
+                else:  # incomplete: its prompt is not trained this epoch
                     dropped_trajs += present
                     dropped_groups += 1
             if len(self.queue):  # only in-flight groups can have trajectories queued (put() checks)
@@ -726,13 +754,19 @@ class PipelineServer(Exchange):
                 raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is "
                                  f"{self.version}")
             self.version = int(v)
-            if self.max_staleness is not None:
-                stale = self.pbuf.remove_if(lambda g: self._too_stale(g.trajectories))
+            verdicts: list = []
+
+            def drops(g: Group, view: Optional[strategies.PipelineView]) -> bool:
+                verdict = self._verdict(BUFFERED, g.prompt, g.trajectories, view)
+                verdicts.append(verdict)
+                return verdict.action == DROP
+            if self.max_staleness is not None:  # first the staleness rule alone: the strategy sees the rest
+                stale = self.pbuf.remove_if(lambda g: drops(g, None))
                 self._counts["staleness_drop"] += len(stale)
             view = self._view()
-            old = self.pbuf.remove_if(
-                lambda g: not self.strategy.keep_buffered(self._start_version(g.prompt, g.trajectories), view))
+            old = self.pbuf.remove_if(lambda g: drops(g, view))
             self._drop_by_policy(old)
+            self._count_drops(verdicts)
             self._cond.notify_all()
 
     # ---- metrics, checkpoints ----
@@ -762,6 +796,7 @@ class PipelineServer(Exchange):
                       "rollout/pipeline_buf_max": self.pbuf.max_groups,
                       "rollout/trajqueue_max_groups": self.queue.max_groups,
                       "rollout/max_generating_groups": self.C if self.max_generating is None else self.max_generating})
+            m.update({f"rollout/drop_{r}_count": c[f"drop_{r}"] for r in DROP_REASONS})
             if self._consumed_trajs:
                 m.update(consumed_metrics(self._consumed_trajs))
             m.update(self.strategy.counts)
@@ -845,12 +880,59 @@ class PipelineServer(Exchange):
         self._consumed_step = 0
         self.strategy.at_boundary(self._view())
 
-    def _update_aborts_locked(self) -> list:
+    def _verdict(self, place: str, pg: PromptGroup, trajs: list, view: Optional[strategies.PipelineView] = None,
+                 returned: frozenset = frozenset()) -> Verdict:
+        """What happens to one group, and why: the one place that decides drops. Its inputs are rollout.filter,
+        rollout.max_weight_staleness and the strategy's rules ((b) keep / keep_buffered, (c) the update action:
+        abort by staleness `stale_after`, restart or resume partial), in this order of precedence:
+
+          COLLECTED       filter -> max_weight_staleness -> strategy.keep(view) -> keep
+          BUFFERED        max_weight_staleness -> strategy.keep_buffered(view) -> keep (view None: the staleness
+                          rule alone, which set_weight_version applies to every buffered group before asking the
+                          strategy, so that the strategy sees the buffer without them)
+          IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
+                          N present) -> requeue (none present) -> drop as incomplete
+          KEPT_IN_FLIGHT  stale_after (or handed back in `returned`: the rollout aborted it as stale) -> keep
+
+        `trajs` are the group's trajectories (in flight: TrajQueue's slots, None where none arrived yet). stale_after
+        counts against the next weights (version + 1): in flight at a weight update, a group runs under those."""
+        if place in (COLLECTED, BUFFERED):
+            if place == COLLECTED:
+                reason = self._filter_reason(trajs)
+                if reason is not None:
+                    return Verdict(DROP, "filter", reason)
+            if self._too_stale(trajs):
+                return Verdict(DROP, "max_weight_staleness")
+            if view is None:
+                return Verdict(KEEP, "not stale")
+            keep = self.strategy.keep if place == COLLECTED else self.strategy.keep_buffered
+            if not keep(self._start_version(pg, trajs), view):  # (b) the consumption filter
+                return Verdict(DROP, "strategy")
+            return Verdict(KEEP, "trainable")
         after = self.action.stale_after
-        if after is None:
-            return []
+        if pg.prompt_id in returned or (after is not None
+                                        and self.version + 1 - self._start_version(pg, trajs) > after):
+            return Verdict(DROP, "stale_after")  # (c) abort by staleness: too old under the next weights
+        if place == KEPT_IN_FLIGHT:
+            return Verdict(KEEP, "kept in flight")
+        present = [t for t in trajs if t is not None]
+        if len(present) == self.N and self.action.restart and any(t.status == ABORTED for t in present):
+            return Verdict(RESTART, "the update action restarts from the prompt")
+        if len(present) == self.N:
+            return Verdict(RESTORE, "partial")
+        if not present:
+            return Verdict(REQUEUE, "nothing generated")
+        return Verdict(DROP, "incomplete", f"{len(present)} of {self.N} trajectories")
+
+    def _count_drops(self, verdicts: list) -> None:
+        """rollout/drop_<reason>_count: every drop, by its reason."""
+        for v in verdicts:
+            if v.action == DROP:
+                self._counts[f"drop_{v.reason}"] += 1
+
+    def _update_aborts_locked(self) -> list:
         return sorted(key for key, pg in self._in_flight.items()
-                      if self.version + 1 - self._start_version(pg, self.queue.slots(key)) > after)
+                      if self._verdict(IN_FLIGHT, pg, self.queue.slots(key)).reason == "stale_after")
 
     def _start_version(self, pg: PromptGroup, trajs: list) -> int:
         """A group's start version: its first generated token's oldest version, else the version at dispatch."""
@@ -904,8 +986,10 @@ class PipelineServer(Exchange):
                 view.R -= 1
                 if key[1] == view.oldest_uncollected:
                     view.oldest_uncollected = min((k[1] for k in self._in_flight), default=None)
-                reason = self._filter_reason(trajs)
-                if reason is not None:
+                verdict = self._verdict(COLLECTED, pg, trajs, view)
+                self._count_drops([verdict])
+                if verdict.reason == "filter":
+                    reason = verdict.detail
                     self._counts["filter_drop"] += 1
                     self._waited["reasons"][reason] += 1
                     d = self._dropped
@@ -915,9 +999,9 @@ class PipelineServer(Exchange):
                     d["last"] = Group(pg, trajs)
                     continue
                 self._dropped = self._new_drop_run()
-                if self._too_stale(trajs):
+                if verdict.reason == "max_weight_staleness":
                     self._counts["staleness_drop"] += 1
-                elif not self.strategy.keep(self._start_version(pg, trajs), view):  # (b) the consumption filter
+                elif verdict.reason == "strategy":
                     self._drop_by_policy([Group(pg, trajs)])
                 else:
                     self.pbuf.put(Group(pg, trajs))
