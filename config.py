@@ -540,9 +540,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"algorithm.clip_high must be >= 0, got {a.clip_high}")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ValueError(f"algorithm.dual_clip_c must be > 1 (typically 3) or null, got {a.dual_clip_c}")
-    if a.loss_agg_mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        raise ValueError(f"algorithm.loss_agg_mode must be token-mean, seq-mean-token-mean or "
-                         f"seq-mean-token-sum-norm, got '{a.loss_agg_mode}'")
+    if a.loss_agg_mode not in losses.LOSS_AGG:
+        raise ValueError(f"algorithm.loss_agg_mode must be one of {', '.join(losses.LOSS_AGG)}, "
+                         f"got '{a.loss_agg_mode}'")
     if a.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got '{a.policy_loss}'")
     if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
@@ -557,8 +557,9 @@ def validate(cfg: Config) -> Config:
                          "which trainer.use_rollout_log_probs=true skips; set it to false, or use "
                          "algorithm.policy_loss=loglinear, which needs no forward")
     isc = a.is_correction
-    if isc.level not in ("token", "sequence"):
-        raise ValueError(f"algorithm.is_correction.level must be token or sequence, got '{isc.level}'")
+    if isc.level not in losses.IS_LEVELS:
+        raise ValueError(f"algorithm.is_correction.level must be one of {', '.join(losses.IS_LEVELS)}, "
+                         f"got '{isc.level}'")
     _positive(isc.clip, "algorithm.is_correction.clip")
     if isc.mask_low is not None and isc.mask_high is not None and isc.mask_low >= isc.mask_high:
         raise ValueError(f"algorithm.is_correction.mask_low ({isc.mask_low}) must be below "

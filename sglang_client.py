@@ -146,6 +146,8 @@ class Fleet:
 
     @classmethod
     def from_config(cls, cfg) -> "Fleet":
+        """The Fleet of a run's config (read by attribute, duck-typed: rollout.*, weight_sync.timeout_s), whose key
+        names the errors here use."""
         r = cfg.rollout
         return cls(r.servers, r.router_url, request_timeout_s=r.request_timeout_s,
                    control_timeout_s=cfg.weight_sync.timeout_s, max_retries=r.max_retries,
