@@ -10,14 +10,14 @@ rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sect
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
 
-Run the buffer process (train.py does this):  python buffer.py --config RESOLVED.yaml --rpc-init tcp://host:port
---rank R --world-size W. Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
-Imports only the standard library, torch and strategies.py (itself stdlib-only) at module level; config, tasks
-and transformers are imported inside serve().
+Settings: `BufferSettings` (defaults included), so a PipelineServer runs with one's own producer and consumer
+without the run's config (README, "Copy a piece"). The buffer process is started by workers.py (train.py does this):
+python workers.py buffer --config RESOLVED.yaml --rpc-init tcp://host:port --rank R --world-size W.
+Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
+Imports only the standard library, torch and strategies.py (itself stdlib-only).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import heapq
 import os
@@ -171,6 +171,84 @@ def group_to_dict(g: Group) -> dict:
 def group_from_dict(d: dict) -> Group:
     prompt = {**d["prompt"], "partial": [_traj_from_dict(t) for t in d["prompt"]["partial"]]}
     return Group(PromptGroup(**prompt), [_traj_from_dict(t) for t in d["trajectories"]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings: what a PipelineServer reads, with defaults (config.py builds them from a run's config)
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class BufferConfig:
+    get_timeout_s: float = 1800.0  # trainer waits this long for groups from PipelineBuffer before failing
+    rpc_timeout_s: float = 600.0  # timeout of each RPC between trainer, buffer and rollout
+
+
+@dataclass
+class SourceSettings:
+    """One data source as the buffer sees it: how its prompts are mixed and shuffled, and what the stop message
+    names (its task and reward)."""
+    task: str = "custom"  # named in the stop message
+    reward: Optional[str] = None  # named in the stop message (None: the task's default)
+    weight: float = 1.0  # mixing weight when several sources are given (synchronous mode only)
+    seed: int = 0  # seed of the epoch shuffles
+    shuffle: bool = True  # reshuffle the prompt order every epoch (deterministic from seed + epoch)
+
+
+@dataclass
+class BufferSettings:
+    """Everything a PipelineServer reads. The names are the run config's (config.Config.buffer_settings builds one
+    from it; config.validate checks them together); the defaults make a small fully-async pipeline of one source.
+    B = num_prompts_per_step, N = num_trajectories_per_prompt; C = capacity (a preset derives it from
+    policy_param)."""
+    num_prompts_per_step: int = 4  # B: prompt groups consumed per training step
+    num_trajectories_per_prompt: int = 2  # N: trajectories per prompt group
+    fully_async: bool = True  # fully_async.enable: false = synchronous mode, C = B + num_oversample
+    sliding_window: str = "no-window"  # fully_async.sliding_window: a strategies.REGISTRY name
+    stale_steps: float = 0.0  # fully_async.stale_steps: C = int(B * (1 + stale_steps)) (not presets)
+    policy_param: Optional[float] = None  # fully_async.policy_param: a preset's knob
+    num_oversample: int = 0  # rollout.sampler.num_oversample (synchronous mode)
+    async_max_concurrent_samples: Optional[int] = None  # rollout.async_max_concurrent_samples: groups = value // N
+    filter: tuple = ("failed",)  # rollout.filter: failed | all_equal_reward
+    filter_stop_groups: Optional[int] = None  # rollout.filter_stop_groups (None: 4 x B, >= 64; 0: off)
+    max_weight_staleness: Optional[int] = None  # rollout.max_weight_staleness
+    partial: bool = False  # rollout.partial: the update action's
+    pause_mode: str = "abort"  # rollout.pause_mode: the update action's
+    get_timeout_s: float = 1800.0  # buffer.get_timeout_s
+    rpc_timeout_s: float = 600.0  # buffer.rpc_timeout_s
+    sources: list = field(default_factory=lambda: [SourceSettings()])  # list[SourceSettings], one per data source
+
+    @property
+    def capacity(self) -> int:
+        """C: in-flight plus buffered prompt groups. Fully-async: int(B * (1 + stale_steps)), or the preset's from
+        policy_param (spec section 1); synchronous: B + num_oversample."""
+        B = self.num_prompts_per_step
+        if not self.fully_async:
+            return B + self.num_oversample
+        preset = strategies.REGISTRY.get(self.sliding_window)
+        if isinstance(preset, type) and issubclass(preset, strategies.Preset):
+            return preset.capacity(self.policy_param, B, self.num_trajectories_per_prompt)
+        return int(B * (1 + self.stale_steps))
+
+    @property
+    def stop_groups(self) -> int:
+        """Groups dropped by the filter in a row after which the run stops as untrainable (0: never). The default
+        4 x B, at least 64: a filter that drops 70% of the groups makes 64 in a row once in ~10^10."""
+        n = self.filter_stop_groups
+        return max(4 * self.num_prompts_per_step, 64) if n is None else n
+
+
+def validate_concurrency(value: Optional[int], n: int) -> None:
+    """rollout.async_max_concurrent_samples: unset is fine; otherwise > 0 and >= N (else zero groups in flight).
+
+    The clamp to the fleet's concurrency happens in rollout.py, where the fleet is known (a warning, not an error).
+    """
+    if value is None:
+        return
+    if value <= 0:
+        raise ValueError(f"rollout.async_max_concurrent_samples must be > 0 (or null for no cap), got {value}")
+    if value < n:
+        raise ValueError(f"rollout.async_max_concurrent_samples ({value}) must be >= "
+                         f"data_source.num_trajectories_per_prompt ({n}), otherwise no group can be in flight")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -355,6 +433,29 @@ class PipelineBuffer:
 # PipelineServer: dispatch -> TrajQueue -> collector -> PipelineBuffer -> trainer, with the step boundary
 # ---------------------------------------------------------------------------------------------------------
 
+# What happens to a group, decided by one function (PipelineServer._verdict) at collection and at every weight
+# update, with the reason. A group dropped is not trained, and its prompt is not dispatched again this epoch (the
+# data source moves on); a restored or requeued one is dispatched again first (the restored lane).
+KEEP, RESTORE, RESTART, REQUEUE, DROP = "keep", "restore", "restart", "requeue", "drop"
+# place of the group asked about
+COLLECTED = "collected"  # complete, leaving TrajQueue for PipelineBuffer
+BUFFERED = "buffered"  # in PipelineBuffer at a weight update
+IN_FLIGHT = "in_flight"  # dispatched and not collected, at a step boundary whose pause aborted the requests
+KEPT_IN_FLIGHT = "kept_in_flight"  # the same, at a boundary whose servers kept their requests (retract, in_place)
+# why a group is dropped, each counted in rollout/drop_<reason>_count (groups, per step)
+DROP_REASONS = ("filter", "max_weight_staleness", "strategy", "stale_after", "incomplete")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """keep | restore (abort, continue from the partial trajectories) | restart (abort, generate from the prompt
+    again) | requeue (nothing generated: dispatched again as it was) | drop, and why (a DROP_REASONS entry for a
+    drop; `detail` says more, e.g. the filter's sentence)."""
+    action: str
+    reason: str
+    detail: str = ""
+
+
 def _check_trajectory(t: Trajectory, n: int) -> None:
     if not 0 <= t.index < n:
         raise ValueError(f"trajectory {t.prompt_id} has index {t.index}; data_source.num_trajectories_per_prompt "
@@ -402,30 +503,32 @@ class PipelineServer(Exchange):
       trajectories), PipelineBuffer <= C groups, the restored lane <= C groups;
       generating groups <= rollout.async_max_concurrent_samples // N when that is set.
     With `collector_thread=False` the collection runs inside put() (deterministic; used by the property tests);
-    the rules are identical. `cfg` is a config.Config that passed config.validate (which checks these settings).
+    the rules are identical. `settings` is a BufferSettings, or a config.Config that passed config.validate (its
+    buffer_settings() is taken).
     `decode` (token ids -> text) writes the sample prompt and response of wait()'s stop message; default: the ids.
     """
 
-    def __init__(self, cfg, prompts_per_source: list, collector_thread: bool = True,
+    def __init__(self, settings, prompts_per_source: list, collector_thread: bool = True,
                  decode: Optional[Callable[[list], str]] = None):
-        if len(prompts_per_source) != len(cfg.data_sources):
+        s = settings if isinstance(settings, BufferSettings) else settings.buffer_settings()
+        if len(prompts_per_source) != len(s.sources):
             raise ValueError(f"PipelineServer got {len(prompts_per_source)} prompt lists for "
-                             f"{len(cfg.data_sources)} data_sources; pass one list per data source")
-        self.B, self.N = cfg.B, cfg.N
-        self.fully_async = cfg.fully_async.enable
-        self.C = cfg.capacity if self.fully_async else self.B + cfg.rollout.sampler.num_oversample
-        cap = cfg.rollout.async_max_concurrent_samples
+                             f"{len(s.sources)} data_sources; pass one list per data source")
+        self.settings = s
+        self.B, self.N = s.num_prompts_per_step, s.num_trajectories_per_prompt
+        self.fully_async = s.fully_async
+        self.C = s.capacity
+        cap = s.async_max_concurrent_samples
         self.max_generating = None if cap is None else cap // self.N  # groups still generating (spec: value // N)
-        self.filters = tuple(cfg.rollout.filter)
-        self.stop_groups = cfg.filter_stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
-        self.sources = [(d.task, d.reward) for d in cfg.data_sources]
+        self.filters = tuple(s.filter)
+        self.stop_groups = s.stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
+        self.sources = [(d.task, d.reward) for d in s.sources]
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
-        self.max_staleness = cfg.rollout.max_weight_staleness  # None: no per-trajectory bound
-        self.get_timeout = float(cfg.buffer.get_timeout_s)
-        fa = cfg.fully_async
-        self.strategy = strategies.build(fa.sliding_window, self.B, self.C, self.fully_async, fa.policy_param, self.N)
-        self.action = self.strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)  # (c), at step_boundary
-        ds = cfg.data_sources
+        self.max_staleness = s.max_weight_staleness  # None: no per-trajectory bound
+        self.get_timeout = float(s.get_timeout_s)
+        self.strategy = strategies.build(s.sliding_window, self.B, self.C, self.fully_async, s.policy_param, self.N)
+        self.action = self.strategy.action(s.partial, s.pause_mode)  # (c), at step_boundary
+        ds = s.sources
         self.data = DataSource(prompts_per_source, [d.weight for d in ds], [d.seed for d in ds],
                                [d.shuffle for d in ds])
         self.queue = TrajQueue(self.N, max_groups=self.C)
@@ -516,7 +619,6 @@ class PipelineServer(Exchange):
         for t in returned:
             _check_trajectory(t, self.N)
         with self._cond:
-            aborting = set(self._update_aborts_locked())
             if keep_in_flight:
                 # The groups the rollout aborted (those of an earlier update_aborts() call) are dropped whatever
                 # update_aborts() says now: a trajectory that finished in between, having waited in a server's
@@ -526,10 +628,13 @@ class PipelineServer(Exchange):
                     raise ValueError(f"step_boundary(keep_in_flight=True) got trajectories of groups {sorted(stray)} "
                                      "that are not in flight; a boundary that keeps in-flight groups takes back only "
                                      "those of update_aborts()")
-                aborting |= {t.prompt_id for t in returned}
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
             if keep_in_flight:
-                dropped = aborting & set(self._in_flight)
+                returned_keys = frozenset(t.prompt_id for t in returned)
+                verdicts = {key: self._verdict(KEPT_IN_FLIGHT, pg, self.queue.slots(key), returned=returned_keys)
+                            for key, pg in self._in_flight.items()}
+                self._count_drops(list(verdicts.values()))
+                dropped = [key for key, v in verdicts.items() if v.action == DROP]
                 tokens = sum(int(t.response_ids.numel()) for t in returned)
                 for key in dropped:
                     tokens += sum(int(s.response_ids.numel()) for s in self.queue.pop(key) if s is not None)
@@ -544,29 +649,32 @@ class PipelineServer(Exchange):
                 return dict(self._boundary)
             for t in returned:
                 self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
-            aborting = set(self._update_aborts_locked())  # with the returned partials' start versions
             restored, dropped_trajs, dropped_groups, untouched, update_dropped, restarted = [], 0, 0, 0, 0, 0
+            # every verdict first (with the returned partials' start versions), then their effects
+            verdicts = {key: self._verdict(IN_FLIGHT, pg, self.queue.slots(key))
+                        for key, pg in self._in_flight.items()}
+            self._count_drops(list(verdicts.values()))
             for key in sorted(self._in_flight):
-                pg = self._in_flight[key]
+                pg, verdict = self._in_flight[key], verdicts[key]
                 slots = self.queue.pop(key)
                 present = sum(s is not None for s in slots)
                 tokens = sum(int(s.response_ids.numel()) for s in slots if s is not None)
-                if key in aborting:  # (c) abort by staleness: too old to be trained under the next weights
+                if verdict.reason == "stale_after":  # (c) abort by staleness: too old under the next weights
                     update_dropped += 1
                     self._counts["discarded_tokens"] += tokens
-                elif present == self.N and self.action.restart and any(s.status == ABORTED for s in slots):
-                    restarted += 1  # (c) restart from the prompt: the partial tokens are thrown away
+                elif verdict.action == RESTART:  # (c) restart from the prompt: the partial tokens are thrown away
+                    restarted += 1
                     self._counts["discarded_tokens"] += tokens
                     pg.partial = []
                     pg.metadata.pop("dispatch_version", None)
                     restored.append(pg)
-                elif present == self.N:
+                elif verdict.action == RESTORE:
                     pg.partial = slots
                     restored.append(pg)
-                elif present == 0:
+                elif verdict.action == REQUEUE:
                     untouched += 1
                     restored.append(pg)  # keeps the partial it was dispatched with, if any
-                else:
+                else:  # incomplete: its prompt is not trained this epoch
                     dropped_trajs += present
                     dropped_groups += 1
             if len(self.queue):  # only in-flight groups can have trajectories queued (put() checks)
@@ -646,13 +754,19 @@ class PipelineServer(Exchange):
                 raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is "
                                  f"{self.version}")
             self.version = int(v)
-            if self.max_staleness is not None:
-                stale = self.pbuf.remove_if(lambda g: self._too_stale(g.trajectories))
+            verdicts: list = []
+
+            def drops(g: Group, view: Optional[strategies.PipelineView]) -> bool:
+                verdict = self._verdict(BUFFERED, g.prompt, g.trajectories, view)
+                verdicts.append(verdict)
+                return verdict.action == DROP
+            if self.max_staleness is not None:  # first the staleness rule alone: the strategy sees the rest
+                stale = self.pbuf.remove_if(lambda g: drops(g, None))
                 self._counts["staleness_drop"] += len(stale)
             view = self._view()
-            old = self.pbuf.remove_if(
-                lambda g: not self.strategy.keep_buffered(self._start_version(g.prompt, g.trajectories), view))
+            old = self.pbuf.remove_if(lambda g: drops(g, view))
             self._drop_by_policy(old)
+            self._count_drops(verdicts)
             self._cond.notify_all()
 
     # ---- metrics, checkpoints ----
@@ -682,6 +796,7 @@ class PipelineServer(Exchange):
                       "rollout/pipeline_buf_max": self.pbuf.max_groups,
                       "rollout/trajqueue_max_groups": self.queue.max_groups,
                       "rollout/max_generating_groups": self.C if self.max_generating is None else self.max_generating})
+            m.update({f"rollout/drop_{r}_count": c[f"drop_{r}"] for r in DROP_REASONS})
             if self._consumed_trajs:
                 m.update(consumed_metrics(self._consumed_trajs))
             m.update(self.strategy.counts)
@@ -765,12 +880,59 @@ class PipelineServer(Exchange):
         self._consumed_step = 0
         self.strategy.at_boundary(self._view())
 
-    def _update_aborts_locked(self) -> list:
+    def _verdict(self, place: str, pg: PromptGroup, trajs: list, view: Optional[strategies.PipelineView] = None,
+                 returned: frozenset = frozenset()) -> Verdict:
+        """What happens to one group, and why: the one place that decides drops. Its inputs are rollout.filter,
+        rollout.max_weight_staleness and the strategy's rules ((b) keep / keep_buffered, (c) the update action:
+        abort by staleness `stale_after`, restart or resume partial), in this order of precedence:
+
+          COLLECTED       filter -> max_weight_staleness -> strategy.keep(view) -> keep
+          BUFFERED        max_weight_staleness -> strategy.keep_buffered(view) -> keep (view None: the staleness
+                          rule alone, which set_weight_version applies to every buffered group before asking the
+                          strategy, so that the strategy sees the buffer without them)
+          IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
+                          N present) -> requeue (none present) -> drop as incomplete
+          KEPT_IN_FLIGHT  stale_after (or handed back in `returned`: the rollout aborted it as stale) -> keep
+
+        `trajs` are the group's trajectories (in flight: TrajQueue's slots, None where none arrived yet). stale_after
+        counts against the next weights (version + 1): in flight at a weight update, a group runs under those."""
+        if place in (COLLECTED, BUFFERED):
+            if place == COLLECTED:
+                reason = self._filter_reason(trajs)
+                if reason is not None:
+                    return Verdict(DROP, "filter", reason)
+            if self._too_stale(trajs):
+                return Verdict(DROP, "max_weight_staleness")
+            if view is None:
+                return Verdict(KEEP, "not stale")
+            keep = self.strategy.keep if place == COLLECTED else self.strategy.keep_buffered
+            if not keep(self._start_version(pg, trajs), view):  # (b) the consumption filter
+                return Verdict(DROP, "strategy")
+            return Verdict(KEEP, "trainable")
         after = self.action.stale_after
-        if after is None:
-            return []
+        if pg.prompt_id in returned or (after is not None
+                                        and self.version + 1 - self._start_version(pg, trajs) > after):
+            return Verdict(DROP, "stale_after")  # (c) abort by staleness: too old under the next weights
+        if place == KEPT_IN_FLIGHT:
+            return Verdict(KEEP, "kept in flight")
+        present = [t for t in trajs if t is not None]
+        if len(present) == self.N and self.action.restart and any(t.status == ABORTED for t in present):
+            return Verdict(RESTART, "the update action restarts from the prompt")
+        if len(present) == self.N:
+            return Verdict(RESTORE, "partial")
+        if not present:
+            return Verdict(REQUEUE, "nothing generated")
+        return Verdict(DROP, "incomplete", f"{len(present)} of {self.N} trajectories")
+
+    def _count_drops(self, verdicts: list) -> None:
+        """rollout/drop_<reason>_count: every drop, by its reason."""
+        for v in verdicts:
+            if v.action == DROP:
+                self._counts[f"drop_{v.reason}"] += 1
+
+    def _update_aborts_locked(self) -> list:
         return sorted(key for key, pg in self._in_flight.items()
-                      if self.version + 1 - self._start_version(pg, self.queue.slots(key)) > after)
+                      if self._verdict(IN_FLIGHT, pg, self.queue.slots(key)).reason == "stale_after")
 
     def _start_version(self, pg: PromptGroup, trajs: list) -> int:
         """A group's start version: its first generated token's oldest version, else the version at dispatch."""
@@ -824,8 +986,10 @@ class PipelineServer(Exchange):
                 view.R -= 1
                 if key[1] == view.oldest_uncollected:
                     view.oldest_uncollected = min((k[1] for k in self._in_flight), default=None)
-                reason = self._filter_reason(trajs)
-                if reason is not None:
+                verdict = self._verdict(COLLECTED, pg, trajs, view)
+                self._count_drops([verdict])
+                if verdict.reason == "filter":
+                    reason = verdict.detail
                     self._counts["filter_drop"] += 1
                     self._waited["reasons"][reason] += 1
                     d = self._dropped
@@ -835,9 +999,9 @@ class PipelineServer(Exchange):
                     d["last"] = Group(pg, trajs)
                     continue
                 self._dropped = self._new_drop_run()
-                if self._too_stale(trajs):
+                if verdict.reason == "max_weight_staleness":
                     self._counts["staleness_drop"] += 1
-                elif not self.strategy.keep(self._start_version(pg, trajs), view):  # (b) the consumption filter
+                elif verdict.reason == "strategy":
                     self._drop_by_policy([Group(pg, trajs)])
                 else:
                     self.pbuf.put(Group(pg, trajs))
@@ -978,29 +1142,17 @@ def _exit_when_orphaned(poll_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="buffer-parent-watch", daemon=True).start()
 
 
-def serve(cfg_dict: dict, rpc_init_method: str, rank: int, world_size: int,
-          prompts_per_source: Optional[list] = None) -> None:
-    """Run the buffer process: a PipelineServer reachable as RPC worker "buffer" until every worker shuts down.
-
-    `prompts_per_source` defaults to tasks.load_prompts(...) of each data source (split "train").
-    """
-    import config  # light: stdlib + yaml
+def serve(settings, rpc_init_method: str, rank: int, world_size: int, prompts_per_source: list,
+          decode: Optional[Callable[[list], str]] = None) -> None:
+    """Run the buffer process (workers.py starts it, with the prompts of each data source): a PipelineServer of
+    `settings` (a BufferSettings, or a validated config.Config) reachable as RPC worker "buffer" until every worker
+    shuts down."""
     global _SERVER
     torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
-    cfg = config.validate(config.from_dict(cfg_dict))
-    decode = None
-    if prompts_per_source is None:
-        import tasks  # project module; imported here so buffer.py stays torch + stdlib at module level
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        prompts_per_source = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens)
-                              for ds in cfg.data_sources]
-        decode = tokenizer.decode
     # before init_rpc: clients may call as soon as it returns
-    _SERVER = PipelineServer(cfg, prompts_per_source, decode=decode)
+    _SERVER = PipelineServer(settings, prompts_per_source, decode=decode)
     try:
-        init_rpc("buffer", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
+        init_rpc("buffer", rank, world_size, rpc_init_method, _SERVER.settings.rpc_timeout_s)
         _exit_when_orphaned()
         rpc.shutdown(graceful=True)  # returns once the trainer and the rollout have shut down too
     finally:
@@ -1070,20 +1222,3 @@ class RemoteBuffer:
 
     def load_state_dict(self, sd: dict) -> None:
         return self._call("load_state_dict", sd)
-
-
-def main(argv: Optional[list] = None) -> None:
-    ap = argparse.ArgumentParser(description="Run the buffer process (RPC worker 'buffer').")
-    ap.add_argument("--config", required=True, help="resolved config YAML (train.py writes it to run_dir)")
-    ap.add_argument("--rpc-init", required=True, help="RPC rendezvous, e.g. tcp://127.0.0.1:29600")
-    ap.add_argument("--rank", type=int, required=True, help="this process's RPC rank")
-    ap.add_argument("--world-size", type=int, required=True, help="number of RPC workers (trainer, buffer, rollout)")
-    args = ap.parse_args(argv)
-    import config
-    serve(config.to_dict(config.load_config(args.config)), args.rpc_init, args.rank, args.world_size)
-
-
-if __name__ == "__main__":
-    import buffer  # RPC pickles calls as buffer._invoke: the singleton must live in the importable module
-
-    buffer.main()

@@ -6,8 +6,10 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
 
 Unknown keys, wrong types and invalid combinations fail at start-up with one sentence naming the key.
 Key names follow ../shared/spec/fully_async_mode.md exactly (B = data_source.num_prompts_per_step,
-N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). Only the standard library and
-PyYAML are imported, so every process (trainer, buffer, rollout, benchmarks) can load a config cheaply.
+N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
+`algorithm` is losses.LossSettings, `buffer` is buffer.BufferConfig, and `Config.buffer_settings()` gives the
+buffer.BufferSettings a PipelineServer reads; this file composes them, validates the whole, and imports PyYAML only
+where it reads YAML. No role file imports this one (train.py, workers.py and services.py do).
 """
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import yaml
+import buffer
+import losses
+from buffer import BufferConfig, validate_concurrency  # noqa: F401  (the `buffer` section; config.X as before)
+from losses import (LossSettings as AlgorithmConfig, AdvantageSettings as AdvantageConfig,  # noqa: F401
+                    ISCorrectionSettings as ISCorrectionConfig, M2POSettings as M2POConfig, OPSMSettings as OPSMConfig)
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
 # model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa,
 # flex_attention: tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2")
-# algorithm.policy_loss: the keys of losses.POLICY_LOSSES (listed here so that config.py does not import torch)
-POLICY_LOSSES = ("ppo", "truncated_is", "recompute", "loglinear")
+POLICY_LOSSES = tuple(losses.POLICY_LOSSES)  # algorithm.policy_loss: losses.py's names
 
 
 @dataclass
@@ -55,47 +60,6 @@ class DataSourceConfig:
     weight: float = 1.0  # mixing weight when several data_sources are used (synchronous mode only)
     seed: int = 0  # seed of the dataset generation and of the epoch shuffles
     shuffle: bool = True  # reshuffle the prompt order every epoch (deterministic from seed + epoch)
-
-
-@dataclass
-class AdvantageConfig:
-    std_normalize: bool = True  # GRPO divides by the group std; False = Dr. GRPO
-    eps: float = 1e-6  # added to the std before dividing
-
-
-@dataclass
-class ISCorrectionConfig:
-    enable: bool = False  # truncated IS between old_log_probs and rollout_log_probs (always on: recompute, loglinear)
-    level: str = "token"  # token | sequence
-    clip: float = 2.0  # C: weights are min(rho, C)
-    mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
-    mask_high: Optional[float] = None  # MIS: drop tokens/sequences with rho > mask_high (None = off)
-
-
-@dataclass
-class M2POConfig:
-    enable: bool = False  # second-moment masking of the largest old-vs-rollout log-ratio outliers
-    tau: float = 0.04  # target bound on the mean squared log-ratio of the kept tokens
-
-
-@dataclass
-class OPSMConfig:
-    enable: bool = False  # off-policy sequence masking for negative-advantage sequences
-    delta: float = 1e-4  # mask a sequence when its mean per-token KL(rollout || current) exceeds delta
-
-
-@dataclass
-class AlgorithmConfig:
-    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
-    clip_low: float = 0.2  # PPO lower clip: ratio >= 1 - clip_low
-    clip_high: float = 0.28  # PPO upper clip (DAPO clip-higher): ratio <= 1 + clip_high
-    dual_clip_c: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    policy_loss: str = "ppo"  # ppo | truncated_is (PipelineRL, cap 1 + clip_high) | recompute, loglinear (AReaL)
-    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
-    m2po: M2POConfig = field(default_factory=M2POConfig)
-    opsm: OPSMConfig = field(default_factory=OPSMConfig)
-    routing_replay: bool = False  # MoE only: the trainer routes each token to the experts the server chose (R3)
 
 
 @dataclass
@@ -194,12 +158,6 @@ class RolloutConfig:
 
 
 @dataclass
-class BufferConfig:
-    get_timeout_s: float = 1800.0  # trainer waits this long for groups from PipelineBuffer before failing
-    rpc_timeout_s: float = 600.0  # timeout of each RPC between trainer, buffer and rollout
-
-
-@dataclass
 class WeightSyncConfig:
     method: str = "distributed"  # distributed (broadcast group) | tensor (colocate: shared tensors / CUDA IPC) | disk
     bucket_mb: int = 512  # tensors per /update_weights_from_distributed call, in MiB
@@ -258,19 +216,25 @@ class Config:
     def capacity(self) -> int:
         """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1); a preset derives
         it from fully_async.policy_param."""
-        import strategies  # stdlib-only
-        fa = self.fully_async
-        preset = strategies.REGISTRY.get(fa.sliding_window)
-        if isinstance(preset, type) and issubclass(preset, strategies.Preset):
-            return preset.capacity(fa.policy_param, self.B, self.N)
-        return int(self.B * (1 + fa.stale_steps))
+        return dataclasses.replace(self.buffer_settings(), fully_async=True).capacity
 
     @property
     def filter_stop_groups(self) -> int:
-        """Groups dropped by rollout.filter in a row after which the run stops as untrainable (0: never). The
-        default 4 x B, at least 64: a filter that drops 70% of the groups makes 64 in a row once in ~10^10."""
-        n = self.rollout.filter_stop_groups
-        return max(4 * self.B, 64) if n is None else n
+        """Groups dropped by rollout.filter in a row after which the run stops as untrainable (0: never); see
+        buffer.BufferSettings.stop_groups."""
+        return self.buffer_settings().stop_groups
+
+    def buffer_settings(self) -> buffer.BufferSettings:
+        """What the buffer reads of this config (buffer.PipelineServer takes either)."""
+        fa, r = self.fully_async, self.rollout
+        return buffer.BufferSettings(
+            num_prompts_per_step=self.B, num_trajectories_per_prompt=self.N, fully_async=fa.enable,
+            sliding_window=fa.sliding_window, stale_steps=fa.stale_steps, policy_param=fa.policy_param,
+            num_oversample=r.sampler.num_oversample, async_max_concurrent_samples=r.async_max_concurrent_samples,
+            filter=tuple(r.filter), filter_stop_groups=r.filter_stop_groups,
+            max_weight_staleness=r.max_weight_staleness, partial=r.partial, pause_mode=r.pause_mode,
+            get_timeout_s=self.buffer.get_timeout_s, rpc_timeout_s=self.buffer.rpc_timeout_s,
+            sources=[buffer.SourceSettings(d.task, d.reward, d.weight, d.seed, d.shuffle) for d in self.data_sources])
 
     @property
     def flush_on_update(self) -> bool:
@@ -377,6 +341,8 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
 
 def parse_overrides(args: list[str]) -> dict:
     """`a.b=c` strings -> nested dict; values are parsed as YAML (so 1, 1.5, true, null, [1,2] work)."""
+    import yaml  # here, not at the top: only reading YAML (a file, an override's value) needs it
+
     out: dict = {}
     for a in args:
         if "=" not in a:
@@ -398,6 +364,8 @@ def _merge(base: dict, over: dict) -> dict:
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate_cfg: bool = True) -> Config:
     """Load YAML at `path` (may be None), apply `a.b=c` overrides, build the dataclass tree, validate."""
+    import yaml  # here, not at the top: only reading YAML (a file, an override's value) needs it
+
     data: dict = {}
     if path is not None:
         if not os.path.exists(path):
@@ -572,9 +540,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"algorithm.clip_high must be >= 0, got {a.clip_high}")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ValueError(f"algorithm.dual_clip_c must be > 1 (typically 3) or null, got {a.dual_clip_c}")
-    if a.loss_agg_mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        raise ValueError(f"algorithm.loss_agg_mode must be token-mean, seq-mean-token-mean or "
-                         f"seq-mean-token-sum-norm, got '{a.loss_agg_mode}'")
+    if a.loss_agg_mode not in losses.LOSS_AGG:
+        raise ValueError(f"algorithm.loss_agg_mode must be one of {', '.join(losses.LOSS_AGG)}, "
+                         f"got '{a.loss_agg_mode}'")
     if a.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got '{a.policy_loss}'")
     if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
@@ -589,8 +557,9 @@ def validate(cfg: Config) -> Config:
                          "which trainer.use_rollout_log_probs=true skips; set it to false, or use "
                          "algorithm.policy_loss=loglinear, which needs no forward")
     isc = a.is_correction
-    if isc.level not in ("token", "sequence"):
-        raise ValueError(f"algorithm.is_correction.level must be token or sequence, got '{isc.level}'")
+    if isc.level not in losses.IS_LEVELS:
+        raise ValueError(f"algorithm.is_correction.level must be one of {', '.join(losses.IS_LEVELS)}, "
+                         f"got '{isc.level}'")
     _positive(isc.clip, "algorithm.is_correction.clip")
     if isc.mask_low is not None and isc.mask_high is not None and isc.mask_low >= isc.mask_high:
         raise ValueError(f"algorithm.is_correction.mask_low ({isc.mask_low}) must be below "
@@ -683,20 +652,6 @@ def validate_server_layout(cfg: Config) -> None:
             taken[s.node, g] = i
 
 
-def validate_concurrency(value: Optional[int], n: int) -> None:
-    """rollout.async_max_concurrent_samples: unset is fine; otherwise > 0 and >= N (else zero groups in flight).
-
-    The clamp to the fleet's concurrency happens in rollout.py, where the fleet is known (a warning, not an error).
-    """
-    if value is None:
-        return
-    if value <= 0:
-        raise ValueError(f"rollout.async_max_concurrent_samples must be > 0 (or null for no cap), got {value}")
-    if value < n:
-        raise ValueError(f"rollout.async_max_concurrent_samples ({value}) must be >= "
-                         f"data_source.num_trajectories_per_prompt ({n}), otherwise no group can be in flight")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # `python config.py docs`: the README's parameter table, generated from the field comments above
 # ---------------------------------------------------------------------------------------------------------
@@ -705,6 +660,8 @@ def parameter_table() -> str:
     """Markdown table of every config key with its default and its one-line comment (kept in the README)."""
     import inspect
     import re
+
+    import yaml
 
     rows = []
 
@@ -737,6 +694,8 @@ def parameter_table() -> str:
 
 if __name__ == "__main__":
     import sys
+
+    import yaml
 
     if sys.argv[1:2] == ["docs"] and sys.argv[2:3] == ["--write"]:  # refresh the table inside README.md
         import re

@@ -14,6 +14,7 @@ Formulas and sources: ../shared/algorithms.md. What is here:
     (`proximal_log_probs`: recomputed, or `loglinear_proximal_log_probs` interpolated by version; the loss is
     `policy_loss` with them as old_log_probs and is_correction as the behaviour weight) and PipelineRL's truncated
     IS (`truncated_is_loss`).
+  - `LossSettings`: the settings every function here reads (the run config's `algorithm` section), with defaults.
   - `POLICY_LOSSES`: algorithm.policy_loss, the loss a run trains with (ppo, truncated_is, recompute, loglinear),
     each a function of the same tensors, so the trainer has one call site.
   - `offpolicy_warning`: the start-up warning for fully-async runs whose PPO ratio is taken against rollout log-probs.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -36,6 +38,51 @@ from torch import Tensor
 
 GREEDY_TEMPERATURE = 1e-6  # below this a request is greedy (SGLang's _SAMPLING_EPS); reported as log_softmax(logits)
 LOG_RATIO_CLAMP = 20.0  # |log(pi_theta / pi_old)| is clamped here so exp() never overflows into inf * 0 = NaN
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings: the `algorithm` section of a run's config (config.py composes it), with defaults
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class AdvantageSettings:
+    std_normalize: bool = True  # GRPO divides by the group std; False = Dr. GRPO
+    eps: float = 1e-6  # added to the std before dividing
+
+
+@dataclass
+class ISCorrectionSettings:
+    enable: bool = False  # truncated IS between old_log_probs and rollout_log_probs (always on: recompute, loglinear)
+    level: str = "token"  # token | sequence
+    clip: float = 2.0  # C: weights are min(rho, C)
+    mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
+    mask_high: Optional[float] = None  # MIS: drop tokens/sequences with rho > mask_high (None = off)
+
+
+@dataclass
+class M2POSettings:
+    enable: bool = False  # second-moment masking of the largest old-vs-rollout log-ratio outliers
+    tau: float = 0.04  # target bound on the mean squared log-ratio of the kept tokens
+
+
+@dataclass
+class OPSMSettings:
+    enable: bool = False  # off-policy sequence masking for negative-advantage sequences
+    delta: float = 1e-4  # mask a sequence when its mean per-token KL(rollout || current) exceeds delta
+
+
+@dataclass
+class LossSettings:
+    adv: AdvantageSettings = field(default_factory=AdvantageSettings)
+    clip_low: float = 0.2  # PPO lower clip: ratio >= 1 - clip_low
+    clip_high: float = 0.28  # PPO upper clip (DAPO clip-higher): ratio <= 1 + clip_high
+    dual_clip_c: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    policy_loss: str = "ppo"  # ppo | truncated_is (PipelineRL, cap 1 + clip_high) | recompute, loglinear (AReaL)
+    is_correction: ISCorrectionSettings = field(default_factory=ISCorrectionSettings)
+    m2po: M2POSettings = field(default_factory=M2POSettings)
+    opsm: OPSMSettings = field(default_factory=OPSMSettings)
+    routing_replay: bool = False  # MoE only: the trainer routes each token to the experts the server chose (R3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -463,10 +510,10 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
     """PPO-clip policy loss with dual-clip and the enabled off-policy corrections, aggregated per `algo`.
 
     log_probs [B, T] (current policy, with grad), old_log_probs [B, T], rollout_log_probs [B, T] or None,
-    advantages [B] (one per sequence, broadcast over its tokens), loss_mask [B, T] (bool/float), algo: the
-    config.AlgorithmConfig (duck-typed), loss_denominator: D for the whole mini-batch (see the aggregation table),
-    entropy [B, T] or None (metric only). Returns (loss [] with grad, metrics: 0-dim detached tensors, so logging
-    them costs no device sync until the trainer reads them).
+    advantages [B] (one per sequence, broadcast over its tokens), loss_mask [B, T] (bool/float), algo: a
+    LossSettings (the run config's `algorithm`), loss_denominator: D for the whole mini-batch (see the aggregation
+    table), entropy [B, T] or None (metric only). Returns (loss [] with grad, metrics: 0-dim detached tensors, so
+    logging them costs no device sync until the trainer reads them).
 
     Per token (PPO https://arxiv.org/abs/1707.06347, DAPO clip-higher https://arxiv.org/abs/2503.14476):
       r = pi_theta / pi_old,  l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
@@ -660,7 +707,7 @@ def loglinear_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs
                           current_version, algo, loss_denominator, entropy)
 
 
-POLICY_LOSSES: dict[str, Callable] = {  # algorithm.policy_loss -> the function; config.POLICY_LOSSES lists the keys
+POLICY_LOSSES: dict[str, Callable] = {  # algorithm.policy_loss -> the function (config.validate checks these keys)
     "ppo": ppo_choice,
     "truncated_is": truncated_is_choice,
     "recompute": recompute_choice,

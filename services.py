@@ -1,12 +1,12 @@
 """services.py: what rank 0 of train.py starts and supervises, kept apart from the training step.
 
 The inference servers (engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked, relaunched
-when one dies), the buffer process (`python buffer.py`) and the rollout process (`python rollout.py --serve`), RPC
-between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
-orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0 and calls `launch_fleet`, `start_rpc`,
-`watch` and `close`. Servers are placed per node (rollout.server_layout): the local rank 0 of every other trainer
-node launches and supervises its own (`serve_node`) and publishes their URLs in the torchrun store, where rank 0
-collects them; every other rank starts nothing.
+when one dies), the buffer process (`python workers.py buffer`) and the rollout process (`python workers.py rollout`),
+RPC between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
+orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0 and calls `launch_fleet`, `start_rpc`, `watch`
+and `close`. Servers are placed per node (rollout.server_layout): the local rank 0 of every other trainer node
+launches and supervises its own (`serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects
+them; every other rank starts nothing.
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ class Services:
         self.logs = os.path.join(cfg.run_dir, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rpc_up = False
-        self.fleet = None  # rank 0's rollout.SyncFleet, closed last
+        self.fleet = None  # rank 0's sglang_client.SyncFleet, closed last
         self.closing = threading.Event()
         self._reported = threading.Lock()
         self.servers: dict = {}  # name -> (command, env, URL) of each server launched here: relaunched if it dies
@@ -344,8 +344,8 @@ class Services:
     def start_rpc(self, resolved_config: str) -> None:
         """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
         init = f"tcp://127.0.0.1:{free_port()}"
-        for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "buffer.py")]),
-                                            ("rollout", [os.path.join(ROOT, "rollout.py"), "--serve"])], start=1):
+        for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "workers.py"), "buffer"]),
+                                            ("rollout", [os.path.join(ROOT, "workers.py"), "rollout"])], start=1):
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
             self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
                               "--rank", str(rank), "--world-size", "3"], env)

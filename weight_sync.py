@@ -144,7 +144,7 @@ class WeightSync:
     def __init__(self, cfg, model, device: torch.device, ctrl):
         self.cfg, self.model, self.device, self.ctrl = cfg, model, device, ctrl
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.fleet = None  # rollout.SyncFleet on rank 0 when there are servers
+        self.fleet = None  # sglang_client.SyncFleet on rank 0 when there are servers
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the servers' dtype
         self.group = None  # weight-update broadcast group (distributed), made at the first sync
         self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created

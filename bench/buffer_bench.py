@@ -135,7 +135,7 @@ def _rpc_main(rank: int, init: str, T: int, groups: int, repeats: int, barrier, 
     torch.set_num_threads(1)
     cfg = make_cfg()
     if rank == 0:
-        buffer.serve(config.to_dict(cfg), init, 0, 3, make_prompts())
+        buffer.serve(cfg.buffer_settings(), init, 0, 3, make_prompts())
         return
     import torch.distributed.rpc as rpc
     name = "rollout" if rank == 1 else "trainer"

@@ -190,6 +190,32 @@ def test_filters_drop_failed_and_equal_reward_groups_and_count_them():
     assert keep_equal.stats()["Q"] == 1
 
 
+def test_every_drop_has_one_reason_and_is_counted_by_it():
+    """PipelineServer._verdict decides every drop (filter, max_weight_staleness, strategy, stale_after, incomplete);
+    rollout/drop_<reason>_count counts each, beside the spec's counters of the same drops."""
+    srv = make_server(B=4, N=2, stale=1.0, overrides=["rollout.max_weight_staleness=1"])
+    gs = srv.dispatch()
+    srv.set_weight_version(2)
+    srv.put([traj(gs[0], 0), traj(gs[0], 1, status=FAILED)])  # filter
+    srv.put([traj(gs[1], 0, start=0, end=2), traj(gs[1], 1, start=2)])  # 2 - 0 > 1: max_weight_staleness
+    srv.put([traj(gs[2], 0, start=2)])  # 1 of 2 arrived: incomplete at the step boundary
+    m = srv.step_metrics()
+    assert m["rollout/drop_filter_count"] == m["rollout/filter_drop"] == 1
+    assert m["rollout/drop_max_weight_staleness_count"] == m["rollout/staleness_drop"] == 1
+    m = srv.step_boundary([aborted(gs[2], 1, start=2, end=2)] + [aborted(gs[k], i) for k in (3,) for i in range(2)])
+    assert m["rollout/restored_groups"] == 2  # gs[2] is complete with the returned one, gs[3] too
+    m = srv.step_metrics()
+    assert m["rollout/drop_incomplete_count"] == m["rollout/partial_dropped_incomplete_groups"] == 0
+    gs = srv.dispatch()
+    srv.put([traj(gs[0], 0, start=2)])
+    m = srv.step_boundary([])
+    assert m["rollout/partial_dropped_incomplete_groups"] == 1
+    assert srv.step_metrics()["rollout/drop_incomplete_count"] == 1
+    pg, slots = gs[0], [None, None]
+    assert srv._verdict(buffer.IN_FLIGHT, pg, slots) == buffer.Verdict(buffer.REQUEUE, "nothing generated")
+    assert srv._verdict(buffer.KEPT_IN_FLIGHT, pg, slots, returned=frozenset([pg.prompt_id])).reason == "stale_after"
+
+
 def test_max_weight_staleness_drops_at_collection_and_in_the_buffer():
     srv = make_server(B=4, N=2, overrides=["rollout.max_weight_staleness=1"])
     gs = srv.dispatch()
@@ -530,12 +556,12 @@ def test_producer_collector_consumer_threads_with_partial_pauses():
 RPC_B, RPC_N, RPC_STEPS, RPC_T = 4, 2, 3, 1024
 
 
-def _rpc_worker(rank, init, out_dir, cfg_dict):
+def _rpc_worker(rank, init, out_dir, settings):
     """rank 0: the buffer process; rank 1: a producer ("rollout"); rank 2: a consumer ("trainer")."""
     import torch.distributed.rpc as rpc
     prompts = make_prompts(30)
     if rank == 0:
-        buffer.serve(cfg_dict, init, 0, 3, prompts)
+        buffer.serve(settings, init, 0, 3, prompts)
         return
     name = "rollout" if rank == 1 else "trainer"
     buffer.init_rpc(name, rank, 3, init, timeout=30)
@@ -579,7 +605,7 @@ def _rpc_worker(rank, init, out_dir, cfg_dict):
 def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
     import torch.multiprocessing as mp
     cfg = make_cfg(B=RPC_B, N=RPC_N, stale=1.0, overrides=["buffer.rpc_timeout_s=30"])
-    mp.spawn(_rpc_worker, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path), config.to_dict(cfg)), nprocs=3,
+    mp.spawn(_rpc_worker, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path), cfg.buffer_settings()), nprocs=3,
              join=True)
     rollout = json.load(open(tmp_path / "rollout.json"))
     trainer = json.load(open(tmp_path / "trainer.json"))

@@ -21,7 +21,9 @@ import buffer
 import config
 import engine
 import rollout
+import sglang_client
 import tasks
+import workers
 from buffer import COMPLETED, FAILED, TRUNCATED, Trajectory
 
 
@@ -233,7 +235,7 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
     server gets every abort; failures are counted per server for one warning per pause."""
     # 1 s: the good server (same process, a loaded 2-core machine) once took longer than 0.2 s to answer, and in a
     # clean-clone CI run 5 of 48 aborts took longer than 0.5 s: the timeout must be far above its answer time
-    monkeypatch.setattr(rollout, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(sglang_client, "CONNECT_TIMEOUT_S", 1.0)
     seen = {0: 0, 1: 0}
 
     def routes(i):
@@ -621,7 +623,7 @@ def test_a_server_of_an_unsupported_version_is_refused_at_start_up(server, tmp_p
         cfg_path.write_text(f"model:\n  path: {server['model']}\n")
         with pytest.raises(rollout.FleetError, match=re.escape(
                 f"{url} runs sglang 0.5.2: this project speaks the HTTP API of sglang 0.5.23 only")):
-            rollout.main(["--config", str(cfg_path), f"rollout.servers=[{url}]", "--limit", "1",
+            workers.main(["generate", "--config", str(cfg_path), f"rollout.servers=[{url}]", "--limit", "1",
                           "--out", str(tmp_path / "out.jsonl")])
     finally:
         handle.stop()
@@ -740,7 +742,7 @@ def test_standalone_generation_writes_jsonl_and_a_summary(server, tmp_path, caps
     cfg_path = tmp_path / "standalone.yaml"
     cfg_path.write_text(f"model:\n  path: {server['model']}\n")
     out = tmp_path / "out.jsonl"
-    rollout.main(["--config", str(cfg_path), f"rollout.servers=[{server['url']}]",
+    workers.main(["generate", "--config", str(cfg_path), f"rollout.servers=[{server['url']}]",
                   "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
                   "rollout.sampling.max_new_tokens=8", "--limit", "3", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -370,7 +370,7 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
                           "trainer.eval_freq=0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     _wait_steps(str(run_dir), 2, p)
-    [pid] = _pids("buffer.py", str(run_dir))
+    [pid] = _pids("workers.py buffer", str(run_dir))
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     _, err = p.communicate(timeout=60)

@@ -1,0 +1,97 @@
+"""Role files that copy alone: each imports in an empty folder that holds only it (and what it names), loads none
+of yaml / transformers / config.py, and every block of the README's "Copy a piece" section runs there.
+
+No role file imports config.py: config.py composes their settings (losses.LossSettings, buffer.BufferSettings),
+train.py, workers.py and services.py read the config.
+"""
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROLE_FILES = ("losses.py", "strategies.py", "buffer.py", "rollout.py", "sglang_client.py", "weight_sync.py",
+              "tasks.py", "moe.py", "engine.py", "scheduler.py")
+# piece -> (the files it needs, modules that must not be loaded by importing it)
+PIECES = {
+    "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "strategies": (["strategies.py"], ["torch", "yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "buffer": (["buffer.py", "strategies.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "sglang_client": (["sglang_client.py"], ["torch", "yaml", "transformers", "config"]),
+}
+
+
+def _run(code_file: str, folder) -> subprocess.CompletedProcess:
+    """The venv's python on a file in `folder`, cwd there, PYTHONPATH unset (-E): the folder is all it can import
+    of this project."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    return subprocess.run([sys.executable, "-E", "-s", code_file], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _imported_modules(path: str) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("role", ROLE_FILES)
+def test_no_role_file_imports_config(role):
+    assert "config" not in _imported_modules(os.path.join(ROOT, role)), f"{role} imports config.py"
+
+
+def test_config_imports_yaml_only_inside_functions():
+    tree = ast.parse(open(os.path.join(ROOT, "config.py")).read())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert "yaml" not in {a.name for n in top for a in n.names} | {n.module for n in top
+                                                                    if isinstance(n, ast.ImportFrom)}
+
+
+def test_sglang_client_imports_only_stdlib_aiohttp_orjson():
+    third_party = _imported_modules(os.path.join(ROOT, "sglang_client.py")) - set(sys.stdlib_module_names)
+    assert third_party <= {"aiohttp", "orjson", "__future__"}, third_party
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_piece_imports_alone(piece, tmp_path):
+    files, banned = PIECES[piece]
+    for f in files:
+        shutil.copy(os.path.join(ROOT, f), tmp_path)
+    (tmp_path / "probe.py").write_text(
+        f"import sys\nimport {piece}\n"
+        f"loaded = sorted(m for m in {banned!r} if m in sys.modules)\n"
+        "assert not loaded, f'importing {piece} loaded {loaded}'\n")
+    r = _run("probe.py", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _readme_blocks() -> list:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"^## [^\n]*Copy a piece[^\n]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert m, "README.md has no section whose title contains 'Copy a piece'"
+    return re.findall(r"^```python\n(.*?)^```", m.group(1), re.S | re.M)
+
+
+def test_copy_a_piece_section_covers_every_piece():
+    needs = [block.splitlines()[0] for block in _readme_blocks()]
+    assert all(line.startswith("# needs: ") for line in needs), needs
+    named = {f for line in needs for f in line.split(":", 1)[1].split()}
+    assert {"losses.py", "strategies.py", "buffer.py", "sglang_client.py"} <= named, named
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_copy_a_piece_block_runs_in_an_empty_folder(index, tmp_path):
+    block = _readme_blocks()[index]
+    for f in block.splitlines()[0].split(":", 1)[1].split():
+        shutil.copy(os.path.join(ROOT, f), tmp_path)
+    (tmp_path / "demo.py").write_text(block)
+    r = _run("demo.py", tmp_path)
+    assert r.returncode == 0, f"README 'Copy a piece' block {index} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
