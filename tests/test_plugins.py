@@ -7,6 +7,7 @@ rollout process, the loss in the trainer ranks. The loader's errors are checked 
 
 Run: .venv/bin/python -m pytest -q tests/test_plugins.py
 """
+import importlib
 import json
 import os
 import re
@@ -81,12 +82,22 @@ def test_every_example_runs_through_train_py_in_its_own_process(tmp_path):
 
 @pytest.fixture
 def on_path(tmp_path, monkeypatch):
-    """A PYTHONPATH of the examples and of a folder with a module whose import fails and one that raises."""
+    """A PYTHONPATH of the examples and of a folder with a module whose import fails and one that raises; the roles'
+    registries are restored afterwards (other tests compare them with the built-in names)."""
+    import losses
+    import rollout
+    import tasks
+
     (tmp_path / "broken_dep.py").write_text("import no_such_dependency_xyz\n")
     (tmp_path / "raising.py").write_text("raise RuntimeError('bad setting in raising.py\\nsecond line')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(EXAMPLES)
+    registries = [strategies.REGISTRY, losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout.ROLLOUT_FUNCTIONS]
+    saved = [dict(r) for r in registries]
     yield
+    for registry, before in zip(registries, saved):
+        registry.clear()
+        registry.update(before)
     for name in ("broken_dep", "raising"):
         sys.modules.pop(name, None)
 
@@ -141,21 +152,26 @@ def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     import tasks
 
     specs = {"fully_async.sliding_window": "strict_fifo:StrictFifo", **dict(o.split("=") for o in ALL_FIVE)}
-    try:
-        cfg = config.load_config(TINY, [f"{k}={v}" for k, v in specs.items()])
-        assert strategies.REGISTRY[cfg.fully_async.sliding_window].__name__ == "StrictFifo"
-        assert losses.chosen_policy_loss(cfg.algorithm.policy_loss).__name__ == "symmetric_ppo"
-        assert tasks.get_reward_fn(cfg.data_source.reward)("321", "321", True) == 1.0
-        assert rollout.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
-        env = tasks.make_env(cfg.data_source.task, "321", {}, cfg.rollout.env)
-        assert env.step(" 123 ") == "=123\n" and env.step("321") is None
-        assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment
-    finally:
-        strategies.REGISTRY.pop(specs["fully_async.sliding_window"], None)
-        losses.POLICY_LOSSES.pop(specs["algorithm.policy_loss"], None)
-        tasks.REWARDS.pop(specs["data_source.reward"], None)
-        tasks.ENVS.pop(specs["rollout.env"], None)
-        rollout.ROLLOUT_FUNCTIONS.pop(specs["rollout.function"], None)
+    cfg = config.load_config(TINY, [f"{k}={v}" for k, v in specs.items()])
+    assert strategies.REGISTRY[cfg.fully_async.sliding_window].__name__ == "StrictFifo"
+    assert losses.chosen_policy_loss(cfg.algorithm.policy_loss).__name__ == "symmetric_ppo"
+    assert tasks.get_reward_fn(cfg.data_source.reward)("321", "321", True) == 1.0
+    assert rollout.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
+    env = tasks.make_env(cfg.data_source.task, "321", {}, cfg.rollout.env)
+    assert env.step(" 123 ") == "=123\n" and env.step("321") is None
+    assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment
+
+
+@pytest.mark.parametrize("name", ["strict_fifo", "clipped_loss", "length_penalty_reward", "rollout_fn", "echo_env"])
+def test_each_examples_docstring_command_selects_it(on_path, name):
+    """The command at the top of each example's docstring is valid as written, and selects that example."""
+    doc = " ".join(importlib.import_module(name).__doc__.replace("\\\n", " ").split())
+    m = re.search(r"PYTHONPATH=examples torchrun --standalone --nproc_per_node 2 train\.py "
+                  r"--config (\S+)((?: \S+=\S+)+)", doc)
+    assert m, f"examples/{name}.py's docstring has no command"
+    overrides = m.group(2).split()
+    assert any(o.split("=", 1)[1].startswith(f"{name}:") for o in overrides), overrides
+    config.load_config(os.path.join(ROOT, m.group(1)), overrides)
 
 
 def test_load_takes_dotted_attributes_and_refuses_a_spec_without_both_parts():
