@@ -668,6 +668,10 @@ def load_plugins(cfg: Config) -> None:
                 raise ValueError(f"{key} '{ds.reward}' must name a function (response_text, label, stopped) -> "
                                  f"float, got {fn!r}")
             tasks.REWARDS[ds.reward] = fn
+    if r.env is not None and r.function == "single_turn":
+        raise ValueError(f"rollout.env={r.env} is used by multi-turn rollout functions only; set rollout.function="
+                         "multi_turn_tool (or a module:function of yours that calls tasks.make_env), or unset "
+                         "rollout.env")
     if r.env is not None:
         import tasks
         if plugins.is_spec(r.env):

@@ -111,13 +111,14 @@ def _error(overrides) -> ValueError:
 @pytest.mark.parametrize("key", ["fully_async.sliding_window", "algorithm.policy_loss", "data_source.reward",
                                  "rollout.function", "rollout.env"])
 def test_a_missing_module_or_attribute_is_one_sentence_naming_the_key(on_path, key):
-    e = _error([f"{key}=no_such_module_xyz:thing"])
+    multi_turn = ["rollout.function=multi_turn_tool"] if key == "rollout.env" else []  # env: used by multi-turn only
+    e = _error([f"{key}=no_such_module_xyz:thing", *multi_turn])
     assert str(e).startswith(f"{key} 'no_such_module_xyz:thing': no module named 'no_such_module_xyz'")
     assert "PYTHONPATH" in str(e)
-    e = _error([f"{key}=echo_env:NoSuchThing"])
+    e = _error([f"{key}=echo_env:NoSuchThing", *multi_turn])
     assert str(e).startswith(f"{key} 'echo_env:NoSuchThing': 'echo_env' has no attribute 'NoSuchThing'")
     assert "module:attr" in str(e)
-    e = _error([f"{key}=echo_env:EchoEnv.nested"])  # a dotted attribute names the part that is missing
+    e = _error([f"{key}=echo_env:EchoEnv.nested", *multi_turn])  # a dotted attribute names the part that is missing
     assert "'echo_env.EchoEnv' has no attribute 'nested'" in str(e)
 
 
@@ -137,13 +138,15 @@ def test_an_error_inside_the_users_module_is_named_with_its_first_line_and_kept(
     ("algorithm.policy_loss=length_penalty_reward:PENALTY", "must name a function with the signature of "
                                                             "losses.POLICY_LOSSES"),
     ("rollout.function=length_penalty_reward:reward", "must name an async function (ctx, traj) -> None"),
-    ("rollout.env=length_penalty_reward:PENALTY", "must name a class or factory"),
-    ("rollout.env=calculator", "rollout.env 'calculator' is unknown; accepted: null (the task's own), calc_tool or "
+    ("rollout.env=length_penalty_reward:PENALTY rollout.function=multi_turn_tool", "must name a class or factory"),
+    ("rollout.env=calculator rollout.function=multi_turn_tool", "rollout.env 'calculator' is unknown; accepted: null (the task's own), calc_tool or "
                                "module:attr"),
     ("fully_async.sliding_window=strict-fifo", "choose one of: no-window, window-gated, windowed-fifo"),
+    ("rollout.env=calc_tool", "rollout.env=calc_tool is used by multi-turn rollout functions only; set "
+                              "rollout.function=multi_turn_tool"),
 ])
 def test_an_object_of_the_wrong_kind_is_refused_naming_the_key(on_path, override, fragment):
-    assert fragment in str(_error([override]))
+    assert fragment in str(_error(override.split()))
 
 
 def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
