@@ -137,6 +137,7 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     function: str = "single_turn"  # single_turn | multi_turn_tool | module:function
+    env: Optional[str] = None  # multi-turn tool environment: null = the task's own (calc_tool) | module:attr
     partial: bool = False  # keep in-flight work across the step boundary (how: pause_mode) instead of waiting for it
     pause_mode: str = "abort"  # abort (restore complete groups, re-send) | retract | in_place (servers keep requests)
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
@@ -435,9 +436,10 @@ def validate(cfg: Config) -> Config:
     if fa.stale_steps < 0:
         raise ValueError(f"fully_async.stale_steps must be >= 0, got {fa.stale_steps}")
     import strategies  # local import: strategies.py imports only torch/stdlib, config stays light
+    load_plugins(cfg)
     if fa.sliding_window not in strategies.REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' is not registered; "
-                         f"choose one of: {', '.join(strategies.REGISTRY)}")
+                         f"choose one of: {_builtin(strategies.REGISTRY)} or module:Class")
     preset = strategies.REGISTRY[fa.sliding_window]
     if issubclass(preset, strategies.Preset):
         if not fa.enable:
@@ -543,7 +545,7 @@ def validate(cfg: Config) -> Config:
     if a.loss_agg_mode not in losses.LOSS_AGG:
         raise ValueError(f"algorithm.loss_agg_mode must be one of {', '.join(losses.LOSS_AGG)}, "
                          f"got '{a.loss_agg_mode}'")
-    if a.policy_loss not in POLICY_LOSSES:
+    if a.policy_loss not in POLICY_LOSSES and ":" not in a.policy_loss:  # module:function: load_plugins
         raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got '{a.policy_loss}'")
     if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
         raise ValueError("algorithm.policy_loss=truncated_is sums its tokens (PipelineRL's normalisation); use "
@@ -602,6 +604,68 @@ def validate(cfg: Config) -> Config:
     if cfg.logging.wandb.mode not in ("online", "offline"):
         raise ValueError(f"logging.wandb.mode must be online or offline, got '{cfg.logging.wandb.mode}'")
     return cfg
+
+
+def load_plugins(cfg: Config) -> None:
+    """Every `module:attr` extension point, loaded with plugins.load and registered in its role's registry under
+    the spec string itself, so that the role code finds it by name as it finds a built-in one. validate calls this,
+    and every process of a run validates its config (trainer ranks, buffer and rollout processes: each a fresh
+    interpreter), so each registers its own. A role module is imported only when one of its keys is a plugin."""
+    import plugins
+
+    fa, a, r = cfg.fully_async, cfg.algorithm, cfg.rollout
+    if plugins.is_spec(fa.sliding_window):
+        import strategies
+        cls = plugins.load(fa.sliding_window, "fully_async.sliding_window", "a registered strategy name")
+        if not (isinstance(cls, type) and issubclass(cls, strategies.Strategy)):
+            raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' must name a subclass of "
+                             f"strategies.Strategy, got {cls!r}")
+        strategies.REGISTRY[fa.sliding_window] = cls
+    if plugins.is_spec(a.policy_loss):
+        import losses  # torch: imported only for a loss of your own
+        fn = plugins.load(a.policy_loss, "algorithm.policy_loss", f"one of {', '.join(POLICY_LOSSES)}")
+        if not callable(fn):
+            raise ValueError(f"algorithm.policy_loss '{a.policy_loss}' must name a function with the signature of "
+                             f"losses.POLICY_LOSSES' values, got {fn!r}")
+        losses.POLICY_LOSSES[a.policy_loss] = fn
+    for i, ds in enumerate(cfg.data_sources):
+        if plugins.is_spec(ds.reward):
+            import tasks
+            key = "data_source.reward" if len(cfg.data_sources) == 1 else f"data_sources[{i}].reward"
+            fn = plugins.load(ds.reward, key, f"one of {_builtin(tasks.REWARDS)}")
+            if not callable(fn):
+                raise ValueError(f"{key} '{ds.reward}' must name a function (response_text, label, stopped) -> "
+                                 f"float, got {fn!r}")
+            tasks.REWARDS[ds.reward] = fn
+    if r.env is not None and r.function == "single_turn":
+        raise ValueError(f"rollout.env={r.env} is used by multi-turn rollout functions only; set rollout.function="
+                         "multi_turn_tool (or a module:function of yours that calls tasks.make_env), or unset "
+                         "rollout.env")
+    if r.env is not None:
+        import tasks
+        if plugins.is_spec(r.env):
+            env = plugins.load(r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}")
+            if not callable(env):
+                raise ValueError(f"rollout.env '{r.env}' must name a class or factory that builds one tool "
+                                 f"environment (max_turns, step(text)), got {env!r}")
+            tasks.ENVS[r.env] = env
+        elif r.env not in tasks.ENVS:
+            raise ValueError(f"rollout.env '{r.env}' is unknown; accepted: null (the task's own), "
+                             f"{_builtin(tasks.ENVS)} or module:attr")
+    if plugins.is_spec(r.function):
+        import inspect
+
+        import rollout  # the role module whose ROLLOUT_FUNCTIONS the producer looks the name up in
+        fn = plugins.load(r.function, "rollout.function", f"one of {_builtin(rollout.ROLLOUT_FUNCTIONS)}")
+        if not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"rollout.function '{r.function}' must name an async function (ctx, traj) -> None, "
+                             f"got {fn!r}")
+        rollout.ROLLOUT_FUNCTIONS[r.function] = fn
+
+
+def _builtin(registry) -> str:
+    """The names of a role's registry without the `module:attr` entries load_plugins added (for error messages)."""
+    return ", ".join(name for name in registry if ":" not in name)
 
 
 def validate_server_layout(cfg: Config) -> None:

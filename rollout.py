@@ -65,7 +65,6 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
-import importlib
 import inspect
 import json
 import logging
@@ -227,7 +226,7 @@ async def multi_turn_tool(ctx: RolloutContext, traj: Trajectory) -> None:
     a fresh environment, then continues its last, partial turn."""
     import tasks
 
-    env = tasks.make_env(ctx.task, ctx.group.label, ctx.group.metadata)
+    env = tasks.make_env(ctx.task, ctx.group.label, ctx.group.metadata, ctx.cfg.rollout.env)
     turn_start = 0
     for start, end in traj.metadata.get("env_spans", []):
         env.step(ctx.decode(traj.response_ids[turn_start:start]))
@@ -249,11 +248,9 @@ ROLLOUT_FUNCTIONS = {"single_turn": single_turn, "multi_turn_tool": multi_turn_t
 
 
 def resolve_rollout_function(name: str) -> Callable:
-    """rollout.function: a built-in name or "module:function" naming an async function (ctx, traj) -> None."""
+    """rollout.function: a built-in name or "module:function" naming an async function (ctx, traj) -> None (which
+    config.validate loads with plugins.load and registers in ROLLOUT_FUNCTIONS under that name)."""
     fn = ROLLOUT_FUNCTIONS.get(name)
-    if fn is None and ":" in name:
-        module, attr = name.split(":", 1)
-        fn = getattr(importlib.import_module(module), attr, None)
     if fn is None or not inspect.iscoroutinefunction(fn):
         raise ValueError(f"rollout.function '{name}' must be one of {', '.join(ROLLOUT_FUNCTIONS)} or "
                          "module:function naming an async function (ctx, traj) -> None")

@@ -14,12 +14,13 @@ step (consumed + R + Q <= C), topped up as the filter drops groups. It is not re
 fully_async.enable, not by fully_async.sliding_window.
 
 The strategy only answers two questions for one group at a time; buffer.PipelineServer owns the counters, applies
-rollout.async_max_concurrent_samples on top, and asks again after every change. A custom strategy is one class
-and one decorator line, selected with `fully_async.sliding_window=<name>`:
+rollout.async_max_concurrent_samples on top, and asks again after every change. A custom strategy is one class in
+a module of your own (examples/strict_fifo.py), selected with `fully_async.sliding_window=module:Class`; the module
+must be importable in every process of the run (e.g. on PYTHONPATH): config.validate loads it there with
+plugins.load and registers it in REGISTRY under that name, so the buffer process, which asks it, has it too.
 
     import strategies
 
-    @strategies.register("strict-fifo")
     class StrictFifo(strategies.Strategy):
         '''Capacity rule for dispatch; collect a group only once every older dispatched group is complete.'''
         def may_collect(self, seq, view):
@@ -159,7 +160,8 @@ REGISTRY: dict[str, type] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
-    """Class decorator: make a Strategy subclass selectable as fully_async.sliding_window=<name>."""
+    """Class decorator: make a Strategy subclass selectable as fully_async.sliding_window=<name> (the built-ins; a
+    strategy of your own is selected as module:Class, which config.validate registers in every process)."""
     def deco(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Strategy)):
             raise TypeError(f"@register('{name}') must decorate a subclass of strategies.Strategy, got {cls!r}")
@@ -518,6 +520,6 @@ def build(name: str, B: int, C: int, fully_async: bool, param: Optional[float] =
         return Synchronous(B, C)
     if name not in REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{name}' is not registered; choose one of: "
-                         f"{', '.join(REGISTRY)}")
+                         f"{', '.join(REGISTRY)} or module:Class (registered by config.validate)")
     cls = REGISTRY[name]
     return cls(B, C, param, N) if issubclass(cls, Preset) else cls(B, C)

@@ -18,7 +18,7 @@ r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
                     The tokenizer's chat template is applied with add_generation_prompt=True.
 - `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math", or any
   "module:function"; `default_reward(task)` names each task's own.
-- `make_env(task, label, metadata)`: the tool environment of a multi-turn task (calc_tool).
+- `make_env(task, label, metadata, env)`: the tool environment of a multi-turn task (calc_tool), or rollout.env's.
 
 Simplifications: the tokenizer is one token per printable ASCII character; any other character becomes <|unk|>
 (a special token, so decoding drops it): round trips are exact on ASCII text only. A toy prompt belongs to the
@@ -35,7 +35,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import random
@@ -304,10 +303,16 @@ class CalcToolEnv:
 ENVS = {"calc_tool": CalcToolEnv}
 
 
-def make_env(task: str, label: Any, metadata: dict):
-    """A fresh tool environment for one trajectory of a multi-turn task (`env.max_turns`, `env.step(text)`)."""
+def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
+    """A fresh tool environment for one trajectory of a multi-turn task (`env.max_turns`, `env.step(text)`): the
+    task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.validate registered there)."""
+    if env is not None:
+        if env not in ENVS:
+            raise ValueError(f"rollout.env '{env}' is unknown; accepted: {', '.join(ENVS)} or module:attr")
+        return ENVS[env]()
     if task not in ENVS:
-        raise ValueError(f"data_source.task '{task}' has no tool environment; multi-turn tasks: {', '.join(ENVS)}")
+        raise ValueError(f"data_source.task '{task}' has no tool environment; multi-turn tasks: {', '.join(ENVS)} "
+                         "(or set rollout.env)")
     return ENVS[task]()
 
 
@@ -579,15 +584,10 @@ def default_reward(task: str) -> str:
 
 
 def get_reward_fn(name: str) -> Callable[[str, Any, bool], float]:
-    """A reward function by name: one of REWARDS, or "module:function" for your own (it must be picklable)."""
+    """A reward function by name: one of REWARDS, or "module:function" for your own (it must be picklable), which
+    config.validate loads (plugins.load) and registers in REWARDS under that name."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" in name:
-        module, fn = name.split(":", 1)
-        try:
-            return getattr(importlib.import_module(module), fn)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"data_source.reward '{name}' does not load: {e}") from None
     raise ValueError(f"data_source.reward '{name}' is unknown; accepted: {', '.join(REWARDS)} or module:function")
 
 

@@ -276,11 +276,16 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
 
 def test_rollout_function_names():
     assert rollout.resolve_rollout_function("single_turn") is rollout.single_turn
-    assert rollout.resolve_rollout_function("rollout:multi_turn_tool") is rollout.multi_turn_tool
+    # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
+    try:
+        cfg = config.load_config(None, ["rollout.function=rollout:multi_turn_tool"])
+        assert rollout.resolve_rollout_function(cfg.rollout.function) is rollout.multi_turn_tool
+    finally:
+        rollout.ROLLOUT_FUNCTIONS.pop("rollout:multi_turn_tool", None)
     with pytest.raises(ValueError, match="rollout.function 'nope'"):
         rollout.resolve_rollout_function("nope")
     with pytest.raises(ValueError, match="async function"):
-        rollout.resolve_rollout_function("rollout:make_rid")
+        config.load_config(None, ["rollout.function=rollout:make_rid"])
 
 
 def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():

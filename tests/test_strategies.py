@@ -143,34 +143,49 @@ def test_async_max_concurrent_samples_caps_generating_groups():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# A custom strategy: one class, one decorator line (the example of strategies.py's docstring and the README)
+# A custom strategy: one class in a module of your own, selected as module:Class (examples/strict_fifo.py, the
+# example of strategies.py's docstring and the README; tests/test_plugins.py runs it through torchrun train.py)
 # ---------------------------------------------------------------------------------------------------------
 
-def _example_code(text):
-    m = re.search(r"([ \t]*import strategies\n\n\s*@strategies\.register\(\"strict-fifo\"\).*?return [^\n]+\n)",
-                  text, re.S)
-    assert m, "the strict-fifo example is missing"
-    lines = m.group(1).splitlines()
-    indent = min(len(l) - len(l.lstrip()) for l in lines if l.strip())
-    return "\n".join(l[indent:] for l in lines)
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def test_custom_strategy_example_registers_and_runs():
-    code = _example_code(strategies.__doc__)
+def _example_blocks(text):
+    """Each indented or fenced code block of `text` that defines StrictFifo, as dedented non-blank lines."""
+    blocks = []
+    for m in re.finditer(r"([ \t]*import strategies\n\n[ \t]*class StrictFifo\(.*?return [^\n]+\n)", text, re.S):
+        lines = [l for l in m.group(1).splitlines() if l.strip()]
+        indent = min(len(l) - len(l.lstrip()) for l in lines)
+        blocks.append([l[indent:] for l in lines])
+    return blocks
+
+
+def _is_subsequence(part, whole):
+    it = iter(whole)
+    return all(line in it for line in part)
+
+
+def test_custom_strategy_example_is_selected_as_module_class_and_runs(monkeypatch):
+    example = open(os.path.join(EXAMPLES, "strict_fifo.py")).read().splitlines()
+    docs = _example_blocks(strategies.__doc__)
+    assert docs, "the StrictFifo example is missing from strategies.py's docstring"
     readme = os.path.join(ROOT, "README.md")
-    if os.path.exists(readme) and "strict-fifo" in open(readme).read():
-        assert _example_code(open(readme).read()) == code, "README's custom-strategy example drifted"
-    strategies.REGISTRY.pop("strict-fifo", None)
+    if os.path.exists(readme):
+        docs += _example_blocks(open(readme).read())
+    for block in docs:  # the docs' copy is the example file's code, less the line that reports where it runs
+        assert _is_subsequence(block, example), f"a StrictFifo example drifted from examples/strict_fifo.py: {block}"
+    monkeypatch.syspath_prepend(EXAMPLES)
+    spec = "strict_fifo:StrictFifo"
     try:
-        exec(code, {})
-        srv = make_server(B=2, N=2, stale=1.0, window="strict-fifo")  # config.validate accepts the new name
+        srv = make_server(B=2, N=2, stale=1.0, window=spec)  # config.validate loads and registers it
+        assert strategies.REGISTRY[spec].__module__ == "strict_fifo"
         gs = srv.dispatch()
         srv.put(finish(gs[1], 2))
         assert srv.stats()["held"] == 1  # 0 is not complete yet
         srv.put(finish(gs[0], 2))
         assert srv.stats(keys=True)["buffered_keys"] == [(0, 0), (0, 1)]
     finally:
-        strategies.REGISTRY.pop("strict-fifo", None)
+        strategies.REGISTRY.pop(spec, None)
 
 
 # ---------------------------------------------------------------------------------------------------------

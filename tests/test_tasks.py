@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
 import tasks
 from config import DataSourceConfig
 
@@ -185,7 +186,14 @@ def test_reward_lookup_and_pickling():
                        ("parquet", "math")):
         fn = tasks.get_reward_fn(tasks.default_reward(task))
         assert tasks.default_reward(task) == name and pickle.loads(pickle.dumps(fn)) is fn
-    assert tasks.get_reward_fn("tasks:reverse_digits_reward") is tasks.reverse_digits_reward
+    # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
+    spec = "tasks:reverse_digits_reward"
+    try:
+        cfg = config.load_config(None, [f"data_source.reward={spec}"])
+        fn = tasks.get_reward_fn(cfg.data_source.reward)
+        assert fn is tasks.reverse_digits_reward and pickle.loads(pickle.dumps(fn)) is fn
+    finally:
+        tasks.REWARDS.pop(spec, None)
     with pytest.raises(ValueError, match="data_source.reward 'f1' is unknown"):
         tasks.get_reward_fn("f1")
 

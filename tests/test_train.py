@@ -145,7 +145,8 @@ TRAIN_RULES = [  # train.py's own checks (check_launch): (overrides, strings of 
     (["rollout.servers=[http://127.0.0.1:1]", "rollout.router_url=http://127.0.0.1:2"],
      ["rollout.servers", "rollout.router_url"]),
     (["run_mode=train-only", "fully_async.enable=false"], ["run_mode=train-only", "trainer.rollout_dir"]),
-    (["data_source.reward=no_such_module:fn"], ["data_source.reward 'no_such_module:fn' does not load"]),
+    (["data_source.reward=no_such_module:fn"], ["data_source.reward 'no_such_module:fn': no module named "
+                                                "'no_such_module'", "PYTHONPATH"]),
     (["model.path=/nonexistent/model", "data_source.task=jsonl", "data_source.path=/nonexistent.jsonl"],
      ["model.tiny_pretrain_steps=300", "data_source.task 'jsonl'", "model.tiny_pretrain_steps=0"]),
 ]
