@@ -1,13 +1,16 @@
 """The docs stay true: the parameter table is the code's, every relative link resolves, CI runs the README's test
-command, and nothing the docs or configs say points outside the repository."""
+command, and no file points outside the repository."""
 import glob
 import os
 import re
+import subprocess
 
 import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMETERS = "docs/parameters.md"
+# Folders beside the repository that a clone does not have (spelt in two parts so this file passes its own test).
+OUTSIDE = ("../" + "shared", "/work/" + "shared")
 
 
 def _read(path):
@@ -82,10 +85,23 @@ def test_every_relative_link_resolves():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
-def test_docs_name_no_path_outside_the_repository():
-    """The reference lives in docs/: README, docs, configs, bench and engine.py point at nothing outside the repo."""
-    paths = _markdown_files() + sorted(os.path.relpath(p, ROOT) for pattern in ("configs/*.yaml", "bench/*.py",
-                                                                             "bench/*.sh", "engine.py")
-                                       for p in glob.glob(os.path.join(ROOT, pattern)))
-    outside = [p for p in paths if "../shared" in _read(p) or "/work/shared" in _read(p)]
-    assert not outside, f"these files point outside the repository (../shared): {outside}"
+# Files other branches are rewriting; their OUTSIDE[0] lines point at docs/ once merged (then this set is empty).
+NOT_YET_MOVED = {"train.py", "buffer.py", "config.py", "losses.py", "rollout.py", "strategies.py",
+                 "tests/test_engine.py", "tests/test_losses.py", "tests/test_train.py"}
+
+
+def _tracked_text_files():
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        paths = out.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file under the root
+        paths = [os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(ROOT) if "/." not in d
+                 for f in fs]
+    return [p for p in paths if p.endswith((".py", ".md", ".yaml", ".yml", ".sh", ".txt", ".ini", ".cfg"))]
+
+
+def test_no_file_points_outside_the_repository():
+    """The reference lives in docs/: no file names a folder outside the repository."""
+    outside = [p for p in _tracked_text_files() if p not in NOT_YET_MOVED and os.path.exists(os.path.join(ROOT, p))
+               and any(o in _read(p) for o in OUTSIDE)]
+    assert not outside, f"these files point outside the repository ({OUTSIDE[0]}; the text is in docs/): {outside}"
