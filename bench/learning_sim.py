@@ -70,9 +70,10 @@ import losses  # noqa: E402
 import sim_server  # noqa: E402
 import strategies  # noqa: E402
 
-SIMULATION_NOTE = ("Simulated: the clock, the fleet (spec_workload.md's latency model, lengths and speeds scaled by "
-                   "1/100, B scaled 64 -> 16 with the fleet and training) and a toy learner (a shared softmax policy "
-                   "over 4 tokens, KL per step ~1e-3); real: buffer.PipelineServer, the strategies and the losses.")
+SIMULATION_NOTE = ("Simulated: the clock, the fleet (the workload model of docs/results/pipeline_sim.md, lengths and "
+                   "speeds scaled by 1/100, B scaled 64 -> 16 with the fleet and training) and a toy learner (a shared "
+                   "softmax policy over 4 tokens, KL per step ~1e-3); real: buffer.PipelineServer, the strategies and "
+                   "the losses.")
 V, F = 4, 8  # tokens, prompt features
 B, N, M = 16, 8, 32  # groups per step, trajectories per group, trajectories per training call
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")

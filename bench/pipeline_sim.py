@@ -102,7 +102,7 @@ class Setup:
 
     @property
     def replicas(self) -> list[int]:
-        """GPUs per inference replica: TP=4 replicas where the GPUs allow, else TP=2 (spec_workload.md, 10:6)."""
+        """GPUs per inference replica: TP=4 replicas where the GPUs allow, else TP=2 (the workload model, 10:6)."""
         size = 4 if self.infer_gpus % 4 == 0 else 2
         return [size] * (self.infer_gpus // size)
 
