@@ -90,7 +90,7 @@ class TrainerConfig:
 @dataclass
 class FullyAsyncConfig:
     enable: bool = False  # background producer + collector + PipelineBuffer (requires colocate: false)
-    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | a staleness preset (README) | custom
+    sliding_window: str = "no-window"  # no-window | window-gated | windowed-fifo | preset (docs/staleness.md) | custom
     stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) groups in flight + buffered (not presets)
     policy_param: Optional[float] = None  # a preset's knob in its own unit; null = one step of staleness
 
@@ -717,11 +717,11 @@ def validate_server_layout(cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# `python config.py docs`: the README's parameter table, generated from the field comments above
+# `python config.py docs`: docs/parameters.md's table, generated from the field comments above
 # ---------------------------------------------------------------------------------------------------------
 
 def parameter_table() -> str:
-    """Markdown table of every config key with its default and its one-line comment (kept in the README)."""
+    """Markdown table of every config key with its default and its one-line comment (kept in docs/parameters.md)."""
     import inspect
     import re
 
@@ -761,9 +761,9 @@ if __name__ == "__main__":
 
     import yaml
 
-    if sys.argv[1:2] == ["docs"] and sys.argv[2:3] == ["--write"]:  # refresh the table inside README.md
+    if sys.argv[1:2] == ["docs"] and sys.argv[2:3] == ["--write"]:  # refresh the table in docs/parameters.md or FILE
         import re
-        path = sys.argv[3] if len(sys.argv) > 3 else "README.md"
+        path = sys.argv[3] if len(sys.argv) > 3 else "docs/parameters.md"
         text = open(path).read()
         table = parameter_table()
         text = re.sub(r"<!-- params:begin -->\n.*?<!-- params:end -->",
@@ -775,4 +775,5 @@ if __name__ == "__main__":
         cfg = load_config(sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3:])
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     else:
-        print("usage: python config.py docs [--write README.md] | python config.py check CONFIG.yaml [a.b=c ...]")
+        print("usage: python config.py docs [--write docs/parameters.md] | "
+              "python config.py check CONFIG.yaml [a.b=c ...]")

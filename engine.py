@@ -1,6 +1,6 @@
 """engine.py: an SGLang-compatible HTTP inference server around any transformers causal LM.
 
-It serves the subset of SGLang's HTTP API that RL post-training uses (../shared/sglang_api.md: /generate, aborts,
+It serves the subset of SGLang's HTTP API that RL post-training uses (docs/sglang.md: /generate, aborts,
 pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
 versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang or this engine.
 
@@ -23,7 +23,7 @@ parses, validates and formats, refuses oversized bodies (413, before reading) an
 parses large ones off the event loop. scheduler.py owns the model and every admitted request in one model thread
 (continuous batching over a KV slab per layer, the prefix cache, weight loading, sampling).
 
-Strict like SGLang 0.5.23 where clients go wrong easily (../shared/sglang_api.md "Facts";
+Strict like SGLang 0.5.23 where clients go wrong easily (docs/sglang.md;
 tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
 lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
 repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight

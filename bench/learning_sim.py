@@ -8,7 +8,7 @@ set_weight_version after the update, get by training call. The loss is algorithm
 peer's loss and off-policy mask from `strategies.peer_overrides`, the spec's rules and sync with tiny.yaml's), and
 `losses.offpolicy_token_mask` where the config masks.
 What is simulated:
-  - the clock and the fleet: the latency model of ../shared/bench/spec_workload.md (bench/sim_server.Workload),
+  - the clock and the fleet: the latency model of docs/results/pipeline_sim.md (bench/sim_server.Workload),
     scaled: response lengths / --token-scale (100: median 35 tokens), decode speed / the same factor, so a step
     takes the spec's simulated seconds; B = 16 groups of N = 8 (the spec's 64 scaled by 1/4, the fleet's
     concurrency and the training GPUs with it). Requests on a replica share its speed v(c) = v0 / (1 + c / c_half);
@@ -38,7 +38,7 @@ learning rate and at 4x it (per-step KL ~4e-3: a faster-moving policy).
 
 Run (the grid: 306 runs of 50 steps, 492 CPU s: 4 min 11 s of wall time on a quiet 2-core machine, load average
 1.1; --quick: 5 runs of 12 steps, seconds):
-      nice -n 10 python bench/learning_sim.py --json runs/learning_sim.json --png-dir docs
+      nice -n 10 python bench/learning_sim.py --json runs/learning_sim.json --png-dir docs/results
       python bench/learning_sim.py [--quick] [--workers 2] [--steps 50] [--seeds 3] [--only areal,verl]
                                    [--no-loss-factor] [--lr-scale 1] [--replot runs/learning_sim.json]
 """
@@ -70,9 +70,10 @@ import losses  # noqa: E402
 import sim_server  # noqa: E402
 import strategies  # noqa: E402
 
-SIMULATION_NOTE = ("Simulated: the clock, the fleet (spec_workload.md's latency model, lengths and speeds scaled by "
-                   "1/100, B scaled 64 -> 16 with the fleet and training) and a toy learner (a shared softmax policy "
-                   "over 4 tokens, KL per step ~1e-3); real: buffer.PipelineServer, the strategies and the losses.")
+SIMULATION_NOTE = ("Simulated: the clock, the fleet (the workload model of docs/results/pipeline_sim.md, lengths and "
+                   "speeds scaled by 1/100, B scaled 64 -> 16 with the fleet and training) and a toy learner (a shared "
+                   "softmax policy over 4 tokens, KL per step ~1e-3); real: buffer.PipelineServer, the strategies and "
+                   "the losses.")
 V, F = 4, 8  # tokens, prompt features
 B, N, M = 16, 8, 32  # groups per step, trajectories per group, trajectories per training call
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")

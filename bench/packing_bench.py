@@ -1,12 +1,12 @@
 """bench/packing_bench.py: padded vs packed micro-batches (trainer.packing) on the spec workload's lengths.
 
-Part 1, tokens: one training call of ../shared/bench/spec_workload.md (M = 128 trajectories, prompts of ~200 tokens,
-response lengths from its long-tailed model: per group median exp(Normal(ln 3500, 0.6)), per trajectory
-exp(Normal(ln median, 0.45)) clamped to [16, 20480]), split over --ranks data-parallel ranks as train.py does, then
-planned into micro-batches of trainer.micro_batch_tokens by batching.plan_micro_batches. Printed per budget: computed
-tokens / real tokens (padded: rows x longest row per micro-batch, plus the placeholder micro-batches a rank runs so
-every rank does the same number of forwards; packed: the real tokens, plus the placeholders' one token) and the
-number of forwards per rank. A model of the workload, not a measurement of it.
+Part 1, tokens: one training call of the workload model in docs/results/pipeline_sim.md (M = 128 trajectories,
+prompts of ~200 tokens, response lengths from its long-tailed model: per group median exp(Normal(ln 3500, 0.6)), per
+trajectory exp(Normal(ln median, 0.45)) clamped to [16, 20480]), split over --ranks data-parallel ranks as train.py
+does, then planned into micro-batches of trainer.micro_batch_tokens by batching.plan_micro_batches. Printed per budget:
+computed tokens / real tokens (padded: rows x longest row per micro-batch, plus the placeholder micro-batches a rank
+runs so every rank does the same number of forwards; packed: the real tokens, plus the placeholders' one token) and
+the number of forwards per rank. A model of the workload, not a measurement of it.
 
 Part 2, CPU time: the same length distribution scaled down by --scale (so a step runs in seconds here), one
 forward + backward of one training call on a random Qwen3 (--hidden, --layers) with model.token_logprobs and

@@ -5,7 +5,7 @@ strategies), `rollout.Rollout` and `rollout.Fleet` (HTTP, pause / abort / restor
 loop `train.run_steps`, as threads of one process forked after the imports (train.py puts them in separate
 processes joined by RPC; here there is no RPC hop).
 What is simulated: the inference fleet (bench/sim_server.py, one port per replica, requests progress by the latency
-model of ../shared/bench/spec_workload.md) and the training compute (`SimActor`: 760 response tokens/s per training
+model of docs/results/pipeline_sim.md) and the training compute (`SimActor`: 760 response tokens/s per training
 GPU, weight update 10 s, colocate memory release 8 s + resume 8 s). Both run on a clock compressed `--compression`
 times, so a 500 s step takes 500 / compression s of wall time; the real code's own time is scaled up with it, and
 the per-phase table shows it ("overhead"; `--overhead-check` measures it from runs at two compressions).
@@ -39,10 +39,10 @@ efficiency, staleness, off-policy tokens, tokens thrown away, samples dropped; a
 Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid in well under a minute):
     python bench/pipeline_sim.py [--quick] [--json out.json] [--png out.png] [--steps 9] [--compression 120]
     python bench/pipeline_sim.py --policies [--quick] [--steps 6]
-    python bench/pipeline_sim.py --sweep [--levels 1,2,4] [--repeats 3] [--batch-scale 4] [--png docs/x.png]
-    (the figure docs/pipeline_sim_sweep.png: --sweep --batch-scale 4 --levels 1,2,4 --repeats 3 --steps 5
-    --compression 200 --json runs/pipeline_sweep.json --png docs/pipeline_sim_sweep.png: 174 runs, 31 min 35 s of
-    wall time on a quiet 2-core machine, load average 0.1)
+    python bench/pipeline_sim.py --sweep [--levels 1,2,4] [--repeats 3] [--batch-scale 4] [--png docs/results/x.png]
+    (the figure docs/results/pipeline_sim_sweep.png: --sweep --batch-scale 4 --levels 1,2,4 --repeats 3 --steps 5
+    --compression 200 --json runs/pipeline_sweep.json --png docs/results/pipeline_sim_sweep.png: 174 runs,
+    31 min 35 s of wall time on a quiet 2-core machine, load average 0.1)
     python bench/pipeline_sim.py --only colocate,fifo-s1 --workload my_workload.yaml
     python bench/pipeline_sim.py --overhead-check --only colocate,fifo-s2
 """
@@ -76,7 +76,7 @@ import sim_server  # noqa: E402
 SIMULATION_NOTE = ("Simulated: the inference fleet (bench/sim_server.py) and the training compute run a latency "
                    "model on a compressed clock; the orchestration (buffer, strategies, rollout producer, HTTP, "
                    "pause/abort/restore, train.run_steps) is the project's own code. The workload numbers are a "
-                   "model calibrated to the spec (../shared/bench/spec_workload.md), not a measurement.")
+                   "model calibrated to the spec (docs/results/pipeline_sim.md), not a measurement.")
 TOTAL_GPUS = 16
 # The spec's measured avg step excluding step 0 (section 5), for the side-by-side column.
 SPEC_EXCL0 = {"colocate": 578.63, "colocate+partial": 486.34, "nowin-s1": 451.74, "fifo-s1": 424.30,
@@ -102,7 +102,7 @@ class Setup:
 
     @property
     def replicas(self) -> list[int]:
-        """GPUs per inference replica: TP=4 replicas where the GPUs allow, else TP=2 (spec_workload.md, 10:6)."""
+        """GPUs per inference replica: TP=4 replicas where the GPUs allow, else TP=2 (the workload model, 10:6)."""
         size = 4 if self.infer_gpus % 4 == 0 else 2
         return [size] * (self.infer_gpus // size)
 
@@ -165,7 +165,7 @@ def policy_grid(quick: bool, B: int, N: int, splits=((8, 8), (10, 6))) -> list[S
 
 
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")
-# The peers' own default knobs, where their source says it (../shared/peer_policies.md; AReaL areal/api/cli_args.py
+# The peers' own default knobs, where their source says it (docs/staleness.md; AReaL areal/api/cli_args.py
 # InferenceEngineConfig.max_head_offpolicyness default 0; prime-rl max_off_policy_steps default 8).
 PEER_DEFAULTS = (("areal", 0.0, "eta = 0, AReaL's default"), ("prime-rl", 8.0, "M = 8, prime-rl's default"))
 
@@ -638,7 +638,8 @@ def summarize(s: Setup, wl: sim_server.Workload, rows: list[dict], actor: SimAct
     peak = sum(wl.replica_peak_tokens_per_s(g) for g in s.replicas)
     train_tput = wl.train_tokens_per_s_per_gpu * s.train_gpus
     gen_bound, train_bound = gen_steady / peak, trained_steady / train_tput
-    ideal = max(gen_bound, train_bound + wl.update_weights_s)  # ../shared/bench/spec_workload.md's ideal
+    # The workload model's ideal (docs/results/pipeline_sim.md): the larger of generation and training + update.
+    ideal = max(gen_bound, train_bound + wl.update_weights_s)
     # But the update stops the fleet too: no server decodes while it takes the new weights in (SGLang receives them
     # on its scheduler thread), so a generation-bound configuration cannot beat generation + update either.
     ideal_update_stops_fleet = max(gen_bound, train_bound) + wl.update_weights_s

@@ -18,9 +18,9 @@ Measured per step and plotted against the step (never against wall time): the tr
 
 Run (--table3: 12 rows of 150 steps, 56-93 s each, 13 min 22 s in all on a quiet 2-core machine):
     python bench/policies.py [--table3] [--steps 150] [--seeds 3] [--etas 0,1,4] [--micro-batch-tokens 512]
-                             [--json runs/policies/table3.json] [--png docs/areal_table3.png]
+                             [--json runs/policies/table3.json] [--png docs/results/areal_table3.png]
     python bench/policies.py --presets [--steps 100] [--eval-every 25] [--stale 1,2,4] [--only areal,roll]
-    python bench/policies.py --replot runs/policies/table3.json --png docs/areal_table3.png
+    python bench/policies.py --replot runs/policies/table3.json --png docs/results/areal_table3.png
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """bench/sim_server.py: a simulated SGLang fleet whose requests progress by a latency model on a compressed clock.
 
-Each replica is an aiohttp app on its own port that speaks the subset of ../shared/sglang_api.md the project uses
+Each replica is an aiohttp app on its own port that speaks the subset of SGLang's API (docs/sglang.md) the project uses
 (/generate with input_ids, rid, sampling_params, return_logprob, also as a batch of lists; /abort_request by rid prefix; /pause_generation;
 /continue_generation; /flush_cache; /update_weights_from_disk, /update_weights_from_distributed,
 /update_weight_version; /release_memory_occupation, /resume_memory_occupation; /server_info, /model_info,
 /health, /v1/loads) plus GET /sim_stats (counters for the benchmark's per-phase breakdown).
 
-The model (../shared/bench/spec_workload.md, the default `Workload` below): a request's response length is drawn
+The model (docs/results/pipeline_sim.md, the default `Workload` below): a request's response length is drawn
 deterministically from the seed, its prompt ids, its epoch and its trajectory index (read from the rid
 `{tag}-{epoch}-{seq}-{index}-{attempt}.`), so every configuration of the benchmark sees the same lengths and a
 restored request continues towards the same target. A replica running c requests decodes each at
@@ -44,7 +44,7 @@ from aiohttp import web
 
 @dataclass
 class Workload:
-    """The latency model. Defaults are ../shared/bench/spec_workload.md (a model calibrated to the spec, sec. 5)."""
+    """The latency model. Defaults: the workload model of docs/results/pipeline_sim.md (calibrated to the spec)."""
     seed: int = 0  # seed of the response-length draws
     median_tokens: float = 3500.0  # median of the per-group median response length
     group_sigma: float = 0.6  # log-normal sigma of the group median (prompt hardness)
