@@ -4,7 +4,7 @@ Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order,
 restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter
 with the reasons of its drops and the stop when it drops every group, rollout.max_weight_staleness, the strategy's
 consumption filter), the bounded PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade that the
-rollout and the trainer call. Semantics: ../shared/spec/fully_async_mode.md sections 1-3, counted in prompt groups
+rollout and the trainer call. Semantics: docs/design.md, counted in prompt groups
 (R in flight, Q buffered, C capacity; strategies.py holds the dispatch/collection rules and the update actions).
 
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);

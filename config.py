@@ -5,7 +5,7 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
     torchrun train.py --config configs/tiny.yaml fully_async.enable=true trainer.total_steps=50
 
 Unknown keys, wrong types and invalid combinations fail at start-up with one sentence naming the key.
-Key names follow ../shared/spec/fully_async_mode.md exactly (B = data_source.num_prompts_per_step,
+Key names follow the spec restated in docs/design.md exactly (B = data_source.num_prompts_per_step,
 N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
 `algorithm` is losses.LossSettings, `buffer` is buffer.BufferConfig, and `Config.buffer_settings()` gives the
 buffer.BufferSettings a PipelineServer reads; this file composes them, validates the whole, and imports PyYAML only

@@ -1,7 +1,7 @@
 """losses.py: the training objective for off-policy, asynchronously generated data, as pure functions.
 
 Tensors in, `(loss, metrics)` out; only torch is imported, so this file can be copied into another repo.
-Formulas and sources: ../shared/algorithms.md. What is here:
+Formulas and sources: docs/algorithms.md. What is here:
   - `token_logprobs`: per-token log-probs (and entropy) from logits at the sampling temperature, chunked over tokens
     so a long response with a large vocabulary never needs a full float32 [tokens x vocab] tensor, forward or backward.
   - `compute_advantages`: GRPO group-normalised advantages (Dr. GRPO without the std as a switch).
@@ -90,7 +90,7 @@ class LossSettings:
 # ---------------------------------------------------------------------------------------------------------
 
 def effective_temperature(temperature: float) -> float:
-    """The temperature the engine's reported log-probs use (contract, ../shared/sglang_api.md).
+    """The temperature the engine's reported log-probs use (contract, docs/sglang.md).
 
     Sampling requests (temperature >= 1e-6) report log_softmax(logits / temperature) of the sampled token; greedy
     requests report log_softmax(logits), i.e. temperature 1. top_p / top_k never change the reported log-prob.

@@ -2,7 +2,7 @@
 
 - The HTTP client of the servers (`Fleet`, its blocking `SyncFleet`, FleetError, response parsing) is
   sglang_client.py; its names are also importable from here.
-- `Rollout`: the producer of ../shared/spec/fully_async_mode.md section 2. On the SyncFleet's event-loop thread it
+- `Rollout`: the producer of docs/design.md. On the SyncFleet's event-loop thread it
   asks the buffer for prompt groups (`buffer.dispatch`), generates N trajectories per group, scores them (inline or
   in a pool off the loop) and puts every finished trajectory to the buffer. With the built-in `single_turn` a group
   is one /generate list request (one item per trajectory; the reply lists them in order when all have finished; an

@@ -438,7 +438,7 @@ def load_model(path: str, device: torch.device, dtype: str):
     from transformers import AutoModelForCausalLM
     torch_dtype = (torch.float32 if device.type == "cpu" else "auto") if dtype == "auto" else getattr(torch, dtype)
     # experts_implementation: a MoE's experts one matmul per expert on CPU (transformers' default grouped_mm is ~10x
-    # slower there on the tiny MoE); the trainer does the same (train.load_model), so both compute alike
+    # slower there on the tiny MoE); the trainer does the same (model.load_model), so both compute alike
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, experts_implementation="eager" if
                                                  device.type == "cpu" else None).to(device).eval()
     cfg = model.config.get_text_config()

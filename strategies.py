@@ -1,6 +1,6 @@
 """strategies.py: which prompt group may be dispatched, collected and trained (spec windows, peers' staleness rules).
 
-Semantics of ../shared/spec/fully_async_mode.md section 3, all counted in prompt groups:
+Semantics of docs/design.md (window strategies), all counted in prompt groups:
   R = groups dispatched but not yet collected (still generating, or complete and waiting in TrajQueue),
   Q = complete groups in PipelineBuffer not yet consumed by the trainer,
   C = int(B * (1 + fully_async.stale_steps)) (config.Config.capacity).
@@ -26,7 +26,7 @@ plugins.load and registers it in REGISTRY under that name, so the buffer process
         def may_collect(self, seq, view):
             return view.oldest_uncompleted is None or seq < view.oldest_uncompleted
 
-A strategy is three parts (the split of ../shared/peer_policies.md), each a method with a default:
+A strategy is three parts (the split of docs/staleness.md), each a method with a default:
   (a) admission         may_dispatch(seq, view): may a group start generating now?
   (b) consumption       keep(start_version, view): may a complete group be trained? Asked when it is collected and
       filter            again for every buffered group at each weight update; False drops it (rollout/policy_drop).
@@ -213,7 +213,7 @@ class Synchronous(Strategy):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The peers' rules as presets (../shared/peer_policies.md; each class names the file its rule is read from).
+# The peers' rules as presets (docs/staleness.md; each class names the file its rule is read from).
 # Versions here count weight updates, one per training step of B groups; a group's start version is the
 # version of its first generated token (the version at dispatch when it has none yet).
 # ---------------------------------------------------------------------------------------------------------

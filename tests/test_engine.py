@@ -1,4 +1,4 @@
-"""Contract tests of engine.py over HTTP: every endpoint's fields and shapes (../shared/sglang_api.md), aborts, pause
+"""Contract tests of engine.py over HTTP: every endpoint's fields and shapes (docs/sglang.md), aborts, pause
 modes, weight updates (disk and a gloo group) with weight_versions spans, and the numbers: greedy == transformers
 generate, log-probs == the trainer's (losses.token_logprobs), sampling_seed reproduces; plus a 200-request stress
 run with random aborts and pauses and 400s naming the field for malformed input.

@@ -271,7 +271,7 @@ def finite(*xs):
 
 
 def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
-    """Token by token, straight from ../shared/algorithms.md. lp: leaf tensor [B, T]; the rest Python lists.
+    """Token by token, straight from docs/algorithms.md. lp: leaf tensor [B, T]; the rest Python lists.
 
     Returns (loss tensor with grad, metrics dict of floats, the denominator it used).
     """

@@ -783,7 +783,7 @@ def test_resume_after_sigkill_trains_every_prompt_of_the_epoch_once(resumed_run)
     assert os.path.exists(os.path.join(r["run_dir"], "hf", "model.safetensors"))
 
 
-SPEC_METRICS = [  # ../shared/spec/fully_async_mode.md section 4 (plus the training metrics it names)
+SPEC_METRICS = [  # docs/design.md, the metrics (plus the training metrics it names)
     "rollout/pipeline_buf_size", "rollout/filter_drop", "rollout/partial_ratio", "rollout/partial_span_max",
     "rollout/partial_restored_count", "rollout/partial_dropped_incomplete_count", "timing/pause_delay",
     "perf/wait_ratio", "timing/rollout", "timing/process_traj", "timing/train", "timing/step", "timing/save_ckpt",
