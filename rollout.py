@@ -84,9 +84,7 @@ import torch
 import losses
 import moe
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
-from sglang_client import (  # noqa: F401  (the client's names, also reachable as rollout.X)
-    SUPPORTED_SGLANG_VERSIONS, Fleet, FleetError, Generation, ServerUnreachable, SyncFleet, parse_generate_response,
-    parse_version, server_concurrency)
+from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response
 
 log = logging.getLogger("rollout")
 
@@ -278,7 +276,7 @@ class _GroupRun:
 class Rollout:
     """The producer: dispatch groups, run and score their trajectories, put them to the buffer (see module doc).
 
-    `buffer` is a buffer.PipelineServer or a buffer.RemoteBuffer (dispatch, put, exchange, step_boundary); `fleet` a
+    `buffer` is a buffer.PipelineServer or a remote.RemoteBuffer (dispatch, put, exchange, step_boundary); `fleet` a
     Fleet or a SyncFleet (whose event-loop thread the producer runs on). Public methods are synchronous and
     thread-safe.
     """
@@ -874,10 +872,10 @@ def serve(cfg, rpc_init_method: str, rank: int, world_size: int) -> None:
     from torch.distributed import rpc
     from transformers import AutoTokenizer
 
-    import buffer as buffer_mod
+    import remote
 
     _READY_TIMEOUT_S[0] = cfg.rollout.startup_timeout_s
-    buffer_mod.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
+    remote.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
     sync = SyncFleet(Fleet.from_config(cfg))
     try:
         try:
@@ -886,7 +884,7 @@ def serve(cfg, rpc_init_method: str, rank: int, world_size: int) -> None:
             # what is asked here.
             sync.live_workers(cfg.rollout.startup_timeout_s)
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            _ROLLOUT = Rollout(cfg, buffer_mod.RemoteBuffer("buffer", cfg.buffer.rpc_timeout_s), sync, tokenizer)
+            _ROLLOUT = Rollout(cfg, remote.RemoteBuffer("buffer", cfg.buffer.rpc_timeout_s), sync, tokenizer)
         finally:
             _READY.set()  # callers waiting in _invoke get the Rollout, or the error that it is missing
         rpc.shutdown()  # graceful: returns once every worker has called shutdown

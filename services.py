@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Optional
 
-import buffer as buffer_lib
+import remote
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -350,7 +350,7 @@ class Services:
             self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
                               "--rank", str(rank), "--world-size", "3"], env)
         startup = self.cfg.rollout.startup_timeout_s
-        buffer_lib.init_rpc("trainer", 0, 3, init, self.cfg.buffer.rpc_timeout_s, num_worker_threads=16,
+        remote.init_rpc("trainer", 0, 3, init, self.cfg.buffer.rpc_timeout_s, num_worker_threads=16,
                             startup_timeout=startup,
                             while_waiting=lambda: self.check_alive("joining RPC as 'buffer' / 'rollout'"),
                             hint=f" (rollout.startup_timeout_s={startup} s; see {self.logs}/buffer.log and "

@@ -53,6 +53,7 @@ import torch.distributed as dist  # noqa: E402
 
 import batching  # noqa: E402
 import buffer as buffer_lib  # noqa: E402
+import remote  # noqa: E402
 import checkpoint  # noqa: E402
 import checks  # noqa: E402
 import config as config_lib  # noqa: E402
@@ -116,7 +117,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
               save_checkpoint(steps_done, run_state) -> None, release() / resume() (colocate: the servers free /
               retake their memory around training).
     buffer:   get(k, timeout) -> list[Group], wait(k, timeout) -> dict (see fetch), step_metrics() -> dict,
-              state_dict(), set_weight_version(v) (buffer.PipelineServer or buffer.RemoteBuffer).
+              state_dict(), set_weight_version(v) (buffer.PipelineServer or remote.RemoteBuffer).
     rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or RemoteRollout).
     logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
               in training order) and "data/samples" (sample_records of a few trained trajectories);
@@ -240,7 +241,7 @@ class Actor:
         self.train_forward_is_old = not (getattr(model.config, "attention_dropout", 0.0) or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
         self.weights = weight_sync_lib.WeightSync(cfg, model, device, ctrl)
-        self.fleet = fleet  # rollout.SyncFleet on rank 0 when there are servers, else None
+        self.fleet = fleet  # sglang_client.SyncFleet on rank 0 when there are servers, else None
         self.pushes = cfg.run_mode == "default"  # every rank: whether there are servers to sync (train-only: none)
         self.group_members: Optional[list] = None  # rank 0: the server URLs the last sync went to
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
@@ -560,12 +561,12 @@ def start_fleet(cfg, services, version: int, launched: bool):
     """Rank 0: the servers of rollout.server_layout (this node's launched here, the other nodes' published by their
     local rank 0, see node_services; or rollout.servers / rollout.router_url already running), where they reach the
     broadcast group, and the SyncFleet once every server answers /health."""
-    import rollout as rollout_lib
+    import sglang_client
 
     if launched:
         cfg.rollout.servers = services.launch_fleet(version)
     cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
-    fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet.from_config(cfg))
+    fleet = services.fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     fleet.wait_healthy(cfg.rollout.startup_timeout_s)
     return fleet
 
@@ -719,7 +720,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
                 services.start_rpc(resolved)
                 services.watch()
-                buf = buffer_lib.RemoteBuffer("buffer", b.rpc_timeout_s)
+                buf = remote.RemoteBuffer("buffer", b.rpc_timeout_s)
                 ro = rollout_lib.RemoteRollout("rollout", b.rpc_timeout_s)
                 if actor is None:
                     actor = RolloutRecorder(cfg, fleet)

@@ -11,8 +11,8 @@ Standalone generation (no training): generate and score a dataset against runnin
 
     python workers.py generate --config configs/tiny.yaml rollout.servers=[http://127.0.0.1:31000] [--split eval]
 
-RPC pickles each call as the function's module and name (buffer._invoke, rollout._invoke), so the served singletons
-live in the imported modules `buffer` and `rollout`, never in this `__main__`.
+RPC pickles each call as the function's module and name (remote._invoke, rollout._invoke), so the served singletons
+live in the imported modules `remote` and `rollout`, never in this `__main__`.
 """
 from __future__ import annotations
 
@@ -22,19 +22,20 @@ import logging
 import os
 from typing import Optional
 
-import buffer
 import config
+import remote
 import rollout
+import sglang_client
 
 
 def serve_buffer(cfg, rpc_init: str, rank: int, world_size: int) -> None:
-    """The buffer process: the train-split prompts of every data source (tasks.load_prompts), then buffer.serve."""
+    """The buffer process: the train-split prompts of every data source (tasks.load_prompts), then remote.serve."""
     import tasks
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens) for ds in cfg.data_sources]
-    buffer.serve(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode)
+    remote.serve(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode)
 
 
 def generate(cfg, split: str, limit: Optional[int], out: Optional[str]) -> dict:
@@ -45,7 +46,7 @@ def generate(cfg, split: str, limit: Optional[int], out: Optional[str]) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = tasks.load_prompts(cfg.data_sources[0], tokenizer, split)[:limit]
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     try:
         sync.wait_healthy(cfg.rollout.startup_timeout_s)
         buf, summary = rollout.generate_dataset(cfg, prompts, sync, tokenizer, cfg.rollout.trajectory_timeout_s + 60.0)

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffer  # noqa: E402
 import config  # noqa: E402
+import remote  # noqa: E402
 
 B, N, M, STALE, PROMPT_TOKENS = 64, 8, 128, 1.0, 200
 
@@ -135,12 +136,12 @@ def _rpc_main(rank: int, init: str, T: int, groups: int, repeats: int, barrier, 
     torch.set_num_threads(1)
     cfg = make_cfg()
     if rank == 0:
-        buffer.serve(cfg.buffer_settings(), init, 0, 3, make_prompts())
+        remote.serve(cfg.buffer_settings(), init, 0, 3, make_prompts())
         return
     import torch.distributed.rpc as rpc
     name = "rollout" if rank == 1 else "trainer"
-    buffer.init_rpc(name, rank, 3, init, 120.0)
-    rb = buffer.RemoteBuffer("buffer", 120.0)
+    remote.init_rpc(name, rank, 3, init, 120.0)
+    rb = remote.RemoteBuffer("buffer", 120.0)
     if rank == 1:
         prod = Producer(rb, T)
         barrier.wait()

@@ -1,7 +1,7 @@
 """bench/pipeline_sim.py: the project's scheduler on a simulated 16-GPU cluster, against the ideal overlap bound.
 
 What is real: the orchestration. Each configuration runs the project's own `buffer.PipelineServer` (+ the window
-strategies), `rollout.Rollout` and `rollout.Fleet` (HTTP, pause / abort / restore / resume) and the trainer's step
+strategies), `rollout.Rollout` and `sglang_client.Fleet` (HTTP, pause / abort / restore / resume) and the trainer's step
 loop `train.run_steps`, as threads of one process forked after the imports (train.py puts them in separate
 processes joined by RPC; here there is no RPC hop).
 What is simulated: the inference fleet (bench/sim_server.py, one port per replica, requests progress by the latency
@@ -529,6 +529,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
     """Run one configuration: the real buffer, rollout and step loop against a fresh simulated fleet."""
     import buffer
     import rollout
+    import sglang_client
     import tasks
     import train
 
@@ -541,7 +542,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
         prompts = make_prompts(cfg.data_sources[0].num_prompts, prompt_units)
         phases: dict = {}
         buf = buffer.PipelineServer(cfg, [prompts])
-        fleet = rollout.SyncFleet(rollout.Fleet.from_config(cfg))  # one event loop: the producer's and the actor's
+        fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))  # one event loop: the producer's and the actor's
         ro = rollout.Rollout(cfg, buf, fleet, tasks.build_tokenizer())
         actor = SimActor(wl, fleet, s.train_gpus, args.compression, args.token_scale, cfg.flush_on_update)
         logger = StepLogger(actor, phases, urls, args.compression)

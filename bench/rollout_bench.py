@@ -42,6 +42,7 @@ import buffer  # noqa: E402
 import config  # noqa: E402
 import engine  # noqa: E402
 import rollout  # noqa: E402
+import sglang_client  # noqa: E402
 import tasks  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
     buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")])
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tokenizer)
     samples, poller_cpu, dispatching, stop = [], [], threading.Event(), threading.Event()
     poller = threading.Thread(target=poll_loads, args=(url, ro, dispatching, stop, samples, poller_cpu), daemon=True)

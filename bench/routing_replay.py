@@ -31,6 +31,7 @@ import config  # noqa: E402
 import engine  # noqa: E402
 import moe  # noqa: E402
 import rollout  # noqa: E402
+import sglang_client  # noqa: E402
 import tasks  # noqa: E402
 import batching  # noqa: E402
 import model as model_lib  # noqa: E402
@@ -50,7 +51,7 @@ def sample(url: str, tokenizer, n_prompts: int, layers: int, top_k: int) -> list
     out = []
     for p, item in zip(body["input_ids"], items):
         t = buffer.Trajectory(0, 0, 0, torch.tensor(p))
-        gen = rollout.parse_generate_response(item)
+        gen = sglang_client.parse_generate_response(item)
         rollout._extend(t, gen.ids, gen.log_probs, gen.versions, 1)
         side._extend_routes(t, item, 0)
         out.append(t)

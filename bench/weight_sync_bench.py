@@ -55,7 +55,7 @@ def worker(a) -> None:
 
     import config as config_lib
     import model as model_lib
-    import rollout as rollout_lib
+    import sglang_client
     import train
 
     dist.init_process_group("gloo")
@@ -70,7 +70,7 @@ def worker(a) -> None:
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
     actor = train.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
     if rank == 0:
-        actor.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet([a.url]))
+        actor.fleet = sglang_client.SyncFleet(sglang_client.Fleet([a.url]))
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     out, version = {}, 0
     for method in a.methods.split(","):  # one per run (main): the other ranks read the same config

@@ -17,6 +17,7 @@ import torch
 
 import buffer
 import config
+import remote
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, DataSource, PipelineBuffer, PipelineServer, Trajectory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -561,11 +562,11 @@ def _rpc_worker(rank, init, out_dir, settings):
     import torch.distributed.rpc as rpc
     prompts = make_prompts(30)
     if rank == 0:
-        buffer.serve(settings, init, 0, 3, prompts)
+        remote.serve(settings, init, 0, 3, prompts)
         return
     name = "rollout" if rank == 1 else "trainer"
-    buffer.init_rpc(name, rank, 3, init, timeout=30)
-    rb = buffer.RemoteBuffer("buffer", timeout=30)
+    remote.init_rpc(name, rank, 3, init, timeout=30)
+    rb = remote.RemoteBuffer("buffer", timeout=30)
     result = {}
     total = RPC_B * RPC_STEPS
     if rank == 1:
@@ -622,13 +623,13 @@ def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
 
 def test_every_remote_buffer_method_is_served():
     """RemoteBuffer's calls go by name through _invoke: one missing from _METHODS fails only over RPC, at run time."""
-    public = {n for n, v in vars(buffer.RemoteBuffer).items() if callable(v) and not n.startswith("_")}
-    assert public <= set(buffer._METHODS), public - set(buffer._METHODS)
+    public = {n for n, v in vars(remote.RemoteBuffer).items() if callable(v) and not n.startswith("_")}
+    assert public <= set(remote._METHODS), public - set(remote._METHODS)
 
 
 def test_rpc_start_up_times_out_naming_the_missing_workers():
-    code = ("import buffer\n"
-            f"buffer.init_rpc('trainer', 0, 3, 'tcp://127.0.0.1:{free_port()}', timeout=1.0)\n")
+    code = ("import remote\n"
+            f"remote.init_rpc('trainer', 0, 3, 'tcp://127.0.0.1:{free_port()}', timeout=1.0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "TimeoutError" in proc.stderr and "not all 3 workers" in proc.stderr and "trainer" in proc.stderr

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine
 import losses
-import rollout
+import sglang_client
 import scheduler
 import tasks
 import weight_sync
@@ -88,7 +88,7 @@ def wait_until(pred, timeout=20.0, what="condition"):
 
 
 def version(url) -> int:
-    return rollout.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
+    return sglang_client.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
 
 
 def hf_greedy(model, ids, n):

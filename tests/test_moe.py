@@ -25,6 +25,7 @@ import engine
 import losses
 import moe as moe_lib  # (the fixture `moe` is the engine)
 import rollout
+import sglang_client
 import scheduler
 import tasks
 import batching
@@ -272,7 +273,7 @@ def sampled_sequences(url, k: int = 16) -> list:
                 "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}}
         for item in post(url, "/generate", body).json():
             t = buffer.Trajectory(0, 0, 0, torch.tensor(p))
-            gen = rollout.parse_generate_response(item)
+            gen = sglang_client.parse_generate_response(item)
             rollout._extend(t, gen.ids, gen.log_probs, gen.versions, 1)
             fleet_side = object.__new__(rollout.Rollout)
             fleet_side.routes_shape, fleet_side.routes_dtype = (2, 2), torch.uint8

@@ -48,20 +48,20 @@ def _response(ids, version="3", spans=None, finish=None):
 
 
 def test_parse_response_versions_from_spans_and_finish():
-    g = rollout.parse_generate_response(_response([5, 6, 7, 8], "4", [{"version": "3", "start": 0, "end": 3},
+    g = sglang_client.parse_generate_response(_response([5, 6, 7, 8], "4", [{"version": "3", "start": 0, "end": 3},
                                                                        {"version": "4", "start": 3, "end": 4}]))
     assert g.ids == [5, 6, 7, 8] and g.log_probs == [-0.5, -1.5, -2.5, -3.5]
     assert g.versions == [3, 3, 3, 4] and g.finish == "stop"
-    g = rollout.parse_generate_response(_response([5, 6], "2", finish={"type": "length", "length": 2}))
+    g = sglang_client.parse_generate_response(_response([5, 6], "2", finish={"type": "length", "length": 2}))
     assert g.versions == [2, 2] and g.finish == "length"
-    assert rollout.parse_generate_response(_response([], "0", finish={"type": "abort", "message": "x"})).ids == []
-    assert rollout.parse_generate_response(_response([5], "default")).versions == [0]  # SGLang's launch version
+    assert sglang_client.parse_generate_response(_response([], "0", finish={"type": "abort", "message": "x"})).ids == []
+    assert sglang_client.parse_generate_response(_response([5], "default")).versions == [0]  # SGLang's launch version
     with pytest.raises(ValueError, match="weight_version 'v7' is not an integer"):
-        rollout.parse_generate_response(_response([5], "v7"))
+        sglang_client.parse_generate_response(_response([5], "v7"))
     bad = _response([5, 6])
     bad["meta_info"]["output_token_logprobs"] = bad["meta_info"]["output_token_logprobs"][:1]
     with pytest.raises(ValueError, match="return_logprob"):
-        rollout.parse_generate_response(bad)
+        sglang_client.parse_generate_response(bad)
 
 
 def test_concurrency_knob_clamps_with_warning_and_rejects_bad_values():
@@ -125,7 +125,7 @@ def test_fleet_retries_5xx_not_4xx_and_takes_unreachable_servers_out_of_rotation
 
     servers = FakeServers(1, lambda i: [("POST", "/generate", generate)])
     dead = "http://127.0.0.1:9"  # discard port: connection refused
-    sync = rollout.SyncFleet(rollout.Fleet([dead, servers.urls[0]], retry_backoff_s=0.01, max_retries=6))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet([dead, servers.urls[0]], retry_backoff_s=0.01, max_retries=6))
     try:
         rids = iter(f"r{i}." for i in range(100))
         out = sync.generate({"input_ids": [1]}, lambda: next(rids))
@@ -134,12 +134,12 @@ def test_fleet_retries_5xx_not_4xx_and_takes_unreachable_servers_out_of_rotation
         assert len(calls) == 3 and len(set(calls)) == 3
         assert sync.fleet.retries == 2 and sync.fleet.requests_in_flight == 0
         assert list(sync.fleet.down) == [dead] and "ConnectionRefused" in sync.fleet.down[dead]
-        with pytest.raises(rollout.FleetError, match="HTTP 400"):
+        with pytest.raises(sglang_client.FleetError, match="HTTP 400"):
             sync.generate({"input_ids": [0]}, lambda: next(rids))
         assert len(calls) == 4  # the 400 is not retried
-        only_dead = rollout.SyncFleet(rollout.Fleet([dead], retry_backoff_s=0.01, startup_timeout_s=0.3))
+        only_dead = sglang_client.SyncFleet(sglang_client.Fleet([dead], retry_backoff_s=0.01, startup_timeout_s=0.3))
         t0 = time.monotonic()
-        with pytest.raises(rollout.FleetError, match=r"no inference server answered for "
+        with pytest.raises(sglang_client.FleetError, match=r"no inference server answered for "
                                                      r"rollout.startup_timeout_s=0.3 s: http://127.0.0.1:9: "):
             only_dead.generate({"input_ids": [1]})
         assert time.monotonic() - t0 < 2
@@ -153,7 +153,7 @@ def test_generate_waits_for_a_server_to_come_back_and_stop_ends_the_wait():
     """The only server dies (here: is not there yet); a request waits, and is served once /health answers."""
     port = engine.free_port()
     url = f"http://127.0.0.1:{port}"
-    sync = rollout.SyncFleet(rollout.Fleet([url], retry_backoff_s=0.05, startup_timeout_s=30))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet([url], retry_backoff_s=0.05, startup_timeout_s=30))
 
     async def ok(request):
         return web.json_response(_response([7], "0"))
@@ -207,7 +207,7 @@ def test_fleet_fans_control_calls_out_to_router_workers():
         return web.json_response({"workers": [{"url": u, "healthy": True} for u in workers.urls]})
 
     router = FakeServers(1, lambda i: [("GET", "/workers", list_workers)])
-    sync = rollout.SyncFleet(rollout.Fleet(router_url=router.urls[0], router_max_concurrent_requests=12))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet(router_url=router.urls[0], router_max_concurrent_requests=12))
     try:
         assert sync.workers() == workers.urls
         assert sync.engine_ranks() == [2, 6]  # weight-update group ranks: tp x dp x pp of each worker
@@ -219,7 +219,7 @@ def test_fleet_fans_control_calls_out_to_router_workers():
         silent = True
         with pytest.warns(UserWarning, match=workers.urls[1] + " report no concurrency limit"):
             assert sync.concurrency() is None
-        with pytest.raises(rollout.FleetError, match="bad checkpoint"):
+        with pytest.raises(sglang_client.FleetError, match="bad checkpoint"):
             sync.update_weights_from_disk("/ckpt", 5)
         assert seen[0][-1] == seen[1][-1] == ("update", "5")
     finally:
@@ -227,7 +227,7 @@ def test_fleet_fans_control_calls_out_to_router_workers():
         workers.close()
         router.close()
     with pytest.raises(ValueError, match="either rollout.servers"):
-        rollout.Fleet(["http://a"], router_url="http://b")
+        sglang_client.Fleet(["http://a"], router_url="http://b")
 
 
 def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypatch, caplog):
@@ -247,7 +247,7 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
         return [("POST", "/abort_request", abort)]
 
     servers = FakeServers(2, routes)
-    sync = rollout.SyncFleet(rollout.Fleet(servers.urls, retry_backoff_s=0.1))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet(servers.urls, retry_backoff_s=0.1))
 
     async def many_aborts(duration):
         calls, t0 = 0, time.monotonic()
@@ -320,7 +320,7 @@ def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():
     rollout._extend(partial[0], observation, [0.0] * 3, [0] * 3, 0)
     partial[0].metadata["env_spans"] = [[len(first_turn), len(first_turn) + 3]]
     buf.pending[1].partial = partial
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tok)
     try:
         ro.start()
@@ -398,7 +398,7 @@ class RecordingBuffer(buffer.Exchange):
 def producer(cfg, tokenizer):
     """A PipelineServer over the task's train prompts, a Fleet, a started Rollout; all stopped afterwards."""
     buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")]))
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tokenizer)
     try:
         ro.start()
@@ -510,7 +510,7 @@ def test_kept_pause_continues_every_request_across_a_weight_update(server, token
                    f"rollout.mask_offpolicy_in_partial_rollout={str(mask).lower()}",
                    "rollout.sampling.max_new_tokens=400")
     wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 10, "the previous test's requests to end")
-    v0 = rollout.parse_version(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"],
+    v0 = sglang_client.parse_version(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"],
                                "/model_info")  # earlier tests'
     with producer(cfg, tokenizer) as (buf, ro, sync):
         wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
@@ -621,12 +621,12 @@ def test_partial_pause_stops_requests_in_every_state_within_seconds(strict_serve
 
 
 def test_a_server_of_an_unsupported_version_is_refused_at_start_up(server, tmp_path):
-    assert engine.SGLANG_VERSION in rollout.SUPPORTED_SGLANG_VERSIONS
+    assert engine.SGLANG_VERSION in sglang_client.SUPPORTED_SGLANG_VERSIONS
     url, handle = engine.launch(server["model"], report_version="0.5.2", num_threads=1)
     try:
         cfg_path = tmp_path / "standalone.yaml"
         cfg_path.write_text(f"model:\n  path: {server['model']}\n")
-        with pytest.raises(rollout.FleetError, match=re.escape(
+        with pytest.raises(sglang_client.FleetError, match=re.escape(
                 f"{url} runs sglang 0.5.2: this project speaks the HTTP API of sglang 0.5.23 only")):
             workers.main(["generate", "--config", str(cfg_path), f"rollout.servers=[{url}]", "--limit", "1",
                           "--out", str(tmp_path / "out.jsonl")])
@@ -692,7 +692,7 @@ def _odd_label_fails(text, label, stopped):
 def test_rewards_are_scored_per_trajectory_and_a_raising_reward_fails_only_its_own(server, tokenizer, pool):
     cfg = make_cfg(server["url"], f"rollout.reward_pool={pool}",
                    "data_source.reward=test_rollout:_odd_label_fails")
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, None, sync, tokenizer)
     try:
         for label, want in (("12", [3.0, 1.0]), ("7", None)):

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine
-import rollout
+import sglang_client
 import scheduler
 from test_engine import make_model
 from test_sglang_conformance import reference_lps
@@ -171,7 +171,7 @@ def test_a_full_queue_answers_503_and_the_client_retries_it(queued_url):
     """managers/scheduler.py: _add_request_to_queue -> _abort_on_queued_limit: a request that finds
     --max-queued-requests waiting is aborted with 503 "The request queue is full." (tokenizer_manager.py:
     _handle_abort_finish_reason raises it as the HTTP status), also a request retracted by a pause (pause_generation
-    re-queues each). rollout.Fleet.generate retries a 5xx with backoff, so the trajectory goes on once the queue
+    re-queues each). sglang_client.Fleet.generate retries a 5xx with backoff, so the trajectory goes on once the queue
     drains, and after rollout.max_retries it fails naming the status and the message."""
     url = queued_url
     with cf.ThreadPoolExecutor(2) as ex:
@@ -181,11 +181,11 @@ def test_a_full_queue_answers_503_and_the_client_retries_it(queued_url):
         wait_until(lambda: loads(url) == (1, 1), 30, "the second request to queue")
         full = post(url, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
         assert full.status_code == 503 and QUEUE_FULL in full.text
-        sync = rollout.SyncFleet(rollout.Fleet([url], max_retries=0))
-        with pytest.raises(rollout.FleetError, match=r"HTTP 503.*The request queue is full\."):
+        sync = sglang_client.SyncFleet(sglang_client.Fleet([url], max_retries=0))
+        with pytest.raises(sglang_client.FleetError, match=r"HTTP 503.*The request queue is full\."):
             sync.generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
         sync.close()
-        sync = rollout.SyncFleet(rollout.Fleet([url], max_retries=50, retry_backoff_s=0.05))
+        sync = sglang_client.SyncFleet(sglang_client.Fleet([url], max_retries=50, retry_backoff_s=0.05))
         try:
             c = sync.submit("generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2,
                                                                                    "ignore_eos": True}})

@@ -22,6 +22,7 @@ import config
 import engine
 import losses
 import rollout
+import sglang_client
 import scheduler
 import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
@@ -86,7 +87,7 @@ def set_weights(url, path, version, flush=True):
 
 
 def version(url):
-    return rollout.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
+    return sglang_client.parse_version(requests.get(url + "/model_info", timeout=10).json()["weight_version"], url)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def test_health_generates_through_the_pause_gate(url, models):
         assert requests.get(off + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 64
         out = gen(off, P, max_new_tokens=2)
         assert out["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
-        assert rollout.parse_generate_response(out).versions == [0, 0]  # the client's version 0: the launch weights
+        assert sglang_client.parse_generate_response(out).versions == [0, 0]  # the client's version 0: the launch weights
         assert post(off, "/pause_generation", {"mode": "in_place"}).status_code == 200
         assert requests.get(off + "/health", timeout=10).status_code == 200
         assert requests.get(off + "/health_generate", timeout=30).status_code == 503  # still generates
@@ -174,7 +175,7 @@ def test_weight_sync_liveness_answers_on_paused_servers(url):
     """Breakage 1, the client: train.py's sync_weights runs Fleet.live_workers while the servers are paused
     (rollout.partial: true). With /health (entrypoints/http_server.py: health_generate) every paused server looked
     dead and the sync raised after rollout.startup_timeout_s; /model_info passes no gate."""
-    sync = rollout.SyncFleet(rollout.Fleet([url]))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet([url]))
     try:
         sync.pause("in_place")
         try:
@@ -279,7 +280,7 @@ def test_in_place_sends_a_cache_namespace_per_weight_version(url, models):
     cfg = in_place_cfg(url)
     v0 = version(url)
     buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok, "train")])
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tok)
     try:
         ro.start()
@@ -422,7 +423,7 @@ def test_weight_versions_come_with_the_final_output_and_an_unstarted_abort_has_a
     """scheduler_components/output_streamer.py: spans are computed for finished requests only, so a stream's chunks
     carry weight_version (the server's) but no weight_versions until the last; utils/weight_versions.py:
     compute_weight_version_spans gives a request aborted before its first token [{"version": v, "start": 0,
-    "end": 0}]. The client's parser (rollout.parse_generate_response) takes both."""
+    "end": 0}]. The client's parser (sglang_client.parse_generate_response) takes both."""
     v = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
     body = {"input_ids": P, "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "stream_interval": 1}}
@@ -446,7 +447,7 @@ def test_weight_versions_come_with_the_final_output_and_an_unstarted_abort_has_a
     m = out["meta_info"]
     assert m["finish_reason"]["type"] == "abort" and out["output_ids"] == []
     assert m["weight_versions"] == [{"version": v, "start": 0, "end": 0}] and m["weight_version"] == v
-    g = rollout.parse_generate_response(out)
+    g = sglang_client.parse_generate_response(out)
     assert (g.ids, g.versions, g.finish) == ([], [], "abort")
 
 
@@ -615,7 +616,7 @@ def test_context_limits_are_0_5_23s_and_the_client_caps_max_new_tokens_to_them(u
                                     "trainer.mini_batch_size=2", "rollout.sampling.max_new_tokens=24",
                                     "rollout.sampling.temperature=1e-7", f"rollout.servers=[{url}]"])
     buf = rollout.DatasetBuffer([{"prompt_ids": near, "label": ""}, {"prompt_ids": too_long, "label": ""}], 1)
-    sync = rollout.SyncFleet(rollout.Fleet.from_config(cfg))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, AutoTokenizer.from_pretrained(models[0]["A"]))
     try:
         ro.start()

@@ -338,6 +338,7 @@ def test_stop_token_ids_come_from_the_tokenizer_and_the_generation_config(tiny, 
     import buffer
     import config
     import rollout
+    import sglang_client
 
     assert tasks.stop_token_ids(tok, tiny) == [tok.eos_token_id]  # the tiny model: one end token
     chat = str(tmp_path / "chat")
@@ -351,7 +352,7 @@ def test_stop_token_ids_come_from_the_tokenizer_and_the_generation_config(tiny, 
     assert tasks.stop_token_ids(tok, chat) == sorted({other_end, tok.eos_token_id})
     # ... and the rollout sends them with every request's sampling params
     cfg = config.load_config(None, [f"model.path={chat}", "data_source.num_prompts=8"])
-    sync = rollout.SyncFleet(rollout.Fleet(["http://127.0.0.1:1"], None))
+    sync = sglang_client.SyncFleet(sglang_client.Fleet(["http://127.0.0.1:1"], None))
     buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok)])
     try:
         ro = rollout.Rollout(cfg, buf, sync, tok)

@@ -570,7 +570,8 @@ def _sync_checks(args) -> dict:
     import requests
     import torch.distributed as dist
 
-    import rollout as rollout_lib
+
+    import sglang_client
 
     cfg, rank, actor = _script_setup(args)
     services = services_lib.Services(cfg) if rank == 0 else None
@@ -578,7 +579,7 @@ def _sync_checks(args) -> dict:
     try:
         if rank == 0:
             urls = services.launch_fleet(0)
-            actor.fleet = services.fleet = rollout_lib.SyncFleet(rollout_lib.Fleet(urls))
+            actor.fleet = services.fleet = sglang_client.SyncFleet(sglang_client.Fleet(urls))
         for version, method in ((1, "distributed"), (2, "tensor"), (3, "disk")):
             cfg.weight_sync.method = method
             with torch.no_grad():  # move the trainer's weights away from the engine's
