@@ -3,7 +3,7 @@
 main: config and start-up checks (checks.py) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group)
 -> the policy, FSDP2-sharded, and AdamW (model.py) -> rank 0 starts the inference servers (engine.py on CPU, SGLang
 on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process and the rollout process through
-services.py -> resume (checkpoint.py) -> run_steps, the step loop of the spec (fully_async_mode.md section 2):
+services.py -> resume (checkpoint.py) -> run_steps, the step loop (docs/design.md):
   fetch (rank 0, from the buffer: fully-async each call's M // N groups; synchronous the step's B groups, then the
   producer pauses) -> forward/backward and optimizer step ((B x N) // M calls; a scatter gives every rank its
   share) -> pause (fully-async; rollout.pause_mode) -> checkpoint every trainer.save_freq -> weight sync (version
@@ -14,14 +14,12 @@ run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; loggi
 Faults: a launched server that dies is relaunched and gets the weights at the next sync; any other child that dies
 stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
 bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2),
-as is a run that cannot train (rollout.filter drops every group: buffer.NothingToTrain names the rewards it saw).
-While the trainer waits for groups it says every logging.wait_line_s what it waits for (fetch).
+as is a run that cannot train (buffer.NothingToTrain). While it waits for groups, fetch says what it waits for.
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-4 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
     python plot.py runs/tiny                           # metrics.jsonl -> runs/tiny/metrics.png
-Multi-node (GPU), on each trainer node K; each node's local rank 0 launches its servers of rollout.server_layout
-(or give rollout.servers already running):
+Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers of rollout.server_layout):
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank K --rdzv_backend static --master_addr HEAD \
         --master_port 29400 train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 Simplifications: data parallel only (FSDP2 over the decoder layers); GPU-only paths (nccl, bf16 compute,
@@ -755,6 +753,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             actor.export_hf(os.path.join(cfg.run_dir, "hf"))
             if rank == 0:
                 print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
+        # every rank leaves together: another node's servers (its local rank 0 supervises them) stay up until now
+        dist.barrier(group=ctrl)
         ok = True
     except buffer_lib.NothingToTrain as e:  # the run is fine but cannot train: say why, as a bad input would
         if services is not None:
