@@ -144,7 +144,7 @@ class RolloutConfig:
     filter: list = field(default_factory=lambda: ["failed"])  # collector filters: failed | all_equal_reward
     filter_stop_groups: Optional[int] = None  # stop when the filter drops this many in a row (null: 4 x B, >= 64; 0: off)
     async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
-    max_weight_staleness: Optional[int] = None  # drop trajectories whose current - start version exceeds this
+    max_weight_staleness: Optional[int] = None  # drop a group with a trajectory whose current - start version exceeds this
     max_prompt_tokens: Optional[int] = None  # longer prompts stop the run at start-up, counted (null = no limit)
     trajectory_timeout_s: float = 600.0  # abort a trajectory running longer than this and mark it failed
     request_timeout_s: float = 1500.0  # HTTP timeout of one /generate call (with a router: below its own timeout)

@@ -16,7 +16,7 @@ stops the run with its report (the process, its exit code or signal, its log's l
 bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2),
 as is a run that cannot train (buffer.NothingToTrain). While it waits for groups, fetch says what it waits for.
 
-Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-4 min on 2 cores):
+Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
     python plot.py runs/tiny                           # metrics.jsonl -> runs/tiny/metrics.png
 Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers of rollout.server_layout):
