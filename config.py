@@ -614,29 +614,29 @@ def load_plugins(cfg: Config) -> None:
     import plugins
 
     fa, a, r = cfg.fully_async, cfg.algorithm, cfg.rollout
+
+    def register(registry: dict, spec: str, key: str, accepted: str, ok, expected: str) -> None:
+        """plugins.load(spec), checked by ok(obj) (else one sentence: `key` must name `expected`), into registry."""
+        obj = plugins.load(spec, key, accepted)
+        if not ok(obj):
+            raise ValueError(f"{key} '{spec}' must name {expected}, got {obj!r}")
+        registry[spec] = obj
+
     if plugins.is_spec(fa.sliding_window):
         import strategies
-        cls = plugins.load(fa.sliding_window, "fully_async.sliding_window", "a registered strategy name")
-        if not (isinstance(cls, type) and issubclass(cls, strategies.Strategy)):
-            raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' must name a subclass of "
-                             f"strategies.Strategy, got {cls!r}")
-        strategies.REGISTRY[fa.sliding_window] = cls
+        register(strategies.REGISTRY, fa.sliding_window, "fully_async.sliding_window", "a registered strategy name",
+                 lambda c: isinstance(c, type) and issubclass(c, strategies.Strategy),
+                 "a subclass of strategies.Strategy")
     if plugins.is_spec(a.policy_loss):
         import losses  # torch: imported only for a loss of your own
-        fn = plugins.load(a.policy_loss, "algorithm.policy_loss", f"one of {', '.join(POLICY_LOSSES)}")
-        if not callable(fn):
-            raise ValueError(f"algorithm.policy_loss '{a.policy_loss}' must name a function with the signature of "
-                             f"losses.POLICY_LOSSES' values, got {fn!r}")
-        losses.POLICY_LOSSES[a.policy_loss] = fn
+        register(losses.POLICY_LOSSES, a.policy_loss, "algorithm.policy_loss", f"one of {', '.join(POLICY_LOSSES)}",
+                 callable, "a function with the signature of losses.POLICY_LOSSES' values")
     for i, ds in enumerate(cfg.data_sources):
         if plugins.is_spec(ds.reward):
             import tasks
             key = "data_source.reward" if len(cfg.data_sources) == 1 else f"data_sources[{i}].reward"
-            fn = plugins.load(ds.reward, key, f"one of {_builtin(tasks.REWARDS)}")
-            if not callable(fn):
-                raise ValueError(f"{key} '{ds.reward}' must name a function (response_text, label, stopped) -> "
-                                 f"float, got {fn!r}")
-            tasks.REWARDS[ds.reward] = fn
+            register(tasks.REWARDS, ds.reward, key, f"one of {_builtin(tasks.REWARDS)}", callable,
+                     "a function (response_text, label, stopped) -> float")
     if r.env is not None and r.function == "single_turn":
         raise ValueError(f"rollout.env={r.env} is used by multi-turn rollout functions only; set rollout.function="
                          "multi_turn_tool (or a module:function of yours that calls tasks.make_env), or unset "
@@ -644,11 +644,8 @@ def load_plugins(cfg: Config) -> None:
     if r.env is not None:
         import tasks
         if plugins.is_spec(r.env):
-            env = plugins.load(r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}")
-            if not callable(env):
-                raise ValueError(f"rollout.env '{r.env}' must name a class or factory that builds one tool "
-                                 f"environment (max_turns, step(text)), got {env!r}")
-            tasks.ENVS[r.env] = env
+            register(tasks.ENVS, r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}", callable,
+                     "a class or factory that builds one tool environment (max_turns, step(text))")
         elif r.env not in tasks.ENVS:
             raise ValueError(f"rollout.env '{r.env}' is unknown; accepted: null (the task's own), "
                              f"{_builtin(tasks.ENVS)} or module:attr")
@@ -656,11 +653,9 @@ def load_plugins(cfg: Config) -> None:
         import inspect
 
         import rollout  # the role module whose ROLLOUT_FUNCTIONS the producer looks the name up in
-        fn = plugins.load(r.function, "rollout.function", f"one of {_builtin(rollout.ROLLOUT_FUNCTIONS)}")
-        if not inspect.iscoroutinefunction(fn):
-            raise ValueError(f"rollout.function '{r.function}' must name an async function (ctx, traj) -> None, "
-                             f"got {fn!r}")
-        rollout.ROLLOUT_FUNCTIONS[r.function] = fn
+        register(rollout.ROLLOUT_FUNCTIONS, r.function, "rollout.function",
+                 f"one of {_builtin(rollout.ROLLOUT_FUNCTIONS)}", inspect.iscoroutinefunction,
+                 "an async function (ctx, traj) -> None")
 
 
 def _builtin(registry) -> str:
