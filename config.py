@@ -23,9 +23,8 @@ from typing import Any, Optional
 
 import buffer
 import losses
-from buffer import BufferConfig, validate_concurrency  # noqa: F401  (the `buffer` section; config.X as before)
-from losses import (LossSettings as AlgorithmConfig, AdvantageSettings as AdvantageConfig,  # noqa: F401
-                    ISCorrectionSettings as ISCorrectionConfig, M2POSettings as M2POConfig, OPSMSettings as OPSMConfig)
+from buffer import BufferConfig, validate_concurrency
+from losses import LossSettings
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
 # model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa,
@@ -193,7 +192,7 @@ class Config:
     data_source: DataSourceConfig = field(default_factory=DataSourceConfig)
     data_sources: Optional[list] = None  # list of DataSourceConfig; None = [data_source]
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    algorithm: LossSettings = field(default_factory=LossSettings)
     fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)

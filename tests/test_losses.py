@@ -17,8 +17,8 @@ SEEDS = range(40)
 
 
 def algo(**kw):
-    """A config.AlgorithmConfig with dotted overrides, e.g. algo(**{"m2po.enable": True, "dual_clip_c": 3.0})."""
-    a = config.AlgorithmConfig()
+    """A losses.LossSettings with dotted overrides, e.g. algo(**{"m2po.enable": True, "dual_clip_c": 3.0})."""
+    a = losses.LossSettings()
     for key, value in kw.items():
         *path, last = key.split(".")
         obj = a
