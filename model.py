@@ -81,16 +81,34 @@ def load_model(cfg, mesh, device: torch.device, rank: int, group):
 
 def attn_implementation(cfg, device: torch.device) -> str:
     """model.attn_implementation with auto resolved to the best kernel installed: on cuda flash_attention_2 (varlen
-    over packed rows) when flash_attn is installed, else flex_attention (ships with torch: a block-sparse mask of
-    the packed sequences, with GQA), not sdpa's dense [n, n] mask; sdpa on CPU."""
-    import importlib.util
-
+    over packed rows) when transformers itself accepts it (flash_attn_2_available), else flex_attention (ships with
+    torch: a block-sparse mask of the packed sequences, with GQA), not sdpa's dense [n, n] mask; sdpa on CPU."""
     name = cfg.model.attn_implementation
     if name != "auto":
         return name
     if device.type != "cuda":
         return "sdpa"
-    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
+    return "flash_attention_2" if flash_attn_2_available() else "flex_attention"
+
+
+def flash_attn_2_available() -> bool:
+    """Whether transformers' from_config accepts attn_implementation="flash_attention_2": its own check,
+    is_flash_attn_2_available (a `flash_attn` module of the `flash-attn` distribution, >= 2.3.3, with CUDA). Not
+    find_spec("flash_attn"): sglang 0.5.23 requires flash-attn-4, whose wheel ships flash_attn/cute/ without a
+    flash_attn/__init__.py, a namespace package that find_spec finds and from_config refuses (ImportError on every
+    rank). A transformers without that function: the `flash-attn` distribution's metadata, >= 2.3.3."""
+    try:
+        from transformers.utils import is_flash_attn_2_available
+    except ImportError:
+        import importlib.metadata
+
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            return Version(importlib.metadata.version("flash-attn")) >= Version("2.3.3")
+        except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+            return False
+    return bool(is_flash_attn_2_available())
 
 
 def build_optimizer(model, t, impl: str = "foreach"):

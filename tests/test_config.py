@@ -271,3 +271,70 @@ def test_rollout_client_settings_are_validated(override, key):
 def test_data_sources_must_share_n():
     with pytest.raises(ValueError, match=r"data_sources\[1\]\.num_trajectories_per_prompt"):
         config.load_config(None, ["data_sources=[{num_trajectories_per_prompt: 8}, {num_trajectories_per_prompt: 4}]"])
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b_dapo.yaml", "qwen3_30b_a3b_dapo_8gpu.yaml"])
+def test_the_30b_configs_replay_routes_and_give_servers_15_minutes_to_start(name):
+    """Both 30B layouts (issue 36): the 8-GPU one is the 16-GPU one on fewer GPUs, so it replays routes too; a
+    first SGLang launch of the 30B at TP 2-4 loads 61 GB, compiles kernels and captures CUDA graphs."""
+    import os
+
+    cfg = config.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", name))
+    assert cfg.algorithm.routing_replay is True
+    assert cfg.rollout.startup_timeout_s >= 900
+
+
+def _flash_attn_on_path(root, monkeypatch, dist_version=None):
+    """A `flash_attn` on sys.path: the namespace package flash-attn-4's wheel leaves (flash_attn/cute/, no
+    flash_attn/__init__.py), or with dist_version a package of the `flash-attn` distribution (its dist-info)."""
+    import importlib
+    import sys
+
+    (root / "flash_attn" / "cute").mkdir(parents=True)
+    (root / "flash_attn" / "cute" / "__init__.py").write_text("")
+    if dist_version:
+        (root / "flash_attn" / "__init__.py").write_text(f"__version__ = '{dist_version}'\n")
+        info = root / f"flash_attn-{dist_version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {dist_version}\n")
+        (info / "top_level.txt").write_text("flash_attn\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("dist_version,want", [(None, "flex_attention"), ("2.8.3", "flash_attention_2")])
+def test_auto_attention_on_cuda_takes_flash_attention_2_only_where_transformers_accepts_it(
+        tmp_path, monkeypatch, dist_version, want):
+    """issue 36: find_spec("flash_attn") finds flash-attn-4's namespace package, and from_config then refuses
+    flash_attention_2 on every rank. model.attn_implementation asks transformers (is_flash_attn_2_available, with
+    CUDA faked available, its caches cleared); without that function, the `flash-attn` distribution's metadata."""
+    import importlib.util
+    import sys
+
+    import torch
+    import transformers.utils
+    from transformers.utils import import_utils
+
+    import model
+
+    _flash_attn_on_path(tmp_path, monkeypatch, dist_version)
+    assert importlib.util.find_spec("flash_attn") is not None  # what the old check saw either way
+    monkeypatch.setattr(import_utils, "is_torch_cuda_available", lambda: True)
+    caches = [f for f in (import_utils.is_flash_attn_2_available,
+                          getattr(import_utils, "_package_distribution_mapping", None)) if hasattr(f, "cache_clear")]
+    if hasattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING"):  # transformers <= 5.19: computed at import
+        import importlib.metadata
+        monkeypatch.setattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING", importlib.metadata.packages_distributions())
+    try:
+        for f in caches:
+            f.cache_clear()
+        cfg = config.load_config(None, ["model.attn_implementation=auto"])
+        assert model.attn_implementation(cfg, torch.device("cuda")) == want
+        assert model.attn_implementation(cfg, torch.device("cpu")) == "sdpa"
+        monkeypatch.delattr(transformers.utils, "is_flash_attn_2_available")  # a transformers without it
+        assert model.attn_implementation(cfg, torch.device("cuda")) == want
+    finally:
+        for f in caches:
+            f.cache_clear()
+        sys.modules.pop("flash_attn", None)
