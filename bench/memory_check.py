@@ -77,8 +77,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
     measured = (peak_rss_bytes() - before) / GIB
     n, largest = memory.param_counts(model)
-    est = memory.memory_estimate(cfg, n, largest, 1, "cpu", {"hidden_size": a.hidden, "vocab_size": a.vocab,
-                                                             "num_hidden_layers": a.layers})
+    est = memory.memory_estimate(cfg, n, largest, 1, "cpu", memory.model_shape(model))
     parts = " + ".join(f"{k} {v:.3f}" for k, v in est["parts"].items() if v)
     print(f"{n / 1e6:.1f}M parameters, {a.tokens} tokens, checkpointing {not a.no_checkpointing}, AdamW "
           f"{a.optimizer}: estimated {est['device']:.3f} GiB ({parts}), measured peak {measured:.3f} GiB, "
