@@ -83,6 +83,7 @@ class TrainerConfig:
     snapshot: str = "device"  # where the old-policy copy of the weight shards lives: device | cpu (host memory)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
+    export_dtype: str = "auto"  # its dtype: auto (model.path's own, from its config.json) | float32 | bfloat16 | float16
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
 
 
@@ -581,6 +582,8 @@ def validate(cfg: Config) -> Config:
     if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
         raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
+    if t.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"trainer.export_dtype must be auto, float32, bfloat16 or float16, got '{t.export_dtype}'")
     if t.optimizer_impl not in ("auto", "fused", "foreach", "for_loop"):
         raise ValueError(f"trainer.optimizer_impl must be auto, fused, foreach or for_loop, got '{t.optimizer_impl}'")
     for key in ("save_freq", "eval_freq", "warmup_steps"):

@@ -490,12 +490,14 @@ class Actor:
         return error
 
     def export_hf(self, path: str) -> None:
-        """Every rank: the weights as an HF checkpoint directory in model.dtype (weight_sync.WeightSync.export)."""
+        """Every rank: the float32 master weights as an HF checkpoint directory in trainer.export_dtype
+        (checkpoint.export_hf; not weight_sync's bf16 unshard)."""
         if self.cfg.colocate:  # the last sync offloaded the trainer
             self.offload(self.device)
         if self.world > 1:  # rank 0 may still be asking the servers (their weight versions)
             dist.barrier(group=self.ctrl)
-        self.weights.export(path, getattr(torch, self.cfg.model.dtype))
+        checkpoint.export_hf(self.model, self.cfg.model.path, path,
+                             checkpoint.export_dtype(self.cfg.trainer.export_dtype, self.cfg.model.path))
 
     # ---- checkpoints (checkpoint.py): sharded model + optimizer (DCP) + run state ----
     def save_checkpoint(self, steps_done: int, run_state: Optional[dict]) -> None:

@@ -195,6 +195,10 @@ def test_fsdp2_gathered_buckets_equal_the_save_pretrained_file(moe):
                        timeout=240, start_new_session=True,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
     assert p.returncode == 0 and "RESULT same" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    # checkpoint.export_hf under a bf16 unshard: the float32 bits, where weight_sync's gather rounds them; auto
+    # takes the base's own dtype (make_moe's float32, from its config.json)
+    assert "RESULT export exact" in p.stdout and "RESULT unshard rounded" in p.stdout, p.stdout[-2000:]
+    assert "RESULT auto ['torch.float32']" in p.stdout, p.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -409,6 +413,31 @@ def _fsdp_gather(path: str) -> None:
     ref = load_file(os.path.join(path, "model.safetensors"))
     if dist.get_rank() == 0 and got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref):
         print("RESULT same")
+    # The final export (checkpoint.export_hf) under cuda's mixed precision, bf16 unshard: the float32 master bits
+    # (issue 36: it was gathered by the unshard, so rounded to bf16, which weight_sync's bucket still is).
+    import checkpoint
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mixed = AutoModelForCausalLM.from_pretrained(path)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in mixed.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(mixed, mp_policy=mp)
+    out = os.path.join(os.path.dirname(path), "export")
+    checkpoint.export_hf(mixed, path, out, torch.float32)
+    rounded = {n: t.clone() for spec in weight_sync.plan_buckets(mixed, torch.float32, 1)
+               for n, t in weight_sync.gather_bucket(mixed, spec, torch.float32, torch.device("cpu")).named}
+    if dist.get_rank() == 0:
+        exported = load_file(os.path.join(out, "model.safetensors"))
+        if exported.keys() == ref.keys() and all(torch.equal(exported[k], ref[k]) for k in ref):
+            print("RESULT export exact")
+        if any(not torch.equal(rounded[k], ref[k]) for k in ref):
+            print("RESULT unshard rounded")
+        checkpoint.export_hf(mixed, path, out + "_auto", checkpoint.export_dtype("auto", path))
+        auto = load_file(os.path.join(out + "_auto", "model.safetensors"))
+        print(f"RESULT auto {sorted({str(t.dtype) for t in auto.values()})}")
+    else:
+        checkpoint.export_hf(mixed, path, out + "_auto", checkpoint.export_dtype("auto", path))
     dist.destroy_process_group()
 
 
