@@ -55,13 +55,15 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GIB = 2 ** 30
-TOTAL_S = {"cuda": 560, "cpu": 900}  # the whole smoke, all stages: one 10-minute call on the GPU machine
-# (stage, timeout on cuda, on cpu, the modules it imports beyond torch and transformers)
+TOTAL_S = {"cuda": 560, "cpu": 2100}  # the whole smoke, all stages: one 10-minute call on the GPU machine
+# (stage, timeout on cuda, on cpu, the modules it imports beyond torch and transformers). The cpu ones leave room for
+# a shared 2-core machine: the dry run takes ~2 minutes idle, but flex_attention's CPU compile alone took > 180 s at
+# a load average of 25.
 STAGES = [("preflight", 45, 120, []),
-          ("packing", 60, 180, ["yaml", "tokenizers", "safetensors"]),
-          ("single_rank", 220, 300, ["yaml", "safetensors"]),
-          ("moe", 75, 180, ["yaml", "tokenizers", "safetensors"]),
-          ("colocate", 160, 400, ["yaml", "tokenizers", "safetensors", "aiohttp", "orjson", "numpy", "requests"])]
+          ("packing", 60, 480, ["yaml", "tokenizers", "safetensors"]),
+          ("single_rank", 220, 480, ["yaml", "safetensors"]),
+          ("moe", 75, 300, ["yaml", "tokenizers", "safetensors"]),
+          ("colocate", 160, 720, ["yaml", "tokenizers", "safetensors", "aiohttp", "orjson", "numpy", "requests"])]
 OPTIONAL = ["flash_attn", "yaml", "tokenizers", "safetensors", "aiohttp", "orjson", "numpy", "requests", "pyarrow",
             "math_verify", "sglang"]
 # Sizes per device: the realistic ones on cuda, tiny on cpu.
