@@ -57,8 +57,8 @@ sys.path.insert(0, ROOT)
 GIB = 2 ** 30
 TOTAL_S = {"cuda": 560, "cpu": 2100}  # the whole smoke, all stages: one 10-minute call on the GPU machine
 # (stage, timeout on cuda, on cpu, the modules it imports beyond torch and transformers). The cpu ones leave room for
-# a shared 2-core machine: the dry run takes ~2 minutes idle, but flex_attention's CPU compile alone took > 180 s at
-# a load average of 25.
+# a shared 2-core machine: the dry run takes 51 s idle, 487 s at a load average of ~20 (flex_attention's CPU compile
+# alone took > 180 s at 25).
 STAGES = [("preflight", 45, 120, []),
           ("packing", 60, 480, ["yaml", "tokenizers", "safetensors"]),
           ("single_rank", 220, 480, ["yaml", "safetensors"]),
