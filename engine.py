@@ -522,8 +522,9 @@ class Server:
             meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
             meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
-        if final and r.return_routed_experts and self.sched.recorder is not None:
-            # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1)
+        if final and r.return_routed_experts and self.sched.recorder is not None and r.routes is not None:
+            # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1),
+            # collected when a running request finishes (an abort too); none for one finished from the queue
             end = len(r.input_ids) + n - 1
             rows = torch.cat(r.routes) if r.routes else torch.zeros(0, 1, 1, dtype=torch.int32)  # never prefilled
             meta["routed_experts"] = moe.encode(rows[min(r.routed_experts_start_len, end):end])

@@ -8,6 +8,7 @@ through train.py with the gap < 1e-4 after every sync. Rollout routing replay (m
 sglang's layout, the trainer's experts equal to them, its log-probs equal to the engine's. CPU only, fp32.
 Run: .venv/bin/python -m pytest -q tests/test_moe.py
 """
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -32,7 +33,7 @@ import batching
 import checks
 import model as model_lib
 import weight_sync
-from test_engine import generate, make_model, post, version
+from test_engine import first_chunk_stream, generate, last_chunk, loads, make_model, post, version
 from test_train import ROOT, TORCHRUN, _free_port
 
 TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.yaml")
@@ -346,6 +347,33 @@ def test_replay_uses_the_engines_experts_for_every_token(routed, packing):
             assert differ > 0, "bf16 rounding changed no router decision: the test would not see a replay bug"
 
 
+def test_an_abort_carries_routes_only_for_a_running_request(routed):
+    """sglang 0.5.23: a running request's abort is finished by its next forward and collects its routes like any
+    finish (managers/scheduler.py abort_request "Abort method 3", batch_result_processor
+    ._maybe_collect_routed_experts); a queued one, a retracted one too, is popped and answered by
+    tokenizer_manager._handle_abort_req with output_ids and no routed_experts (Req.reset_for_retract dropped them)."""
+    url = routed[0]
+    body = {"input_ids": PROMPTS[1], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}}
+    for retract in (True, False):
+        first, lines = first_chunk_stream(url, {**body, "rid": f"ab-{retract}"})  # running: it has decoded
+        assert first["meta_info"]["finish_reason"] is None
+        if retract:
+            assert post(url, "/pause_generation", {"mode": "retract"}).status_code == 200
+            assert (loads(url)["num_running_reqs"], loads(url)["num_waiting_reqs"]) == (0, 1)
+        assert post(url, "/abort_request", {"rid": f"ab-{retract}"}).status_code == 200
+        last = last_chunk(lines)
+        assert post(url, "/continue_generation", {}).status_code == 200
+        meta, ids = last["meta_info"], last["output_ids"]
+        assert meta["finish_reason"]["type"] == "abort" and 0 < len(ids) < 3000
+        assert meta["num_retractions"] == int(retract)
+        if retract:
+            assert "routed_experts" not in meta
+        else:
+            rows = moe_lib.decode(meta["routed_experts"], 2, 2)
+            assert rows.shape[0] == len(PROMPTS[1]) + len(ids) - 1
+
+
 def test_replayed_log_probs_equal_the_engines_with_matching_weights(routed):
     """The same weights as the engine (fp32): the replayed forward's log-probs are the engine's within 1e-5 on every
     response token, and the router still gets a gradient (its weights come from the trainer's own logits)."""
@@ -377,6 +405,55 @@ def test_a_restored_trajectory_keeps_its_routes():
     assert torch.equal(t.routed_experts[4:], new[4:].to(torch.uint8))
     with pytest.raises(ValueError, match="enable-return-routed-experts"):
         r._extend_routes(t, {"meta_info": {}}, 0)
+
+
+def test_a_retracted_then_aborted_item_without_routes_keeps_its_group_and_gets_its_routes_later():
+    """sglang 0.5.23 answers the abort of a queued request, a retracted one too, without routed_experts
+    (tokenizer_manager._handle_abort_req; routes are collected only when a running request finishes,
+    batch_result_processor._maybe_collect_routed_experts). Such an item keeps its tokens and the routes it had; its
+    retry asks from routed_experts_start_len = the fewest positions any item has, and once it finishes its routes
+    cover every position. A finished item without routes is still an error."""
+    P, L, K = [1, 2, 3], 2, 2
+    sent = []
+
+    def item(ids, finish, start=None, total=None):
+        meta = {"id": "r", "weight_version": "0", "finish_reason": finish,
+                "output_token_logprobs": [[-1.0, t, None] for t in ids]}
+        if start is not None:  # the server's routes: rows for positions [start, total - 1), row j = position j
+            meta["routed_experts"] = moe_lib.encode(torch.arange(start, total - 1).view(-1, 1, 1).expand(-1, L, K))
+        return {"text": "", "output_ids": ids, "meta_info": meta}
+
+    script = [  # (request 1: both items; request 2: the aborted one alone, from position 0)
+        lambda start: [item([4, 5], {"type": "abort", "message": "Abort in waiting queue"}),  # retracted, aborted
+                       item([6, 7, 8], {"type": "stop", "matched": 8}, start, len(P) + 3)],
+        lambda start: [item([9, 10], {"type": "stop", "matched": 10}, start, len(P) + 4)],
+        lambda start: [item([11], {"type": "stop", "matched": 11})],  # finished, no routes: an error
+    ]
+
+    class Fleet:
+        async def generate(self, payload, rid, stop):
+            rid()
+            sent.append(payload["routed_experts_start_len"])
+            return script[len(sent) - 1](payload["routed_experts_start_len"])
+
+    r = object.__new__(rollout.Rollout)
+    r.cfg = config.load_config(None, ["rollout.max_retries=1"])
+    r.routes_shape, r.routes_dtype, r.fleet, r.run_tag = (L, K), torch.uint8, Fleet(), "t"
+    r.max_new_tokens, r.context_len, r.max_input_len, r.version = 16, None, None, None
+    r.sampling_params, r.stats = {}, rollout._new_stats()
+    trajs = [buffer.Trajectory(0, 0, i, torch.tensor(P)) for i in range(2)]
+
+    async def run(ts):
+        return await r._generate(rollout._Active("t-0-0-", len(ts), asyncio.Event()), ts)
+
+    assert asyncio.run(run(trajs)) == ["stop", "stop"]
+    assert sent == [0, 0] and r.stats["aborts_without_routes"] == 1
+    for t in trajs:
+        assert t.status == buffer.COMPLETED
+        assert torch.equal(t.routed_experts[:, 0, 0], torch.arange(t.num_tokens - 1).to(torch.uint8))
+    assert trajs[0].response_ids.tolist() == [4, 5, 9, 10]
+    with pytest.raises(ValueError, match="returned no meta_info.routed_experts"):
+        asyncio.run(run([buffer.Trajectory(0, 1, 0, torch.tensor(P))]))
 
 
 def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
