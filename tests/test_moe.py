@@ -100,8 +100,9 @@ def gap(url, ref) -> float:
     return worst
 
 
-def push_gloo(url, named: list) -> None:
-    """One /update_weights_from_distributed of (name, tensor) over a gloo group (test_engine's gloo test)."""
+def push_gloo(url, named: list, flat: list = ()) -> list:
+    """One /update_weights_from_distributed of (name, tensor) over a gloo group (test_engine's gloo test); with
+    `flat`, one call per Bucket in load_format flattened_bucket, each one broadcast of its bytes. The answers."""
     port = engine.free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": f"g{port}", "backend": "gloo"}
@@ -113,12 +114,23 @@ def push_gloo(url, named: list) -> None:
                 "shapes": [list(t.shape) for _, t in named], "group_name": f"g{port}",
                 "weight_version": str(version(url) + 1)}
         assert post(url, "/begin_weight_update", {}).json()["success"] is True
-        done = ex.submit(post, url, "/update_weights_from_distributed", body)
-        scheduler.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
-        r = done.result(timeout=30)
+        answers = []
+        for b in flat:
+            named = b.named
+            done = ex.submit(post, url, "/update_weights_from_distributed", {
+                **body, "names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "load_format": "flattened_bucket"})
+            scheduler.broadcast_tensors(pg, [b.flat.view(torch.uint8)], timeout_s=30)
+            answers.append(done.result(timeout=30))
+        if not flat:
+            done = ex.submit(post, url, "/update_weights_from_distributed", body)
+            scheduler.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
+            answers.append(done.result(timeout=30))
         assert post(url, "/end_weight_update", {}).json()["success"] is True
-    assert r.status_code == 200 and r.json()["success"] is True, r.text  # success either way, as 0.5.23 answers
+    for r in answers:  # success either way, as 0.5.23 answers
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
     assert post(url, "/destroy_weights_update_group", {"group_name": f"g{port}"}).json()["success"] is True
+    return answers
 
 
 def test_fused_names_are_skipped_and_checkpoint_names_load(moe):
@@ -137,6 +149,40 @@ def test_fused_names_are_skipped_and_checkpoint_names_load(moe):
     assert gap(url, ref) < 1e-5
     assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
     assert gap(url, ref) > 1e-2  # back to A: the disk path reloads the experts too
+
+
+def test_flattened_bucket_is_one_broadcast_per_bucket_and_refuses_what_sglang_refuses(moe):
+    """load_format "flattened_bucket" (sglang 0.5.23 model_runner_components/weight_updater.py
+    _receive_bucketed_weights_from_distributed, weight_sync/tensor_bucket.py FlattenedTensorBucket.empty /
+    reconstruct_tensors): the names, dtypes and shapes of one uint8 buffer of the tensors back to back, received by
+    ONE broadcast and split into views; weight_sync's Bucket is that layout. Refused without joining the broadcast
+    (400, success false, "Failed to receive weights: ..."): no tensor, an offset not aligned to its dtype."""
+    url, paths, ref = moe
+    kept = buckets(ref)
+    # each unit's expert tensors are views of the unshard, never a copy of the fused gate_up (to_checkpoint)
+    fused = dict(ref.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    up = weight_sync.to_checkpoint(ref, dict(ref.model.layers[0].named_parameters(prefix="model.layers.0")))
+    assert up["model.layers.0.mlp.experts.5.up_proj.weight"].data_ptr() == fused[5, fused.shape[1] // 2:].data_ptr()
+    assert len(push_gloo(url, [], flat=kept)) == len(kept) == 3  # 2 layers + the root: 3 broadcasts in all
+    assert gap(url, ref) < 1e-5
+    port = engine.free_port()
+    with cf.ThreadPoolExecutor(1) as ex:
+        joined = ex.submit(post, url, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": f"g{port}", "backend": "gloo"})
+        scheduler.init_weight_update_group("127.0.0.1", port, 0, 2, f"g{port}", "gloo", timeout_s=30)
+        assert joined.result(timeout=30).json()["success"] is True
+    assert post(url, "/begin_weight_update", {}).json()["success"] is True
+    for names, dtypes, shapes, why in (
+            ([], [], [], "Cannot create empty tensor bucket"),
+            (["a", "b"], ["bfloat16", "float32"], [[3], [2]], "Unaligned received tensor b: byte offset 6, dtype "
+                                                               "torch.float32")):
+        r = post(url, "/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                                            "group_name": f"g{port}", "load_format": "flattened_bucket"})
+        assert r.status_code == 400 and r.json() == {"success": False, "message": f"Failed to receive weights: {why}"}
+    assert post(url, "/end_weight_update", {}).json()["success"] is True
+    assert post(url, "/destroy_weights_update_group", {"group_name": f"g{port}"}).json()["success"] is True
+    assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
 
 
 def test_colocate_tensor_path_pushes_checkpoint_names(moe):
