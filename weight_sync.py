@@ -14,7 +14,8 @@ All in a /begin_weight_update ... /end_weight_update session (0.5.23 refuses upd
 Gathering: the parameters of one FSDP2 unit (a decoder layer, or the root's embeddings/norm/head) are all-gathered
 together by FSDP2's own unshard, in its param dtype (bf16 on GPU: cast before the gather, half the bytes), and
 copied into the bucket's flat buffer in the servers' dtype by the ranks that send it (rank 0; tensor: each rank that
-serves a server TP rank); the other ranks only join the all-gathers (join_gather). Buckets (weight_sync.bucket_mb, whole units) overlap:
+serves a server TP rank); the other ranks only join the all-gathers (join_gather). Buckets (whole units, at most
+weight_sync.bucket_mb, a larger unit alone) overlap:
 unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. Every push and write carries the
 checkpoint's names, shapes and dtypes (to_checkpoint, one unit at a time: a Qwen3-MoE layer's fused experts go out
 per expert, as save_pretrained writes them and sglang's loader maps them, as views of the fused tensors; a dense
@@ -104,18 +105,20 @@ def to_checkpoint(model, named: dict) -> dict:
 
 
 def plan_buckets(model, dtype: torch.dtype, limit_bytes: int) -> list:
-    """Whole FSDP units per bucket, a new bucket once one reaches limit_bytes, sized by the checkpoint tensors they
-    become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)], [parameter names])]]."""
+    """Whole FSDP units per bucket, at most limit_bytes each (a unit larger than that alone), sized by the
+    checkpoint tensors they become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)],
+    [parameter names])]]. The limit bounds what every server allocates to receive a bucket."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # DTensor: the global shape
     out, cur, size = [], [], 0
     for module, names in fsdp_units(model):
         if not names:
             continue
         ckpt = to_checkpoint(model, {n: torch.empty(shapes[n], dtype=dtype, device="meta") for n in names})
-        cur.append((module, [(n, tuple(t.shape)) for n, t in ckpt.items()], names))
-        size += sum(t.numel() for t in ckpt.values()) * dtype.itemsize
-        if size >= limit_bytes:
+        unit = sum(t.numel() for t in ckpt.values()) * dtype.itemsize
+        if cur and size + unit > limit_bytes:
             out, cur, size = out + [cur], [], 0
+        cur.append((module, [(n, tuple(t.shape)) for n, t in ckpt.items()], names))
+        size += unit
     return out + ([cur] if cur else [])
 
 

@@ -347,7 +347,7 @@ def expert_choices(model, b: dict) -> tuple:
 def batch(trajs: list, packing: bool, replay: bool) -> dict:
     seqs = batching.make_sequences([buffer.Group(None, trajs)], config.Config())
     if not replay:
-        seqs = [{k: v for k, v in s.items() if k != "routes"} for s in seqs]
+        seqs = [{k: v for k, v in s.items() if k != "routes"} for s in seqs]  # (then no `routed` either)
     return batching.collate(seqs, packing=packing)
 
 
@@ -382,9 +382,10 @@ def test_replay_uses_the_engines_experts_for_every_token(routed, packing):
     trajs = sampled_sequences(url)
     for replay in (False, True):
         b = batch(trajs, packing, replay)
-        ref = batch(trajs, packing, True)["routes"]  # [rows, L, layers, k], -1 where the engine ran nothing
+        ref = batch(trajs, packing, True)  # routes [rows, L, layers, k], routed where the engine ran them
         _, seen = expert_choices(rounded, b)
-        known = ref[..., 0, 0].reshape(-1) >= 0
+        known, ref = ref["routed"].reshape(-1), ref["routes"]
+        assert ref.dtype == torch.uint8 and known.dtype == torch.bool  # the trajectories' dtype, to the forward
         differ = sum(int((seen[i].sort(-1).values != ref[:, :, i].reshape(-1, 2).long().sort(-1).values)
                          .any(-1)[known].sum()) for i in seen)
         if replay:
