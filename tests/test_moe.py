@@ -185,6 +185,22 @@ def test_flattened_bucket_is_one_broadcast_per_bucket_and_refuses_what_sglang_re
     assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
 
 
+def test_only_the_sending_rank_builds_buckets(moe, monkeypatch):
+    """WeightSync.push: every rank joins each unit's all-gather, but with the distributed (and disk) method only rank
+    0 sends, so the other ranks build no bucket (no flat buffer, no checkpoint conversion): join_gather alone."""
+    _, _, ref = moe
+    calls = []
+    monkeypatch.setattr(weight_sync, "gather_bucket", lambda *a: calls.append("build"))
+    monkeypatch.setattr(weight_sync, "join_gather", lambda spec: calls.append("join"))
+    ws = object.__new__(weight_sync.WeightSync)
+    ws.cfg = config.load_config(None, ["weight_sync.method=distributed"])
+    ws.model, ws.device, ws.dtype, ws.rank, ws.world, ws.fleet = no_fsdp(ref), torch.device("cpu"), torch.float32, 1, \
+        1, None
+    ws.cfg.weight_sync.bucket_mb = 0  # (refused in a config) one unit a bucket: 2 layers and the root
+    ws.push(3)
+    assert calls == ["join"] * 3 and ws.last_bytes == sum(p.numel() * 4 for p in ref.parameters())
+
+
 def test_colocate_tensor_path_pushes_checkpoint_names(moe):
     """Colocate's /update_weights_from_tensor (test_engine's shared-tensor test): each converted bucket's views of
     its flat buffer as one payload; fused names the same way are skipped."""
