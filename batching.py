@@ -94,13 +94,17 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
         mask = losses.offpolicy_token_mask(ver, mask)
     out = {"mask": mask, "rollout_lp": rlp, "versions": ver,
            "adv": torch.tensor([s["adv"] for s in seqs], dtype=torch.float32)}
-    shape = next((s["routes"].shape[1:] for s in seqs if "routes" in s), None)
-    if shape is not None:  # routing replay: the server's experts per input position, -1 (own choice) elsewhere
-        routes = torch.full((b, L, *shape), -1, dtype=torch.int32)
+    kind = next((s["routes"] for s in seqs if "routes" in s), None)
+    if kind is not None:  # routing replay: the server's experts per input position, where `routed` (else the
+        # routers' own choice). Kept in the trajectories' dtype (uint8 up to 256 experts: a quarter of int32's bytes
+        # through the scatter and on the device); moe.py widens one layer's ids at a time, in the forward.
+        routes = torch.zeros((b, L, *kind.shape[1:]), dtype=kind.dtype)
+        routed = torch.zeros((b, L), dtype=torch.bool)
         for i, s in enumerate(seqs):
             if "routes" in s:
                 routes[i, :s["routes"].shape[0]] = s["routes"]
-        out["routes"] = routes
+                routed[i, :s["routes"].shape[0]] = True
+        out["routes"], out["routed"] = routes, routed
     if not packing:
         return {"ids": ids, "attn": attn, **out}
     lengths = [_length(s) for s in seqs]
@@ -112,7 +116,7 @@ def collate(seqs: list[dict], mask_offpolicy: bool = False, packing: bool = Fals
     # sequence boundaries for flash-attention's varlen kernel, made here once per micro-batch: without them
     # transformers recomputes them from position_ids in every layer, with a host sync each time
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    if shape is not None:  # the packed row's positions, as ids
-        out["routes"] = out["routes"][attn > 0][None]
+    if kind is not None:  # the packed row's positions, as ids
+        out["routes"], out["routed"] = out["routes"][attn > 0][None], out["routed"][attn > 0][None]
     return {"ids": ids[attn > 0][None], "pos": torch.cat([torch.arange(n) for n in lengths])[None],
             "index": index, "cu": cu, "max_len": max(lengths), **out}

@@ -82,6 +82,7 @@ class TrainerConfig:
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: param/grad shards and AdamW state in host memory, step on CPU
     snapshot: str = "device"  # where the old-policy copy of the weight shards lives: device | cpu (host memory)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
+    entropy_metric: bool = True  # train/entropy: computed in the training forward (no loss term here uses it)
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
     export_dtype: str = "auto"  # its dtype: auto (model.path's own, from its config.json) | float32 | bfloat16 | float16
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
@@ -161,7 +162,7 @@ class RolloutConfig:
 @dataclass
 class WeightSyncConfig:
     method: str = "distributed"  # distributed (broadcast group) | tensor (colocate: shared tensors / CUDA IPC) | disk
-    bucket_mb: int = 512  # tensors per /update_weights_from_distributed call, in MiB
+    bucket_mb: int = 512  # MiB of whole FSDP units per bucket (one push call; a larger unit alone)
     timeout_s: float = 600.0  # every weight-sync call and the broadcast group time out after this
     master_port: int = 29700  # port of the trainer-to-servers broadcast group
     master_address: Optional[str] = None  # where servers reach trainer rank 0 (None: 127.0.0.1 if it launched them)

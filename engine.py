@@ -323,6 +323,23 @@ def _parse_one(body: dict, sp: SamplingParams, tokenizer, vocab_size: int, conte
     return req
 
 
+def flattened_bucket_layout(names: list, dtypes: list, shapes: list) -> list:
+    """load_format "flattened_bucket" of /update_weights_from_distributed: the [start, end) byte range of each
+    tensor in the one uint8 buffer the trainer broadcasts, back to back in order. sglang 0.5.23
+    weight_sync/tensor_bucket.py FlattenedTensorBucket.empty, with its refusals (ValueError): no tensor, a tensor
+    whose byte offset is not a multiple of its dtype's size (a negative dimension is refused before, with `shapes`)."""
+    out, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        out.append((offset, offset + size))
+        offset += size
+    if not out:
+        raise ValueError("Cannot create empty tensor bucket")
+    return out
+
+
 def _parse_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
@@ -522,8 +539,9 @@ class Server:
             meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
             meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
-        if final and r.return_routed_experts and self.sched.recorder is not None:
-            # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1)
+        if final and r.return_routed_experts and self.sched.recorder is not None and r.routes is not None:
+            # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1),
+            # collected when a running request finishes (an abort too); none for one finished from the queue
             end = len(r.input_ids) + n - 1
             rows = torch.cat(r.routes) if r.routes else torch.zeros(0, 1, 1, dtype=torch.int32)  # never prefilled
             meta["routed_experts"] = moe.encode(rows[min(r.routed_experts_start_len, end):end])
@@ -789,17 +807,29 @@ class Server:
             raise BadRequest("fields `names`, `dtypes` and `shapes` must have the same length")
         dtypes = [_parse_dtype(d) for d in dtypes]
         group = _field(body, "group_name", "weight_update_group", _is_str, "a string")
-        _field(body, "load_format", None, lambda v: False, "null (the only supported load_format)")
+        # any string: 0.5.23's receive_weights_from_distributed treats all but "flattened_bucket" as one broadcast
+        # per tensor (model_runner_components/weight_updater.py)
+        load_format = _field(body, "load_format", None, _is_str, "a string or null")
         options = self._update_options(body)
         if group not in self.sched.groups:
             raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
         if not self.session_open:  # refused before joining the broadcast: a client that broadcasts anyway hangs
             return _fail(SESSION_REQUIRED)
         pg, device = self.sched.groups[group]
+        if load_format == "flattened_bucket":
+            try:
+                layout = flattened_bucket_layout(names, dtypes, shapes)
+            except ValueError as e:  # refused before joining the broadcast, as 0.5.23 (success false)
+                return _fail(f"Failed to receive weights: {e}")
 
         async def load():  # receive off the model thread, then swap between two steps
-            tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(shapes, dtypes)]
-            await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
+            if load_format == "flattened_bucket":  # one uint8 broadcast, then views of it
+                flat = torch.empty(layout[-1][1], dtype=torch.uint8, device=device)
+                await asyncio.to_thread(broadcast_tensors, pg, [flat], self.args.dist_timeout)
+                tensors = [flat[a:b].view(dt).reshape(s) for (a, b), s, dt in zip(layout, shapes, dtypes)]
+            else:
+                tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(shapes, dtypes)]
+                await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
             await self._run(lambda: self.sched.load_tensors(list(zip(names, tensors)), options[2]))
         return await self._update(load, options, f"Succeeded to update {len(names)} parameters.")
 

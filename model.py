@@ -142,7 +142,7 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     import losses
     import moe
 
-    moe.set_routes(model, b.get("routes"))  # routing replay (none recorded: the routers' own top-k)
+    moe.set_routes(model, b.get("routes"), b.get("routed"))  # routing replay (none recorded: the routers' own)
     kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
     if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs
         kwargs |= {"cu_seq_lens_q": b["cu"], "cu_seq_lens_k": b["cu"], "max_length_q": b["max_len"],

@@ -17,10 +17,11 @@ top-k would get weight 0 and no gradient.
 - `routers(model)`: [(decoder layer index, top-k router)] of an HF model (transformers 5 Qwen3-MoE: each sparse
   layer's `mlp.gate`, a Qwen3MoeTopKRouter returning (router_logits, top-k weights, top-k expert ids)).
 - `Recorder(model)` (engine.py, scheduler.py): forward hooks keep the last forward's top-k ids of every router.
-- `set_routes(model, routes)` (train.py): every later forward routes token (b, t) of its input to routes[b, t]
-  (int [B, T, layers, top-k]; -1: the router's own top-k there, for padding and tokens the server never ran), until
-  the next call; set, not scoped to one forward, so that activation checkpointing's recompute in the backward replays
-  the same routes (Megatron's REPLAY_BACKWARD).
+- `set_routes(model, routes, routed)` (model.token_logprobs): every later forward routes token (b, t) of its input
+  to routes[b, t] (integer [B, T, layers, top-k], in the trajectories' uint8 / int16) where routed[b, t] (bool
+  [B, T]; elsewhere, padding and tokens the server never ran, the router's own top-k), until the next call; set, not
+  scoped to one forward, so that activation checkpointing's recompute in the backward replays the same routes
+  (Megatron's REPLAY_BACKWARD). Each router widens its layer's ids to int64 (gather's index) when it runs.
 - `encode(routes)` / `decode(text, layers, top_k)`: sglang 0.5.23's `meta_info["routed_experts"]`: base64 of the
   int32 bytes of a [tokens, num_hidden_layers, top-k] array (managers/detokenizer_manager.py
   _b64_encode_per_request; state_capturer/routed_experts.py extract_routed_experts_from_meta_info), one row per
@@ -78,30 +79,33 @@ class Recorder:
 
 
 def _replay_hook(module, args, out):
-    """Replaces the router's top-k by the set routes (where >= 0); the weights are the router's own softmax over all
-    experts at those ids, renormalised as its forward does (transformers' Qwen3MoeTopKRouter.forward), so with equal
-    ids they are the same numbers and the router logits keep their gradient."""
-    want = getattr(module, "_replay_ids", None)
-    if want is None:
+    """Replaces the router's top-k by the set routes (where routed); the weights are the router's own softmax over
+    all experts at those ids, renormalised as its forward does (transformers' Qwen3MoeTopKRouter.forward), so with
+    equal ids they are the same numbers and the router logits keep their gradient."""
+    replay = getattr(module, "_replay", None)
+    if replay is None:
         return None
+    routes, routed, i = replay
     logits, _, own = out
-    ids = torch.where(want >= 0, want, own)
+    want = routes[:, :, i].reshape(-1, routes.shape[-1]).to(own.dtype)  # this layer only, widened here
+    ids = want if routed is None else torch.where(routed.reshape(-1, 1), want, own)
     weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
     if getattr(module, "norm_topk_prob", False):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(logits.dtype), ids
 
 
-def set_routes(model, routes: Optional[torch.Tensor]) -> None:
-    """Every later forward of `model` routes token (b, t) to routes[b, t, layer] (int [B, T, layers, top-k], -1 = the
-    router's own choice); None: the routers' own top-k everywhere. A model without routers is left alone."""
+def set_routes(model, routes: Optional[torch.Tensor], routed: Optional[torch.Tensor] = None) -> None:
+    """Every later forward of `model` routes token (b, t) to routes[b, t, layer] (integer [B, T, layers, top-k])
+    where routed[b, t] (bool [B, T]; None: everywhere), elsewhere to the router's own choice; routes None: the
+    routers' own top-k everywhere. A model without routers is left alone."""
     gates = getattr(model, "_replay_routers", None)
     if gates is None:
         gates = model._replay_routers = routers(model)
         for _, gate in gates:
             gate.register_forward_hook(_replay_hook)
     for i, gate in gates:
-        gate._replay_ids = None if routes is None else routes[:, :, i].reshape(-1, routes.shape[-1]).long()
+        gate._replay = None if routes is None else (routes, routed, i)
 
 
 def encode(routes: torch.Tensor) -> str:

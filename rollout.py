@@ -261,7 +261,8 @@ def resolve_rollout_function(name: str) -> Callable:
 def _new_stats() -> dict:
     return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
-            "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0}
+            "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0,
+            "aborts_without_routes": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -497,6 +498,8 @@ class Rollout:
                                           for budget, idx in by_budget.items()])
             todo = []
             for idx, out in zip(by_budget.values(), outs):
+                # the routed_experts_start_len this request was sent with, taken before any item's routes grow
+                start = _routes_start([trajs[j] for j in idx]) if self.routes_shape else 0
                 for i, item in zip(idx, out or [None] * len(idx)):
                     t = trajs[i]
                     if item is None:  # stopped before a server took it, or dropped while the servers are paused
@@ -505,7 +508,7 @@ class Rollout:
                     gen = parse_generate_response(item)
                     _extend(t, gen.ids, gen.log_probs, gen.versions, 1)
                     if self.routes_shape and gen.ids:
-                        self._extend_routes(t, item, _routes_start([trajs[j] for j in idx]))
+                        self._extend_routes(t, item, start)
                     self.stats["generated_tokens"] += len(gen.ids)
                     if gen.versions and sent_version is not None and gen.versions[-1] < sent_version:
                         self.old_version_response(gen.versions[-1])
@@ -540,8 +543,16 @@ class Rollout:
     def _extend_routes(self, t: Trajectory, item: dict, start: int) -> None:
         """Append the routes of the positions t had none for yet (a restored trajectory keeps its own, from the
         weights that generated its tokens) from a response's meta_info.routed_experts, which covers positions
-        [start, prompt + response - 1): every token but the last went through the server's forward."""
-        text = (item.get("meta_info") or {}).get("routed_experts")
+        [start, prompt + response - 1): every token but the last went through the server's forward.
+        An aborted response may carry none: sglang 0.5.23 collects routes only when a running request finishes
+        (batch_result_processor._maybe_collect_routed_experts), and the abort of a queued one, a retracted one
+        too, answers without them (tokenizer_manager._handle_abort_req). Its tokens are kept without routes; the
+        next request of the trajectory asks from the fewest positions any has (_routes_start), which fills the gap."""
+        meta = item.get("meta_info") or {}
+        text = meta.get("routed_experts")
+        if text is None and (meta.get("finish_reason") or {}).get("type") == "abort":
+            self.stats["aborts_without_routes"] += 1
+            return
         if text is None:
             raise ValueError("algorithm.routing_replay=true but the server returned no meta_info.routed_experts; "
                              "launch it with --enable-return-routed-experts (launched servers get it)")
@@ -793,6 +804,7 @@ class Rollout:
             "rollout/in_flight_trajectories_mean": s["in_flight_area"] / elapsed,
             "rollout/generated_tokens_per_s": s["generated_tokens"] / elapsed,
             "rollout/old_version_responses": s["old_version_responses"],
+            "rollout/aborts_without_routes": s["aborts_without_routes"],
         }
         self._retries_seen, self._down_seen = self.fleet.retries, self.fleet.down_events
         if self.max_samples is not None:

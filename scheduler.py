@@ -139,7 +139,9 @@ class Req:
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
     return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (--enable-return-routed-experts)
     routed_experts_start_len: int = 0  # its first position
-    routes: list = field(default_factory=list)  # int32 [tokens, layers, top-k] chunks: positions 0, 1, ... so far
+    # int32 [tokens, layers, top-k] chunks: positions 0, 1, ... so far; None once finished from the waiting queue
+    # (0.5.23 answers that abort through tokenizer_manager._handle_abort_req, without routes)
+    routes: Optional[list] = field(default_factory=list)
 
 
 def abort_reason(message: str, status_code: Optional[int] = None, err_type: Optional[str] = None) -> dict:
@@ -542,6 +544,7 @@ class Scheduler:
         """Scheduler._add_request_to_queue: a request that finds --max-queued-requests already waiting is aborted
         with 503 (_abort_on_queued_limit), also a retracted one; else it joins the end of the queue."""
         if self.max_queued is not None and len(self.waiting) + 1 > self.max_queued:
+            r.routes = None
             self._finish(r, abort_reason(QUEUE_FULL, 503))
             return
         r.queued_at = time.perf_counter()
@@ -892,7 +895,8 @@ class Scheduler:
             return abort_all or (r.rid == rid if exact else (rid != "" and r.rid.startswith(rid)))
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
-        for r in queued:
+        for r in queued:  # a retracted one too: its routes went with its KV (Req.reset_for_retract)
+            r.routes = None
             self._finish(r, reason or abort_reason("Abort in waiting queue"))
         n, dead = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):

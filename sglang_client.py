@@ -427,12 +427,13 @@ class Fleet:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: Optional[int] = None, group_name: str = "weight_update_group",
-                                              flush_cache: bool = True) -> list:
+                                              flush_cache: bool = True, load_format: Optional[str] = None) -> list:
         """Every worker receives these tensors from the group's broadcast (the trainer broadcasts meanwhile), inside
-        a begin_weight_update ... end_weight_update session. flush_cache=true fails the call while requests run."""
+        a begin_weight_update ... end_weight_update session. flush_cache=true fails the call while requests run.
+        load_format "flattened_bucket": one broadcast of a uint8 buffer holding the tensors back to back."""
         return await self._fan_out("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
-            "weight_version": None if version is None else str(version)})
+            "weight_version": None if version is None else str(version), "load_format": load_format})
 
     async def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,
                                          flush_cache: bool = True) -> list:
@@ -666,9 +667,9 @@ class SyncFleet:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         version: Optional[int] = None, group_name: str = "weight_update_group",
-                                        flush_cache: bool = True) -> list:
+                                        flush_cache: bool = True, load_format: Optional[str] = None) -> list:
         return self.run(self.fleet.update_weights_from_distributed(names, dtypes, shapes, version, group_name,
-                                                                   flush_cache),
+                                                                   flush_cache, load_format),
                         what="Fleet.update_weights_from_distributed")
 
     def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,

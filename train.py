@@ -312,7 +312,9 @@ class Actor:
         self.model.train()
         sums, weights, extremes = {}, {}, {}
         for b, old_lp in zip(batches, old):
-            logp, ent = self._token_logprobs(b, with_entropy=True)
+            # entropy only for train/entropy: no loss term here uses it, and it costs a float32 [chunk, vocab]
+            # buffer and the softmax's work again, in the forward and in the backward
+            logp, ent = self._token_logprobs(b, with_entropy=t.entropy_metric)
             if old_lp is None:  # the step's first call: these weights are the old policy
                 old_lp = logp.detach()
             loss, met = micro_batch_loss(self.cfg, logp, old_lp, b, denom, ent, step)

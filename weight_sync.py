@@ -2,8 +2,8 @@
 
 weight_sync.method:
   distributed: trainer rank 0 is rank 0 of a broadcast group with every server rank (SGLang
-      /init_weights_update_group); each bucket is one /update_weights_from_distributed call while rank 0 broadcasts
-      its tensors (async ops, one wait per bucket). NCCL refuses two ranks on one GPU, so not for colocate on GPUs.
+      /init_weights_update_group); each bucket is one /update_weights_from_distributed call (load_format
+      flattened_bucket) while rank 0 broadcasts the bucket's flat buffer as bytes: one broadcast per bucket. NCCL refuses two ranks on one GPU, so not for colocate on GPUs.
   tensor: colocate. Each bucket is one /update_weights_from_tensor call carrying, per server TP rank, a
       MultiprocessingSerializer payload of (name, tensor) views of one flat buffer: CUDA IPC handles made by the
       trainer rank on that GPU (server s, TP rank j <- trainer rank (first rank of s + j) % world), shared-memory
@@ -13,10 +13,13 @@ All in a /begin_weight_update ... /end_weight_update session (0.5.23 refuses upd
 
 Gathering: the parameters of one FSDP2 unit (a decoder layer, or the root's embeddings/norm/head) are all-gathered
 together by FSDP2's own unshard, in its param dtype (bf16 on GPU: cast before the gather, half the bytes), and
-copied into the bucket's flat buffer in the servers' dtype. Buckets (weight_sync.bucket_mb, whole units) overlap:
+copied into the bucket's flat buffer in the servers' dtype by the ranks that send it (rank 0; tensor: each rank that
+serves a server TP rank); the other ranks only join the all-gathers (join_gather). Buckets (whole units, at most
+weight_sync.bucket_mb, a larger unit alone) overlap:
 unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. Every push and write carries the
 checkpoint's names, shapes and dtypes (to_checkpoint, one unit at a time: a Qwen3-MoE layer's fused experts go out
-per expert, as save_pretrained writes them and sglang's loader maps them; a dense model's names are unchanged).
+per expert, as save_pretrained writes them and sglang's loader maps them, as views of the fused tensors; a dense
+model's names are unchanged).
 The weight version and flush_cache travel on the last bucket that carries tensors, never on an empty trailing call.
 
 Run the throughput bench: python bench/weight_sync_bench.py
@@ -76,36 +79,57 @@ def fsdp_units(model) -> list:
     return units
 
 
+class _Views(torch.Tensor):
+    """A tensor whose .contiguous() is itself. transformers' Chunk (the reverse of a Qwen3-MoE layer's gate/up
+    Concatenate) makes each half of the fused gate_up_proj [E, 2I, H] contiguous: a copy of the whole fused tensor
+    (805 MB a layer for Qwen3-30B-A3B in bf16) at every sync, only to be copied again into the bucket, which copies
+    from strided views just as well."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def to_checkpoint(model, named: dict) -> dict:
     """One FSDP unit's {parameter name: tensor} -> {checkpoint name: tensor}, as save_pretrained writes them:
     transformers' own core_model_loading.revert_weight_conversion (what save_pretrained calls), applied to this
     unit's tensors only (its converters are per layer: a Qwen3-MoE layer's fused mlp.experts.gate_up_proj /
-    down_proj become experts.{i}.gate_proj/up_proj/down_proj.weight, views of the fused tensors). A dense model's
-    names are returned unchanged and in their order."""
+    down_proj become experts.{i}.gate_proj/up_proj/down_proj.weight), every one a view of the unit's tensors, never a
+    copy (_Views). A dense model's names are returned unchanged and in their order."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    out = revert_weight_conversion(model, dict(named))
-    return dict(named) if out.keys() == named.keys() else out
+    out = revert_weight_conversion(model, {n: t.as_subclass(_Views) for n, t in named.items()})
+    return dict(named) if out.keys() == named.keys() else {n: t.as_subclass(torch.Tensor) for n, t in out.items()}
 
 
 def plan_buckets(model, dtype: torch.dtype, limit_bytes: int) -> list:
-    """Whole FSDP units per bucket, a new bucket once one reaches limit_bytes, sized by the checkpoint tensors they
-    become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)], [parameter names])]]."""
+    """Whole FSDP units per bucket, at most limit_bytes each (a unit larger than that alone), sized by the
+    checkpoint tensors they become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)],
+    [parameter names])]]. The limit bounds what every server allocates to receive a bucket."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # DTensor: the global shape
     out, cur, size = [], [], 0
     for module, names in fsdp_units(model):
         if not names:
             continue
         ckpt = to_checkpoint(model, {n: torch.empty(shapes[n], dtype=dtype, device="meta") for n in names})
-        cur.append((module, [(n, tuple(t.shape)) for n, t in ckpt.items()], names))
-        size += sum(t.numel() for t in ckpt.values()) * dtype.itemsize
-        if size >= limit_bytes:
+        unit = sum(t.numel() for t in ckpt.values()) * dtype.itemsize
+        if cur and size + unit > limit_bytes:
             out, cur, size = out + [cur], [], 0
+        cur.append((module, [(n, tuple(t.shape)) for n, t in ckpt.items()], names))
+        size += unit
     return out + ([cur] if cur else [])
 
 
+def spec_bytes(spec: list, dtype: torch.dtype) -> int:
+    """Bytes of a planned bucket in `dtype`."""
+    return sum(torch.Size(s).numel() for unit in spec for _, s in unit[1]) * dtype.itemsize
+
+
 class Bucket:
-    """One flat buffer of full tensors in the push dtype and (checkpoint name, view) pairs into it."""
+    """One flat buffer of full tensors in the push dtype and (checkpoint name, view) pairs into it: the
+    flattened_bucket layout (the tensors back to back in order; one dtype, so every offset is aligned)."""
 
     def __init__(self, spec: list, dtype: torch.dtype, device: torch.device):
         total = sum(torch.Size(s).numel() for unit in spec for _, s in unit[1])
@@ -122,9 +146,19 @@ class Bucket:
         return self.flat.numel() * self.flat.element_size()
 
 
+def join_gather(spec: list) -> None:
+    """gather_bucket's collectives alone, for a rank that neither pushes nor writes the bucket: every rank must
+    join each unit's FSDP2 all-gather, but only the ranks that send need the bucket built."""
+    with torch.no_grad():
+        for module, _, _ in spec:
+            module.unshard()
+            module.reshard()
+
+
 def gather_bucket(model, spec: list, dtype: torch.dtype, device: torch.device) -> Bucket:
-    """All ranks: unshard each unit of the bucket (FSDP2 all-gather in its param dtype), convert it to checkpoint
-    names (to_checkpoint: views of the unsharded parameters), copy into the bucket, reshard."""
+    """A rank that pushes or writes the bucket: unshard each unit of the bucket (FSDP2 all-gather in its param
+    dtype; the other ranks join_gather), convert it to checkpoint names (to_checkpoint: views of the unsharded
+    parameters), copy into the bucket, reshard."""
     bucket = Bucket(spec, dtype, device)
     views = dict(bucket.named)
     with torch.no_grad():
@@ -187,12 +221,15 @@ class WeightSync:
         no_expandable = method == "tensor" and self.device.type == "cuda"
         if no_expandable:  # CUDA IPC cannot export expandable segments' blocks: off while buckets are made (verl)
             torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        # the ranks that send build buckets (rank 0; with tensor, the ranks serving a server TP rank); the others
+        # only join the all-gathers
+        builds = self.rank in {r for server in targets for r in server}
         try:
-            for k, spec in enumerate(plan):
-                bucket = gather_bucket(self.model, spec, self.dtype, self.device)  # overlaps the previous push
+            for k, spec in enumerate(plan):  # the gather overlaps the previous bucket's push
+                bucket = gather_bucket(self.model, spec, self.dtype, self.device) if builds else join_gather(spec)
                 if pending is not None:
                     error = self._finish(pending, error)
-                self.last_bytes += bucket.nbytes
+                self.last_bytes += spec_bytes(spec, self.dtype)
                 # the last bucket (it always carries tensors) carries the version label and the flush
                 pending = self._start(bucket, version if k == len(plan) - 1 else None, targets, error)
             if pending is not None:
@@ -247,12 +284,16 @@ class WeightSync:
             return p
         if self.rank != 0 or error is not None:
             return p
+        # load_format flattened_bucket (sglang 0.5.23 weight_updater.py _receive_bucketed_weights_from_distributed):
+        # each server allocates one uint8 buffer of the tensors back to back in order and joins ONE broadcast of it
         named = bucket.named
         p["fut"] = self.fleet.submit("update_weights_from_distributed", [n for n, _ in named],
                                      [str(t.dtype).replace("torch.", "") for _, t in named],
-                                     [list(t.shape) for _, t in named], version, self.group_name, flush)
+                                     [list(t.shape) for _, t in named], version, self.group_name, flush,
+                                     "flattened_bucket")
         try:
-            p["works"] = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for _, t in named]
+            p["works"] = [dist.broadcast(bucket.flat.view(torch.uint8), group=self.group, group_src=0,
+                                         async_op=True)]
         except Exception as e:  # rank 0 only: the weight-update group, not a trainer collective
             p["error"] = RuntimeError(f"weight sync: broadcasting a bucket failed: {e}")
         return p
@@ -342,10 +383,11 @@ class WeightSync:
 
         state, self.last_bytes = {}, 0
         for spec in plan_buckets(self.model, dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20):
-            bucket = gather_bucket(self.model, spec, dtype, self.device)
-            self.last_bytes += bucket.nbytes
-            if self.rank == 0:
-                state.update((n, t.cpu()) for n, t in bucket.named)
+            self.last_bytes += spec_bytes(spec, dtype)
+            if self.rank != 0:
+                join_gather(spec)
+                continue
+            state.update((n, t.cpu()) for n, t in gather_bucket(self.model, spec, dtype, self.device).named)
         if self.rank != 0:
             return
         tmp = path + ".tmp"

@@ -61,9 +61,9 @@ def sample(url: str, tokenizer, n_prompts: int, layers: int, top_k: int) -> list
 def measure(model, trajs: list, replay: bool) -> dict:
     seqs = batching.make_sequences([buffer.Group(None, trajs)], config.Config())
     b = batching.collate(seqs)
-    ref = b["routes"]  # [rows, L, layers, k]: the server's, -1 where it ran nothing
+    ref, known = b["routes"], b["routed"].reshape(-1)  # [rows, L, layers, k]: the server's, where it ran them
     if not replay:
-        b = {k: v for k, v in b.items() if k != "routes"}
+        b = {k: v for k, v in b.items() if k not in ("routes", "routed")}
     seen, hooks = {}, []
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.mlp.experts.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[1])))
@@ -71,7 +71,6 @@ def measure(model, trajs: list, replay: bool) -> dict:
         lp, _ = model_lib.token_logprobs(model, b, 1.0, 4096)
     for h in hooks:
         h.remove()
-    known = ref[..., 0, 0].reshape(-1) >= 0
     differ = torch.stack([(seen[i].sort(-1).values != ref[:, :, i].reshape(len(known), -1).long().sort(-1).values)
                           .any(-1) for i in sorted(seen)], 1)[known]  # [tokens, layers]
     gap = (lp - b["rollout_lp"]).abs()[b["mask"] > 0]

@@ -10,7 +10,7 @@ train._CTRL and Actor.follow, does not run here), whose engine.py serves too; me
 The machine is shared and loaded: compare figures of one run, or of runs taken back to back.
 
 Run: python bench/weight_sync_bench.py [--code DIR] [--ranks 2] [--methods distributed,tensor,disk]
-                                       [--bucket-mb 512] [--repeats 3] [--port 24310]
+                                       [--bucket-mb 512] [--repeats 3] [--port 24310] [--moe]
 """
 from __future__ import annotations
 
@@ -26,19 +26,25 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_model(path: str) -> int:
-    """A random ~100M-parameter Qwen3 at `path` (the character tokenizer of tasks.make_tiny_model); its size."""
+def make_model(path: str, moe: bool = False) -> int:
+    """A random ~100M-parameter Qwen3 at `path` (the character tokenizer of tasks.make_tiny_model); its size. moe: a
+    Qwen3-MoE of Qwen3-30B-A3B's expert count (128 experts, top-8, width 32: 393 checkpoint tensors a layer, as the
+    30B's 393), 8 layers, ~120M parameters."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     import tasks
 
     tasks.make_tiny_model(path)  # tokenizer and generation config
-    cfg = Qwen3Config(hidden_size=768, num_hidden_layers=11, intermediate_size=2304, num_attention_heads=12,
-                      num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=True,
-                      max_position_embeddings=512)
+    shared = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                  tie_word_embeddings=True, max_position_embeddings=512)
+    if moe:
+        cfg = Qwen3MoeConfig(num_hidden_layers=8, intermediate_size=2304, moe_intermediate_size=32, num_experts=128,
+                             num_experts_per_tok=8, decoder_sparse_step=1, **shared)
+    else:
+        cfg = Qwen3Config(num_hidden_layers=11, intermediate_size=2304, **shared)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
+    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(cfg)
     model.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
@@ -93,6 +99,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--methods", default="distributed,tensor,disk")
     p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE with the 30B's 128 experts a layer (see make_model)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=24310, help="the engine's port; the broadcast group uses port + 1")
     p.add_argument("--hang-s", type=float, default=900, help="a trainer rank that runs longer prints its stacks")
@@ -112,7 +119,7 @@ def main() -> None:
     res = {"times": {}}
     with tempfile.TemporaryDirectory() as d:
         model = os.path.join(d, "model")
-        n = make_model(model)
+        n = make_model(model, a.moe)
         for method in a.methods.split(","):  # a fresh engine and trainer per method: every rank runs its config
             url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600)
             try:
@@ -135,8 +142,8 @@ def main() -> None:
             res["bytes"] = one["bytes"]
             res["times"].update(one["times"])
     gb = res["bytes"] / 1e9
-    print(f"code {a.code}: {n / 1e6:.0f}M parameters ({gb:.2f} GB float32), {a.ranks} trainer ranks (gloo), one "
-          f"engine.py, bucket_mb {a.bucket_mb}; shared, loaded machine")
+    print(f"code {a.code}: {n / 1e6:.0f}M parameters{' (MoE)' if a.moe else ''} ({gb:.2f} GB float32), {a.ranks} "
+          f"trainer ranks (gloo), one engine.py, bucket_mb {a.bucket_mb}; shared, loaded machine")
     for method, times in res["times"].items():
         rest = statistics.median(times[1:]) if len(times) > 1 else times[0]
         print(f"  {method:<12} first {times[0]:6.2f} s ({gb / times[0]:.3f} GB/s)   then median {rest:6.2f} s "

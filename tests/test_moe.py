@@ -8,6 +8,7 @@ through train.py with the gap < 1e-4 after every sync. Rollout routing replay (m
 sglang's layout, the trainer's experts equal to them, its log-probs equal to the engine's. CPU only, fp32.
 Run: .venv/bin/python -m pytest -q tests/test_moe.py
 """
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -32,7 +33,7 @@ import batching
 import checks
 import model as model_lib
 import weight_sync
-from test_engine import generate, make_model, post, version
+from test_engine import first_chunk_stream, generate, last_chunk, loads, make_model, post, version
 from test_train import ROOT, TORCHRUN, _free_port
 
 TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.yaml")
@@ -99,8 +100,9 @@ def gap(url, ref) -> float:
     return worst
 
 
-def push_gloo(url, named: list) -> None:
-    """One /update_weights_from_distributed of (name, tensor) over a gloo group (test_engine's gloo test)."""
+def push_gloo(url, named: list, flat: list = ()) -> list:
+    """One /update_weights_from_distributed of (name, tensor) over a gloo group (test_engine's gloo test); with
+    `flat`, one call per Bucket in load_format flattened_bucket, each one broadcast of its bytes. The answers."""
     port = engine.free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": f"g{port}", "backend": "gloo"}
@@ -112,12 +114,23 @@ def push_gloo(url, named: list) -> None:
                 "shapes": [list(t.shape) for _, t in named], "group_name": f"g{port}",
                 "weight_version": str(version(url) + 1)}
         assert post(url, "/begin_weight_update", {}).json()["success"] is True
-        done = ex.submit(post, url, "/update_weights_from_distributed", body)
-        scheduler.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
-        r = done.result(timeout=30)
+        answers = []
+        for b in flat:
+            named = b.named
+            done = ex.submit(post, url, "/update_weights_from_distributed", {
+                **body, "names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "load_format": "flattened_bucket"})
+            scheduler.broadcast_tensors(pg, [b.flat.view(torch.uint8)], timeout_s=30)
+            answers.append(done.result(timeout=30))
+        if not flat:
+            done = ex.submit(post, url, "/update_weights_from_distributed", body)
+            scheduler.broadcast_tensors(pg, [t.contiguous() for _, t in named], timeout_s=30)
+            answers.append(done.result(timeout=30))
         assert post(url, "/end_weight_update", {}).json()["success"] is True
-    assert r.status_code == 200 and r.json()["success"] is True, r.text  # success either way, as 0.5.23 answers
+    for r in answers:  # success either way, as 0.5.23 answers
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
     assert post(url, "/destroy_weights_update_group", {"group_name": f"g{port}"}).json()["success"] is True
+    return answers
 
 
 def test_fused_names_are_skipped_and_checkpoint_names_load(moe):
@@ -136,6 +149,56 @@ def test_fused_names_are_skipped_and_checkpoint_names_load(moe):
     assert gap(url, ref) < 1e-5
     assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
     assert gap(url, ref) > 1e-2  # back to A: the disk path reloads the experts too
+
+
+def test_flattened_bucket_is_one_broadcast_per_bucket_and_refuses_what_sglang_refuses(moe):
+    """load_format "flattened_bucket" (sglang 0.5.23 model_runner_components/weight_updater.py
+    _receive_bucketed_weights_from_distributed, weight_sync/tensor_bucket.py FlattenedTensorBucket.empty /
+    reconstruct_tensors): the names, dtypes and shapes of one uint8 buffer of the tensors back to back, received by
+    ONE broadcast and split into views; weight_sync's Bucket is that layout. Refused without joining the broadcast
+    (400, success false, "Failed to receive weights: ..."): no tensor, an offset not aligned to its dtype."""
+    url, paths, ref = moe
+    kept = buckets(ref)
+    # each unit's expert tensors are views of the unshard, never a copy of the fused gate_up (to_checkpoint)
+    fused = dict(ref.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    up = weight_sync.to_checkpoint(ref, dict(ref.model.layers[0].named_parameters(prefix="model.layers.0")))
+    assert up["model.layers.0.mlp.experts.5.up_proj.weight"].data_ptr() == fused[5, fused.shape[1] // 2:].data_ptr()
+    assert len(push_gloo(url, [], flat=kept)) == len(kept) == 3  # 2 layers + the root: 3 broadcasts in all
+    assert gap(url, ref) < 1e-5
+    port = engine.free_port()
+    with cf.ThreadPoolExecutor(1) as ex:
+        joined = ex.submit(post, url, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": f"g{port}", "backend": "gloo"})
+        scheduler.init_weight_update_group("127.0.0.1", port, 0, 2, f"g{port}", "gloo", timeout_s=30)
+        assert joined.result(timeout=30).json()["success"] is True
+    assert post(url, "/begin_weight_update", {}).json()["success"] is True
+    for names, dtypes, shapes, why in (
+            ([], [], [], "Cannot create empty tensor bucket"),
+            (["a", "b"], ["bfloat16", "float32"], [[3], [2]], "Unaligned received tensor b: byte offset 6, dtype "
+                                                               "torch.float32")):
+        r = post(url, "/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                                            "group_name": f"g{port}", "load_format": "flattened_bucket"})
+        assert r.status_code == 400 and r.json() == {"success": False, "message": f"Failed to receive weights: {why}"}
+    assert post(url, "/end_weight_update", {}).json()["success"] is True
+    assert post(url, "/destroy_weights_update_group", {"group_name": f"g{port}"}).json()["success"] is True
+    assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
+
+
+def test_only_the_sending_rank_builds_buckets(moe, monkeypatch):
+    """WeightSync.push: every rank joins each unit's all-gather, but with the distributed (and disk) method only rank
+    0 sends, so the other ranks build no bucket (no flat buffer, no checkpoint conversion): join_gather alone."""
+    _, _, ref = moe
+    calls = []
+    monkeypatch.setattr(weight_sync, "gather_bucket", lambda *a: calls.append("build"))
+    monkeypatch.setattr(weight_sync, "join_gather", lambda spec: calls.append("join"))
+    ws = object.__new__(weight_sync.WeightSync)
+    ws.cfg = config.load_config(None, ["weight_sync.method=distributed"])
+    ws.model, ws.device, ws.dtype, ws.rank, ws.world, ws.fleet = no_fsdp(ref), torch.device("cpu"), torch.float32, 1, \
+        1, None
+    ws.cfg.weight_sync.bucket_mb = 0  # (refused in a config) one unit a bucket: 2 layers and the root
+    ws.push(3)
+    assert calls == ["join"] * 3 and ws.last_bytes == sum(p.numel() * 4 for p in ref.parameters())
 
 
 def test_colocate_tensor_path_pushes_checkpoint_names(moe):
@@ -304,7 +367,7 @@ def expert_choices(model, b: dict) -> tuple:
 def batch(trajs: list, packing: bool, replay: bool) -> dict:
     seqs = batching.make_sequences([buffer.Group(None, trajs)], config.Config())
     if not replay:
-        seqs = [{k: v for k, v in s.items() if k != "routes"} for s in seqs]
+        seqs = [{k: v for k, v in s.items() if k != "routes"} for s in seqs]  # (then no `routed` either)
     return batching.collate(seqs, packing=packing)
 
 
@@ -339,15 +402,43 @@ def test_replay_uses_the_engines_experts_for_every_token(routed, packing):
     trajs = sampled_sequences(url)
     for replay in (False, True):
         b = batch(trajs, packing, replay)
-        ref = batch(trajs, packing, True)["routes"]  # [rows, L, layers, k], -1 where the engine ran nothing
+        ref = batch(trajs, packing, True)  # routes [rows, L, layers, k], routed where the engine ran them
         _, seen = expert_choices(rounded, b)
-        known = ref[..., 0, 0].reshape(-1) >= 0
+        known, ref = ref["routed"].reshape(-1), ref["routes"]
+        assert ref.dtype == torch.uint8 and known.dtype == torch.bool  # the trajectories' dtype, to the forward
         differ = sum(int((seen[i].sort(-1).values != ref[:, :, i].reshape(-1, 2).long().sort(-1).values)
                          .any(-1)[known].sum()) for i in seen)
         if replay:
             assert differ == 0
         else:
             assert differ > 0, "bf16 rounding changed no router decision: the test would not see a replay bug"
+
+
+def test_an_abort_carries_routes_only_for_a_running_request(routed):
+    """sglang 0.5.23: a running request's abort is finished by its next forward and collects its routes like any
+    finish (managers/scheduler.py abort_request "Abort method 3", batch_result_processor
+    ._maybe_collect_routed_experts); a queued one, a retracted one too, is popped and answered by
+    tokenizer_manager._handle_abort_req with output_ids and no routed_experts (Req.reset_for_retract dropped them)."""
+    url = routed[0]
+    body = {"input_ids": PROMPTS[1], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}}
+    for retract in (True, False):
+        first, lines = first_chunk_stream(url, {**body, "rid": f"ab-{retract}"})  # running: it has decoded
+        assert first["meta_info"]["finish_reason"] is None
+        if retract:
+            assert post(url, "/pause_generation", {"mode": "retract"}).status_code == 200
+            assert (loads(url)["num_running_reqs"], loads(url)["num_waiting_reqs"]) == (0, 1)
+        assert post(url, "/abort_request", {"rid": f"ab-{retract}"}).status_code == 200
+        last = last_chunk(lines)
+        assert post(url, "/continue_generation", {}).status_code == 200
+        meta, ids = last["meta_info"], last["output_ids"]
+        assert meta["finish_reason"]["type"] == "abort" and 0 < len(ids) < 3000
+        assert meta["num_retractions"] == int(retract)
+        if retract:
+            assert "routed_experts" not in meta
+        else:
+            rows = moe_lib.decode(meta["routed_experts"], 2, 2)
+            assert rows.shape[0] == len(PROMPTS[1]) + len(ids) - 1
 
 
 def test_replayed_log_probs_equal_the_engines_with_matching_weights(routed):
@@ -381,6 +472,55 @@ def test_a_restored_trajectory_keeps_its_routes():
     assert torch.equal(t.routed_experts[4:], new[4:].to(torch.uint8))
     with pytest.raises(ValueError, match="enable-return-routed-experts"):
         r._extend_routes(t, {"meta_info": {}}, 0)
+
+
+def test_a_retracted_then_aborted_item_without_routes_keeps_its_group_and_gets_its_routes_later():
+    """sglang 0.5.23 answers the abort of a queued request, a retracted one too, without routed_experts
+    (tokenizer_manager._handle_abort_req; routes are collected only when a running request finishes,
+    batch_result_processor._maybe_collect_routed_experts). Such an item keeps its tokens and the routes it had; its
+    retry asks from routed_experts_start_len = the fewest positions any item has, and once it finishes its routes
+    cover every position. A finished item without routes is still an error."""
+    P, L, K = [1, 2, 3], 2, 2
+    sent = []
+
+    def item(ids, finish, start=None, total=None):
+        meta = {"id": "r", "weight_version": "0", "finish_reason": finish,
+                "output_token_logprobs": [[-1.0, t, None] for t in ids]}
+        if start is not None:  # the server's routes: rows for positions [start, total - 1), row j = position j
+            meta["routed_experts"] = moe_lib.encode(torch.arange(start, total - 1).view(-1, 1, 1).expand(-1, L, K))
+        return {"text": "", "output_ids": ids, "meta_info": meta}
+
+    script = [  # (request 1: both items; request 2: the aborted one alone, from position 0)
+        lambda start: [item([4, 5], {"type": "abort", "message": "Abort in waiting queue"}),  # retracted, aborted
+                       item([6, 7, 8], {"type": "stop", "matched": 8}, start, len(P) + 3)],
+        lambda start: [item([9, 10], {"type": "stop", "matched": 10}, start, len(P) + 4)],
+        lambda start: [item([11], {"type": "stop", "matched": 11})],  # finished, no routes: an error
+    ]
+
+    class Fleet:
+        async def generate(self, payload, rid, stop):
+            rid()
+            sent.append(payload["routed_experts_start_len"])
+            return script[len(sent) - 1](payload["routed_experts_start_len"])
+
+    r = object.__new__(rollout.Rollout)
+    r.cfg = config.load_config(None, ["rollout.max_retries=1"])
+    r.routes_shape, r.routes_dtype, r.fleet, r.run_tag = (L, K), torch.uint8, Fleet(), "t"
+    r.max_new_tokens, r.context_len, r.max_input_len, r.version = 16, None, None, None
+    r.sampling_params, r.stats = {}, rollout._new_stats()
+    trajs = [buffer.Trajectory(0, 0, i, torch.tensor(P)) for i in range(2)]
+
+    async def run(ts):
+        return await r._generate(rollout._Active("t-0-0-", len(ts), asyncio.Event()), ts)
+
+    assert asyncio.run(run(trajs)) == ["stop", "stop"]
+    assert sent == [0, 0] and r.stats["aborts_without_routes"] == 1
+    for t in trajs:
+        assert t.status == buffer.COMPLETED
+        assert torch.equal(t.routed_experts[:, 0, 0], torch.arange(t.num_tokens - 1).to(torch.uint8))
+    assert trajs[0].response_ids.tolist() == [4, 5, 9, 10]
+    with pytest.raises(ValueError, match="returned no meta_info.routed_experts"):
+        asyncio.run(run([buffer.Trajectory(0, 1, 0, torch.tensor(P))]))
 
 
 def test_routing_replay_on_a_dense_model_is_refused(tmp_path):

@@ -129,3 +129,50 @@ def test_packed_micro_batches_hold_at_most_the_token_budget():
     assert len(packed) == -(-sum(batching._length(s) for s in seqs) // 40) < len(padded)
     long = batching.plan_micro_batches(_seqs([(4, 50), (4, 3)]), 40, packing=True)  # too long for the budget: alone
     assert [len(mb) for mb in long] == [1, 1]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_routes_stay_in_their_dtype_with_a_mask_of_the_positions_the_server_ran(packing):
+    """Routing replay's routes are collated in the trajectories' dtype (uint8: a quarter of int32's bytes through
+    the scatter and on the device; moe.py widens one layer's ids at a time in the forward), with `routed` marking the
+    positions that have them: a trajectory's routed prefix (an aborted item's tail may have none yet), none for
+    padding or a trajectory without routes."""
+    def seq(P, T, R):
+        s = {"prompt": list(range(1, P + 1)), "response": [7] * T, "mask": [1] * T, "rollout_lp": [0.0] * T,
+             "versions": [0] * T, "adv": 0.0}
+        if R is not None:
+            s["routes"] = torch.arange(R * 3 * 2).view(R, 3, 2).to(torch.uint8)
+        return s
+    seqs = [seq(3, 4, 6), seq(2, 2, 2), seq(4, 1, None)]  # full (P + T - 1), short of 1 position, none
+    b = batching.collate(seqs, packing=packing)
+    assert b["routes"].dtype == torch.uint8 and b["routed"].dtype == torch.bool
+    lengths = [3 + 4, 2 + 2, 4 + 1]
+    known = [6, 2, 0]
+    if packing:
+        assert b["routes"].shape == (1, sum(lengths), 3, 2)
+        want = torch.cat([torch.arange(n) < k for n, k in zip(lengths, known)])[None]
+        assert torch.equal(b["routed"], want)
+        assert torch.equal(b["routes"][0, :6], seqs[0]["routes"]) and torch.equal(b["routes"][0, 7:9], seqs[1]["routes"])
+    else:
+        assert b["routes"].shape == (3, 7, 3, 2)
+        assert b["routed"].sum(1).tolist() == known
+        assert torch.equal(b["routes"][1, :2], seqs[1]["routes"]) and not b["routes"][2].any()
+
+
+def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_path):
+    """trainer.entropy_metric: no loss term uses the entropy, so the training forward computes it only for
+    train/entropy; without it the metric is absent and the loss, every gradient and the other metrics are the same."""
+    import train
+
+    b = batching.collate(_seqs([(5, 9), (3, 2), (7, 14)]), packing=True)
+    runs = []
+    for on in (True, False):
+        actor = object.__new__(train.Actor)
+        actor.cfg = config.load_config(None, ["trainer.use_rollout_log_probs=true", f"trainer.entropy_metric={on}"])
+        actor.model, actor.world = _model(tiny_path, "sdpa"), 1
+        sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum()))
+        runs.append((sums, {n: p.grad.clone() for n, p in actor.model.named_parameters()}))
+    (s1, g1), (s0, g0) = runs
+    assert s1["train/entropy"] > 0 and "train/entropy" not in s0
+    assert {k: v for k, v in s1.items() if k != "train/entropy"} == pytest.approx(s0, abs=1e-6)
+    assert all(torch.allclose(g1[n], g0[n], atol=1e-6) for n in g1) and any(g.abs().max() > 0 for g in g1.values())

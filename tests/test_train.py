@@ -665,11 +665,10 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
                     raise RuntimeError("injected fault on rank 0")
             elif k.get("group") is actor.weights.group:
                 calls[0] += 1
-                if calls[0] == len(first_bucket) + 1:  # the second bucket's first tensor
+                if calls[0] == 2:  # the second bucket's broadcast (one per bucket: load_format flattened_bucket)
                     return FailingWait(real(*a, **k))
             return real(*a, **k)
 
-        first_bucket = weight_sync.plan_buckets(actor.model, actor.weights.dtype, 0)[0][0][1]
         if rank == 0:
             setattr(owner, name, faulty)
         try:
