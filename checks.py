@@ -15,7 +15,8 @@ import services as services_lib
 
 def check_launch(cfg, world: int) -> None:
     """Every rank: the processes started match trainer.num_nodes x num_gpus_per_node, the device exists, the model
-    is there (or can be made; a tiny base made earlier is of this config's recipe), routing replay has a MoE to replay, and the servers to use are named once."""
+    is there (or can be made; a tiny base made earlier is of this config's recipe), routing replay has a MoE to
+    replay, and the servers to use are named once."""
     t, r = cfg.trainer, cfg.rollout
     if cfg.run_mode != "rollout-only" and world != t.num_nodes * t.num_gpus_per_node:
         raise ValueError(f"trainer.num_nodes x trainer.num_gpus_per_node ({t.num_nodes} x {t.num_gpus_per_node}) "

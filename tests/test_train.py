@@ -6,6 +6,7 @@ CPU only. The multi-process checks run this file as a script under torchrun (2 g
 Run: .venv/bin/python -m pytest -q tests/test_train.py
 """
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -219,7 +220,7 @@ def _bad_jsonl(tmp_path) -> str:
 def test_a_gsm8k_dataset_on_the_tiny_config_must_choose_max_new_tokens(tmp_path, capsys):
     """A fresh clone's first run on its own data: tiny.yaml's max_new_tokens 6 (sized for reversing 5 digits)
     cannot hold 'Answer:74' (9 tokens), so the run stops before anything starts, naming the key."""
-    import transformers  # noqa: F401  (its first import, seconds under load, is not the check's time)
+    importlib.import_module("transformers")  # its first import, seconds under load, is not the check's time
 
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {i} + 70?", "answer": f"{i} + 70 = {i + 70}\n#### "
