@@ -34,7 +34,8 @@ and its 95% t-interval over the runs, and per round as the ratio:
   both ranks, other: torchrun), from /proc/<pid>/stat of the run's process tree sampled every 0.25 s, counted
   between the times of those steps' metrics rows.
 So step s = (trajectories per group x B) / (trajectories/s) + what is not overlapped, and a slower step shows which
-term moved and, through CPU per trajectory, in which process.
+term moved and, through CPU per trajectory, in which process. `--engine-only` (with --compare) bisects the engine's
+share: engine.py of each tree alone under the config's rollout load (engine_run), its CPU us per trajectory.
 """
 from __future__ import annotations
 
@@ -326,6 +327,68 @@ def breakdown(rows: list[dict], warmup: int, steps: int, wall_mean: float) -> No
     print(f"  {'wall':<14}{wall_mean:7.3f}")
 
 
+def engine_run(root: str, base: str, cfg, rounds: int = 4, groups: int = 100) -> float:
+    """engine.py of the tree at `root` alone under the config's rollout load: groups of N identical prompts of the
+    first data source, async_max_concurrent_samples // N of them in flight, temperature and max_new_tokens of the
+    config, return_logprob, and a /flush_cache after every `groups` groups (a step's weight sync flushes). Returns
+    the engine process's CPU us per trajectory over the rounds after the first (a warm-up)."""
+    import asyncio
+
+    import aiohttp
+    import requests
+    from transformers import AutoTokenizer
+
+    import tasks
+
+    prompts = tasks.load_prompts(cfg.data_sources[0], AutoTokenizer.from_pretrained(base), "train")
+    port, N, s = random.randint(20000, 29999), cfg.N, cfg.rollout.sampling
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "engine.py"), "--model-path", base, "--port",
+                             str(port), "--max-running-requests", str(cfg.rollout.async_max_concurrent_samples),
+                             "--device", "cpu", "--log-level", "warning"], cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    try:
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"[engine] {root}/engine.py did not answer /health within 300 s")
+            time.sleep(0.2)
+
+        def cpu() -> float:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / TICK
+
+        async def drive() -> list[float]:
+            sem, marks, cursor = asyncio.Semaphore(max(1, cfg.rollout.async_max_concurrent_samples // N)), [], 0
+            sp = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+                async def group(ids):
+                    async with sem, session.post(url + "/generate", json={
+                            "input_ids": [ids] * N, "return_logprob": True, "sampling_params": sp}) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+                for _ in range(rounds):
+                    marks.append(cpu())
+                    todo = [prompts[(cursor + i) % len(prompts)]["prompt_ids"] for i in range(groups)]
+                    cursor += groups
+                    await asyncio.gather(*map(group, todo))
+                    async with session.post(url + "/flush_cache") as r:
+                        await r.read()
+                marks.append(cpu())
+            return marks
+
+        marks = asyncio.run(drive())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return 1e6 * (marks[-1] - marks[1]) / ((rounds - 1) * groups * N)
+
+
 def compare(args, overrides: list[str], cfg) -> None:
     """A (this tree) and B (args.compare in a temporary worktree) alternately, args.runs times each."""
     rev = subprocess.run(["git", "rev-parse", "--short", args.compare], cwd=ROOT, check=True, capture_output=True,
@@ -345,8 +408,11 @@ def compare(args, overrides: list[str], cfg) -> None:
                 root = sides[side][0]
                 config = os.path.join(root, os.path.relpath(os.path.abspath(args.config), ROOT))
                 run_dir = tempfile.mkdtemp(prefix=f"step-bench-{side}-")
-                rows, sampler = system_run(config, both, args.steps, run_dir, root)
-                figs[side].append(run_figures(rows, sampler, args.warmup, cfg.B))
+                if args.engine_only:
+                    figs[side].append({"engine CPU us / trajectory": engine_run(root, base, cfg)})
+                else:
+                    rows, sampler = system_run(config, both, args.steps, run_dir, root)
+                    figs[side].append(run_figures(rows, sampler, args.warmup, cfg.B))
                 shutil.rmtree(run_dir, ignore_errors=True)
                 print(f"[compare] round {i + 1} {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                                       figs[side][-1].items()), flush=True)
@@ -370,6 +436,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1, help="system runs (per side with --compare), figures as mean and "
                                                        "95%% t-interval")
     p.add_argument("--compare", metavar="GIT_REV", help="alternate the system runs with those of this revision")
+    p.add_argument("--engine-only", action="store_true", help="with --compare: engine.py of each tree alone under "
+                                                              "the config's rollout load (engine_run), not train.py")
     args, overrides = p.parse_known_args()
     if args.runs < 1:
         p.error(f"--runs must be >= 1, got {args.runs}")
@@ -378,6 +446,8 @@ def main() -> None:
     cfg = config_lib.load_config(args.config, overrides)
     cfg.trainer.total_steps = args.steps
     ensure_base(cfg)
+    if args.engine_only and not args.compare:
+        p.error("--engine-only compares two trees: give --compare GIT_REV")
     if args.compare:
         compare(args, overrides, cfg)
         return
