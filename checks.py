@@ -15,7 +15,8 @@ import services as services_lib
 
 def check_launch(cfg, world: int) -> None:
     """Every rank: the processes started match trainer.num_nodes x num_gpus_per_node, the device exists, the model
-    is there (or can be made), routing replay has a MoE to replay, and the servers to use are named once."""
+    is there (or can be made; a tiny base made earlier is of this config's recipe), routing replay has a MoE to
+    replay, and the servers to use are named once."""
     t, r = cfg.trainer, cfg.rollout
     if cfg.run_mode != "rollout-only" and world != t.num_nodes * t.num_gpus_per_node:
         raise ValueError(f"trainer.num_nodes x trainer.num_gpus_per_node ({t.num_nodes} x {t.num_gpus_per_node}) "
@@ -30,6 +31,10 @@ def check_launch(cfg, world: int) -> None:
             raise ValueError(f"model.tiny_pretrain_steps={cfg.model.tiny_pretrain_steps} needs a toy task with a "
                              f"pretraining task ({', '.join(tasks.PRETRAIN_TASK_OF)}), not data_source.task "
                              f"'{cfg.data_sources[0].task}'; set model.tiny_pretrain_steps=0")
+    if cfg.model.make_tiny and os.path.isdir(cfg.model.path):
+        import tasks
+
+        tasks.check_tiny_base(cfg)  # a base an earlier run made is reused only if this config would make the same
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
         raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
                          "model.make_tiny=true to create the tiny model there")
@@ -62,18 +67,25 @@ def check_launch(cfg, world: int) -> None:
 def check_inputs(cfg) -> None:
     """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
     row only after the servers started), its prompts fit rollout.max_prompt_tokens (with the tokenizer of
-    model.path; a tiny model not made yet is checked when the buffer loads them), and a checkpoint given as
+    model.path; a tiny model not made yet is checked when the buffer loads them), a math dataset's shortest
+    answer fits rollout.sampling.max_new_tokens (tasks.check_answers_fit), and a checkpoint given as
     trainer.resume loads."""
     import tasks
 
     if cfg.run_mode != "train-only":
+        tokenizer = None
         for ds in cfg.data_sources:
             tasks.check_data_source(ds)
             tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
-            if cfg.rollout.max_prompt_tokens is not None and os.path.isdir(cfg.model.path):
+            if tokenizer is None and os.path.isdir(cfg.model.path):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            elif tokenizer is None and cfg.model.make_tiny:  # the tiny model's, before it is made
+                tokenizer = tasks.build_tokenizer()
+            if tokenizer is not None and ds.task in tasks.FILE_TASKS:
+                tasks.check_answers_fit(ds, tokenizer, cfg.rollout.sampling.max_new_tokens)
+            if cfg.rollout.max_prompt_tokens is not None and os.path.isdir(cfg.model.path):
                 for split in ("train", "eval"):
                     tasks.load_prompts(ds, tokenizer, split, cfg.rollout.max_prompt_tokens)
     if cfg.trainer.resume not in ("none", "auto"):

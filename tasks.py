@@ -84,7 +84,7 @@ def build_tokenizer():
 
 def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
                     pretrain_task: Optional[str] = None, pretrain_steps: int = 0, num_experts: int = 0,
-                    experts_per_token: int = 2) -> str:
+                    experts_per_token: int = 2, made_by: Optional[str] = None) -> str:
     """Write a Qwen3ForCausalLM + character tokenizer to `out_dir`; returns `out_dir`. num_experts > 0: a
     Qwen3MoeForCausalLM instead, every layer sparse with `num_experts` experts of width hidden_size // 2, top
     `experts_per_token` (renormalised, as Qwen3-30B-A3B's norm_topk_prob), so that its active MLP width equals
@@ -93,6 +93,8 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
     Random init, then (pretrain_steps > 0) `pretrain_steps` supervised steps on the toy task `pretrain_task`
     (PRETRAIN_TASKS), with the loss curve written to `out_dir/pretrain.json`. Training happens in a temporary
     directory renamed into place at the end, so an interrupted run never leaves a half-made model at `out_dir`.
+    The arguments are recorded in `out_dir/tiny_recipe.json` (tiny_recipe, plus `made_by`: "model.make_tiny" when
+    a run made it as its cache, which check_tiny_base then holds to the run's config).
     """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -143,6 +145,9 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
     if record is not None:
         with open(os.path.join(tmp, "pretrain.json"), "w") as f:
             json.dump(record, f, indent=1)
+    with open(os.path.join(tmp, RECIPE_FILE), "w") as f:
+        json.dump({**tiny_recipe(hidden_size, num_layers, seed, pretrain_task, pretrain_steps, num_experts,
+                                 experts_per_token), "made_by": made_by}, f, indent=1)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
@@ -167,7 +172,7 @@ def make_sharp_model(out_dir: str, seed: int = 0, num_experts: int = 0) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    make_tiny_model(out_dir, seed=seed, num_experts=num_experts)
+    make_tiny_model(out_dir, seed=seed, num_experts=num_experts, made_by="make_sharp_model")
     model = AutoModelForCausalLM.from_pretrained(out_dir)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -193,12 +198,57 @@ PRETRAIN_TASK_OF = {"reverse_digits": "copy_digits", "calc_tool": "calc_call"}  
 PRETRAIN_BATCH, PRETRAIN_LR = 64, 3e-3
 
 
-def make_tiny_for(cfg) -> str:
-    """The tiny model a run's config asks for (config.Config: model.tiny_*, the first data source's task's base)."""
+RECIPE_FILE = "tiny_recipe.json"
+# a recipe's fields and the config keys that set them (make_tiny_for)
+RECIPE_KEYS = {"pretrain_task": "data_source.task (its base's pretraining task)",
+               "pretrain_steps": "model.tiny_pretrain_steps", "seed": "seed", "hidden_size": "model.tiny_hidden_size",
+               "num_layers": "model.tiny_num_layers", "num_experts": "model.tiny_num_experts",
+               "experts_per_token": "model.tiny_experts_per_token"}
+
+
+def tiny_recipe(hidden_size: int, num_layers: int, seed: int, pretrain_task: Optional[str], pretrain_steps: int,
+                num_experts: int, experts_per_token: int) -> dict:
+    """What makes a tiny base what it is, normalised: no pretraining task without steps, no top-k without experts."""
+    return {"pretrain_task": pretrain_task if pretrain_steps > 0 else None,
+            "pretrain_steps": pretrain_steps, "seed": seed, "hidden_size": hidden_size,
+            "num_layers": num_layers, "num_experts": num_experts,
+            "experts_per_token": experts_per_token if num_experts else None}
+
+
+def _recipe_args(cfg) -> tuple:
     m = cfg.model
-    return make_tiny_model(m.path, m.tiny_hidden_size, m.tiny_num_layers, cfg.seed,
-                           PRETRAIN_TASK_OF.get(cfg.data_sources[0].task), m.tiny_pretrain_steps,
-                           m.tiny_num_experts, m.tiny_experts_per_token)
+    return (m.tiny_hidden_size, m.tiny_num_layers, cfg.seed, PRETRAIN_TASK_OF.get(cfg.data_sources[0].task),
+            m.tiny_pretrain_steps, m.tiny_num_experts, m.tiny_experts_per_token)
+
+
+def make_tiny_for(cfg) -> str:
+    """The tiny model a run's config asks for (config.Config: model.tiny_*, seed, the first data source's task's
+    base), made at model.path as the run's cache (made_by "model.make_tiny": check_tiny_base holds later runs to
+    its recipe)."""
+    return make_tiny_model(cfg.model.path, *_recipe_args(cfg), made_by="model.make_tiny")
+
+
+def check_tiny_base(cfg) -> None:
+    """model.make_tiny reuses the base at model.path only when it is the one this config would make: a base that a
+    run made (its tiny_recipe.json says made_by "model.make_tiny") with another recipe is refused in one sentence,
+    naming the fields that differ. Otherwise a first run with model.tiny_pretrain_steps=0 would leave an untrained
+    base that every later default run silently trains from. Refused rather than remade in place: another run may
+    be reading it, and the user chose that directory. A base made otherwise (tasks.py make-tiny-model, a test's
+    make_tiny_model, an HF checkpoint) is used as given."""
+    path = os.path.join(cfg.model.path, RECIPE_FILE)
+    if not cfg.model.make_tiny or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        made = json.load(f)
+    if made.get("made_by") != "model.make_tiny":
+        return
+    want = tiny_recipe(*_recipe_args(cfg))
+    diff = [f"{RECIPE_KEYS[k]}: {made.get(k)!r} there, {want[k]!r} in this config" for k in RECIPE_KEYS
+            if made.get(k) != want[k]]
+    if diff:
+        raise ValueError(f"model.path '{cfg.model.path}' holds a tiny base made by model.make_tiny with another "
+                         f"recipe ({'; '.join(diff)}); delete that directory to have it made again for this config, "
+                         "set model.path to another directory, or set model.make_tiny=false to use it as it is")
 
 
 def pretrain(model, tokenizer, task: str, steps: int, seed: int = 0) -> dict:
@@ -480,6 +530,26 @@ def _check_prompt_lengths(prompts: list[dict], ds_cfg, split: str, limit: Option
                          f"rollout.max_prompt_tokens={limit} tokens (the longest: {len(worst['prompt_ids'])}{where});"
                          " raise rollout.max_prompt_tokens or drop those rows from the dataset")
     return prompts
+
+
+def check_answers_fit(ds_cfg, tokenizer, max_new_tokens: int) -> None:
+    r"""A file task scored by the math reward: refuse a rollout.sampling.max_new_tokens that no label's shortest
+    scoring response ("Answer:" + label or \boxed{label}, tokenized alone) fits in, since then every reward is 0
+    whatever the model writes (a toy config's 6, inherited by a user's own dataset, is the case this catches). Only
+    the certain case is refused: a budget that fits the bare answer but not the reasoning before it is what
+    train.py's warning on the share of responses cut by length (rollout/truncation_ratio) is for."""
+    reward = ds_cfg.reward or default_reward(ds_cfg.task)
+    if ds_cfg.task not in FILE_TASKS or reward != "math":
+        return
+    labels = sorted({str(label) for _, label, _ in _file_rows(ds_cfg)})
+    texts = [t for label in labels for t in (f"Answer:{label}", f"\\boxed{{{label}}}")]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    need, text = min((len(i), t) for i, t in zip(ids, texts))
+    if need > max_new_tokens:
+        raise ValueError(f"rollout.sampling.max_new_tokens={max_new_tokens} cannot hold an answer the math reward "
+                         f"of data_source.task '{ds_cfg.task}' ({ds_cfg.path}) scores: its shortest, {text!r}, is "
+                         f"{need} tokens, so every reward would be 0; set rollout.sampling.max_new_tokens to what a "
+                         "response of this dataset needs (reasoning included, e.g. 1024 for GSM8K-style problems)")
 
 
 def stop_token_ids(tokenizer, model_path: str) -> list[int]:

@@ -130,6 +130,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
     gpc, total = cfg.groups_per_call, cfg.trainer.total_steps
     if rank == 0:
         rollout.start()  # idempotent; the producer starts filling the buffer with the current weights
+    length_warned = False
     for step in range(start_step, total):
         t_step = time.perf_counter()
         m: dict = {}
@@ -201,6 +202,13 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         if evaluate is not None and ((cfg.trainer.eval_freq and done % cfg.trainer.eval_freq == 0) or done == total):
             m.update(evaluate(done))
         m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
+        cut = m.get("rollout/truncation_ratio", 0.0)
+        if cut > 0.5 and not length_warned:  # once: most answers cut short score as wrong whatever the model learns
+            length_warned = True
+            print(f"[train] warning: {cut:.0%} of the responses finished in step {done} ended at "
+                  f"rollout.sampling.max_new_tokens={cfg.rollout.sampling.max_new_tokens} tokens without stopping "
+                  "(rollout/truncation_ratio); raise it if this task's answers need more", file=sys.stderr,
+                  flush=True)
         logger.log(done, m)
 
 

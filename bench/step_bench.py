@@ -16,7 +16,26 @@ and checkpoints count), the eval curve, then the ratio system / plain loop and t
 
 Run:
     python bench/step_bench.py [--config configs/tiny.yaml] [--steps 60] [--warmup 5] [--only plain|system]
+                               [--runs K] [--compare GIT_REV]
                                [KEY=VALUE ...]   # config overrides for both sides, e.g. fully_async.enable=false
+
+Whether the system's step changed (`--compare REV --runs K`, K >= 5 for an interval worth reading): REV is checked
+out into a temporary git worktree and `train.py` of that tree (B) and of this one (A) run alternately, A, B, A, B ...,
+K times each, from the same base model (this tree's, at an absolute model.path) and the same overrides; the plain
+loop is not run. Alternation is what makes the comparison fair on a shared machine: a load that comes and goes hits
+both sides alike, and the paired ratio B / A of each round cancels what a round shares. Printed per side, as the mean
+and its 95% t-interval over the runs, and per round as the ratio:
+- step s: wall clock between logged steps after --warmup; train s and wait s: the trainer's timing/train and
+  timing/rollout (waiting for data) per step;
+- trajectories per trained group: trajectories generated in those steps (`rollout/trajectories_finished`) over the
+  groups trained (B a step): what the filter and the step boundary cost, apart from how fast a trajectory is made;
+- cut by length share: of those trajectories, the share that ended at max_new_tokens (rollout/truncation_ratio);
+- trajectories/s generated, and CPU us per generated trajectory of each process (engine, rollout, buffer, trainer:
+  both ranks, other: torchrun), from /proc/<pid>/stat of the run's process tree sampled every 0.25 s, counted
+  between the times of those steps' metrics rows.
+So step s = (trajectories per group x B) / (trajectories/s) + what is not overlapped, and a slower step shows which
+term moved and, through CPU per trajectory, in which process. `--engine-only` (with --compare) bisects the engine's
+share: engine.py of each tree alone under the config's rollout load (engine_run), its CPU us per trajectory.
 """
 from __future__ import annotations
 
@@ -25,9 +44,11 @@ import json
 import os
 import random
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +63,7 @@ def ensure_base(cfg) -> None:
 
     if not os.path.isdir(cfg.model.path):
         tasks.make_tiny_for(cfg)
+    tasks.check_tiny_base(cfg)  # as train.py's check_launch: a cached base of another recipe is refused
 
 
 def greedy_eval(model, tokenizer, prompts, max_new_tokens, reward_fn) -> tuple[float, float]:
@@ -164,18 +186,245 @@ def plain_loop(cfg, steps: int) -> dict:
 BREAKDOWN = [("train", "timing/train"), ("wait for data", "timing/rollout"), ("pause", "timing/pause_delay"),
              ("weight sync", "timing/update_weights"), ("process", "timing/process_traj"),
              ("checkpoint", "timing/save_ckpt"), ("eval", "timing/eval")]
+ROLES = ("engine", "rollout", "buffer", "trainer", "other")
+TICK = os.sysconf("SC_CLK_TCK")
+# two-sided 95% t quantiles by degrees of freedom (no scipy in requirements.txt)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
 
 
-def system_run(config_path: str, overrides: list[str], steps: int, run_dir: str) -> list[dict]:
+def interval(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (0 for one value)."""
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    return m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / len(xs) ** 0.5
+
+
+def role_of(cmdline: str) -> str:
+    """The process a command line is, in this tree's layout or the older one (buffer.py / rollout.py --serve)."""
+    if "engine.py" in cmdline:
+        return "engine"
+    if "workers.py\0buffer" in cmdline or "/buffer.py" in cmdline:
+        return "buffer"
+    if "workers.py\0rollout" in cmdline or "/rollout.py" in cmdline:
+        return "rollout"
+    if "train.py" in cmdline and "torchrun" not in cmdline and "torch.distributed.run" not in cmdline:
+        return "trainer"
+    return "other"
+
+
+class CpuSampler(threading.Thread):
+    """CPU seconds (user + system) of a process tree by role, every `every` s: samples [(time.time(), {role: s})].
+
+    A process's last reading is kept after it exits, so the totals only grow; a process that lives less than one
+    period is missed (the run's processes live for the whole run)."""
+
+    def __init__(self, root_pid: int, every: float = 0.25):
+        super().__init__(daemon=True)
+        self.root, self.every, self.samples, self.stop = root_pid, every, [], threading.Event()
+        self.last: dict[int, tuple[str, float]] = {}
+
+    def _tree(self) -> dict[int, int]:
+        parent = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        out, todo = {}, [self.root]
+        children: dict[int, list[int]] = {}
+        for pid, pp in parent.items():
+            children.setdefault(pp, []).append(pid)
+        while todo:
+            pid = todo.pop()
+            out[pid] = 1
+            todo.extend(children.get(pid, []))
+        return out
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            for pid in self._tree():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    with open(f"/proc/{pid}/cmdline") as f:  # read each time: a pid's exec changes it
+                        cmdline = f.read()
+                    if not cmdline:  # between fork and exec, or exiting: its time counts at the next reading
+                        continue
+                    self.last[pid] = (role_of(cmdline), (int(fields[11]) + int(fields[12])) / TICK)
+                except (OSError, IndexError, ValueError):
+                    pass
+            tot = dict.fromkeys(ROLES, 0.0)
+            for role, cpu in self.last.values():
+                tot[role] += cpu
+            self.samples.append((time.time(), tot))
+
+    def at(self, t: float) -> dict[str, float]:
+        """The totals of the last sample at or before time t (the first sample if none)."""
+        best = self.samples[0][1]
+        for ts, tot in self.samples:
+            if ts > t:
+                break
+            best = tot
+        return best
+
+
+def system_run(config_path: str, overrides: list[str], steps: int, run_dir: str, root: str = ROOT):
+    """torchrun train.py of the tree at `root` for `steps` steps; returns (metrics.jsonl rows, CpuSampler)."""
     port = random.randint(32000, 39999)
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "train.py"), "--config", config_path, *overrides, f"run_dir={run_dir}",
+           os.path.join(root, "train.py"), "--config", config_path, *overrides, f"run_dir={run_dir}",
            f"trainer.total_steps={steps}", "trainer.save_freq=0", "trainer.export_hf=false",
            f"rollout.base_port={port}", f"weight_sync.master_port={port + 10000}"]
     print("[system] " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=root)
+    sampler = CpuSampler(proc.pid)
+    sampler.start()
+    try:
+        rc = proc.wait()
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    if rc:
+        raise SystemExit(f"[system] {root}/train.py exited with {rc}; see {run_dir}/logs")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()], sampler
+
+
+def run_figures(rows: list[dict], sampler: CpuSampler, warmup: int, B: int) -> dict:
+    """The figures of one system run over the steps after `warmup` (see the module docstring)."""
+    rows = [r for r in rows if "step" in r and "time" in r]
+    steps_rows = [r for r in rows if r["step"] > warmup]
+    start = max((r for r in rows if r["step"] <= warmup), key=lambda r: r["time"])
+    end = max(steps_rows, key=lambda r: r["time"])
+    n_steps = len({r["step"] for r in steps_rows})
+    wall = end["time"] - start["time"]
+    trajs = sum(r.get("rollout/trajectories_finished", 0) for r in steps_rows)
+    c0, c1 = sampler.at(start["time"]), sampler.at(end["time"])
+    cut = sum(r.get("rollout/truncation_ratio", 0) * r.get("rollout/trajectories_finished", 0) for r in steps_rows)
+    out = {"step s": wall / n_steps, "train s / step": sum(r.get("timing/train", 0) for r in steps_rows) / n_steps,
+           "wait s / step": sum(r.get("timing/rollout", 0) for r in steps_rows) / n_steps,
+           "trajectories / trained group": trajs / (n_steps * B), "trajectories / s": trajs / wall,
+           "cut by length share": cut / max(trajs, 1)}
+    for role in ROLES:
+        out[f"{role} CPU us / trajectory"] = 1e6 * (c1[role] - c0[role]) / max(trajs, 1)
+    out["all CPU us / trajectory"] = sum(out[f"{r} CPU us / trajectory"] for r in ROLES)
+    return out
+
+
+def breakdown(rows: list[dict], warmup: int, steps: int, wall_mean: float) -> None:
+    steps_rows = [r for r in rows if r["step"] > warmup]
+    print(f"\nsystem step breakdown (mean s per step over steps {warmup + 1}-{steps}):")
+    accounted = 0.0
+    for label, key in BREAKDOWN:
+        v = sum(r.get(key, 0.0) for r in steps_rows) / len(steps_rows)
+        accounted += v
+        print(f"  {label:<14}{v:7.3f}")
+    print(f"  {'other':<14}{wall_mean - accounted:7.3f}  (metrics, logging, the step's RPC calls)")
+    print(f"  {'wall':<14}{wall_mean:7.3f}")
+
+
+def engine_run(root: str, base: str, cfg, rounds: int = 4, groups: int = 100) -> float:
+    """engine.py of the tree at `root` alone under the config's rollout load: groups of N identical prompts of the
+    first data source, async_max_concurrent_samples // N of them in flight, temperature and max_new_tokens of the
+    config, return_logprob, and a /flush_cache after every `groups` groups (a step's weight sync flushes). Returns
+    the engine process's CPU us per trajectory over the rounds after the first (a warm-up)."""
+    import asyncio
+
+    import aiohttp
+    import requests
+    from transformers import AutoTokenizer
+
+    import tasks
+
+    prompts = tasks.load_prompts(cfg.data_sources[0], AutoTokenizer.from_pretrained(base), "train")
+    port, N, s = random.randint(20000, 29999), cfg.N, cfg.rollout.sampling
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "engine.py"), "--model-path", base, "--port",
+                             str(port), "--max-running-requests", str(cfg.rollout.async_max_concurrent_samples),
+                             "--device", "cpu", "--log-level", "warning"], cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    try:
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"[engine] {root}/engine.py did not answer /health within 300 s")
+            time.sleep(0.2)
+
+        def cpu() -> float:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / TICK
+
+        async def drive() -> list[float]:
+            sem, marks, cursor = asyncio.Semaphore(max(1, cfg.rollout.async_max_concurrent_samples // N)), [], 0
+            sp = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+                async def group(ids):
+                    async with sem, session.post(url + "/generate", json={
+                            "input_ids": [ids] * N, "return_logprob": True, "sampling_params": sp}) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+                for _ in range(rounds):
+                    marks.append(cpu())
+                    todo = [prompts[(cursor + i) % len(prompts)]["prompt_ids"] for i in range(groups)]
+                    cursor += groups
+                    await asyncio.gather(*map(group, todo))
+                    async with session.post(url + "/flush_cache") as r:
+                        await r.read()
+                marks.append(cpu())
+            return marks
+
+        marks = asyncio.run(drive())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return 1e6 * (marks[-1] - marks[1]) / ((rounds - 1) * groups * N)
+
+
+def compare(args, overrides: list[str], cfg) -> None:
+    """A (this tree) and B (args.compare in a temporary worktree) alternately, args.runs times each."""
+    rev = subprocess.run(["git", "rev-parse", "--short", args.compare], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    other = tempfile.mkdtemp(prefix=f"step-bench-{rev}-")
+    subprocess.run(["git", "worktree", "add", "--detach", other, rev], cwd=ROOT, check=True)
+    # the same base for both sides: this tree's, by absolute path (the other tree's model.path would be its own)
+    base = os.path.abspath(os.path.join(ROOT, cfg.model.path))
+    both = [*overrides, f"model.path={base}"]
+    sides = {"A": (ROOT, f"{head} + this tree's changes"), "B": (other, rev)}
+    figs: dict[str, list[dict]] = {"A": [], "B": []}
+    try:
+        for i in range(args.runs):
+            for side in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                root = sides[side][0]
+                config = os.path.join(root, os.path.relpath(os.path.abspath(args.config), ROOT))
+                run_dir = tempfile.mkdtemp(prefix=f"step-bench-{side}-")
+                if args.engine_only:
+                    figs[side].append({"engine CPU us / trajectory": engine_run(root, base, cfg)})
+                else:
+                    rows, sampler = system_run(config, both, args.steps, run_dir, root)
+                    figs[side].append(run_figures(rows, sampler, args.warmup, cfg.B))
+                shutil.rmtree(run_dir, ignore_errors=True)
+                print(f"[compare] round {i + 1} {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                                      figs[side][-1].items()), flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", other], cwd=ROOT)
+    print(f"\nA = {sides['A'][1]}, B = {sides['B'][1]}; {args.runs} alternating runs each of {args.steps} steps "
+          f"(steps {args.warmup + 1}-{args.steps}); mean +- 95% t-interval half-width; B / A per round paired")
+    print(f"{'':<30}{'A':>18}{'B':>18}{'B / A':>18}")
+    for key in figs["A"][0]:
+        a, b = interval([f[key] for f in figs["A"]]), interval([f[key] for f in figs["B"]])
+        r = interval([fb[key] / fa[key] for fa, fb in zip(figs["A"], figs["B"]) if fa[key]])
+        print(f"{key:<30}{a[0]:>11.3f} +-{a[1]:<5.3f}{b[0]:>11.3f} +-{b[1]:<5.3f}{r[0]:>11.3f} +-{r[1]:<5.3f}")
 
 
 def main() -> None:
@@ -184,10 +433,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the mean step time")
     p.add_argument("--only", choices=["plain", "system"])
+    p.add_argument("--runs", type=int, default=1, help="system runs (per side with --compare), figures as mean and "
+                                                       "95%% t-interval")
+    p.add_argument("--compare", metavar="GIT_REV", help="alternate the system runs with those of this revision")
+    p.add_argument("--engine-only", action="store_true", help="with --compare: engine.py of each tree alone under "
+                                                              "the config's rollout load (engine_run), not train.py")
     args, overrides = p.parse_known_args()
+    if args.runs < 1:
+        p.error(f"--runs must be >= 1, got {args.runs}")
+    if args.warmup < 1 or args.warmup >= args.steps:
+        p.error(f"--warmup must be in 1..--steps-1 (a logged step before the window starts it), got {args.warmup}")
     cfg = config_lib.load_config(args.config, overrides)
     cfg.trainer.total_steps = args.steps
     ensure_base(cfg)
+    if args.engine_only and not args.compare:
+        p.error("--engine-only compares two trees: give --compare GIT_REV")
+    if args.compare:
+        compare(args, overrides, cfg)
+        return
     res = {}
     if args.only != "system":
         import torch
@@ -199,20 +462,18 @@ def main() -> None:
         print("plain loop trajectories generated by step: "
               + ", ".join(f"{s}: {n}" for s, n in plain["generated_at"]))
     if args.only != "plain":
-        rows = system_run(args.config, overrides, args.steps, tempfile.mkdtemp(prefix="step-bench-"))
-        steps = [r for r in rows if r["step"] > args.warmup]
-        wall = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] > args.warmup]
-        res["system"] = statistics.mean(wall)
-        print("system eval: " + ", ".join(f"{r['step']}: {r['eval/reward_mean']:.3f}/{r['eval/exact_ratio']:.3f}"
-                                          for r in rows if "eval/reward_mean" in r))
-        print(f"\nsystem step breakdown (mean s per step over steps {args.warmup + 1}-{args.steps}):")
-        accounted = 0.0
-        for label, key in BREAKDOWN:
-            v = sum(r.get(key, 0.0) for r in steps) / len(steps)
-            accounted += v
-            print(f"  {label:<14}{v:7.3f}")
-        print(f"  {'other':<14}{res['system'] - accounted:7.3f}  (metrics, logging, the step's RPC calls)")
-        print(f"  {'wall':<14}{res['system']:7.3f}")
+        figs = []
+        for _ in range(args.runs):
+            rows, sampler = system_run(args.config, overrides, args.steps, tempfile.mkdtemp(prefix="step-bench-"))
+            figs.append(run_figures(rows, sampler, args.warmup, cfg.B))
+            print("system eval: " + ", ".join(f"{r['step']}: {r['eval/reward_mean']:.3f}/{r['eval/exact_ratio']:.3f}"
+                                              for r in rows if "eval/reward_mean" in r))
+        res["system"] = statistics.mean(f["step s"] for f in figs)
+        breakdown(rows, args.warmup, args.steps, figs[-1]["step s"])
+        print(f"\nsystem figures over {args.runs} run(s) (mean +- 95% t-interval half-width):")
+        for key in figs[0]:
+            m, h = interval([f[key] for f in figs])
+            print(f"  {key:<30}{m:10.3f} +-{h:.3f}")
     for side in ("plain", "system"):
         if side in res:
             print(f"{side} loop: {res[side]:.3f} s/step")

@@ -179,6 +179,28 @@ def test_the_waiting_line_says_what_the_filter_drops_and_why(tmp_path, capsys, m
     assert saved[0]["servers_up"] == 1 and saved[0]["servers_total"] == 2 and saved[0]["needed"] == 2
 
 
+def test_most_responses_cut_by_length_warn_once_naming_the_key(tmp_path, capsys):
+    """A budget that holds the answer but not the work before it: the first step where most responses end at
+    max_new_tokens without stopping says so once, naming the key; later steps do not repeat it."""
+    cfg = _cfg(0, True, ["trainer.mini_batch_size=8", "trainer.total_steps=3", f"run_dir={tmp_path}",
+                         "buffer.get_timeout_s=60", "rollout.sampling.max_new_tokens=12"])
+    srv = PipelineServer(cfg, make_prompts(40), decode=_decode)
+    producer = _Producer(srv)
+    producer.vary.set()
+    ratios = iter([0.5, 0.75, 0.9])  # half is not most
+    producer.step_metrics = lambda: {"rollout/truncation_ratio": next(ratios)}
+    try:
+        train.run_steps(cfg, _Actor(), srv, producer, logger_lib.Logger(cfg), 0)
+    finally:
+        producer.stopped.set()
+        srv.close()
+    err = capsys.readouterr().err
+    warned = [ln for ln in err.splitlines() if "rollout/truncation_ratio" in ln]
+    assert warned == ["[train] warning: 75% of the responses finished in step 2 ended at "
+                      "rollout.sampling.max_new_tokens=12 tokens without stopping (rollout/truncation_ratio); "
+                      "raise it if this task's answers need more"], err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # train.py end to end: a new user's GSM8K-layout dataset that the tiny base never solves
 
@@ -212,6 +234,7 @@ def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
                           f"data_source.path={data}", "data_source.num_eval_prompts=4",
                           "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
                           "trainer.mini_batch_size=8", "trainer.total_steps=4", "trainer.eval_freq=0",
+                          "rollout.sampling.max_new_tokens=16",  # room for "Answer:N" (tiny.yaml's 6 is refused)
                           f"rollout.base_port={port}", f"weight_sync.master_port={port + 1}",
                           "buffer.get_timeout_s=600", "rollout.startup_timeout_s=120", "rollout.filter_stop_groups=null"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

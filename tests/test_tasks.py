@@ -290,6 +290,56 @@ def test_malformed_jsonl_row_names_file_line_and_field(tok, tmp_path, line, mess
     assert str(err.value).startswith(f"{path} {message}")
 
 
+def test_a_math_dataset_whose_shortest_answer_cannot_fit_max_new_tokens_is_refused(tok, tmp_path):
+    """tiny.yaml's max_new_tokens 6, inherited by a user's own dataset: no response can hold "Answer:0" (8 tokens of
+    the character tokenizer, the shortest scoring answer of ROWS), so every reward would be 0."""
+    path = _write_jsonl(tmp_path / "math.jsonl", ROWS)
+    ds = DataSourceConfig(task="jsonl", path=path, num_eval_prompts=1)
+    with pytest.raises(ValueError) as err:
+        tasks.check_answers_fit(ds, tok, 7)
+    assert str(err.value).startswith("rollout.sampling.max_new_tokens=7 cannot hold an answer the math reward of "
+                                     f"data_source.task 'jsonl' ({path}) scores: its shortest, 'Answer:0', is 8 "
+                                     "tokens, so every reward would be 0; set rollout.sampling.max_new_tokens to ")
+    tasks.check_answers_fit(ds, tok, 8)  # fits exactly
+    # another reward's answers are not the math reward's: nothing to say
+    tasks.check_answers_fit(DataSourceConfig(task="jsonl", path=path, reward="reverse_digits"), tok, 1)
+
+
+def _tiny_cfg(tmp_path, *overrides):
+    return config.load_config("configs/tiny.yaml", [f"model.path={tmp_path / 'base'}", *overrides])
+
+
+def test_a_cached_tiny_base_of_another_recipe_is_refused(tmp_path):
+    """model.make_tiny made an untrained base (tiny_pretrain_steps=0); a later default run is refused in one sentence
+    naming what differs instead of silently training from it; a run of the same recipe reuses it."""
+    import checks
+
+    untrained = _tiny_cfg(tmp_path, "model.tiny_pretrain_steps=0")
+    tasks.make_tiny_for(untrained)
+    with open(tmp_path / "base" / tasks.RECIPE_FILE) as f:
+        assert json.load(f) == {"pretrain_task": None, "pretrain_steps": 0, "seed": 0, "hidden_size": 64,
+                                "num_layers": 2, "num_experts": 0, "experts_per_token": None,
+                                "made_by": "model.make_tiny"}
+    checks.check_launch(untrained, 2)  # the same recipe: reused
+    default = _tiny_cfg(tmp_path)
+    with pytest.raises(ValueError) as err:
+        checks.check_launch(default, 2)
+    assert str(err.value) == (
+        f"model.path '{tmp_path / 'base'}' holds a tiny base made by model.make_tiny with another recipe "
+        "(data_source.task (its base's pretraining task): None there, 'copy_digits' in this config; "
+        "model.tiny_pretrain_steps: 0 there, 300 in this config); delete that directory to have it made again for "
+        "this config, set model.path to another directory, or set model.make_tiny=false to use it as it is")
+    with pytest.raises(ValueError, match=r"\(seed: 0 there, 1 in this config; model.tiny_hidden_size: 64 there, 32 "):
+        tasks.check_tiny_base(_tiny_cfg(tmp_path, "model.tiny_pretrain_steps=0", "seed=1", "model.tiny_hidden_size=32"))
+    tasks.check_tiny_base(_tiny_cfg(tmp_path, "model.make_tiny=false"))  # not the cache: used as it is
+
+
+def test_a_base_made_by_hand_is_used_as_given(tiny):
+    with open(f"{tiny}/{tasks.RECIPE_FILE}") as f:
+        assert json.load(f)["made_by"] is None  # tasks.py make-tiny-model: recorded, never held to a config
+    tasks.check_tiny_base(config.load_config("configs/tiny.yaml", [f"model.path={tiny}"]))
+
+
 def test_malformed_parquet_row_and_bad_paths(tok, tmp_path):
     path = str(tmp_path / "bad.parquet")
     pq.write_table(pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "", "answer": "2"}]), path)

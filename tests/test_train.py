@@ -6,6 +6,7 @@ CPU only. The multi-process checks run this file as a script under torchrun (2 g
 Run: .venv/bin/python -m pytest -q tests/test_train.py
 """
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -214,6 +215,23 @@ def _bad_jsonl(tmp_path) -> str:
     path = tmp_path / "bad.jsonl"
     path.write_text(f"{row}\n{row[:-1]}\n{row}\n")  # line 2 lacks its closing brace
     return str(path)
+
+
+def test_a_gsm8k_dataset_on_the_tiny_config_must_choose_max_new_tokens(tmp_path, capsys):
+    """A fresh clone's first run on its own data: tiny.yaml's max_new_tokens 6 (sized for reversing 5 digits)
+    cannot hold 'Answer:74' (9 tokens), so the run stops before anything starts, naming the key."""
+    importlib.import_module("transformers")  # its first import, seconds under load, is not the check's time
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 70?", "answer": f"{i} + 70 = {i + 70}\n#### "
+                                        f"{i + 70}"}) + "\n" for i in range(4, 10)))
+    argv = ["--config", TINY, "trainer.num_gpus_per_node=1", f"run_dir={tmp_path}/run", f"model.path={tmp_path}/m",
+            "model.tiny_pretrain_steps=0", "data_source.task=jsonl", f"data_source.path={data}",
+            "data_source.num_eval_prompts=2"]
+    _expect_exit(argv, ["rollout.sampling.max_new_tokens=6 cannot hold an answer the math reward of "
+                        "data_source.task 'jsonl'", "its shortest, 'Answer:74', is 9 tokens, so every reward would "
+                        "be 0; set rollout.sampling.max_new_tokens to what a response of this dataset needs"], capsys)
+    assert not os.path.exists(tmp_path / "run" / "logs") and not os.path.exists(tmp_path / "m")  # nothing started
 
 
 def test_bad_dataset_is_refused_before_any_server_starts(tmp_path, capsys):
