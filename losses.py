@@ -574,6 +574,49 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Staleness diagnostics: sums per micro-batch, ratios once per training call (exact over micro-batches and ranks)
+# ---------------------------------------------------------------------------------------------------------
+# What tracks harm from stale data is the tail of log(pi_old / mu) on the trained tokens (M2PO's second moment,
+# the effective sample size of the behaviour weights, the tokens with A < 0 whose ratio is far above 1 + eps that
+# AReaL's decoupled PPO exists for), not train/approx_kl, a within-step mean whose signs cancel. Each is a ratio
+# of sums, so the trainer adds the sums over micro-batches and ranks and divides once: never a mean of ratios.
+
+def offpolicy_diagnostic_sums(pi_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                              loss_mask: Tensor, eps_high: float) -> dict[str, float]:
+    """The sums behind train/is_ess, train/is_log_ratio_m2, train/neg_adv_high_ratio_frac over one micro-batch.
+
+    pi_log_probs [B, T]: log pi, the policy the step starts from (the trainer passes pi_old, the step-start
+    snapshot's forward, which at the step's first micro-batch is also the current policy); rollout_log_probs [B, T]:
+    log mu, the engine's; advantages [B]; loss_mask [B, T]; eps_high: algorithm.clip_high. Over the loss tokens
+    whose inputs are finite, with l = log pi - log mu (clamped at +-LOG_RATIO_CLAMP) and w = exp(l):
+      n = count, w = sum w, w2 = sum w^2, m2 = sum l^2, neg_high = count of A < 0 and w > 1 + eps_high.
+    Float64 sums (w^2 reaches e^40 at the clamp), returned as Python floats."""
+    adv = advantages.detach().double().unsqueeze(-1).expand_as(pi_log_probs)
+    ok = (loss_mask > 0) & ~_nonfinite(pi_log_probs, rollout_log_probs, adv)
+    lr = torch.where(ok, pi_log_probs.detach().double() - rollout_log_probs.detach().double(), 0.0)
+    lr = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w = torch.where(ok, lr.exp(), 0.0)
+    neg_high = ok & (adv < 0) & (w > 1.0 + eps_high)
+    return {"n": float(ok.sum()), "w": float(w.sum()), "w2": float(w.square().sum()), "m2": float(lr.square().sum()),
+            "neg_high": float(neg_high.sum())}
+
+
+def offpolicy_diagnostics(sums: dict[str, float]) -> dict[str, float]:
+    """Summed `offpolicy_diagnostic_sums` (over micro-batches and ranks) -> the metrics:
+      train/is_ess                    (sum w)^2 / (n sum w^2), the normalised effective sample size of the weights
+                                      pi / mu, in (0, 1]: 1 when every w is equal (on-policy), ~1/n when one dominates
+      train/is_log_ratio_m2           sum l^2 / n, M2PO's second moment of log(pi / mu)
+      train/neg_adv_high_ratio_frac   tokens with A < 0 and pi / mu > 1 + eps_high, over the n tokens
+    With no loss token: 1, 0, 0 (nothing is off-policy)."""
+    n = sums.get("n", 0.0)
+    if n <= 0:
+        return {"train/is_ess": 1.0, "train/is_log_ratio_m2": 0.0, "train/neg_adv_high_ratio_frac": 0.0}
+    ess = min(1.0, sums["w"] ** 2 / (n * sums["w2"])) if sums["w2"] > 0 else 1.0  # <= 1 but for rounding
+    return {"train/is_ess": ess,
+            "train/is_log_ratio_m2": sums["m2"] / n, "train/neg_adv_high_ratio_frac": sums["neg_high"] / n}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The peers' corrections: AReaL's decoupled PPO, PipelineRL's truncated IS
 # ---------------------------------------------------------------------------------------------------------
 

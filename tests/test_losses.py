@@ -834,3 +834,49 @@ def test_offpolicy_warning_is_quiet_for_losses_that_do_not_use_old_log_probs():
     for name in ("truncated_is", "loglinear"):
         assert losses.offpolicy_warning(run_cfg(policy_loss=name)) is None
     assert losses.offpolicy_warning(run_cfg(policy_loss="ppo")) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Staleness diagnostics: train/is_ess, train/is_log_ratio_m2, train/neg_adv_high_ratio_frac
+# ---------------------------------------------------------------------------------------------------------
+
+def test_offpolicy_diagnostics_hand_computed():
+    # pi / mu = 2, 1, 0.5 on the loss tokens of sequence 0 (A = -1), 4 on sequence 1 (A = +1); one masked token
+    pi = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.1)], [math.log(0.8), math.log(0.9), 0.0]])
+    mu = torch.tensor([[math.log(0.25), math.log(0.3), math.log(0.2)], [math.log(0.2), math.log(0.1), 0.0]])
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    s = losses.offpolicy_diagnostic_sums(pi, mu, adv, mask, eps_high=0.28)
+    w, l2 = [2.0, 1.0, 0.5, 4.0], [math.log(2) ** 2, 0.0, math.log(2) ** 2, math.log(4) ** 2]
+    assert s == pytest.approx({"n": 4, "w": sum(w), "w2": sum(x * x for x in w), "m2": sum(l2), "neg_high": 1})
+    m = losses.offpolicy_diagnostics(s)
+    assert m["train/is_ess"] == pytest.approx(7.5 ** 2 / (4 * 21.25))  # (sum w)^2 / (n sum w^2) = 0.6618
+    assert m["train/is_log_ratio_m2"] == pytest.approx(sum(l2) / 4)
+    assert m["train/neg_adv_high_ratio_frac"] == 0.25  # only pi / mu = 2 with A < 0; 4 has A > 0
+    # on-policy: ESS exactly 1, nothing else; no loss token: the same neutral values
+    assert losses.offpolicy_diagnostics(losses.offpolicy_diagnostic_sums(mu, mu, adv, mask, 0.28)) == {
+        "train/is_ess": 1.0, "train/is_log_ratio_m2": 0.0, "train/neg_adv_high_ratio_frac": 0.0}
+    assert losses.offpolicy_diagnostics(losses.offpolicy_diagnostic_sums(pi, mu, adv, mask * 0, 0.28))[
+        "train/is_ess"] == 1.0
+
+
+def test_offpolicy_diagnostics_are_exact_over_micro_batches_and_skip_non_finite_tokens():
+    """Sums over two micro-batches then one ratio equal the ratio over the whole batch (the trainer's aggregation
+    over micro-batches and ranks); a mean of the two ESS values would not."""
+    g = torch.Generator().manual_seed(0)
+    mu = -torch.rand(6, 5, generator=g) * 3
+    pi = mu + torch.randn(6, 5, generator=g) * torch.tensor([0.1, 0.1, 0.1, 2.0, 2.0, 2.0]).unsqueeze(-1)
+    adv, mask = torch.randn(6, generator=g), torch.rand(6, 5, generator=g) > 0.2
+    whole = losses.offpolicy_diagnostics(losses.offpolicy_diagnostic_sums(pi, mu, adv, mask, 0.2))
+    parts = [losses.offpolicy_diagnostic_sums(pi[r], mu[r], adv[r], mask[r], 0.2) for r in (slice(0, 3), slice(3, 6))]
+    summed = losses.offpolicy_diagnostics({k: parts[0][k] + parts[1][k] for k in parts[0]})
+    assert summed == pytest.approx(whole)
+    halves = [losses.offpolicy_diagnostics(p)["train/is_ess"] for p in parts]
+    assert abs(sum(halves) / 2 - whole["train/is_ess"]) > 0.05  # the mean of ratios is a different number
+    assert 0 < whole["train/is_ess"] < 1
+    bad = pi.clone()
+    bad[0, 0], bad[1, 1] = float("nan"), float("inf")
+    keep = mask.clone()
+    keep[0, 0] = keep[1, 1] = False
+    assert losses.offpolicy_diagnostic_sums(bad, mu, adv, mask, 0.2) == pytest.approx(
+        losses.offpolicy_diagnostic_sums(pi, mu, adv, keep, 0.2))
