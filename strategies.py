@@ -230,6 +230,7 @@ class Preset(Strategy):
     staleness_knob = True  # param scales the staleness allowed (bench/policies.py sweeps it)
     policy_loss = "ppo"  # the loss the peer trains with, as algorithm.policy_loss (see pairing_note)
     other_losses: tuple = ()  # other algorithm.policy_loss values the peer offers (no start-up line for them)
+    loss_settings: tuple = ()  # more `algorithm.*=value` overrides that give the peer's defaults (peer_overrides)
     offpolicy_mask: Optional[bool] = False  # the peer's rollout.mask_offpolicy_in_partial_rollout; None = optional
 
     def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1):
@@ -274,12 +275,16 @@ class AReaL(CumulativeBudget):
     """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): (a) accepted + running < (eta + v + 1) B,
     eta = max_head_offpolicyness; (b) none; (c) /pause_generation abort, the partial output resubmitted under the
     new weights (per-token versions kept). Its loss: decoupled PPO with the proximal policy recomputed
-    (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask. Deviations: groups
-    (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not persisted."""
+    (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask, and, as AReaL 1.0.4's
+    default (actor.rejection_sampling=None: areal/api/cli_args.py, ppo_actor_loss_fn), no behaviour weight
+    pi_prox / mu: algorithm.is_correction.enable=false (true = AReaL's rejection_sampling, token level).
+    Deviations: groups (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not
+    persisted."""
     param_name = "eta (max_head_offpolicyness, in steps)"
     actions = (ABORT_RESUME,)
     policy_loss = "recompute"
     other_losses = ("loglinear",)
+    loss_settings = ("algorithm.is_correction.enable=false",)
 
 
 @register("verl")
@@ -505,9 +510,10 @@ def pairing_note(name: str, policy_loss: str, offpolicy_mask: bool) -> Optional[
 
 
 def peer_overrides(name: str) -> list:
-    """The `a.b=c` overrides that give the preset `name` its peer's loss and off-policy mask (for bench scripts)."""
+    """The `a.b=c` overrides that give the preset `name` its peer's loss (with its default settings where they differ
+    from this project's: `loss_settings`) and off-policy mask (for bench scripts)."""
     cls = REGISTRY[name]
-    out = [f"algorithm.policy_loss={cls.policy_loss}"]
+    out = [f"algorithm.policy_loss={cls.policy_loss}", *cls.loss_settings]
     if cls.offpolicy_mask is not None:
         out.append(f"rollout.mask_offpolicy_in_partial_rollout={str(cls.offpolicy_mask).lower()}")
     return out

@@ -687,6 +687,18 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
     assert strategies.pairing_note("windowed-fifo", "truncated_is", True) is None  # the spec's rules pair with any
 
 
+def test_areal_preset_gives_areal_1_0_4_default_loss_without_behaviour_weight():
+    """AReaL 1.0.4: use_decoupled_loss with rejection_sampling=None multiplies no pi_prox / mu weight in; tiny.yaml
+    turns algorithm.is_correction on, and the preset's overrides turn it off again."""
+    import config
+
+    cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        "fully_async.sliding_window=areal", "fully_async.stale_steps=0", *strategies.peer_overrides("areal")])
+    assert cfg.algorithm.policy_loss == "recompute" and cfg.algorithm.is_correction.enable is False
+    assert strategies.peer_overrides("verl") == ["algorithm.policy_loss=ppo",
+                                                 "rollout.mask_offpolicy_in_partial_rollout=false"]
+
+
 def test_a_preset_run_with_another_peers_loss_says_so_once_at_start_up(tmp_path, monkeypatch, capsys):
     import train
 
