@@ -252,6 +252,12 @@ class Preset(Strategy):
     def capacity(cls, param: Optional[float], B: int, N: int) -> int:
         raise NotImplementedError
 
+    @classmethod
+    def max_concurrent_samples(cls, B: int, N: int) -> Optional[int]:
+        """The peer's own cap on generating samples, the preset's companion knob: config.validate puts it in
+        rollout.async_max_concurrent_samples when that is unset (set it to change it); None = no cap."""
+        return None
+
 
 class CumulativeBudget(Preset):
     """(a) accepted + running < budget + v B, with `accepted` cumulative (AReaL's form; ROLL's and PipelineRL's are
@@ -273,8 +279,10 @@ class CumulativeBudget(Preset):
 @register("areal")
 class AReaL(CumulativeBudget):
     """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): (a) accepted + running < (eta + v + 1) B,
-    eta = max_head_offpolicyness; (b) none; (c) /pause_generation abort, the partial output resubmitted under the
-    new weights (per-token versions kept). Its loss: decoupled PPO with the proximal policy recomputed
+    eta = max_head_offpolicyness, and (get_capacity's minimum) running < max_concurrent_rollouts, default the
+    consumer batch size B: rollout.async_max_concurrent_samples, B N when unset (max_concurrent_samples);
+    (b) none; (c) /pause_generation abort, the partial output resubmitted under the new weights (per-token versions
+    kept). Its loss: decoupled PPO with the proximal policy recomputed
     (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask, and, as AReaL 1.0.4's
     default (actor.rejection_sampling=None: areal/api/cli_args.py, ppo_actor_loss_fn), no behaviour weight
     pi_prox / mu: algorithm.is_correction.enable=false (true = AReaL's rejection_sampling, token level).
@@ -285,6 +293,10 @@ class AReaL(CumulativeBudget):
     policy_loss = "recompute"
     other_losses = ("loglinear",)
     loss_settings = ("algorithm.is_correction.enable=false",)
+
+    @classmethod
+    def max_concurrent_samples(cls, B, N):
+        return B * N  # max_concurrent_rollouts or consumer_batch_size (rollout_controller.py): B groups of N
 
 
 @register("verl")
@@ -350,7 +362,8 @@ class PipelineRL(CumulativeBudget):
             self.counts["rollout/samples_too_old"] = self.counts.get("rollout/samples_too_old", 0) + self.N
 
 
-PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orchestrator config)
+PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orchestrator config); at its spec scale
+# (B = 64 groups of N = 8) that is 2 B in flight: a benchmark that scales B down scales this with it
 
 
 @register("prime-rl")
@@ -359,12 +372,13 @@ class PrimeRL(Preset):
     batches shipped to the trainer, not work in flight: new episodes are dispatched while (step - 1) - policy.version
     <= 1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups
     accepted so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight
-    rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B; rollout.async_max_concurrent_samples
-    lowers it); (b) drop queued groups whose start version < v - M, M = max_off_policy_steps (param None: 1;
-    prime-rl's default 8): what bounds the staleness; (c) keep in flight (pause mode keep), but first abort whole
-    groups that would be older than M under the new weights. Its loss (trainer/rl/loss.py default_loss_fn: the
-    ratio to the inference log-probs, tokens masked by probability difference, a squared log-ratio term) is not
-    among algorithm.policy_loss: ppo is the closest. Deviations: max_inflight is fixed (prime-rl adapts it to the
+    rollouts: rollout.async_max_concurrent_samples, PRIME_MAX_INFLIGHT when unset (max_concurrent_samples; C has
+    room for ceil(1024 / N) groups on top of 2 B); (b) drop queued groups whose start version < v - M,
+    M = max_off_policy_steps (param None: 1; prime-rl's default 8): what bounds the staleness; (c) keep in flight
+    (pause mode keep), but first abort whole groups that would be older than M under the new weights. Its loss
+    (trainer/rl/loss.py default_loss_fn: the ratio to the inference log-probs, tokens masked by probability
+    difference, a squared log-ratio term) is not among algorithm.policy_loss: ppo is the closest. Deviations:
+    max_inflight is fixed (prime-rl adapts it to the
     KV-cache use between min_inflight and max_inflight, concurrency.py) and counted in whole groups; C also bounds
     R + Q, the buffered groups included; the trainer does not hold a batch until policy.version >= step - 2 (it
     takes what is buffered)."""
@@ -374,6 +388,10 @@ class PrimeRL(Preset):
     def __init__(self, B, C, param=None, N=1):
         super().__init__(B, C, param, N)
         self.actions = (UpdateAction("in_place", stale_after=int(self.param)),)
+
+    @classmethod
+    def max_concurrent_samples(cls, B, N):
+        return PRIME_MAX_INFLIGHT
 
     @classmethod
     def check(cls, param, B, N):
@@ -465,8 +483,13 @@ class SlimeAsync(Preset):
     partial tokens when dispatched again (sglang_rollout.py: _prepare_prompt_ids reuses sample.tokens,
     generate_and_rm skips the completed samples): abort + resume partial. Its loss: PPO (ppo), with
     --mask-offpolicy-in-partial-rollout optional (rollout.mask_offpolicy_in_partial_rollout, either value).
-    Deviations: C counts groups (slime: concurrency x engines requests); a group some of whose trajectories did not
-    come back from the abort is dropped (slime re-queues whatever the abort returned)."""
+    C counts groups as slime does (its worker's tasks are whole groups, generate_and_rm_group); slime's default C is
+    sglang_server_concurrency x engines = 512 x engines, here B (one step).
+    Deviations: slime's train_async.py collects step t + 1's batch while step t trains and waits for it before the
+    weight update (one step ahead), so every trained group is at least one version old and the trainer never waits
+    for generation; here the trainer collects its batch during its own step (staleness can be 0, a generation-bound
+    step waits): not modelled. A group some of whose trajectories did not come back from the abort is dropped (slime
+    re-queues whatever the abort returned)."""
     param_name = "concurrency C (in groups)"
     actions = (ABORT_RESUME,)
     offpolicy_mask = None
