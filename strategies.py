@@ -372,8 +372,8 @@ class PrimeRL(Preset):
     batches shipped to the trainer, not work in flight: new episodes are dispatched while (step - 1) - policy.version
     <= 1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups
     accepted so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight
-    rollouts: rollout.async_max_concurrent_samples, PRIME_MAX_INFLIGHT when unset (max_concurrent_samples; C has
-    room for ceil(1024 / N) groups on top of 2 B); (b) drop queued groups whose start version < v - M,
+    rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B, so requests beyond the fleet's
+    concurrency queue in the servers as in prime-rl; rollout.async_max_concurrent_samples lowers it); (b) drop queued groups whose start version < v - M,
     M = max_off_policy_steps (param None: 1; prime-rl's default 8): what bounds the staleness; (c) keep in flight
     (pause mode keep), but first abort whole groups that would be older than M under the new weights. Its loss
     (trainer/rl/loss.py default_loss_fn: the ratio to the inference log-probs, tokens masked by probability
@@ -389,9 +389,6 @@ class PrimeRL(Preset):
         super().__init__(B, C, param, N)
         self.actions = (UpdateAction("in_place", stale_after=int(self.param)),)
 
-    @classmethod
-    def max_concurrent_samples(cls, B, N):
-        return PRIME_MAX_INFLIGHT
 
     @classmethod
     def check(cls, param, B, N):

@@ -412,17 +412,15 @@ def test_areal_counts_consumed_groups_until_the_update_and_frees_rejected_ones()
     assert strategies.AReaL.capacity(0.5, 4, 2) == 6 and strategies.AReaL.capacity(None, 4, 2) == 8
 
 
-def test_areal_and_prime_rl_default_concurrency_is_their_peers_companion_knob():
+def test_areal_default_concurrency_is_its_companion_knob():
     """AReaL's get_capacity is min(max_concurrent_rollouts - running, staleness budget), max_concurrent_rollouts
-    defaulting to the consumer batch size B; prime-rl's max_inflight defaults to 1024 rollouts. Unset,
-    rollout.async_max_concurrent_samples takes them; set, it wins."""
+    defaulting to the consumer batch size B. Unset, rollout.async_max_concurrent_samples takes it; set, it wins."""
     srv = preset("areal", B=4, N=2, param=4)  # budget (4 + 1) 4 = 20 groups, but only B = 4 may run
     assert srv.max_generating == 4 and len(srv.dispatch()) == 4
     g = srv._in_flight[min(srv._in_flight)]
     srv.put(finish(g, 2))  # one completes: one more may run
     assert len(srv.dispatch()) == 1
     assert preset("areal", B=4, N=2, param=4, overrides=["rollout.async_max_concurrent_samples=12"]).max_generating == 6
-    assert preset("prime-rl", B=4, N=2, pause_mode="in_place").max_generating == strategies.PRIME_MAX_INFLIGHT // 2
     assert preset("verl", B=4, N=2).max_generating is None  # the other presets keep no cap of their own
 
 
