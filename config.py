@@ -451,6 +451,8 @@ def validate(cfg: Config) -> Config:
                              f"takes its {preset.param_name} as fully_async.policy_param (got stale_steps="
                              f"{fa.stale_steps})")
         preset.check(fa.policy_param, B, N)
+        if cfg.rollout.async_max_concurrent_samples is None:  # the peer's own concurrency cap, its companion knob
+            cfg.rollout.async_max_concurrent_samples = preset.max_concurrent_samples(B, N)
         strategy = strategies.build(fa.sliding_window, B, cfg.capacity, True, fa.policy_param, N)
         try:
             strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)

@@ -15,8 +15,11 @@ Formulas and sources: docs/algorithms.md. What is here:
     `policy_loss` with them as old_log_probs and is_correction as the behaviour weight) and PipelineRL's truncated
     IS (`truncated_is_loss`).
   - `LossSettings`: the settings every function here reads (the run config's `algorithm` section), with defaults.
-  - `POLICY_LOSSES`: algorithm.policy_loss, the loss a run trains with (ppo, truncated_is, recompute, loglinear),
-    each a function of the same tensors, so the trainer has one call site.
+  - `POLICY_LOSSES`: algorithm.policy_loss, the loss a run trains with (ppo, truncated_is, recompute, loglinear,
+    gspo: sequence-level ratio, cispo: clipped detached weight), each a function of the same tensors, so the
+    trainer has one call site.
+  - `offpolicy_diagnostic_sums` / `offpolicy_diagnostics`: ESS, second moment and A < 0 high-ratio share of
+    pi_old / mu, the staleness diagnostics the trainer logs every step.
   - `offpolicy_warning`: the start-up warning for fully-async runs whose PPO ratio is taken against rollout log-probs.
 
 Simplifications: padded [B, T] tensors, one sequence per row (no packed rows); no KL-to-reference or entropy-bonus
@@ -52,7 +55,7 @@ class AdvantageSettings:
 
 @dataclass
 class ISCorrectionSettings:
-    enable: bool = False  # truncated IS between old_log_probs and rollout_log_probs (always on: recompute, loglinear)
+    enable: bool = False  # truncated IS between old_log_probs (recompute, loglinear: pi_prox) and rollout_log_probs
     level: str = "token"  # token | sequence
     clip: float = 2.0  # C: weights are min(rho, C)
     mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
@@ -78,7 +81,7 @@ class LossSettings:
     clip_high: float = 0.28  # PPO upper clip (DAPO clip-higher): ratio <= 1 + clip_high
     dual_clip_c: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    policy_loss: str = "ppo"  # ppo | truncated_is (PipelineRL, cap 1 + clip_high) | recompute, loglinear (AReaL)
+    policy_loss: str = "ppo"  # ppo | truncated_is (PipelineRL) | recompute, loglinear (AReaL) | gspo | cispo
     is_correction: ISCorrectionSettings = field(default_factory=ISCorrectionSettings)
     m2po: M2POSettings = field(default_factory=M2POSettings)
     opsm: OPSMSettings = field(default_factory=OPSMSettings)
@@ -115,11 +118,13 @@ def _chunk_stats(s: Tensor, targets: Tensor, with_entropy: bool) -> tuple:
     target_s = s.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # log-sum-exp by hand so that, without entropy, exp() overwrites s: one float32 chunk in all
     m = s.amax(-1, keepdim=True)
-    e = (s - m).exp_() if with_entropy else s.sub_(m).exp_()
+    d = s.sub_(m)  # s - m: shifted by the row max, so the entropy below never subtracts two large numbers
+    e = d.exp() if with_entropy else d.exp_()
     z = e.sum(-1)
-    lse = m.squeeze(-1) + z.log()
-    entropy = lse - e.mul_(s).sum(-1) / z if with_entropy else None  # H = lse - sum_v p_v s_v with p = e / z
-    return lse, target_s - lse, entropy
+    log_z = z.log()
+    # H = lse - sum_v p_v s_v = log z - sum_v p_v (s_v - m), p = e / z: at logits ~1e4 the unshifted form loses ~1e-3
+    entropy = log_z - e.mul_(d).sum(-1) / z if with_entropy else None
+    return m.squeeze(-1) + log_z, target_s - m.squeeze(-1) - log_z, entropy
 
 
 def _chunk_grad(s: Tensor, targets: Tensor, lse: Tensor, entropy: Optional[Tensor], g: Tensor,
@@ -504,10 +509,14 @@ def _nonfinite(*tensors: Optional[Tensor]) -> Tensor:
     return bad
 
 
+OBJECTIVES = ("ppo", "gspo", "cispo")  # policy_loss's per-token objective (see its docstring)
+
+
 def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Optional[Tensor], advantages: Tensor,
-                loss_mask: Tensor, algo, loss_denominator: float | Tensor,
-                entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip policy loss with dual-clip and the enabled off-policy corrections, aggregated per `algo`.
+                loss_mask: Tensor, algo, loss_denominator: float | Tensor, entropy: Optional[Tensor] = None,
+                objective: str = "ppo") -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip policy loss with dual-clip and the enabled off-policy corrections, aggregated per `algo`; or, by
+    `objective`, GSPO's sequence-level ratio or CISPO's clipped weight (OBJECTIVES), with the same corrections.
 
     log_probs [B, T] (current policy, with grad), old_log_probs [B, T], rollout_log_probs [B, T] or None,
     advantages [B] (one per sequence, broadcast over its tokens), loss_mask [B, T] (bool/float), algo: a
@@ -519,6 +528,14 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
       r = pi_theta / pi_old,  l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
       dual-clip (https://arxiv.org/abs/1912.09729), A < 0 only:  l = min(l, -c A)  with c = algo.dual_clip_c
       l *= w (IS weight, detached; 1 when IS is off); tokens dropped by a correction contribute 0.
+    objective "gspo" (Zheng et al. 2025, https://arxiv.org/abs/2507.18071): r is replaced by sequence i's ratio
+      s_i = exp((1/|o_i|) sum_t log(pi_theta / pi_old)) over its finite loss tokens, as the per-token
+      s_it = sg[s_i] pi_theta / sg[pi_theta] (value s_i, gradient s_i d log pi_theta): with
+      loss_agg_mode=seq-mean-token-mean the loss is the paper's -(1/G) sum_i min(s_i A_i, clip(s_i) A_i) and its
+      gradient; the clip is taken per sequence (the paper's clip range is 3e-4 / 4e-4: set clip_low / clip_high).
+    objective "cispo" (MiniMax-M1, https://arxiv.org/abs/2506.13585):
+      l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] A log pi_theta: no token leaves the gradient, its weight is
+      clipped (MiniMax-M1 sets no lower bound in practice: clip_low close to 1); dual-clip does not apply.
     Tokens whose log_probs / old / rollout log-probs / advantage / entropy are NaN or inf are excluded (exactly zero
     gradient) and counted in train/nan_ratio. train/pg_loss is this call's share of the mini-batch loss (sum it over
     micro-batches and ranks); the other metrics are means over this call's tokens: entropy and approx_kl over the
@@ -546,12 +563,23 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
             weight = weight if corr.weight is None else weight * corr.weight
             metrics.update(corr.metrics)
 
-    ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)
-    is_clipped = clipped > unclipped
-    pg = torch.where(is_clipped, clipped, unclipped)
-    c = math.inf if algo.dual_clip_c is None else algo.dual_clip_c
+    if objective not in OBJECTIVES:
+        raise ValueError(f"policy_loss objective '{objective}' is unknown; accepted: {', '.join(OBJECTIVES)}")
+    log_ratio = lp - old
+    if objective == "gspo":  # sg[s_i] pi_theta / sg[pi_theta], s_i the geometric mean of the sequence's ratios
+        seq = torch.where(ok, log_ratio.detach(), 0.0).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = lp - lp.detach() + seq
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    if objective == "cispo":
+        bounded = ratio.detach().clamp(1 - algo.clip_low, 1 + algo.clip_high)
+        is_clipped = bounded != ratio.detach()
+        pg = -adv * bounded * lp
+    else:
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)
+        is_clipped = clipped > unclipped
+        pg = torch.where(is_clipped, clipped, unclipped)
+    c = math.inf if algo.dual_clip_c is None or objective == "cispo" else algo.dual_clip_c
     dual_bound = torch.where(adv < 0, -c * adv, math.inf)  # the loss never exceeds -c A when A < 0
     dual_active = pg > dual_bound
     pg = torch.where(dual_active, dual_bound, pg)
@@ -571,6 +599,49 @@ def policy_loss(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Opt
     if entropy is not None:
         metrics["train/entropy"] = _masked_mean(clean(entropy).detach(), ok)
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Staleness diagnostics: sums per micro-batch, ratios once per training call (exact over micro-batches and ranks)
+# ---------------------------------------------------------------------------------------------------------
+# What tracks harm from stale data is the tail of log(pi_old / mu) on the trained tokens (M2PO's second moment,
+# the effective sample size of the behaviour weights, the tokens with A < 0 whose ratio is far above 1 + eps that
+# AReaL's decoupled PPO exists for), not train/approx_kl, a within-step mean whose signs cancel. Each is a ratio
+# of sums, so the trainer adds the sums over micro-batches and ranks and divides once: never a mean of ratios.
+
+def offpolicy_diagnostic_sums(pi_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                              loss_mask: Tensor, eps_high: float) -> dict[str, float]:
+    """The sums behind train/is_ess, train/is_log_ratio_m2, train/neg_adv_high_ratio_frac over one micro-batch.
+
+    pi_log_probs [B, T]: log pi, the policy the step starts from (the trainer passes pi_old, the step-start
+    snapshot's forward, which at the step's first micro-batch is also the current policy); rollout_log_probs [B, T]:
+    log mu, the engine's; advantages [B]; loss_mask [B, T]; eps_high: algorithm.clip_high. Over the loss tokens
+    whose inputs are finite, with l = log pi - log mu (clamped at +-LOG_RATIO_CLAMP) and w = exp(l):
+      n = count, w = sum w, w2 = sum w^2, m2 = sum l^2, neg_high = count of A < 0 and w > 1 + eps_high.
+    Float64 sums (w^2 reaches e^40 at the clamp), returned as Python floats."""
+    adv = advantages.detach().double().unsqueeze(-1).expand_as(pi_log_probs)
+    ok = (loss_mask > 0) & ~_nonfinite(pi_log_probs, rollout_log_probs, adv)
+    lr = torch.where(ok, pi_log_probs.detach().double() - rollout_log_probs.detach().double(), 0.0)
+    lr = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w = torch.where(ok, lr.exp(), 0.0)
+    neg_high = ok & (adv < 0) & (w > 1.0 + eps_high)
+    return {"n": float(ok.sum()), "w": float(w.sum()), "w2": float(w.square().sum()), "m2": float(lr.square().sum()),
+            "neg_high": float(neg_high.sum())}
+
+
+def offpolicy_diagnostics(sums: dict[str, float]) -> dict[str, float]:
+    """Summed `offpolicy_diagnostic_sums` (over micro-batches and ranks) -> the metrics:
+      train/is_ess                    (sum w)^2 / (n sum w^2), the normalised effective sample size of the weights
+                                      pi / mu, in (0, 1]: 1 when every w is equal (on-policy), ~1/n when one dominates
+      train/is_log_ratio_m2           sum l^2 / n, M2PO's second moment of log(pi / mu)
+      train/neg_adv_high_ratio_frac   tokens with A < 0 and pi / mu > 1 + eps_high, over the n tokens
+    With no loss token: 1, 0, 0 (nothing is off-policy)."""
+    n = sums.get("n", 0.0)
+    if n <= 0:
+        return {"train/is_ess": 1.0, "train/is_log_ratio_m2": 0.0, "train/neg_adv_high_ratio_frac": 0.0}
+    ess = min(1.0, sums["w"] ** 2 / (n * sums["w2"])) if sums["w2"] > 0 else 1.0  # <= 1 but for rounding
+    return {"train/is_ess": ess,
+            "train/is_log_ratio_m2": sums["m2"] / n, "train/neg_adv_high_ratio_frac": sums["neg_high"] / n}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -610,6 +681,7 @@ def proximal_log_probs(method: str, old_log_probs: Optional[Tensor], rollout_log
     `policy_loss(log_probs, prox, rollout_log_probs, ...)` with algorithm.is_correction on (level token, mask_high =
     AReaL's behav_imp_weight_cap, clip above it): the clip is taken around pi_prox, each token is weighted by
     pi_prox / mu and dropped where that exceeds the cap (tests/test_losses.py checks it against AReaL's formula).
+    With is_correction off, no behaviour weight: AReaL 1.0.4's default (rejection_sampling=None).
     """
     if method == "recompute":
         if old_log_probs is None:
@@ -665,6 +737,24 @@ def ppo_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tens
                        entropy)
 
 
+def gspo_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                loss_mask: Tensor, versions: Tensor, current_version: int, algo, loss_denominator: float | Tensor,
+                entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """gspo: `policy_loss` with GSPO's sequence-level ratio around old_log_probs (verl's compute_policy_loss_gspo);
+    the paper's loss with algorithm.loss_agg_mode=seq-mean-token-mean, clip_low=0.0003, clip_high=0.0004."""
+    return policy_loss(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, algo, loss_denominator,
+                       entropy, objective="gspo")
+
+
+def cispo_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
+                 loss_mask: Tensor, versions: Tensor, current_version: int, algo, loss_denominator: float | Tensor,
+                 entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """cispo: `policy_loss` with CISPO's clipped, detached weight on log pi_theta around old_log_probs (MiniMax-M1;
+    verl's compute_policy_loss_cispo); the paper aggregates by token-mean."""
+    return policy_loss(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, algo, loss_denominator,
+                       entropy, objective="cispo")
+
+
 def truncated_is_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor,
                         loss_mask: Tensor, versions: Tensor, current_version: int, algo,
                         loss_denominator: float | Tensor,
@@ -680,13 +770,17 @@ def truncated_is_choice(log_probs: Tensor, old_log_probs: Tensor, rollout_log_pr
 
 def _decoupled_ppo(method: str, log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, versions,
                    current_version, algo, loss_denominator, entropy):
-    """AReaL's decoupled PPO (areal/trainer/ppo/actor.py): `policy_loss` around pi_prox = proximal_log_probs(method)
-    with the behaviour weight pi_prox / mu always on, at token level, with algorithm.is_correction's clip and mask
-    bounds (mask_high = AReaL's behav_imp_weight_cap), whether or not algorithm.is_correction.enable is set."""
+    """AReaL's decoupled PPO (areal/trainer/ppo/actor.py, grpo_loss_fn; areal/utils/functional/functional.py,
+    ppo_actor_loss_fn): `policy_loss` around pi_prox = proximal_log_probs(method). As in AReaL 1.0.4, the
+    behaviour weight pi_prox / mu is applied only when rejection sampling is configured, here
+    algorithm.is_correction.enable (AReaL's default, rejection_sampling=None, has none): then at token level with
+    is_correction's clip (AReaL's action=clamp, upper) and mask bounds (action=mask, lower / upper)."""
     prox = proximal_log_probs(method, old_log_probs, rollout_log_probs, log_probs, versions, current_version)
-    behaviour = copy.copy(algo)
-    behaviour.is_correction = copy.copy(algo.is_correction)
-    behaviour.is_correction.enable, behaviour.is_correction.level = True, "token"
+    behaviour = algo
+    if algo.is_correction.enable:
+        behaviour = copy.copy(algo)
+        behaviour.is_correction = copy.copy(algo.is_correction)
+        behaviour.is_correction.level = "token"
     return policy_loss(log_probs, prox, rollout_log_probs, advantages, loss_mask, behaviour, loss_denominator, entropy)
 
 
@@ -712,6 +806,8 @@ POLICY_LOSSES: dict[str, Callable] = {  # algorithm.policy_loss -> the function 
     "truncated_is": truncated_is_choice,
     "recompute": recompute_choice,
     "loglinear": loglinear_choice,
+    "gspo": gspo_choice,
+    "cispo": cispo_choice,
 }
 
 

@@ -230,6 +230,7 @@ class Preset(Strategy):
     staleness_knob = True  # param scales the staleness allowed (bench/policies.py sweeps it)
     policy_loss = "ppo"  # the loss the peer trains with, as algorithm.policy_loss (see pairing_note)
     other_losses: tuple = ()  # other algorithm.policy_loss values the peer offers (no start-up line for them)
+    loss_settings: tuple = ()  # more `algorithm.*=value` overrides that give the peer's defaults (peer_overrides)
     offpolicy_mask: Optional[bool] = False  # the peer's rollout.mask_offpolicy_in_partial_rollout; None = optional
 
     def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1):
@@ -250,6 +251,12 @@ class Preset(Strategy):
     @classmethod
     def capacity(cls, param: Optional[float], B: int, N: int) -> int:
         raise NotImplementedError
+
+    @classmethod
+    def max_concurrent_samples(cls, B: int, N: int) -> Optional[int]:
+        """The peer's own cap on generating samples, the preset's companion knob: config.validate puts it in
+        rollout.async_max_concurrent_samples when that is unset (set it to change it); None = no cap."""
+        return None
 
 
 class CumulativeBudget(Preset):
@@ -272,14 +279,24 @@ class CumulativeBudget(Preset):
 @register("areal")
 class AReaL(CumulativeBudget):
     """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): (a) accepted + running < (eta + v + 1) B,
-    eta = max_head_offpolicyness; (b) none; (c) /pause_generation abort, the partial output resubmitted under the
-    new weights (per-token versions kept). Its loss: decoupled PPO with the proximal policy recomputed
-    (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask. Deviations: groups
-    (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not persisted."""
+    eta = max_head_offpolicyness, and (get_capacity's minimum) running < max_concurrent_rollouts, default the
+    consumer batch size B: rollout.async_max_concurrent_samples, B N when unset (max_concurrent_samples);
+    (b) none; (c) /pause_generation abort, the partial output resubmitted under the new weights (per-token versions
+    kept). Its loss: decoupled PPO with the proximal policy recomputed
+    (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask, and, as AReaL 1.0.4's
+    default (actor.rejection_sampling=None: areal/api/cli_args.py, ppo_actor_loss_fn), no behaviour weight
+    pi_prox / mu: algorithm.is_correction.enable=false (true = AReaL's rejection_sampling, token level).
+    Deviations: groups (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not
+    persisted."""
     param_name = "eta (max_head_offpolicyness, in steps)"
     actions = (ABORT_RESUME,)
     policy_loss = "recompute"
     other_losses = ("loglinear",)
+    loss_settings = ("algorithm.is_correction.enable=false",)
+
+    @classmethod
+    def max_concurrent_samples(cls, B, N):
+        return B * N  # max_concurrent_rollouts or consumer_batch_size (rollout_controller.py): B groups of N
 
 
 @register("verl")
@@ -345,7 +362,8 @@ class PipelineRL(CumulativeBudget):
             self.counts["rollout/samples_too_old"] = self.counts.get("rollout/samples_too_old", 0) + self.N
 
 
-PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orchestrator config)
+PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orchestrator config); at its spec scale
+# (B = 64 groups of N = 8) that is 2 B in flight: a benchmark that scales B down scales this with it
 
 
 @register("prime-rl")
@@ -354,12 +372,13 @@ class PrimeRL(Preset):
     batches shipped to the trainer, not work in flight: new episodes are dispatched while (step - 1) - policy.version
     <= 1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups
     accepted so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight
-    rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B; rollout.async_max_concurrent_samples
-    lowers it); (b) drop queued groups whose start version < v - M, M = max_off_policy_steps (param None: 1;
-    prime-rl's default 8): what bounds the staleness; (c) keep in flight (pause mode keep), but first abort whole
-    groups that would be older than M under the new weights. Its loss (trainer/rl/loss.py default_loss_fn: the
-    ratio to the inference log-probs, tokens masked by probability difference, a squared log-ratio term) is not
-    among algorithm.policy_loss: ppo is the closest. Deviations: max_inflight is fixed (prime-rl adapts it to the
+    rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B, so requests beyond the fleet's
+    concurrency queue in the servers as in prime-rl; rollout.async_max_concurrent_samples lowers it); (b) drop queued groups whose start version < v - M,
+    M = max_off_policy_steps (param None: 1; prime-rl's default 8): what bounds the staleness; (c) keep in flight
+    (pause mode keep), but first abort whole groups that would be older than M under the new weights. Its loss
+    (trainer/rl/loss.py default_loss_fn: the ratio to the inference log-probs, tokens masked by probability
+    difference, a squared log-ratio term) is not among algorithm.policy_loss: ppo is the closest. Deviations:
+    max_inflight is fixed (prime-rl adapts it to the
     KV-cache use between min_inflight and max_inflight, concurrency.py) and counted in whole groups; C also bounds
     R + Q, the buffered groups included; the trainer does not hold a batch until policy.version >= step - 2 (it
     takes what is buffered)."""
@@ -369,6 +388,7 @@ class PrimeRL(Preset):
     def __init__(self, B, C, param=None, N=1):
         super().__init__(B, C, param, N)
         self.actions = (UpdateAction("in_place", stale_after=int(self.param)),)
+
 
     @classmethod
     def check(cls, param, B, N):
@@ -460,8 +480,13 @@ class SlimeAsync(Preset):
     partial tokens when dispatched again (sglang_rollout.py: _prepare_prompt_ids reuses sample.tokens,
     generate_and_rm skips the completed samples): abort + resume partial. Its loss: PPO (ppo), with
     --mask-offpolicy-in-partial-rollout optional (rollout.mask_offpolicy_in_partial_rollout, either value).
-    Deviations: C counts groups (slime: concurrency x engines requests); a group some of whose trajectories did not
-    come back from the abort is dropped (slime re-queues whatever the abort returned)."""
+    C counts groups as slime does (its worker's tasks are whole groups, generate_and_rm_group); slime's default C is
+    sglang_server_concurrency x engines = 512 x engines, here B (one step).
+    Deviations: slime's train_async.py collects step t + 1's batch while step t trains and waits for it before the
+    weight update (one step ahead), so every trained group is at least one version old and the trainer never waits
+    for generation; here the trainer collects its batch during its own step (staleness can be 0, a generation-bound
+    step waits): not modelled. A group some of whose trajectories did not come back from the abort is dropped (slime
+    re-queues whatever the abort returned)."""
     param_name = "concurrency C (in groups)"
     actions = (ABORT_RESUME,)
     offpolicy_mask = None
@@ -505,9 +530,10 @@ def pairing_note(name: str, policy_loss: str, offpolicy_mask: bool) -> Optional[
 
 
 def peer_overrides(name: str) -> list:
-    """The `a.b=c` overrides that give the preset `name` its peer's loss and off-policy mask (for bench scripts)."""
+    """The `a.b=c` overrides that give the preset `name` its peer's loss (with its default settings where they differ
+    from this project's: `loss_settings`) and off-policy mask (for bench scripts)."""
     cls = REGISTRY[name]
-    out = [f"algorithm.policy_loss={cls.policy_loss}"]
+    out = [f"algorithm.policy_loss={cls.policy_loss}", *cls.loss_settings]
     if cls.offpolicy_mask is not None:
         out.append(f"rollout.mask_offpolicy_in_partial_rollout={str(cls.offpolicy_mask).lower()}")
     return out

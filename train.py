@@ -55,6 +55,7 @@ import remote  # noqa: E402
 import checkpoint  # noqa: E402
 import checks  # noqa: E402
 import config as config_lib  # noqa: E402
+import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import services as services_lib  # noqa: E402
 import strategies  # noqa: E402
@@ -215,8 +216,6 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 def micro_batch_loss(cfg, logp: torch.Tensor, old_lp: torch.Tensor, b: dict, denom: float, entropy, step: int):
     """algorithm.policy_loss on one collated micro-batch (losses.POLICY_LOSSES): the step-start weights are version
     `step`, so the update being computed produces version step + 1 (loglinear's current version)."""
-    import losses
-
     fn = losses.chosen_policy_loss(cfg.algorithm.policy_loss)
     return fn(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], b["versions"], step + 1, cfg.algorithm, denom,
               entropy)
@@ -289,8 +288,6 @@ class Actor:
         the same count: FSDP collectives need the same number of forwards on every rank), and the denominator of
         the loss aggregation over the WHOLE mini-batch (all ranks, all micro-batches), so the micro-batch losses
         sum to the mini-batch loss (losses.py, "Loss aggregation")."""
-        import losses
-
         cfg = self.cfg
         pack = cfg.trainer.packing
         seqs = batching.make_sequences(groups, cfg)
@@ -326,6 +323,10 @@ class Actor:
             if old_lp is None:  # the step's first call: these weights are the old policy
                 old_lp = logp.detach()
             loss, met = micro_batch_loss(self.cfg, logp, old_lp, b, denom, ent, step)
+            pi_lp = logp.detach() if t.use_rollout_log_probs else old_lp  # pi_old (old_lp would be mu there)
+            for k, v in losses.offpolicy_diagnostic_sums(pi_lp, b["rollout_lp"], b["adv"], b["mask"],
+                                                         self.cfg.algorithm.clip_high).items():
+                sums["offpolicy/" + k], weights["offpolicy/" + k] = sums.get("offpolicy/" + k, 0.0) + v, 1.0
             if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
                 gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
                 met = {**met, "train/rollout_logprob_diff_max": gap.max(),
@@ -359,14 +360,15 @@ class Actor:
     def reduce_metrics(self, sums: dict, weights: dict, extremes: dict) -> dict:
         """Every rank's forward_backward metrics -> the call's: train/pg_loss summed, means token-weighted,
         *_max / *_min over every micro-batch with loss tokens; train/loss = train/pg_loss (GRPO: no KL or
-        entropy term)."""
+        entropy term); the off-policy diagnostics from their sums (losses.offpolicy_diagnostics)."""
         parts: list = [None] * self.world
         dist.all_gather_object(parts, (sums, weights, extremes), group=self.ctrl)
         out = {}
         for k in dict.fromkeys(k for s, _, _ in parts for k in s):
             tot = sum(s.get(k, 0.0) for s, _, _ in parts)
             w = sum(wt.get(k, 0.0) for _, wt, _ in parts)
-            out[k] = tot if k == "train/pg_loss" else tot / max(w, 1e-9)
+            out[k] = tot if k == "train/pg_loss" or k.startswith("offpolicy/") else tot / max(w, 1e-9)
+        out.update(losses.offpolicy_diagnostics({k[10:]: out.pop(k) for k in list(out) if k[:10] == "offpolicy/"}))
         for k in dict.fromkeys(k for _, _, e in parts for k in e):
             vals = [v for _, _, e in parts for v in e.get(k, [])]
             out[k] = max(vals) if k.endswith("_max") else min(vals)
@@ -622,8 +624,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         else:
             time.sleep(STARTUP_ERROR_WAIT_S)  # torchrun stops this rank once rank 0 has exited
         sys.exit(2)
-    import losses
-
     warning = losses.offpolicy_warning(cfg)
     if warning and rank == 0:
         print(warning, file=sys.stderr, flush=True)

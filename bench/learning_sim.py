@@ -1,4 +1,13 @@
-"""bench/learning_sim.py: does a staleness rule cost learning? The real buffer and strategies on a simulated clock.
+"""bench/learning_sim.py: what a staleness rule trains on and how fast: the real buffer and strategies on a simulated
+clock. A throughput-and-staleness simulator; its learner says nothing about whether staleness hurts learning.
+
+Why not (docs/results/staleness.md, "What the learner cannot show"): the learner below cannot be hurt by corrected
+staleness. Its tokens are drawn independently given the prompt (nothing compounds along a sequence), its reward is
+dense per token, its lengths do not depend on the policy, and its teacher is linear in its 32 weights: at mean token
+staleness 11.5 or 4x the learning rate, with the behaviour weights' ESS down to 0.07-0.17, no corrected run learned
+slower than sync. Its eval numbers are printed, and `test_learning_sim.py` checks the mechanics they rest on, but no
+conclusion about losses or bounds is drawn from them. What it does measure: staleness per token, throughput against
+an ideal, tokens thrown away, and which prompts (length, difficulty) a rule trains on against what it dispatched.
 
 What is real: `buffer.PipelineServer` (collection run inside put(), collector_thread=False, so a run is
 deterministic) with the rule of `strategies.REGISTRY`, called as rollout.py and train.run_steps call it: dispatch,
@@ -72,8 +81,9 @@ import strategies  # noqa: E402
 
 SIMULATION_NOTE = ("Simulated: the clock, the fleet (the workload model of docs/results/pipeline_sim.md, lengths and "
                    "speeds scaled by 1/100, B scaled 64 -> 16 with the fleet and training) and a toy learner (a shared "
-                   "softmax policy over 4 tokens, KL per step ~1e-3); real: buffer.PipelineServer, the strategies and "
-                   "the losses.")
+                   "softmax policy over 4 tokens, KL per step ~1e-3) that staleness cannot hurt: read throughput, "
+                   "staleness and what is trained, not learning; real: buffer.PipelineServer, the strategies and the "
+                   "losses.")
 V, F = 4, 8  # tokens, prompt features
 B, N, M = 16, 8, 32  # groups per step, trajectories per group, trajectories per training call
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")
@@ -106,6 +116,7 @@ class Run:
     steps: int = 50
     lr_scale: float = 1.0
     token_scale: int = 100
+    overrides: tuple = ()  # more a.b=c config overrides, last (e.g. a preset's companion concurrency cap)
 
     def __post_init__(self):
         self.loss = self.loss or own_loss(self.rule)
@@ -145,7 +156,7 @@ def make_cfg(run: Run):
     over = []
     if run.rule in strategies.PRESETS:  # the peer's loss and, where the peer has one, its off-policy mask
         over = [o for o in strategies.peer_overrides(run.rule) if not o.startswith("algorithm.policy_loss=")]
-    over += LOSS_OVERRIDES[run.loss]
+    over += [*LOSS_OVERRIDES[run.loss], *run.overrides]
     return config.validate(config.from_dict(config._merge(d, config.parse_overrides(over))))
 
 

@@ -911,6 +911,8 @@ def main(argv=None) -> int:
     wl = sim_server.load_workload(args.workload_path)
     if args.batch_scale > 1:  # the fleet reads its workload from a file: write the scaled one
         wl = scaled_workload(wl, args.batch_scale)
+        import strategies  # prime-rl's max_inflight counts rollouts, fixed: scaled with B (2 B in flight at B = 64)
+        strategies.PRIME_MAX_INFLIGHT //= args.batch_scale
         fd, args.workload_path = tempfile.mkstemp(prefix="pipeline_sim_workload_", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             json.dump(dataclasses.asdict(wl), f)  # JSON is YAML

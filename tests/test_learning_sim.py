@@ -17,8 +17,8 @@ import learning_sim as ls  # noqa: E402
 TB, GB = "training-bound 8:8", "generation-bound 12:4"
 
 
-def run(rule, k, split=TB, steps=8, loss=ls.DEFAULT_LOSS, seed=0):
-    out = ls.simulate(ls.Run(rule, k, split, seed, loss=loss, steps=steps))
+def run(rule, k, split=TB, steps=8, loss=ls.DEFAULT_LOSS, seed=0, overrides=()):
+    out = ls.simulate(ls.Run(rule, k, split, seed, loss=loss, steps=steps, overrides=overrides))
     assert "error" not in out, out.get("error")
     return out
 
@@ -33,7 +33,9 @@ def test_synchronous_trains_fresh_tokens_only_and_waits_for_the_longest_response
 
 
 def test_a_looser_bound_trains_staler_tokens_when_training_is_the_bottleneck():
-    tight, loose = run("areal", 1), run("areal", 4)
+    # AReaL's max_concurrent_rollouts raised above the eta = 4 budget ((4 + 1) B groups), so eta alone binds
+    free = ("rollout.async_max_concurrent_samples=640",)
+    tight, loose = run("areal", 1, overrides=free), run("areal", 4, overrides=free)
     assert 0 < tight["staleness_mean"] < 1.5 <= tight["staleness_mean"] + 1
     assert tight["staleness_max"] <= 2
     assert loose["staleness_mean"] > tight["staleness_mean"] + 1.5
@@ -42,6 +44,8 @@ def test_a_looser_bound_trains_staler_tokens_when_training_is_the_bottleneck():
     assert loose["step_s"] < 1.1 * loose["ideal_step_s"]
     # staler behaviour weights spread out: a lower effective sample size
     assert loose["ess"] < tight["ess"] <= 1.0
+    # AReaL's default max_concurrent_rollouts (B groups running) binds before eta = 4 does
+    assert run("areal", 4)["staleness_mean"] < loose["staleness_mean"] - 0.2
 
 
 def test_per_step_kl_is_in_the_tuned_range():

@@ -199,6 +199,18 @@ def test_chunked_logprobs_cuda_memory_and_values():
     assert torch.allclose(grad.float(), logits.grad.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_entropy_is_exact_at_large_logits():
+    """The entropy is computed from logits shifted by the row max: at logits ~3e4 in float32 the unshifted
+    lse - sum p s subtracts two numbers ~3e4 apart by ~1 and loses ~1e-3 (float32 spacing there is 2e-3)."""
+    g = torch.Generator().manual_seed(0)
+    logits = 3e4 + torch.randn(2, 5, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (2, 5), generator=g)
+    ref_lp, ref_h = naive_logprobs(logits.double(), targets, 1.0)
+    lp, h = losses.token_logprobs(logits, targets, 1.0, chunk_size=4, with_entropy=True)
+    assert (h.double() - ref_h).abs().max() < 1e-5
+    assert (lp.double() - ref_lp).abs().max() < 1e-5
+
+
 def test_token_logprobs_rejects_bad_arguments():
     with pytest.raises(ValueError, match="logprob_chunk_tokens"):
         losses.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 1.0, chunk_size=0)
@@ -663,7 +675,8 @@ def test_loglinear_proximal_hand_computed():
 
 
 def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
-    """AReaL's ppo_actor_loss_fn (areal/utils/functional.py), written out per token in Python floats."""
+    """AReaL's ppo_actor_loss_fn (areal/utils/functional.py), written out per token in Python floats; cap None:
+    rejection_sampling=None, AReaL 1.0.4's default, which multiplies no behaviour weight in."""
     lp, prox, behav, adv, mask = lp.tolist(), prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist()
     total, n = 0.0, 0
     for i in range(len(lp)):
@@ -675,7 +688,10 @@ def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
             pg = max(-adv[i] * ratio, -adv[i] * clipped)
             w = math.exp(prox[i][t] - behav[i][t])
-            total += pg * w if w <= cap else 0.0  # above the cap: out of the loss, still in the denominator
+            if cap is None:
+                total += pg
+            else:
+                total += pg * w if w <= cap else 0.0  # above the cap: out of the loss, still in the denominator
     return total / n
 
 
@@ -701,6 +717,25 @@ def test_decoupled_ppo_is_policy_loss_around_the_proximal_policy_with_a_capped_b
         # the gradient flows through the ratio only: masked tokens and capped ones get exactly zero
         w = (prox - behav).exp()
         assert (lp.grad[~mask | (w > cap)] == 0).all()
+
+
+@pytest.mark.parametrize("method", ["recompute", "loglinear"])
+def test_decoupled_ppo_without_is_correction_has_no_behaviour_weight_as_areal_by_default(method):
+    """AReaL 1.0.4: rejection_sampling=None (its default) multiplies nothing into the loss: decoupled PPO is then the
+    plain PPO clip around pi_prox, every token kept however far pi_prox is from mu."""
+    g = torch.Generator().manual_seed(3)
+    behav = -torch.rand(4, 6, generator=g) * 2
+    old = behav + torch.randn(4, 6, generator=g)  # pi_prox / mu far above any cap
+    lp = old + torch.randn(4, 6, generator=g) * 0.3
+    versions, adv = torch.randint(0, 5, (4, 6), generator=g), torch.randn(4, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.2
+    D = losses.loss_denominator(mask, "token-mean")
+    prox = losses.proximal_log_probs(method, old, behav, lp, versions, 5)
+    loss, m = losses.POLICY_LOSSES[method](lp, old, behav, adv, mask, versions, 5, algo(), D)
+    ref = areal_decoupled_loss(lp.double(), prox.double(), behav.double(), adv.double(), mask, 0.2, 0.28, None)
+    assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-7) and "train/is_mean" not in m
+    weighted = areal_decoupled_loss(lp.double(), prox.double(), behav.double(), adv.double(), mask, 0.2, 0.28, 1e9)
+    assert abs(weighted - ref) > 1e-2  # the weight would have changed the loss: the test can tell them apart
 
 
 def test_truncated_is_loss_value_and_gradient_hand_computed():
@@ -755,7 +790,7 @@ def test_policy_loss_names_in_config_are_the_losses_table():
 
 @pytest.mark.parametrize("overrides,fragment", [
     (["algorithm.policy_loss=reinforce"], "algorithm.policy_loss must be one of ppo, truncated_is, recompute, "
-                                          "loglinear, got 'reinforce'"),
+                                          "loglinear, gspo, cispo, got 'reinforce'"),
     (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-mean"],
      "algorithm.policy_loss=truncated_is sums its tokens"),
     (["algorithm.policy_loss=loglinear", "algorithm.is_correction.level=sequence"],
@@ -790,7 +825,7 @@ def collated_batch(seed, step):
 
 def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
     """train.micro_batch_loss is the one call in Actor.forward_backward: each algorithm.policy_loss reaches its
-    function, and the four give different losses on the same batch (so a trainer that ignored the choice would fail
+    function, and they all give different losses on the same batch (so a trainer that ignored the choice would fail
     here)."""
     import train
 
@@ -803,22 +838,25 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
         refs = {
             "ppo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D)[0].detach()),
             "truncated_is": float(losses.truncated_is_loss(lp, rlp, adv, mask, algo().clip_high, D)[0].detach()),
-            # AReaL's formula with the behaviour weight, which the choice turns on whatever is_correction.enable says
+            # AReaL's formula with the behaviour weight (is_correction on: AReaL's rejection_sampling, mask above cap)
             "recompute": areal_decoupled_loss(lp.detach().double(), old.double(), rlp.double(), adv.double(), mask,
                                               0.2, 0.28, cap),
             "loglinear": areal_decoupled_loss(lp.detach().double(), prox.double(), rlp.double(), adv.double(),
                                               mask, 0.2, 0.28, cap),
+            "gspo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D, objective="gspo")[0].detach()),
+            "cispo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D, objective="cispo")[0].detach()),
         }
         got = {}
         for name in losses.POLICY_LOSSES:
+            on = name in ("recompute", "loglinear")  # the behaviour weight of decoupled PPO
             cfg = config.from_dict({"algorithm": {"policy_loss": name, "is_correction": {
-                "enable": False, "clip": 1e9, "mask_high": cap}}})
+                "enable": on, "clip": 1e9, "mask_high": cap}}})
             loss, metrics = train.micro_batch_loss(cfg, lp, old, b, D, ent, step)
             got[name] = float(loss.detach())
             assert got[name] == pytest.approx(refs[name], rel=1e-5, abs=1e-6), (seed, name)
             assert float(metrics["train/pg_loss"]) == pytest.approx(got[name], rel=1e-6)
             assert "train/entropy" in metrics
-        assert len({round(v, 6) for v in got.values()}) == 4, got
+        assert len({round(v, 6) for v in got.values()}) == len(losses.POLICY_LOSSES), got
 
 
 def test_decoupled_choices_leave_the_run_config_as_it_was():
@@ -834,3 +872,154 @@ def test_offpolicy_warning_is_quiet_for_losses_that_do_not_use_old_log_probs():
     for name in ("truncated_is", "loglinear"):
         assert losses.offpolicy_warning(run_cfg(policy_loss=name)) is None
     assert losses.offpolicy_warning(run_cfg(policy_loss="ppo")) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Staleness diagnostics: train/is_ess, train/is_log_ratio_m2, train/neg_adv_high_ratio_frac
+# ---------------------------------------------------------------------------------------------------------
+
+def test_offpolicy_diagnostics_hand_computed():
+    # pi / mu = 2, 1, 0.5 on the loss tokens of sequence 0 (A = -1), 4 on sequence 1 (A = +1); one masked token
+    pi = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.1)], [math.log(0.8), math.log(0.9), 0.0]])
+    mu = torch.tensor([[math.log(0.25), math.log(0.3), math.log(0.2)], [math.log(0.2), math.log(0.1), 0.0]])
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    s = losses.offpolicy_diagnostic_sums(pi, mu, adv, mask, eps_high=0.28)
+    w, l2 = [2.0, 1.0, 0.5, 4.0], [math.log(2) ** 2, 0.0, math.log(2) ** 2, math.log(4) ** 2]
+    assert s == pytest.approx({"n": 4, "w": sum(w), "w2": sum(x * x for x in w), "m2": sum(l2), "neg_high": 1})
+    m = losses.offpolicy_diagnostics(s)
+    assert m["train/is_ess"] == pytest.approx(7.5 ** 2 / (4 * 21.25))  # (sum w)^2 / (n sum w^2) = 0.6618
+    assert m["train/is_log_ratio_m2"] == pytest.approx(sum(l2) / 4)
+    assert m["train/neg_adv_high_ratio_frac"] == 0.25  # only pi / mu = 2 with A < 0; 4 has A > 0
+    # on-policy: ESS exactly 1, nothing else; no loss token: the same neutral values
+    assert losses.offpolicy_diagnostics(losses.offpolicy_diagnostic_sums(mu, mu, adv, mask, 0.28)) == {
+        "train/is_ess": 1.0, "train/is_log_ratio_m2": 0.0, "train/neg_adv_high_ratio_frac": 0.0}
+    assert losses.offpolicy_diagnostics(losses.offpolicy_diagnostic_sums(pi, mu, adv, mask * 0, 0.28))[
+        "train/is_ess"] == 1.0
+
+
+def test_offpolicy_diagnostics_are_exact_over_micro_batches_and_skip_non_finite_tokens():
+    """Sums over two micro-batches then one ratio equal the ratio over the whole batch (the trainer's aggregation
+    over micro-batches and ranks); a mean of the two ESS values would not."""
+    g = torch.Generator().manual_seed(0)
+    mu = -torch.rand(6, 5, generator=g) * 3
+    pi = mu + torch.randn(6, 5, generator=g) * torch.tensor([0.1, 0.1, 0.1, 2.0, 2.0, 2.0]).unsqueeze(-1)
+    adv, mask = torch.randn(6, generator=g), torch.rand(6, 5, generator=g) > 0.2
+    whole = losses.offpolicy_diagnostics(losses.offpolicy_diagnostic_sums(pi, mu, adv, mask, 0.2))
+    parts = [losses.offpolicy_diagnostic_sums(pi[r], mu[r], adv[r], mask[r], 0.2) for r in (slice(0, 3), slice(3, 6))]
+    summed = losses.offpolicy_diagnostics({k: parts[0][k] + parts[1][k] for k in parts[0]})
+    assert summed == pytest.approx(whole)
+    halves = [losses.offpolicy_diagnostics(p)["train/is_ess"] for p in parts]
+    assert abs(sum(halves) / 2 - whole["train/is_ess"]) > 0.05  # the mean of ratios is a different number
+    assert 0 < whole["train/is_ess"] < 1
+    bad = pi.clone()
+    bad[0, 0], bad[1, 1] = float("nan"), float("inf")
+    keep = mask.clone()
+    keep[0, 0] = keep[1, 1] = False
+    assert losses.offpolicy_diagnostic_sums(bad, mu, adv, mask, 0.2) == pytest.approx(
+        losses.offpolicy_diagnostic_sums(pi, mu, adv, keep, 0.2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GSPO and CISPO against their papers' formulas (and GSPO against verl's form of it)
+# ---------------------------------------------------------------------------------------------------------
+
+def gspo_paper_loss(lp, old, adv, mask, eps_low, eps_high):
+    """GSPO (arXiv 2507.18071, eq. 5-7), written from the paper: s_i = (pi_theta(y_i) / pi_old(y_i))^(1/|y_i|),
+    J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); returns -J, differentiable in lp
+    through s_i itself (no stop-gradient trick)."""
+    terms = []
+    for i in range(lp.shape[0]):
+        m = mask[i]
+        if not m.any():
+            continue
+        s = torch.exp((lp[i][m] - old[i][m]).sum() / m.sum())
+        terms.append(torch.minimum(s * adv[i], s.clamp(1 - eps_low, 1 + eps_high) * adv[i]))
+    return -torch.stack(terms).sum() / len(terms)
+
+
+def gspo_verl_loss(lp, old, adv, mask, eps_low, eps_high):
+    """verl 0.9's compute_policy_loss_gspo (verl/trainer/ppo/core_algos.py), rewritten here from its formula:
+    log s_it = sg[mean_t (lp - old)] + lp - sg[lp] (clamped above at 10), the PPO max of the two surrogate terms
+    per token, aggregated seq-mean-token-mean (verl forces it for GSPO)."""
+    m = mask.to(lp.dtype)
+    seq = ((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    s = torch.exp(torch.clamp(lp - lp.detach() + seq.detach().unsqueeze(-1), max=10.0))
+    a = adv.unsqueeze(-1)
+    pg = torch.maximum(-a * s, -a * s.clamp(1 - eps_low, 1 + eps_high))
+    per_seq = (pg * m).sum(-1) / m.sum(-1).clamp(min=1)
+    has = m.sum(-1) > 0
+    return per_seq[has].sum() / has.sum()
+
+
+def test_gspo_equals_the_paper_and_verl_in_value_and_gradient():
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        B, T = 5, 7
+        old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+        lp = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.05 * (1 + seed % 4)).requires_grad_()
+        adv = torch.randn(B, generator=g, dtype=torch.float64)
+        mask = torch.rand(B, T, generator=g) > 0.25
+        eps = (0.0003, 0.0004) if seed % 2 else (0.2, 0.28)  # the paper's range, and the PPO defaults
+        a = algo(clip_low=eps[0], clip_high=eps[1], loss_agg_mode="seq-mean-token-mean")
+        D = losses.loss_denominator(mask, a.loss_agg_mode)
+        loss, m = losses.policy_loss(lp, old, None, adv, mask, a, D, objective="gspo")
+        grad, = torch.autograd.grad(loss, lp)
+        for ref_fn in (gspo_paper_loss, gspo_verl_loss):
+            x = lp.detach().clone().requires_grad_()
+            ref = ref_fn(x, old, adv, mask, *eps)
+            ref_grad, = torch.autograd.grad(ref, x)
+            assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-7), seed
+            assert torch.allclose(grad.double(), ref_grad, rtol=1e-4, atol=1e-7), (seed, ref_fn.__name__)
+        assert (grad[~mask] == 0).all()
+
+
+def test_gspo_clips_whole_sequences():
+    """One sequence whose geometric-mean ratio is 1.5 (> 1 + 0.28) with A > 0: every one of its tokens is clipped
+    and gets zero gradient, even the token whose own ratio is below 1 (a token-level clip would keep it)."""
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[math.log(0.9), math.log(2.5), math.log(1.5 ** 3 / (0.9 * 2.5))]]).requires_grad_()
+    loss, m = losses.policy_loss(lp, old, None, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), algo(), 3.0,
+                                 objective="gspo")
+    assert float(loss.detach()) == pytest.approx(-1.28)  # token-mean of -clip(s) A over its 3 tokens
+    loss.backward()
+    assert (lp.grad == 0).all() and float(m["train/clip_ratio"]) == 1.0
+
+
+def cispo_paper_loss(lp, old, adv, mask, eps_low, eps_high):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5) in Python floats: -(1 / sum_i |o_i|) sum_{i,t}
+    sg[clip(r_it, 1 - eps_low, 1 + eps_high)] A_i log pi_theta(o_it), and d/dlog pi_theta = -clip(r) A / sum |o|."""
+    n = int(mask.sum())
+    total, grad = 0.0, torch.zeros(lp.shape, dtype=torch.float64)
+    for i in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if mask[i, t]:
+                r = min(max(math.exp(lp[i, t].item() - old[i, t].item()), 1 - eps_low), 1 + eps_high)
+                total -= r * adv[i].item() * lp[i, t].item()
+                grad[i, t] = -r * adv[i].item() / n
+    return total / n, grad
+
+
+def test_cispo_equals_the_paper_in_value_and_gradient():
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        old = -torch.rand(4, 6, generator=g) * 2
+        lp = (old + torch.randn(4, 6, generator=g) * 0.4).requires_grad_()
+        adv, mask = torch.randn(4, generator=g), torch.rand(4, 6, generator=g) > 0.2
+        eps = (0.99, 0.28) if seed % 2 else (0.2, 0.28)  # the paper's practice (no lower bound), and symmetric
+        a = algo(clip_low=eps[0], clip_high=eps[1], dual_clip_c=3.0)  # dual-clip does not touch CISPO
+        loss, m = losses.policy_loss(lp, old, None, adv, mask, a, losses.loss_denominator(mask, "token-mean"),
+                                     objective="cispo")
+        ref, ref_grad = cispo_paper_loss(lp.detach(), old, adv, mask, *eps)
+        assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6), seed
+        loss.backward()
+        assert torch.allclose(lp.grad.double(), ref_grad, rtol=1e-5, atol=1e-7), seed
+        r = (lp.detach() - old).exp()
+        clipped = (r < 1 - eps[0]) | (r > 1 + eps[1])
+        assert float(m["train/clip_ratio"]) == pytest.approx(float(clipped[mask].float().mean()))
+
+
+def test_unknown_objective_is_one_sentence():
+    with pytest.raises(ValueError, match="policy_loss objective 'sapo' is unknown; accepted: ppo, gspo, cispo"):
+        losses.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2), algo(), 2.0,
+                           objective="sapo")

@@ -398,7 +398,8 @@ def seqs(groups):
 
 
 def test_areal_counts_consumed_groups_until_the_update_and_frees_rejected_ones():
-    srv = preset("areal", B=4, N=2)  # eta 1: consumed + R + Q < (1 + 1) * 4
+    # eta 1: consumed + R + Q < (1 + 1) * 4; max_concurrent_rollouts raised to 8 groups (default B: the next test)
+    srv = preset("areal", B=4, N=2, overrides=["rollout.async_max_concurrent_samples=16"])
     assert srv.C == 8 and len(srv.dispatch()) == 8
     gs = [srv._in_flight[k] for k in sorted(srv._in_flight)]
     srv.put(finish(gs[0], 2) + finish(gs[1], 2))
@@ -409,6 +410,18 @@ def test_areal_counts_consumed_groups_until_the_update_and_frees_rejected_ones()
     srv.step_boundary([aborted(g, i) for g in gs[3:] + [srv._in_flight[(0, 8)]] for i in range(2)])
     assert seqs(srv.dispatch()) == [3, 4, 5, 6, 7, 8, 9, 10]  # the update resets `consumed`: 6 restored + 2 new
     assert strategies.AReaL.capacity(0.5, 4, 2) == 6 and strategies.AReaL.capacity(None, 4, 2) == 8
+
+
+def test_areal_default_concurrency_is_its_companion_knob():
+    """AReaL's get_capacity is min(max_concurrent_rollouts - running, staleness budget), max_concurrent_rollouts
+    defaulting to the consumer batch size B. Unset, rollout.async_max_concurrent_samples takes it; set, it wins."""
+    srv = preset("areal", B=4, N=2, param=4)  # budget (4 + 1) 4 = 20 groups, but only B = 4 may run
+    assert srv.max_generating == 4 and len(srv.dispatch()) == 4
+    g = srv._in_flight[min(srv._in_flight)]
+    srv.put(finish(g, 2))  # one completes: one more may run
+    assert len(srv.dispatch()) == 1
+    assert preset("areal", B=4, N=2, param=4, overrides=["rollout.async_max_concurrent_samples=12"]).max_generating == 6
+    assert preset("verl", B=4, N=2).max_generating is None  # the other presets keep no cap of their own
 
 
 def test_verl_budget_counts_new_prompts_per_version_and_is_reanchored_at_the_sync():
@@ -685,6 +698,18 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
     assert "rollout.mask_offpolicy_in_partial_rollout=true (its peer: false)" in note
     assert strategies.pairing_note("slime-async", "ppo", False) is None
     assert strategies.pairing_note("windowed-fifo", "truncated_is", True) is None  # the spec's rules pair with any
+
+
+def test_areal_preset_gives_areal_1_0_4_default_loss_without_behaviour_weight():
+    """AReaL 1.0.4: use_decoupled_loss with rejection_sampling=None multiplies no pi_prox / mu weight in; tiny.yaml
+    turns algorithm.is_correction on, and the preset's overrides turn it off again."""
+    import config
+
+    cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        "fully_async.sliding_window=areal", "fully_async.stale_steps=0", *strategies.peer_overrides("areal")])
+    assert cfg.algorithm.policy_loss == "recompute" and cfg.algorithm.is_correction.enable is False
+    assert strategies.peer_overrides("verl") == ["algorithm.policy_loss=ppo",
+                                                 "rollout.mask_offpolicy_in_partial_rollout=false"]
 
 
 def test_a_preset_run_with_another_peers_loss_says_so_once_at_start_up(tmp_path, monkeypatch, capsys):

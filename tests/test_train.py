@@ -807,6 +807,7 @@ SPEC_METRICS = [  # docs/design.md, the metrics (plus the training metrics it na
     "perf/wait_ratio", "timing/rollout", "timing/process_traj", "timing/train", "timing/step", "timing/save_ckpt",
     "timing/update_weights", "train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/approx_kl",
     "train/clip_ratio", "train/dual_clip_ratio", "train/nan_ratio", "train/is_mean", "train/is_max", "train/is_min",
+    "train/is_ess", "train/is_log_ratio_m2", "train/neg_adv_high_ratio_frac",
     "perf/train_memory_allocated_max", "perf/train_memory_reserved_max", "rollout/reward_mean"]
 
 
@@ -822,6 +823,9 @@ def test_fully_async_run_reports_every_spec_metric_with_sane_values(resumed_run)
         assert math.isfinite(row["train/grad_norm"]) and row["train/nan_ratio"] == 0.0
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and row["train/entropy"] > 0
         assert row["train/is_min"] <= row["train/is_mean"] <= row["train/is_max"]
+        # the staleness diagnostics (losses.offpolicy_diagnostics), every step
+        assert 0.0 < row["train/is_ess"] <= 1.0 and 0.0 <= row["train/neg_adv_high_ratio_frac"] <= 1.0
+        assert math.isfinite(row["train/is_log_ratio_m2"]) and row["train/is_log_ratio_m2"] >= 0.0
         assert row["perf/train_memory_allocated_max"] > 0
     evals = [row["eval/reward_mean"] for row in resumed_run["rows"] if "eval/reward_mean" in row]
     assert evals and all(0.0 <= e <= 1.0 for e in evals)
