@@ -47,13 +47,19 @@ each token's version.
 
 A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
-(environment tokens, loss mask 0). Built in: `single_turn`, `multi_turn_tool` (tasks.make_env). Or
-rollout.function=module:function.
+(environment tokens, loss mask 0); a tool environment is `ctx.make_env()` (tasks.make_env), stepped with
+`await ctx.env_step(env, traj, text)`: at most rollout.env_max_concurrent steps at once (a sync step on as many
+threads, off the event loop), each within rollout.env_step_timeout_s; a step that raises or times out fails its
+trajectory (counted, the first of each kind logged), and rollout.env_fail_stop_steps failures in a row stop the run
+(a trajectory's metadata["stop"], which the buffer hands to the trainer). Built in: `single_turn`, `multi_turn_tool`.
+Or rollout.function=module:function. docs/agents.md.
 
 Simplifications: one request per trajectory at a time (turns are sequential; `sampling_params.n` is never used, since
 SGLang gives its samples random rids, which no abort could name); the response budget
 rollout.sampling.max_new_tokens counts every response token, environment tokens included; a restored multi-turn
-trajectory rebuilds its environment by replaying the turns it already has; rewards see the decoded response only.
+trajectory gets a fresh environment told its finished turns by env.restore(turns), without stepping them again (their
+side effects happened once); a pause lets environment steps in progress finish; rewards see the decoded response
+only.
 
 Run (workers.py reads the config; this file does not import config.py):
     python workers.py generate --config configs/tiny.yaml rollout.servers=[http://127.0.0.1:31000] [--split eval]
@@ -914,8 +920,9 @@ class Rollout:
         if self.fn is not single_turn:  # tool environments: steps, the wait for a slot, failures
             steps = max(1, s["env_steps"])
             out.update({"rollout/env_steps": s["env_steps"], "rollout/env_wait_s_mean": s["env_wait_s"] / steps,
-                        "rollout/env_step_s_mean": s["env_step_s"] / steps, "rollout/env_in_use_max": s["env_in_use_max"],
-                        "rollout/env_error_count": s["env_errors"], "rollout/env_timeout_count": s["env_timeouts"]})
+                        "rollout/env_step_s_mean": s["env_step_s"] / steps,
+                        "rollout/env_in_use_max": s["env_in_use_max"], "rollout/env_error_count": s["env_errors"],
+                        "rollout/env_timeout_count": s["env_timeouts"]})
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out

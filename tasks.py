@@ -644,8 +644,8 @@ def math_reward(response_text: str, label: str, stopped: bool) -> float:
 
 
 REWARDS = {"reverse_digits": reverse_digits_reward, "calc_tool": calc_tool_reward, "math": math_reward}
-DEFAULT_REWARDS = {"reverse_digits": "reverse_digits", "calc_tool": "calc_tool", "calc_py": "calc_tool", "jsonl": "math",
-                   "parquet": "math"}
+DEFAULT_REWARDS = {"reverse_digits": "reverse_digits", "calc_tool": "calc_tool", "calc_py": "calc_tool",
+                   "jsonl": "math", "parquet": "math"}
 
 
 def default_reward(task: str) -> str:

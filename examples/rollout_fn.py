@@ -11,8 +11,9 @@ tasks.make_env) and `await ctx.env_step(env, traj, text)` runs one of its steps 
 and rollout.env_step_timeout_s (a step that fails fails the trajectory). ctx also has cfg, task, group (label,
 metadata), tokenizer and decode(ids).
 
-one_tool_call: one model turn, then the environment's reply to it and one more model turn. A trajectory restored by partial rollout (rollout.partial=true) comes back with the tokens
-it had, so the function first looks at what is already there. The first call prints a line with the process id.
+one_tool_call: one model turn, then the environment's reply to it and one more model turn. A trajectory restored by
+partial rollout (rollout.partial=true) comes back with the tokens it had, so the function first looks at what is
+already there. The first call prints a line with the process id.
 """
 import os
 
