@@ -514,7 +514,7 @@ def validate(cfg: Config) -> Config:
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
                 "retry_backoff_s", "reward_workers", "env_max_concurrent", "env_step_timeout_s"):
         _positive(getattr(r, key), f"rollout.{key}")
-    if r.env_step_timeout_s >= r.pause_timeout_s:
+    if r.function != "single_turn" and r.env_step_timeout_s >= r.pause_timeout_s:
         raise ValueError(f"rollout.env_step_timeout_s ({r.env_step_timeout_s:g}) must be below "
                          f"rollout.pause_timeout_s ({r.pause_timeout_s:g}): a pause waits for the environment steps "
                          "in progress, which are never cut short (their side effects would be half done)")

@@ -238,7 +238,7 @@ class RolloutContext:
         if not spans:
             return 0
         turns = traj.metadata.get("env_turns") or []
-        if len(turns) < len(spans):  # recorded by an older version: rebuilt from the tokens
+        if len(turns) < len(spans):  # not recorded (e.g. a checkpoint from before env_turns): rebuilt from tokens
             turns, start = [], 0
             for a, b in spans:
                 turns.append([self.decode(traj.response_ids[start:a]), self.decode(traj.response_ids[a:b])])

@@ -513,14 +513,15 @@ def test_a_sync_step_runs_off_the_event_loop_and_a_failing_env_stops_the_run(mon
     ("rollout.env_max_concurrent=0", "rollout.env_max_concurrent must be > 0, got 0"),
     ("rollout.env_max_concurrent=2.5", "config key 'rollout.env_max_concurrent' must be an integer, got 2.5"),
     ("rollout.env_step_timeout_s=0", "rollout.env_step_timeout_s must be > 0, got 0.0"),
-    ("rollout.env_step_timeout_s=700", "rollout.env_step_timeout_s (700) must be below rollout.pause_timeout_s (600): "
+    ("rollout.env_step_timeout_s=700 rollout.function=multi_turn_tool", "rollout.env_step_timeout_s (700) must be "
+                                                                        "below rollout.pause_timeout_s (600): "
                                        "a pause waits for the environment steps in progress, which are never cut "
                                        "short (their side effects would be half done)"),
     ("rollout.env_fail_stop_steps=-1", "rollout.env_fail_stop_steps must be >= 0 (0: never stop), got -1"),
 ])
 def test_env_settings_are_validated_in_one_sentence(override, sentence):
     with pytest.raises(ValueError) as e:
-        config.load_config(None, [override])
+        config.load_config(None, override.split())
     assert str(e.value) == sentence
 
 
