@@ -541,6 +541,7 @@ class PipelineServer(Exchange):
         self._boundary: dict = {}  # cleanup metrics of the last step boundary, reported once
         self._waited: dict = self._new_wait_counts()  # for the trainer's waiting line, popped by wait()
         self._dropped = self._new_drop_run()  # groups the filter dropped since the last one it let through
+        self._producer_stop: Optional[str] = None  # a trajectory's metadata["stop"]: the producer says the run ends
         self._cond = threading.Condition()
         self._pending = False  # put() added trajectories the collector has not looked at yet
         self._closed = False
@@ -594,6 +595,7 @@ class PipelineServer(Exchange):
         with self._cond:
             for t in trajs:
                 self._add_locked(t)
+                self._producer_stop = self._producer_stop or t.metadata.get("stop")  # e.g. a tool env that fails
             self._waited["generated"] += len(trajs)
             if self._thread is None:
                 self._collect_locked()
@@ -1027,10 +1029,13 @@ class PipelineServer(Exchange):
         return {"groups": 0, "reasons": Counter(), "rewards": Counter(), "last": None}
 
     def _cannot_train(self) -> bool:
-        return self.stop_groups > 0 and self._dropped["groups"] >= self.stop_groups
+        return self._producer_stop is not None or (self.stop_groups > 0 and self._dropped["groups"] >= self.stop_groups)
 
     def _stop_message(self) -> str:
-        """One sentence: the filter, what it saw, a dropped group (prompt, response, label) and what to change."""
+        """One sentence: the filter, what it saw, a dropped group (prompt, response, label) and what to change; or
+        the producer's own (a trajectory's metadata["stop"], e.g. rollout.env_fail_stop_steps)."""
+        if self._producer_stop is not None:
+            return self._producer_stop
         d, g = self._dropped, self._dropped["last"]
         rewards = ", ".join(f"{v} ({c})" for v, c in d["rewards"].most_common(5)) or "none (all failed)"
         t = next((t for t in g.trajectories if t.status == FAILED), g.trajectories[0])

@@ -138,7 +138,10 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     function: str = "single_turn"  # single_turn | multi_turn_tool | module:function
-    env: Optional[str] = None  # multi-turn tool environment: null = the task's own (calc_tool) | module:attr
+    env: Optional[str] = None  # multi-turn tool environment: null = the task's own (calc_tool, calc_py) | module:attr
+    env_max_concurrent: int = 64  # environment steps in progress at once (a sync step: on as many threads)
+    env_step_timeout_s: float = 60.0  # one environment step longer than this fails its trajectory
+    env_fail_stop_steps: int = 64  # stop the run when this many environment steps in a row failed (0: never)
     partial: bool = False  # keep in-flight work across the step boundary (how: pause_mode) instead of waiting for it
     pause_mode: str = "abort"  # abort (restore complete groups, re-send) | retract | in_place (servers keep requests)
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
@@ -513,8 +516,14 @@ def validate(cfg: Config) -> Config:
     if not 0 < r.sampling.top_p <= 1:
         raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {r.sampling.top_p}")
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
-                "retry_backoff_s", "reward_workers"):
+                "retry_backoff_s", "reward_workers", "env_max_concurrent", "env_step_timeout_s"):
         _positive(getattr(r, key), f"rollout.{key}")
+    if r.function != "single_turn" and r.env_step_timeout_s >= r.pause_timeout_s:
+        raise ValueError(f"rollout.env_step_timeout_s ({r.env_step_timeout_s:g}) must be below "
+                         f"rollout.pause_timeout_s ({r.pause_timeout_s:g}): a pause waits for the environment steps "
+                         "in progress, which are never cut short (their side effects would be half done)")
+    if r.env_fail_stop_steps < 0:
+        raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got {r.env_fail_stop_steps}")
     _positive(r.router_request_timeout_s, "rollout.router_request_timeout_s")
     if r.router_url and r.request_timeout_s >= r.router_request_timeout_s:
         raise ValueError(f"rollout.request_timeout_s ({r.request_timeout_s:g}) must be below "
@@ -649,8 +658,9 @@ def load_plugins(cfg: Config) -> None:
     if r.env is not None:
         import tasks
         if plugins.is_spec(r.env):
-            register(tasks.ENVS, r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}", callable,
-                     "a class or factory that builds one tool environment (max_turns, step(text))")
+            register(tasks.ENVS, r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}", _takes_label_metadata,
+                     "a class or factory that builds one tool environment from (label, metadata) (max_turns, "
+                     "step(text), optional restore(turns))")
         elif r.env not in tasks.ENVS:
             raise ValueError(f"rollout.env '{r.env}' is unknown; accepted: null (the task's own), "
                              f"{_builtin(tasks.ENVS)} or module:attr")
@@ -661,6 +671,21 @@ def load_plugins(cfg: Config) -> None:
         register(rollout.ROLLOUT_FUNCTIONS, r.function, "rollout.function",
                  f"one of {_builtin(rollout.ROLLOUT_FUNCTIONS)}", inspect.iscoroutinefunction,
                  "an async function (ctx, traj) -> None")
+
+
+def _takes_label_metadata(obj) -> bool:
+    """Whether obj can be called as obj(label, metadata): how tasks.make_env builds a tool environment."""
+    import inspect
+
+    if not callable(obj):
+        return False
+    try:
+        inspect.signature(obj).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): cannot tell, let the first call say
+        return True
+    return True
 
 
 def _builtin(registry) -> str:

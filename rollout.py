@@ -47,13 +47,19 @@ each token's version.
 
 A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
-(environment tokens, loss mask 0). Built in: `single_turn`, `multi_turn_tool` (tasks.make_env). Or
-rollout.function=module:function.
+(environment tokens, loss mask 0); a tool environment is `ctx.make_env()` (tasks.make_env), stepped with
+`await ctx.env_step(env, traj, text)`: at most rollout.env_max_concurrent steps at once (a sync step on as many
+threads, off the event loop), each within rollout.env_step_timeout_s; a step that raises or times out fails its
+trajectory (counted, the first of each kind logged), and rollout.env_fail_stop_steps failures in a row stop the run
+(a trajectory's metadata["stop"], which the buffer hands to the trainer). Built in: `single_turn`, `multi_turn_tool`.
+Or rollout.function=module:function. docs/agents.md.
 
 Simplifications: one request per trajectory at a time (turns are sequential; `sampling_params.n` is never used, since
 SGLang gives its samples random rids, which no abort could name); the response budget
 rollout.sampling.max_new_tokens counts every response token, environment tokens included; a restored multi-turn
-trajectory rebuilds its environment by replaying the turns it already has; rewards see the decoded response only.
+trajectory gets a fresh environment told its finished turns by env.restore(turns), without stepping them again (their
+side effects happened once); a pause lets environment steps in progress finish; rewards see the decoded response
+only.
 
 Run (workers.py reads the config; this file does not import config.py):
     python workers.py generate --config configs/tiny.yaml rollout.servers=[http://127.0.0.1:31000] [--split eval]
@@ -210,6 +216,45 @@ class RolloutContext:
         traj.metadata.setdefault("env_spans", []).append([start, start + len(ids)])
         return True
 
+    def make_env(self):
+        """A fresh tool environment for this trajectory: tasks.make_env(task, label, metadata, rollout.env)."""
+        import tasks
+
+        return tasks.make_env(self.task, self.group.label, self.group.metadata, self.cfg.rollout.env)
+
+    async def env_step(self, env, traj: Trajectory, turn_text: str) -> Optional[str]:
+        """env.step(turn_text), sync (in a thread) or async, once one of rollout.env_max_concurrent slots is free,
+        within rollout.env_step_timeout_s. Returns the observation (None: the episode ends) and records
+        [turn_text, observation] in traj.metadata["env_turns"]. A step that raises, times out or returns neither a
+        str nor None marks traj failed (the reason in metadata["error"] and ["env_error"]) and raises
+        EnvStepFailed, which ends the rollout function; the run goes on."""
+        return await self.rollout._env_step(self, env, traj, turn_text)
+
+    async def restore_env(self, env, traj: Trajectory) -> int:
+        """Bring a fresh environment to where a restored trajectory's finished turns left it, without running their
+        steps again: env.restore([[turn_text, observation], ...]) (sync or async) when the environment has it.
+        Returns the number of finished turns (0 for a new trajectory)."""
+        spans = traj.metadata.get("env_spans", [])
+        if not spans:
+            return 0
+        turns = traj.metadata.get("env_turns") or []
+        if len(turns) < len(spans):  # not recorded (e.g. a checkpoint from before env_turns): rebuilt from tokens
+            turns, start = [], 0
+            for a, b in spans:
+                turns.append([self.decode(traj.response_ids[start:a]), self.decode(traj.response_ids[a:b])])
+                start = b
+        restore = getattr(env, "restore", None)
+        if restore is not None:
+            out = restore([list(t) for t in turns[:len(spans)]])
+            if inspect.isawaitable(out):
+                await out
+        return len(spans)
+
+
+class EnvStepFailed(Exception):
+    """An environment step raised, timed out or returned something other than str or None: its trajectory is
+    marked failed (RolloutContext.env_step) and this ends the rollout function."""
+
 
 async def single_turn(ctx: RolloutContext, traj: Trajectory) -> None:
     """One model turn from the prompt (or from a restored partial response) to stop, length or abort. As
@@ -219,24 +264,22 @@ async def single_turn(ctx: RolloutContext, traj: Trajectory) -> None:
 
 
 async def multi_turn_tool(ctx: RolloutContext, traj: Trajectory) -> None:
-    """Model turns alternating with tasks.make_env observations (loss mask 0) until the environment ends the episode,
-    env.max_turns model turns, or the budget runs out. A restored trajectory first replays its finished turns into
-    a fresh environment, then continues its last, partial turn."""
-    import tasks
-
-    env = tasks.make_env(ctx.task, ctx.group.label, ctx.group.metadata, ctx.cfg.rollout.env)
-    turn_start = 0
-    for start, end in traj.metadata.get("env_spans", []):
-        env.step(ctx.decode(traj.response_ids[turn_start:start]))
-        turn_start = end
-    turns = len(traj.metadata.get("env_spans", []))
+    """Model turns alternating with environment observations (tasks.make_env: rollout.env or the task's own; loss
+    mask 0) until the environment ends the episode, env.max_turns model turns, or the budget runs out. Each step goes
+    through ctx.env_step (bounded, timed; one that raises or times out fails the trajectory). A restored trajectory
+    gets a fresh environment and its finished turns through env.restore (when it has one) instead of running their
+    steps again, then continues its last, partial turn."""
+    env = ctx.make_env()
+    turns = await ctx.restore_env(env, traj)
+    spans = traj.metadata.get("env_spans", [])
+    turn_start = spans[-1][1] if spans else 0
     while True:
         if await ctx.generate(traj) != "stop":
             return
         turns += 1
         if turns >= env.max_turns:
             return
-        observation = env.step(ctx.decode(traj.response_ids[turn_start:]))
+        observation = await ctx.env_step(env, traj, ctx.decode(traj.response_ids[turn_start:]))
         if observation is None or not ctx.append_env(traj, observation):
             return
         turn_start = len(traj.response_ids)
@@ -262,7 +305,8 @@ def _new_stats() -> dict:
     return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
             "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0,
-            "aborts_without_routes": 0}
+            "aborts_without_routes": 0, "env_steps": 0, "env_wait_s": 0.0, "env_step_s": 0.0, "env_in_use_max": 0,
+            "env_errors": 0, "env_timeouts": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,6 +377,14 @@ class Rollout:
                                                                 mp_context=multiprocessing.get_context("spawn"))
         elif r.reward_pool == "thread":
             self._pool = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
+        # Environment steps: at most env_max_concurrent at once (the slots, made on the loop by _start); a sync step
+        # runs on one of as many threads, so one that outlives its timeout still holds a thread, and the environment
+        # never sees more steps at once than that.
+        self._env_threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._env_in_use = 0
+        self._env_fail_run, self._env_fail_first = 0, ""  # env steps failed in a row since the last good one; the first
+        self._env_logged: set = set()  # the kinds of env failure already logged (the first of each is)
+        self._env_stopped = False
 
     # ---- public, synchronous ----
     def start(self) -> None:
@@ -366,6 +418,8 @@ class Rollout:
             self.sync.run(self._stop(), 60.0, "Rollout.stop")
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._env_threads is not None:
+            self._env_threads.shutdown(wait=False, cancel_futures=True)
 
     # ---- on the loop ----
     def _raise_error(self) -> None:
@@ -390,6 +444,7 @@ class Rollout:
         self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._dispatch_lock = asyncio.Lock()
+        self._env_slots = asyncio.Semaphore(self.cfg.rollout.env_max_concurrent)
         self._dispatching = True
         self._spawn(self._guard(self._produce()))
         self._spawn(self._guard(self._flush()))
@@ -586,7 +641,7 @@ class Rollout:
             self._count_in_flight(-len(trajs))
             del self._active[prefix]
         error = None if task.cancelled() else task.exception()
-        if error is not None:
+        if error is not None and not isinstance(error, EnvStepFailed):  # (those are logged once per kind)
             log.warning("trajectories %s failed: %r", prefix, error)
         scored = []
         for traj, was_restored in zip(trajs, restored):
@@ -594,6 +649,8 @@ class Rollout:
                 traj.status = FAILED
                 traj.metadata["error"] = f"rollout.trajectory_timeout_s={timeout} s exceeded; the request was aborted"
                 self.stats["timeouts"] += 1
+            elif isinstance(error, EnvStepFailed):
+                traj.status = FAILED  # env_step wrote the reason
             elif error is not None:
                 traj.status = FAILED
                 traj.metadata["error"] = repr(error)
@@ -619,6 +676,71 @@ class Rollout:
         for traj in trajs:
             if traj.status != ABORTED:
                 self._emit(traj)
+
+    async def _env_step(self, ctx: RolloutContext, env, traj: Trajectory, text: str) -> Optional[str]:
+        """RolloutContext.env_step: one step within a slot and the timeout; failures counted, the first of each kind
+        logged, and after rollout.env_fail_stop_steps failures in a row the run is stopped through the buffer."""
+        r, s = self.cfg.rollout, self.stats
+        turn = len(traj.metadata.get("env_spans", [])) + 1
+        t0 = time.monotonic()
+        async with self._env_slots:
+            t1 = time.monotonic()
+            s["env_steps"] += 1
+            s["env_wait_s"] += t1 - t0
+            self._env_in_use += 1
+            s["env_in_use_max"] = max(s["env_in_use_max"], self._env_in_use)
+            kind = None
+            try:
+                observation = await asyncio.wait_for(self._call_step(env, text), r.env_step_timeout_s)
+                if observation is not None and not isinstance(observation, str):
+                    kind, why = "error", f"returned {type(observation).__name__}, not a str or None"
+            except asyncio.TimeoutError:
+                kind, why = "timeout", f"did not return within rollout.env_step_timeout_s={r.env_step_timeout_s:g} s"
+            except Exception as e:
+                kind, why = "error", f"raised {e!r}"
+            finally:
+                self._env_in_use -= 1
+                s["env_step_s"] += time.monotonic() - t1
+        if kind is None:
+            self._env_fail_run = 0
+            if observation is not None:
+                traj.metadata.setdefault("env_turns", []).append([text, observation])
+            return observation
+        name = f"rollout.env={r.env}" if r.env else f"{type(env).__name__} (data_source.task {ctx.task}'s own)"
+        message = f"the tool environment {name}: its step of turn {turn} {why}"
+        traj.status = FAILED
+        traj.metadata["error"] = message
+        traj.metadata["env_error"] = {"kind": kind, "turn": turn, "message": message}
+        s["env_timeouts" if kind == "timeout" else "env_errors"] += 1
+        if kind not in self._env_logged:
+            self._env_logged.add(kind)
+            log.warning("first environment %s (counted in rollout/env_%s_count, not logged again): %s; prompt %r, "
+                        "turn %d text %r; the trajectory failed, the run goes on", kind,
+                        "timeout" if kind == "timeout" else "error", message,
+                        ctx.decode(traj.prompt_ids)[-200:], turn, text[-200:])
+        self._env_fail_run += 1
+        if self._env_fail_run == 1:
+            self._env_fail_first = f"its step of turn {turn} {why}"
+        stop = r.env_fail_stop_steps
+        if stop and self._env_fail_run >= stop and not self._env_stopped:
+            self._env_stopped = True
+            traj.metadata["stop"] = (f"nothing can be trained: the tool environment {name} failed each of its last "
+                                     f"{self._env_fail_run} steps; the first of them: {self._env_fail_first}; "
+                                     "fix the environment (or raise rollout.env_fail_stop_steps; 0 turns this "
+                                     "stop off)")
+            log.error("%s", traj.metadata["stop"])
+        raise EnvStepFailed(message)
+
+    async def _call_step(self, env, text: str):
+        """env.step(text): awaited when it is async, else run on the environment threads (and awaited if what it
+        returns is awaitable)."""
+        if inspect.iscoroutinefunction(env.step):
+            return await env.step(text)
+        if self._env_threads is None:
+            self._env_threads = concurrent.futures.ThreadPoolExecutor(self.cfg.rollout.env_max_concurrent,
+                                                                      thread_name_prefix="env")
+        out = await asyncio.get_running_loop().run_in_executor(self._env_threads, env.step, text)
+        return await out if inspect.isawaitable(out) else out
 
     def _on_timeout(self, active: _Active, task: asyncio.Task) -> None:
         active.timed_out = True
@@ -807,6 +929,12 @@ class Rollout:
             "rollout/aborts_without_routes": s["aborts_without_routes"],
         }
         self._retries_seen, self._down_seen = self.fleet.retries, self.fleet.down_events
+        if self.fn is not single_turn:  # tool environments: steps, the wait for a slot, failures
+            steps = max(1, s["env_steps"])
+            out.update({"rollout/env_steps": s["env_steps"], "rollout/env_wait_s_mean": s["env_wait_s"] / steps,
+                        "rollout/env_step_s_mean": s["env_step_s"] / steps,
+                        "rollout/env_in_use_max": s["env_in_use_max"], "rollout/env_error_count": s["env_errors"],
+                        "rollout/env_timeout_count": s["env_timeouts"]})
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out

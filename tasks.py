@@ -11,6 +11,8 @@ r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
     calc_tool       prompt "37*59=" (operands 0-99, + or *), multi-turn with a calculator tool:
                     model "calc 37*59" eos | tool "=2183\n" (loss mask 0) | model "2183" eos.
                     Needs rollout.sampling.max_new_tokens >= 24 (all turns and tool tokens together).
+    calc_py         the same prompts with a Python tool run in the sandbox (sandbox.py, PyToolEnv):
+                    model "py 37*59" eos | tool "=2183\n" (loss mask 0) | model "2183" eos. configs/tiny_agent.yaml.
     jsonl, parquet  math-RL rows as dapo-math-17k: the prompt from the first field present of `prompt` (a list of
                     {"role", "content"} messages, or a string), `problem`, `question` (strings, sent as one user
                     message); the ground truth from `reward_model.ground_truth`, `answer`, `ground_truth`,
@@ -18,7 +20,8 @@ r"""tasks.py: the tiny model, the prompts, the rewards and the tool environment.
                     The tokenizer's chat template is applied with add_generation_prompt=True.
 - `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math", or any
   "module:function"; `default_reward(task)` names each task's own.
-- `make_env(task, label, metadata, env)`: the tool environment of a multi-turn task (calc_tool), or rollout.env's.
+- `make_env(task, label, metadata, env)`: the tool environment of a multi-turn task (calc_tool, calc_py), or
+  rollout.env's; the interface is in its docstring.
 
 Simplifications: the tokenizer is one token per printable ASCII character; any other character becomes <|unk|>
 (a special token, so decoding drops it): round trips are exact on ASCII text only. A toy prompt belongs to the
@@ -163,6 +166,9 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, se
 #                     first digits that happen to match).
 #   calc_tool      <- calc_call:   "37*59=" -> "calc 37*59" eos, the tool-call turn alone. Teaches the call syntax;
 #                     reading the tool's answer back and stopping after it is left to RL.
+#   calc_py        <- py_call:     "37*59=" -> "py 37*59" eos, and apart "=2183\n" -> "2183" eos: each turn alone,
+#                     never a whole episode (from calc_call's base RL barely starts: the greedy eval is ~0.01 and
+#                     97% of the groups have 8 equal rewards). Chaining them in one context is left to RL.
 
 def make_sharp_model(out_dir: str, seed: int = 0, num_experts: int = 0) -> str:
     """make_tiny_model (no pretraining; num_experts > 0: the tiny Qwen3-MoE, top-2) with random RMSNorm gains
@@ -193,8 +199,17 @@ def _calc_call_example(rng: random.Random) -> tuple[str, str]:
     return text, f"calc {text[:-1]}"
 
 
-PRETRAIN_TASKS = {"copy_digits": _copy_digits_example, "calc_call": _calc_call_example}
-PRETRAIN_TASK_OF = {"reverse_digits": "copy_digits", "calc_tool": "calc_call"}  # the base of each RL task
+def _py_call_example(rng: random.Random) -> tuple[str, str]:
+    """Half the time calc_py's tool call alone, half reading a tool's answer back alone ("=2183\n" -> "2183")."""
+    if rng.random() < 0.5:
+        text, _ = _calc_tool_example(rng)
+        return text, f"py {text[:-1]}"
+    digits = str(rng.randint(0, 9999))
+    return f"={digits}\n", digits
+
+
+PRETRAIN_TASKS = {"copy_digits": _copy_digits_example, "calc_call": _calc_call_example, "py_call": _py_call_example}
+PRETRAIN_TASK_OF = {"reverse_digits": "copy_digits", "calc_tool": "calc_call", "calc_py": "py_call"}  # RL task: base
 PRETRAIN_BATCH, PRETRAIN_LR = 64, 3e-3
 
 
@@ -315,7 +330,8 @@ def _calc_tool_example(rng: random.Random) -> tuple[str, str]:
     return f"{a}{op}{b}=", str(_calc(a, op, b))
 
 
-TOY_TASKS = {"reverse_digits": _reverse_digits_example, "calc_tool": _calc_tool_example}
+TOY_TASKS = {"reverse_digits": _reverse_digits_example, "calc_tool": _calc_tool_example,
+             "calc_py": _calc_tool_example}
 FILE_TASKS = ("jsonl", "parquet")
 
 
@@ -339,7 +355,7 @@ class CalcToolEnv:
     max_turns = 3  # model turns per episode: one or two tool calls, then the answer
     CALL = re.compile(r"calc (\d{1,6})([+*])(\d{1,6})")
 
-    def __init__(self):
+    def __init__(self, label: Any = None, metadata: Optional[dict] = None):
         self.turns = 0
 
     def step(self, turn_text: str) -> Optional[str]:
@@ -349,21 +365,76 @@ class CalcToolEnv:
             return None
         return f"={_calc(int(call[1]), call[2], int(call[3]))}\n"
 
+    def restore(self, turns: list) -> None:
+        """A restored episode's finished turns ([turn_text, observation] each): only the count matters here."""
+        self.turns = len(turns)
 
-ENVS = {"calc_tool": CalcToolEnv}
+
+class PyToolEnv:
+    """The Python tool of the calc_py task: a model turn "py CODE" runs CODE in the sandbox (sandbox.py: a worker
+    subprocess with CPU, memory and output limits and no network) and is answered "=OUTPUT\n" (an expression's
+    value, or what the code printed, cut to OUTPUT_CHARS; or the error's one line). Any other turn is the final
+    answer and ends the episode, as does the max_turns-th turn. `step` is async: the code runs in a thread, the
+    rollout's event loop goes on. What each call did is in `calls` ([code, error, network] per call), which the
+    rollout does not need; tests read it.
+
+    One SandboxPool per process, made on first use with the class's limits (a subclass may change them).
+    A restored episode's finished turns are not run again (`restore`): their observations are in the trajectory.
+    """
+    max_turns = 3
+    CALL = re.compile(r"py (.+)", re.S)
+    WORKERS, CPU_S, MEMORY_MB, OUTPUT_CHARS = 4, 1.0, 256, 32
+    _pool = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, label: Any = None, metadata: Optional[dict] = None):
+        self.turns = 0
+        self.calls: list = []
+
+    @classmethod
+    def pool(cls):
+        with cls._pool_lock:
+            if cls._pool is None:
+                import sandbox
+
+                cls._pool = sandbox.SandboxPool(cls.WORKERS, cls.CPU_S, memory_mb=cls.MEMORY_MB,
+                                                output_chars=cls.OUTPUT_CHARS)
+            return cls._pool
+
+    async def step(self, turn_text: str) -> Optional[str]:
+        self.turns += 1
+        call = self.CALL.fullmatch(turn_text.strip())
+        if call is None or self.turns >= self.max_turns:
+            return None
+        result = await self.pool().arun(call[1])
+        self.calls.append([call[1], result.error, result.network])
+        return f"={result.output.strip() if result.error is None else result.error}\n"
+
+    def restore(self, turns: list) -> None:
+        self.turns = len(turns)
+
+
+ENVS = {"calc_tool": CalcToolEnv, "calc_py": PyToolEnv}
 
 
 def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
-    """A fresh tool environment for one trajectory of a multi-turn task (`env.max_turns`, `env.step(text)`): the
-    task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.validate registered there)."""
+    """A fresh tool environment for one trajectory of a multi-turn task, built as factory(label, metadata): the
+    task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.validate registered there).
+
+    The interface (rollout.multi_turn_tool drives it): `max_turns` (model turns per episode, at most) and
+    `step(turn_text) -> Optional[str]`, sync or `async def` (the observation, or None to end the episode; the rollout
+    runs a sync step in a thread, bounded by rollout.env_max_concurrent, and a step that raises or exceeds
+    rollout.env_step_timeout_s fails its trajectory). Optional `restore(turns)`: a trajectory restored after a pause
+    gets a fresh environment and its finished turns as [turn_text, observation] pairs, which step is not called
+    for again (their side effects happened once); without restore the fresh environment simply goes on."""
     if env is not None:
         if env not in ENVS:
             raise ValueError(f"rollout.env '{env}' is unknown; accepted: {', '.join(ENVS)} or module:attr")
-        return ENVS[env]()
+        return ENVS[env](label, metadata)
     if task not in ENVS:
         raise ValueError(f"data_source.task '{task}' has no tool environment; multi-turn tasks: {', '.join(ENVS)} "
                          "(or set rollout.env)")
-    return ENVS[task]()
+    return ENVS[task](label, metadata)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -643,7 +714,8 @@ def math_reward(response_text: str, label: str, stopped: bool) -> float:
 
 
 REWARDS = {"reverse_digits": reverse_digits_reward, "calc_tool": calc_tool_reward, "math": math_reward}
-DEFAULT_REWARDS = {"reverse_digits": "reverse_digits", "calc_tool": "calc_tool", "jsonl": "math", "parquet": "math"}
+DEFAULT_REWARDS = {"reverse_digits": "reverse_digits", "calc_tool": "calc_tool", "calc_py": "calc_tool",
+                   "jsonl": "math", "parquet": "math"}
 
 
 def default_reward(task: str) -> str:

@@ -3,12 +3,13 @@
     PYTHONPATH=examples torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml \\
         rollout.function=multi_turn_tool rollout.env=echo_env:EchoEnv rollout.sampling.max_new_tokens=16
 
-A tool environment is built fresh for each trajectory (the class, or any factory, is called with no arguments) and
-has `max_turns` (model turns per episode, at most) and `step(turn_text)`: the text of the model's last turn in, the
-observation appended to the response out (loss mask 0: the model does not learn to produce it), or None to end the
-episode. Its tokens count against rollout.sampling.max_new_tokens, hence the larger budget above. The rollout
-process builds it (rollout.multi_turn_tool, or your own rollout function: examples/rollout_fn.py); the first one
-prints a line with the process id.
+A tool environment is built fresh for each trajectory (the class, or any factory, is called with the prompt's label
+and metadata) and has `max_turns` (model turns per episode, at most) and `step(turn_text)`, sync or async: the text of
+the model's last turn in, the observation appended to the response out (loss mask 0: the model does not learn to
+produce it), or None to end the episode. The full interface (restore, failures, the bound on steps at once) is in
+tasks.make_env's docstring and docs/agents.md. Its tokens count against rollout.sampling.max_new_tokens, hence the
+larger budget above. The rollout process builds it (rollout.multi_turn_tool, or your own rollout function:
+examples/rollout_fn.py); the first one prints a line with the process id.
 """
 import os
 
@@ -20,7 +21,7 @@ class EchoEnv:
 
     max_turns = 2
 
-    def __init__(self):
+    def __init__(self, label=None, metadata=None):
         global _said
         if not _said:
             _said = True

@@ -6,15 +6,16 @@
 A rollout function is `async def fn(ctx, traj) -> None`, awaited by the rollout process once per trajectory: it
 extends `traj` with `await ctx.generate(traj)` (one model turn within the remaining budget: sets traj.status and
 returns the finish reason, stop | length | abort) and `ctx.append_env(traj, text)` (environment tokens, loss mask 0;
-False when they do not fit). ctx also has cfg, task, group (label, metadata), tokenizer and decode(ids).
+False when they do not fit). `ctx.make_env()` builds the tool environment (rollout.env, or the task's own:
+tasks.make_env) and `await ctx.env_step(env, traj, text)` runs one of its steps within rollout.env_max_concurrent
+and rollout.env_step_timeout_s (a step that fails fails the trajectory). ctx also has cfg, task, group (label,
+metadata), tokenizer and decode(ids).
 
-one_tool_call: one model turn, then the environment's reply to it (rollout.env, or the task's own: tasks.make_env)
-and one more model turn. A trajectory restored by partial rollout (rollout.partial=true) comes back with the tokens
-it had, so the function first looks at what is already there. The first call prints a line with the process id.
+one_tool_call: one model turn, then the environment's reply to it and one more model turn. A trajectory restored by
+partial rollout (rollout.partial=true) comes back with the tokens it had, so the function first looks at what is
+already there. The first call prints a line with the process id.
 """
 import os
-
-import tasks
 
 _said = False
 
@@ -30,7 +31,7 @@ async def one_tool_call(ctx, traj):
         return
     if await ctx.generate(traj) != "stop":  # the first turn (continued, if restored within it)
         return
-    env = tasks.make_env(ctx.task, ctx.group.label, ctx.group.metadata, ctx.cfg.rollout.env)
-    observation = env.step(ctx.decode(traj.response_ids))
+    env = ctx.make_env()
+    observation = await ctx.env_step(env, traj, ctx.decode(traj.response_ids))
     if observation is not None and ctx.append_env(traj, observation):
         await ctx.generate(traj)

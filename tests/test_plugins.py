@@ -1,9 +1,12 @@
 """plugins.py and examples/: every extension point taken as `module:attr` by config.validate, in every process.
 
-One `torchrun train.py` run selects all five examples at once (window strategy, policy loss, reward, rollout
-function, tool environment), the strategy from a module copied outside the repository, and checks that each ran in
-the process it belongs to: the strategy in the buffer process, the rollout function, environment and reward in the
-rollout process, the loss in the trainer ranks. The loader's errors are checked one sentence each.
+One `torchrun train.py` run selects an example of every extension point at once (window strategy, policy loss,
+reward, rollout function, tool environment), the strategy and the environment (examples/slow_flaky_env.py: async,
+slow, failing 1 call in 20) from modules copied outside the repository, and checks that each ran in the process it
+belongs to: the strategy in the buffer process, the rollout function, environment and reward in the rollout process,
+the loss in the trainer ranks; and that the environment never saw more than rollout.env_max_concurrent=4 steps at
+once and its failures were counted (issue 35's acceptance, on the calc_tool task). The loader's errors are checked
+one sentence each.
 
 Run: .venv/bin/python -m pytest -q tests/test_plugins.py
 """
@@ -27,6 +30,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 ALL_FIVE = ["algorithm.policy_loss=clipped_loss:symmetric_ppo", "data_source.reward=length_penalty_reward:reward",
             "rollout.function=rollout_fn:one_tool_call", "rollout.env=echo_env:EchoEnv"]
+EXAMPLES_ALL = ["strict_fifo", "clipped_loss", "length_penalty_reward", "rollout_fn", "echo_env", "slow_flaky_env"]
 
 
 def _free_port() -> int:
@@ -42,27 +46,30 @@ def _pid(text: str, line: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# All five examples in one run of train.py (the acceptance of issue 33's item 3)
+# An example of every extension point in one run of train.py (the acceptance of issue 33's item 3 and 35's first)
 
 def test_every_example_runs_through_train_py_in_its_own_process(tmp_path):
-    outside = tmp_path / "outside"  # a module outside the repository, found through PYTHONPATH alone
+    outside = tmp_path / "outside"  # modules outside the repository, found through PYTHONPATH alone
     outside.mkdir()
     shutil.copy(os.path.join(EXAMPLES, "strict_fifo.py"), outside / "my_fifo.py")
+    shutil.copy(os.path.join(EXAMPLES, "slow_flaky_env.py"), outside / "my_flaky_env.py")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(outside), EXAMPLES])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
            "--config", TINY, f"run_dir={run_dir}", f"model.path={tmp_path / 'model'}", "model.tiny_pretrain_steps=0",
            f"rollout.base_port={_free_port()}", f"weight_sync.master_port={_free_port()}",
            "data_source.num_prompts=32", "data_source.num_eval_prompts=8", "data_source.num_prompts_per_step=4",
-           "data_source.num_trajectories_per_prompt=4", "trainer.mini_batch_size=8", "trainer.total_steps=3",
+           "data_source.num_trajectories_per_prompt=4", "trainer.mini_batch_size=8", "trainer.total_steps=4",
            "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false", "rollout.filter=[failed]",
            "rollout.sampling.max_new_tokens=16", "buffer.get_timeout_s=120", "rollout.startup_timeout_s=120",
-           "fully_async.sliding_window=my_fifo:StrictFifo", *ALL_FIVE]
+           "fully_async.sliding_window=my_fifo:StrictFifo", "data_source.task=calc_tool", *ALL_FIVE[:3],
+           "rollout.env=my_flaky_env:SlowFlakyEnv", "rollout.env_max_concurrent=4"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     logs = run_dir / "logs"
     buffer_log, rollout_log = (logs / "buffer.log").read_text(), (logs / "rollout.log").read_text()
     trainer_out = p.stdout + p.stderr
@@ -73,8 +80,18 @@ def test_every_example_runs_through_train_py_in_its_own_process(tmp_path):
     rollout_pid = _pid(rollout_log, "rollout_fn: one_tool_call called in pid")
     assert asked not in losses_in and asked != rollout_pid
     assert "StrictFifo.may_collect asked" not in trainer_out + rollout_log
-    assert _pid(rollout_log, "echo_env: EchoEnv built in pid") == rollout_pid
     assert _pid(rollout_log, "length_penalty_reward: reward called in pid") == rollout_pid
+    # the slow, flaky environment: stepped in the rollout process, never more than 4 steps at once (as it counts
+    # them, and as the rollout does), its failures (1 call in 20, the first included) counted and the run went on
+    seen = [(int(n), int(pid)) for n, pid in re.findall(r"slow_flaky_env: (\d+) steps at once in pid (\d+)",
+                                                          rollout_log)]
+    assert seen and {pid for _, pid in seen} == {rollout_pid} and max(n for n, _ in seen) <= 4, rollout_log[-3000:]
+    env_steps = sum(r["rollout/env_steps"] for r in steps)
+    errors = sum(r["rollout/env_error_count"] for r in steps)
+    assert env_steps > 0 and errors >= 1 and errors <= env_steps // 20 + 2, (env_steps, errors)
+    assert max(r["rollout/env_in_use_max"] for r in steps) in range(1, 5)
+    assert sum(r["rollout/env_timeout_count"] for r in steps) == 0
+    assert "first environment error" in rollout_log and "ConnectionError" in rollout_log
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,8 +156,10 @@ def test_an_error_inside_the_users_module_is_named_with_its_first_line_and_kept(
                                                             "losses.POLICY_LOSSES"),
     ("rollout.function=length_penalty_reward:reward", "must name an async function (ctx, traj) -> None"),
     ("rollout.env=length_penalty_reward:PENALTY rollout.function=multi_turn_tool", "must name a class or factory"),
-    ("rollout.env=calculator rollout.function=multi_turn_tool", "rollout.env 'calculator' is unknown; accepted: null (the task's own), calc_tool or "
-                               "module:attr"),
+    ("rollout.env=calculator rollout.function=multi_turn_tool", "rollout.env 'calculator' is unknown; accepted: "
+                               "null (the task's own), calc_tool, calc_py or module:attr"),
+    ("rollout.env=plugins:is_spec rollout.function=multi_turn_tool", "must name a class or factory that builds one "
+                                                                    "tool environment from (label, metadata)"),
     ("fully_async.sliding_window=strict-fifo", "choose one of: no-window, window-gated, windowed-fifo"),
     ("rollout.env=calc_tool", "rollout.env=calc_tool is used by multi-turn rollout functions only; set "
                               "rollout.function=multi_turn_tool"),
@@ -165,7 +184,7 @@ def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment
 
 
-@pytest.mark.parametrize("name", ["strict_fifo", "clipped_loss", "length_penalty_reward", "rollout_fn", "echo_env"])
+@pytest.mark.parametrize("name", EXAMPLES_ALL)
 def test_each_examples_docstring_command_selects_it(on_path, name):
     """The command at the top of each example's docstring is valid as written, and selects that example."""
     doc = " ".join(importlib.import_module(name).__doc__.replace("\\\n", " ").split())

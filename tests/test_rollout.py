@@ -341,6 +341,273 @@ def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Tool environments (issue 35): a scripted calculator server, environments that are slow, sync, raise, time out
+
+def _calc_server(hold_answers=None):
+    """A scripted server for calc_tool: the first turn of "A+B=" is "calc A+B" eos, the turn after the tool's
+    "=R\n" is "R" eos. hold_answers: a dict {"paused": asyncio.Event, "resumed": bool} that makes every answer turn
+    wait for /pause_generation (then it comes back aborted, with no tokens) until /continue_generation."""
+    tok = tasks.build_tokenizer()
+    eos = tok.eos_token_id
+
+    async def generate(request):
+        body = await request.json()
+        out = []
+        for ids in body["input_ids"]:
+            text = tok.decode(ids)
+            if text.endswith("\n"):  # after the tool's observation
+                if hold_answers is not None and not hold_answers["resumed"]:
+                    await hold_answers["paused"].wait()
+                    out.append(_response([], "0", finish={"type": "abort"}))
+                    continue
+                reply = text.rsplit("=", 1)[1].strip()
+            else:
+                reply = "calc " + text.split("=")[0]
+            out.append(_response(tok.encode(reply, add_special_tokens=False) + [eos], "0"))
+        return web.json_response(out)
+
+    async def info(request):
+        return web.json_response({"max_running_requests": 64})
+
+    async def pause(request):
+        hold_answers["paused"].set()
+        return web.json_response({})
+
+    async def resume(request):
+        hold_answers["resumed"] = True
+        return web.json_response({})
+
+    async def ok(request):
+        return web.json_response({})
+
+    routes = [("POST", "/generate", generate), ("GET", "/server_info", info), ("POST", "/abort_request", ok)]
+    if hold_answers is not None:
+        routes += [("POST", "/pause_generation", pause), ("POST", "/continue_generation", resume)]
+    return FakeServers(1, lambda i: routes), tok
+
+
+def _calc_prompts(tok, pairs):
+    return [{"prompt_ids": tok.encode(f"{a}+{b}=", add_special_tokens=False), "label": str(a + b), "metadata": {}}
+            for a, b in pairs]
+
+
+class _ToolEnv(tasks.CalcToolEnv):
+    """The calculator behind an async step that takes 20 ms, counting the steps it sees at once; label 13 raises,
+    label 14 hangs (longer than the test's rollout.env_step_timeout_s)."""
+    in_step = most = 0
+    threads: set = set()
+
+    def __init__(self, label, metadata):
+        super().__init__(label, metadata)
+        self.label = label
+
+    async def step(self, turn_text):
+        cls = _ToolEnv
+        cls.in_step += 1
+        cls.most = max(cls.most, cls.in_step)
+        try:
+            await asyncio.sleep(0.02)
+            if self.label == "13":
+                raise ValueError("the tool broke")
+            if self.label == "14":
+                await asyncio.sleep(30)
+            return super().step(turn_text)
+        finally:
+            cls.in_step -= 1
+
+
+class _SyncToolEnv(tasks.CalcToolEnv):
+    threads: set = set()
+
+    def step(self, turn_text):
+        _SyncToolEnv.threads.add(threading.current_thread().name)
+        return super().step(turn_text)
+
+
+def _run_calc(monkeypatch, env_cls, pairs, *overrides):
+    """Every prompt of `pairs` (N=2) through multi_turn_tool with env_cls as rollout.env=test_env against the
+    scripted server; returns (the DatasetBuffer's results, the producer's step metrics)."""
+    monkeypatch.setitem(tasks.ENVS, "test_env", env_cls)
+    server, tok = _calc_server()
+    cfg = config.load_config(None, ["data_source.task=calc_tool", "data_source.num_prompts_per_step=2",
+                                    "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
+                                    "rollout.function=multi_turn_tool", "rollout.env=test_env",
+                                    "rollout.sampling.max_new_tokens=24", f"rollout.servers=[{server.urls[0]}]",
+                                    *overrides])
+    buf = rollout.DatasetBuffer(_calc_prompts(tok, pairs), cfg.N)
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, tok)
+    try:
+        ro.start()
+        assert buf.done.wait(30), "the scripted episodes did not finish"
+        metrics = ro.step_metrics()
+    finally:
+        ro.stop()
+        sync.close()
+        server.close()
+    return buf.results, metrics
+
+
+def test_env_steps_are_bounded_and_failures_fail_their_trajectory_and_are_counted(monkeypatch, caplog):
+    """rollout.env_max_concurrent=2 bounds the steps the environment sees at once; a step that raises or outlives
+    rollout.env_step_timeout_s fails its trajectory (the reason in its metadata), counted and logged once per kind,
+    and every other episode completes."""
+    _ToolEnv.in_step = _ToolEnv.most = 0
+    pairs = [(2, 3), (6, 7), (7, 7), (1, 1), (4, 4), (3, 5), (2, 2), (9, 0)]  # 6+7 raises, 7+7 hangs
+    with caplog.at_level("WARNING", logger="rollout"):
+        results, m = _run_calc(monkeypatch, _ToolEnv, pairs, "rollout.env_max_concurrent=2",
+                               "rollout.env_step_timeout_s=0.5")
+    assert _ToolEnv.most == 2 and m["rollout/env_in_use_max"] == 2
+    assert m["rollout/env_error_count"] == 2 and m["rollout/env_timeout_count"] == 2
+    # two steps per good episode (the call; the answer, which ends it), one per failed one
+    assert m["rollout/env_steps"] == 6 * 2 * 2 + 4 and m["rollout/failed_count"] == 4
+    assert m["rollout/env_wait_s_mean"] > 0 and m["rollout/env_step_s_mean"] >= 0.02
+    for seq, (a, b) in enumerate(pairs):
+        for t in results[seq]:
+            if a + b in (13, 14):
+                kind = "error" if a + b == 13 else "timeout"
+                assert t.status == FAILED and t.metadata["env_error"]["kind"] == kind
+                assert t.metadata["env_error"]["turn"] == 1 and t.metadata["error"].startswith(
+                    "the tool environment rollout.env=test_env: its step of turn 1 ")
+                assert ("raised ValueError('the tool broke')" if kind == "error" else
+                        "did not return within rollout.env_step_timeout_s=0.5 s") in t.metadata["error"]
+            else:
+                assert t.status == "completed" and t.reward == 1.0
+                assert t.metadata["env_turns"] == [[f"calc {a}+{b}", f"={a + b}\n"]]
+    logged = [r.getMessage() for r in caplog.records if "first environment" in r.getMessage()]
+    assert len(logged) == 2 and "'6+7='" in logged[0] + logged[1] and "'7+7='" in logged[0] + logged[1]
+
+
+def test_a_sync_step_runs_off_the_event_loop_and_a_failing_env_stops_the_run(monkeypatch):
+    _SyncToolEnv.threads = set()
+    results, m = _run_calc(monkeypatch, _SyncToolEnv, [(1, 2), (3, 4)], "rollout.env_max_concurrent=3")
+    assert _SyncToolEnv.threads and all(name.startswith("env") for name in _SyncToolEnv.threads)
+    assert len(_SyncToolEnv.threads) <= 3 and m["rollout/env_in_use_max"] <= 3
+    assert all(t.status == "completed" for ts in results.values() for t in ts)
+
+    class Down(tasks.CalcToolEnv):
+        def step(self, turn_text):
+            raise ConnectionError("tool backend down")
+
+    results, m = _run_calc(monkeypatch, Down, [(1, 2), (3, 4)], "rollout.env_fail_stop_steps=3")
+    stops = [t.metadata["stop"] for ts in results.values() for t in ts if "stop" in t.metadata]
+    assert len(stops) == 1 and m["rollout/env_error_count"] == 4  # the run goes on until the buffer stops it
+    assert stops[0] == ("nothing can be trained: the tool environment rollout.env=test_env failed each of its "
+                        "last 3 steps; the first of them: its step of turn 1 raised ConnectionError('tool backend "
+                        "down'); fix the environment (or raise rollout.env_fail_stop_steps; 0 turns this stop off)")
+    # the buffer hands that sentence to the trainer, which stops as the filter stop does (NothingToTrain)
+    cfg = config.load_config(None, ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
+                                    "trainer.mini_batch_size=2", "data_source.num_prompts=8"])
+    buf = buffer.PipelineServer(cfg, [[{"prompt_ids": [5, 6], "label": "1"}] * 8], collector_thread=False)
+    try:
+        g = buf.dispatch(1)[0]
+        trajs = [Trajectory(g.epoch, g.seq, i, g.prompt_ids, status=FAILED) for i in range(2)]
+        trajs[1].metadata["stop"] = stops[0]
+        buf.put(trajs)
+        assert buf.wait(1, 0.1)["stop"] == stops[0]
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("override,sentence", [
+    ("rollout.env_max_concurrent=0", "rollout.env_max_concurrent must be > 0, got 0"),
+    ("rollout.env_max_concurrent=2.5", "config key 'rollout.env_max_concurrent' must be an integer, got 2.5"),
+    ("rollout.env_step_timeout_s=0", "rollout.env_step_timeout_s must be > 0, got 0.0"),
+    ("rollout.env_step_timeout_s=700 rollout.function=multi_turn_tool", "rollout.env_step_timeout_s (700) must be "
+                                                                        "below rollout.pause_timeout_s (600): "
+                                       "a pause waits for the environment steps in progress, which are never cut "
+                                       "short (their side effects would be half done)"),
+    ("rollout.env_fail_stop_steps=-1", "rollout.env_fail_stop_steps must be >= 0 (0: never stop), got -1"),
+])
+def test_env_settings_are_validated_in_one_sentence(override, sentence):
+    with pytest.raises(ValueError) as e:
+        config.load_config(None, override.split())
+    assert str(e.value) == sentence
+
+
+class _PauseBuffer(rollout.DatasetBuffer):
+    """DatasetBuffer that restores at step_boundary, as PipelineServer does: each group with an aborted trajectory
+    goes out again first, with all N of its trajectories (the finished ones are put again as they are)."""
+
+    def step_boundary(self, returned):
+        with self.lock:
+            for seq in sorted({t.seq for t in returned}, reverse=True):
+                mine = [t for t in returned if t.seq == seq] + self.results.pop(seq, [])
+                g = copy.copy(self.prompts[seq])
+                g.partial = sorted(mine, key=lambda t: t.index)
+                self.pending.appendleft(g)
+        self.returned = returned
+        return {}
+
+
+class _SlowOnceEnv(tasks.CalcToolEnv):
+    """An async calculator whose steps take 0.3 s and record every call, and whose restore records its turns."""
+    calls: list = []
+    restores: list = []
+
+    def __init__(self, label, metadata):
+        super().__init__(label, metadata)
+        self.label = label
+
+    async def step(self, turn_text):
+        _SlowOnceEnv.calls.append((self.label, turn_text))
+        await asyncio.sleep(0.3)
+        return super().step(turn_text)
+
+    async def restore(self, turns):
+        _SlowOnceEnv.restores.append((self.label, turns))
+        super().restore(turns)
+
+
+def test_an_episode_aborted_mid_way_is_restored_without_running_its_tool_calls_again(monkeypatch):
+    """Partial rollout across turns: paused (abort) while the slow tool runs and while the answers generate, every
+    episode comes back with its first turn and observation; restored into a fresh environment (restore(turns)), it
+    generates only its answer. Each tool call ran once, and the observations are the ones the tool gave."""
+    _SlowOnceEnv.calls, _SlowOnceEnv.restores = [], []
+    monkeypatch.setitem(tasks.ENVS, "test_env", _SlowOnceEnv)
+    hold = {"paused": None, "resumed": False}
+    server, tok = _calc_server(hold)
+    hold["paused"] = asyncio.run_coroutine_threadsafe(_new_event(), server.loop).result(5)
+    cfg = config.load_config(None, ["data_source.task=calc_tool", "data_source.num_prompts_per_step=2",
+                                    "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
+                                    "rollout.function=multi_turn_tool", "rollout.env=test_env",
+                                    "rollout.env_max_concurrent=2", "rollout.partial=true",
+                                    "rollout.sampling.max_new_tokens=24", f"rollout.servers=[{server.urls[0]}]"])
+    pairs = [(2, 3), (4, 5)]
+    buf = _PauseBuffer(_calc_prompts(tok, pairs), cfg.N)
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+    ro = rollout.Rollout(cfg, buf, sync, tok)
+    try:
+        ro.start()
+        wait_until(lambda: _SlowOnceEnv.calls, 30, "a tool call")
+        pause = ro.pause()  # two steps run (the bound), two wait for a slot: all four finish, then abort
+        assert pause["rollout/partial_aborted_count"] == 4 and not buf.done.is_set()
+        ro.resume(1)
+        assert buf.done.wait(30), "the restored episodes did not finish"
+    finally:
+        ro.stop()
+        sync.close()
+        server.close()
+    calls = [c for c in _SlowOnceEnv.calls if c[1].startswith("calc")]
+    assert sorted(calls) == sorted([(str(a + b), f"calc {a}+{b}") for a, b in pairs for _ in range(2)])
+    assert len(_SlowOnceEnv.restores) == 4
+    eos = tok.eos_token_id
+    for seq, (a, b) in enumerate(pairs):
+        turns = [[f"calc {a}+{b}", f"={a + b}\n"]]
+        assert sorted(_SlowOnceEnv.restores)[2 * seq:2 * seq + 2] == [(str(a + b), turns)] * 2
+        for t in buf.results[seq]:
+            assert t.status == "completed" and t.reward == 1.0 and t.metadata["restored"] == 1
+            assert t.metadata["env_turns"] == turns
+            assert t.response_ids.tolist() == (tok.encode(f"calc {a}+{b}", add_special_tokens=False) + [eos]
+                                               + tok.encode(f"={a + b}\n", add_special_tokens=False)
+                                               + tok.encode(str(a + b), add_special_tokens=False) + [eos])
+
+
+async def _new_event():
+    return asyncio.Event()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The producer against engine.py serving the tiny model
 
 @pytest.fixture(scope="module")

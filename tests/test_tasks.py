@@ -91,7 +91,7 @@ def test_pretrained_base_knows_its_pretraining_task_and_not_the_rl_task(tmp_path
     assert _greedy_exact(model, tok, reverse) < 0.45
     assert tasks.PRETRAIN_TASK_OF["reverse_digits"] == "copy_digits"
     text, answer = tasks.PRETRAIN_TASKS["calc_call"](__import__("random").Random(0))
-    assert answer == f"calc {text[:-1]}" and tasks.CalcToolEnv().step(answer) is not None  # a valid tool call
+    assert answer == f"calc {text[:-1]}" and tasks.CalcToolEnv("1", {}).step(answer) is not None  # a valid call
 
 
 def test_chat_template(tok):
@@ -216,6 +216,33 @@ def test_calc_tool_turn_sequence():
     assert env.step("calc 1+2") == "=3\n" and env.step(" calc 1+2 ") == "=3\n" and env.step("calc 1+2") is None
     with pytest.raises(ValueError, match="data_source.task 'reverse_digits' has no tool environment"):
         tasks.make_env("reverse_digits", "1", {})
+
+
+def test_calc_py_runs_the_models_code_in_the_sandbox_and_restores_without_running_it_again():
+    import asyncio
+    import random
+
+    rng = random.Random(0)
+    halves = {tasks.PRETRAIN_TASKS["py_call"](rng)[1].split(" ")[0] for _ in range(40)}
+    assert "py" in halves and any(h.isdigit() for h in halves)  # the call alone, and reading an answer back alone
+    assert tasks.PRETRAIN_TASK_OF["calc_py"] == "py_call" and tasks.default_reward("calc_py") == "calc_tool"
+    text, label = tasks.toy_examples("calc_py", 1, 0, "train")[0]  # calc_tool's prompts
+    assert re.fullmatch(r"\d+[+*]\d+=", text) and eval(text[:-1]) == int(label)
+
+    async def episode():
+        env = tasks.make_env("calc_py", "2183", {"row": 1})
+        first = await env.step("py 37*59")
+        bad = await env.step("py 1/0")
+        third = await env.step("py 1+1")  # the max_turns-th turn: the answer, whatever it says
+        fresh = tasks.make_env("calc_py", "2183", {})
+        fresh.restore([["py 37*59", "=2183\n"]])  # as a restored trajectory: its finished turn is not run again
+        return env, first, bad, third, fresh, await fresh.step("2183")
+
+    env, first, bad, third, fresh, answer = asyncio.run(episode())
+    assert first == "=2183\n" and bad == "=ZeroDivisionError: division by zero\n" and third is None
+    assert [c[:2] for c in env.calls] == [["37*59", None], ["1/0", "ZeroDivisionError: division by zero"]]
+    assert env.calls[0][2] == "netns" or env.calls[0][2].startswith("audit-hook only")
+    assert fresh.calls == [] and fresh.turns == 2 and answer is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
