@@ -54,7 +54,7 @@ Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid
     python bench/pipeline_sim.py --overhead-check --only colocate,fifo-s2
     python bench/pipeline_sim.py --agentic --seeds 5 --steps 16 --warmup 4 --json runs/pipeline_sim_agentic.json
     --png docs/results/pipeline_sim_agentic.png (80 runs, ~2.5 min of CPU; [--turns 8] [--tool-median-s 24]
-    [--tool-sigma 0.6] [--sandboxes 384] [--only "S=1BN partial,S=2BN partial"] [--batch-scale 4])
+    [--tool-sigma 0.6] [--sandboxes 384] [--only "S=1BN partial;S=2BN partial, tool x4"] [--batch-scale 4])
 """
 from __future__ import annotations
 
@@ -1441,8 +1441,8 @@ def run_agentic(args, wl: sim_server.Workload) -> int:
                            env_max_concurrent=args.sandboxes)
     base.check()
     grid_rows = agentic_grid(B, N)
-    if args.only:
-        names = args.only.split(",")
+    if args.only:  # (a sensitivity row's name has a comma: separate those with ";")
+        names = [n.strip() for n in args.only.split(";" if ";" in args.only else ",")]
         grid_rows = [g for g in grid_rows if g[0].name in names]
         if not grid_rows:
             raise SystemExit(f"--only: no agentic row named {names}; known: "
