@@ -36,6 +36,13 @@ strategies.py), each with the parameter that allows one step of staleness, at 8:
 efficiency, staleness, off-policy tokens, tokens thrown away, samples dropped; and each run's prompt accounting
 (dispatched = trained once + counted as dropped + still pending at the end).
 
+--agentic: the agentic workload (episodes of several model turns, each but the last followed by a tool call of
+log-normal latency that waits for one of rollout.env_max_concurrent sandboxes), rollout.async_max_concurrent_samples
+at B N, 2 B N and 4 B N with and without rollout.partial, plus sensitivity rows, each over --seeds seeds with 95%
+intervals. Unlike the modes above it is a discrete-event model: only the window rule (strategies.py) is the
+project's code; the buffer's bounds, the boundary and the trainer are re-stated in it (section "The agentic
+workload" below; docs/results/pipeline_sim.md, "Agentic episodes", gives the figures it assumes).
+
 Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid in well under a minute):
     python bench/pipeline_sim.py [--quick] [--json out.json] [--png out.png] [--steps 9] [--compression 120]
     python bench/pipeline_sim.py --policies [--quick] [--steps 6]
@@ -45,6 +52,9 @@ Run (7-9 minutes on 2 CPU cores, more on a loaded machine; --quick: a small grid
     31 min 35 s of wall time on a quiet 2-core machine, load average 0.1)
     python bench/pipeline_sim.py --only colocate,fifo-s1 --workload my_workload.yaml
     python bench/pipeline_sim.py --overhead-check --only colocate,fifo-s2
+    python bench/pipeline_sim.py --agentic --seeds 5 --steps 16 --warmup 4 --json runs/pipeline_sim_agentic.json
+    --png docs/results/pipeline_sim_agentic.png (80 runs, ~2.5 min of CPU; [--turns 8] [--tool-median-s 24]
+    [--tool-sigma 0.6] [--sandboxes 384] [--only "S=1BN partial;S=2BN partial, tool x4"] [--batch-scale 4])
 """
 from __future__ import annotations
 
@@ -879,6 +889,598 @@ def overhead_check(setups: list[Setup], args, wl: sim_server.Workload) -> None:
               f"{a['ideal_step_s'] / step_1x:.3f} |")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The agentic workload: a discrete-event model (--agentic)
+#
+# Unlike the rest of this file, nothing here runs the project's orchestration: the fleet, the tools, the sandbox
+# pool, the buffer's bounds and the trainer are one event loop on a simulated clock (no threads, no HTTP), so a
+# configuration takes seconds and can be repeated over seeds. What it takes from the project: the window rule itself
+# (strategies.REGISTRY[fully_async.sliding_window], asked with a strategies.PipelineView exactly as
+# buffer.PipelineServer asks it), the capacity C = int(B (1 + stale_steps)), the cap of S // N generating groups for
+# S = rollout.async_max_concurrent_samples, the step of (B N) // M training calls on M // N groups each, and the
+# two boundaries of docs/design.md: rollout.partial=false waits for every episode in flight before the weight update;
+# rollout.partial=true keeps them where they are (pause_mode in_place / retract; abort + restore costs the same in
+# this model, where prefill is free) and the fleet stops decoding for the update while tool calls go on.
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 29: 2.045}  # Student t, two-sided 95%
+
+
+@dataclass
+class AgenticWorkload:
+    """The episodes' shape, on top of sim_server.Workload's lengths, fleet and training (docs/results/pipeline_sim.md,
+    "Agentic episodes", says where each figure comes from and which are assumptions)."""
+    turns: int = 8  # model turns per episode; a tool call after each but the last
+    tool_median_s: float = 24.0  # median latency of one tool call, simulated seconds (log-normal)
+    tool_sigma: float = 0.6  # log-normal sigma of a tool call's latency
+    env_max_concurrent: int = 384  # rollout.env_max_concurrent: the sandbox pool (tool calls in progress at once)
+
+    def check(self) -> None:
+        if self.turns < 1:
+            raise ValueError(f"--turns must be >= 1 (model turns per episode), got {self.turns}")
+        if self.tool_median_s < 0 or self.tool_sigma < 0:
+            raise ValueError(f"--tool-median-s and --tool-sigma must be >= 0, got {self.tool_median_s} and "
+                             f"{self.tool_sigma}")
+        if self.env_max_concurrent < 1:
+            raise ValueError(f"--sandboxes (rollout.env_max_concurrent) must be >= 1, got {self.env_max_concurrent}")
+
+
+@dataclass
+class AgenticSetup:
+    """One row: the settings under their config names."""
+    name: str
+    async_max_concurrent_samples: Optional[int]  # S, trajectories; None: only C bounds the groups in flight
+    partial: bool  # rollout.partial
+    stale_steps: float = 4.0  # fully_async.stale_steps: C = int(B (1 + stale_steps)), large enough not to bind S
+    sliding_window: str = "windowed-fifo"  # fully_async.sliding_window
+    train_gpus: int = 8
+    infer_gpus: int = 8
+
+    @property
+    def replicas(self) -> list[int]:
+        size = 4 if self.infer_gpus % 4 == 0 else 2
+        return [size] * (self.infer_gpus // size)
+
+
+class _Req:
+    """One model turn of one trajectory on a replica: it needs `need` tokens; tokens are booked per weight version."""
+    __slots__ = ("traj", "need", "p_end", "p_seg", "v_seg", "replica")
+
+    def __init__(self, traj, need: float):
+        self.traj, self.need = traj, need
+        self.p_end = self.p_seg = 0.0
+        self.v_seg = 0
+        self.replica = None
+
+
+class _Traj:
+    __slots__ = ("group", "index", "turn_tokens", "turn", "segments")
+
+    def __init__(self, group, index: int, turn_tokens: list):
+        self.group, self.index, self.turn_tokens = group, index, turn_tokens
+        self.turn = 0
+        self.segments: dict = {}  # weight version -> tokens generated under it
+
+
+class _Group:
+    __slots__ = ("seq", "trajs", "done", "start_version")
+
+    def __init__(self, seq: int, start_version: int):
+        self.seq, self.start_version = seq, start_version
+        self.trajs: list = []
+        self.done = 0
+
+
+class _Replica:
+    """Processor sharing: each of c running requests decodes at v0 / (1 + c / c_half) tokens/s; at most max_running
+    run, the rest wait in FIFO order. One progress counter P (tokens per request since start) and a heap of finishing
+    points make each event O(log n)."""
+
+    def __init__(self, v0: float, c_half: float, cap: int):
+        self.v0, self.c_half, self.cap = v0, c_half, cap
+        self.P = 0.0
+        self.heap: list = []  # (p_end, id, req)
+        self.running: dict = {}  # id(req) -> req
+        self.queue: list = []  # FIFO (index into it with a head pointer would be faster; queues stay short here)
+
+    def rate(self) -> float:
+        c = len(self.running)
+        return self.v0 / (1 + c / self.c_half) if c else 0.0
+
+    def load(self) -> int:
+        return len(self.running) + len(self.queue)
+
+
+class AgenticSim:
+    """The event loop of one configuration and seed. `run(steps)` returns the measured record (steady state: the
+    steps after `warmup`)."""
+
+    def __init__(self, wl: sim_server.Workload, aw: AgenticWorkload, s: AgenticSetup, seed: int):
+        import heapq
+        import random
+        import strategies
+        aw.check()
+        self.hq = heapq
+        self.wl, self.aw, self.s, self.seed = dataclasses.replace(wl, seed=seed), aw, s, seed
+        self.rng = random.Random(seed * 7919 + 17)
+        self.B, self.N, self.M = wl.num_prompts_per_step, wl.num_trajectories_per_prompt, wl.mini_batch_size
+        if (self.B * self.N) % self.M or self.M % self.N:
+            raise ValueError(f"B x N ({self.B} x {self.N}) must be a multiple of M ({self.M}) and M of N")
+        self.C = int(self.B * (1 + s.stale_steps))
+        S = s.async_max_concurrent_samples
+        if S is not None and S < self.N:
+            raise ValueError(f"rollout.async_max_concurrent_samples ({S}) must be >= N ({self.N}) or None (no cap)")
+        self.max_generating = None if S is None else S // self.N
+        self.strategy = strategies.build(s.sliding_window, self.B, self.C, True, None, self.N)
+        self.replicas = []
+        for g in s.replicas:
+            c_half, cap = wl.replica_capacity(g)
+            self.replicas.append(_Replica(wl.v0, c_half, cap))
+        self.peak = sum(wl.replica_peak_tokens_per_s(g) for g in s.replicas)
+        self.train_rate = wl.train_tokens_per_s_per_gpu * s.train_gpus
+        self.t = 0.0
+        self.version = 0
+        self.frozen = False  # the fleet takes new weights in: nothing decodes
+        self.dispatching = True
+        self.next_seq = 0
+        self.generating: dict = {}  # seq -> group, dispatched and not all N trajectories back
+        self.trajqueue: dict = {}  # seq -> group, complete, not yet collected
+        self.pbuf: list = []  # collected groups, FIFO for the trainer
+        self.tools: list = []  # heap (t_end, n, traj)
+        self.tool_wait: list = []  # trajectories waiting for a sandbox, FIFO
+        self.tool_head = 0
+        self.sandboxes_in_use = 0
+        self.n = 0  # tie-breaker of the heaps
+        # the trainer
+        self.calls_per_step = (self.B * self.N) // self.M
+        self.state, self.t_event, self.calls = "need", math.inf, 0
+        self.training: list = []  # groups of the current call
+        # measurements
+        self.steps_end: list = [0.0]
+        self.acc = {"gen_tokens": 0.0, "tool_busy": 0.0, "fleet_busy": 0.0}
+        self.marks: list = []  # self.acc copied at every step end
+        self.trained_tokens: list = [0.0]  # per step
+        self.lag_tokens: dict = {}  # per step: {lag: tokens}
+        self.max_in_flight_trajs = 0
+        self.max_sandboxes = 0
+        self.max_groups = 0  # R + Q seen
+        self.dirty = True  # the buffer's counters changed since the last _settle
+        self.crossed = [0, 0]  # trained trajectories: all, those with tokens of more than one weight version
+
+    # ---- the fleet ----
+    def _route(self, req: _Req) -> None:
+        r = min(self.replicas, key=_Replica.load)  # least-loaded, as sglang_client.Fleet
+        req.replica = r
+        if len(r.running) < r.cap:
+            self._admit(r, req)
+        else:
+            r.queue.append(req)
+
+    def _admit(self, r: _Replica, req: _Req) -> None:
+        req.p_seg, req.v_seg = r.P, self.version
+        req.p_end = r.P + req.need
+        self.n += 1
+        self.hq.heappush(r.heap, (req.p_end, self.n, req))
+        r.running[id(req)] = req
+
+    def _book(self, req: _Req, p: float) -> None:
+        """The tokens req generated since its last booking go to the version that generated them."""
+        if p > req.p_seg:  # (a request admitted while the fleet took new weights in generated none)
+            seg = req.traj.segments
+            seg[req.v_seg] = seg.get(req.v_seg, 0.0) + (p - req.p_seg)
+        req.p_seg = p
+
+    def _advance(self, dt: float) -> None:
+        if dt <= 0:
+            return
+        if not self.frozen:
+            for r in self.replicas:
+                c = len(r.running)
+                if c:
+                    rate = r.rate()
+                    r.P += rate * dt
+                    self.acc["gen_tokens"] += c * rate * dt
+                    self.acc["fleet_busy"] += dt / len(self.replicas)
+        self.acc["tool_busy"] += self.sandboxes_in_use * dt
+        self.t += dt
+
+    def _next_time(self) -> float:
+        t = self.t_event
+        if not self.frozen:
+            for r in self.replicas:
+                if r.heap:
+                    t = min(t, self.t + max(0.0, r.heap[0][0] - r.P) / r.rate())
+        if self.tools:
+            t = min(t, self.tools[0][0])
+        return t
+
+    # ---- episodes ----
+    def _start_turn(self, traj: _Traj) -> None:
+        self._route(_Req(traj, traj.turn_tokens[traj.turn]))
+
+    def _turn_done(self, req: _Req) -> None:
+        traj = req.traj
+        traj.turn += 1
+        if traj.turn < len(traj.turn_tokens):
+            if self.sandboxes_in_use < self.aw.env_max_concurrent:
+                self._start_tool(traj)
+            else:
+                self.tool_wait.append(traj)
+            return
+        g = traj.group
+        g.done += 1
+        if g.done == self.N:
+            del self.generating[g.seq]
+            self.trajqueue[g.seq] = g
+            self.dirty = True
+
+    def _start_tool(self, traj: _Traj) -> None:
+        aw = self.aw
+        lat = aw.tool_median_s * math.exp(self.rng.gauss(0.0, aw.tool_sigma)) if aw.tool_median_s > 0 else 0.0
+        self.sandboxes_in_use += 1
+        self.max_sandboxes = max(self.max_sandboxes, self.sandboxes_in_use)
+        self.n += 1
+        self.hq.heappush(self.tools, (self.t + lat, self.n, traj))
+
+    def _tool_done(self, traj: _Traj) -> None:
+        self.sandboxes_in_use -= 1
+        if self.tool_head < len(self.tool_wait):
+            nxt = self.tool_wait[self.tool_head]
+            self.tool_head += 1
+            if self.tool_head > 1024:
+                del self.tool_wait[:self.tool_head]
+                self.tool_head = 0
+            self._start_tool(nxt)
+        self._start_turn(traj)
+
+    # ---- the buffer's rules ----
+    def _view(self):
+        import strategies
+        R = len(self.generating) + len(self.trajqueue)
+        uncollected = list(self.generating) + list(self.trajqueue)
+        return strategies.PipelineView(
+            B=self.B, C=self.C, R=R, Q=len(self.pbuf), generating=len(self.generating), consumed=0,
+            next_seq=self.next_seq, oldest_uncollected=min(uncollected) if uncollected else None,
+            oldest_uncompleted=min(self.generating) if self.generating else None, version=self.version)
+
+    def _collect(self) -> bool:
+        """TrajQueue -> PipelineBuffer for every complete group the strategy lets through (asked again after each
+        move, with the counters of that moment)."""
+        if not self.trajqueue:
+            return False
+        moved, view = False, self._view()
+        for seq in sorted(self.trajqueue):
+            if self.strategy.may_collect(seq, view):
+                self.pbuf.append(self.trajqueue.pop(seq))
+                moved, view = True, self._view()
+        return moved
+
+    def _dispatch(self) -> bool:
+        moved = False
+        while self.dispatching:
+            if self.max_generating is not None and len(self.generating) >= self.max_generating:
+                break
+            view = self._view()
+            if not self.strategy.may_dispatch(self.next_seq, view):
+                break
+            g = _Group(self.next_seq, self.version)
+            self.next_seq += 1
+            self.generating[g.seq] = g
+            T = self.aw.turns
+            for i in range(self.N):
+                length, _ = self.wl.response_length(f"g{g.seq}", 0, i)
+                traj = _Traj(g, i, [length / T] * T)
+                g.trajs.append(traj)
+                self._start_turn(traj)
+            self.max_in_flight_trajs = max(self.max_in_flight_trajs, len(self.generating) * self.N)
+            self.max_groups = max(self.max_groups, view.R + 1 + view.Q)
+            moved = True
+        return moved
+
+    # ---- the trainer ----
+    def _trainer(self) -> bool:
+        if self.state == "need" and len(self.pbuf) >= self.M // self.N:
+            self.training, self.pbuf = self.pbuf[:self.M // self.N], self.pbuf[self.M // self.N:]
+            tokens = 0.0
+            lags = self.lag_tokens.setdefault(len(self.steps_end) - 1, {})
+            for g in self.training:
+                for traj in g.trajs:
+                    self.crossed[0] += 1
+                    self.crossed[1] += len(traj.segments) > 1
+                    for v, n in traj.segments.items():
+                        tokens += n
+                        lags[self.version - v] = lags.get(self.version - v, 0.0) + n
+            self.trained_tokens[-1] += tokens
+            self.state, self.t_event = "train", self.t + tokens / self.train_rate
+            return True
+        if self.state == "drain" and not self.generating:
+            self._update()
+            return True
+        return False
+
+    def _update(self) -> None:
+        self.state, self.t_event = "update", self.t + self.wl.update_weights_s
+        self.frozen = True
+
+    def _trainer_event(self) -> None:
+        if self.state == "train":
+            self.calls += 1
+            self.state, self.t_event = "need", math.inf
+            if self.calls == self.calls_per_step:  # the step boundary
+                self.calls = 0
+                self.dispatching = False
+                if self.s.partial:
+                    self._update()
+                else:
+                    self.state = "drain"
+        elif self.state == "update":
+            self.frozen = False
+            self.version += 1
+            for r in self.replicas:  # tokens from here on are the new version's
+                for req in r.running.values():
+                    self._book(req, r.P)
+                    req.v_seg = self.version
+            self.dispatching = True
+            self.state, self.t_event = "need", math.inf
+            self.steps_end.append(self.t)
+            self.marks.append(dict(self.acc))
+            self.trained_tokens.append(0.0)
+
+    def _settle(self) -> None:
+        """Collect, dispatch and let the trainer go on until nothing changes; only after an event that can change
+        the buffer's counters (a group complete, a call or a step's end)."""
+        if not self.dirty:
+            return
+        self.dirty = False
+        while self._collect() | self._dispatch() | self._trainer():
+            pass
+
+    def run(self, steps: int, warmup: int) -> dict:
+        eps = 1e-9
+        while len(self.steps_end) <= steps:
+            self._settle()
+            t_next = self._next_time()
+            if t_next == math.inf:
+                raise RuntimeError(f"agentic sim {self.s.name}: nothing left to happen at t={self.t:.0f} s in "
+                                   f"step {len(self.steps_end) - 1} (trainer {self.state}, {len(self.pbuf)} groups "
+                                   f"buffered, {len(self.generating)} generating)")
+            self._advance(t_next - self.t)
+            if self.t_event <= self.t + eps:
+                self._trainer_event()
+                self.dirty = True
+            while self.tools and self.tools[0][0] <= self.t + eps:
+                self._tool_done(self.hq.heappop(self.tools)[2])
+            if not self.frozen:
+                for r in self.replicas:
+                    while r.heap and r.heap[0][0] <= r.P + eps * max(1.0, r.P):
+                        _, _, req = self.hq.heappop(r.heap)
+                        del r.running[id(req)]
+                        self._book(req, req.p_end)
+                        if r.queue:
+                            self._admit(r, r.queue.pop(0))
+                        self._turn_done(req)
+        return self._summary(steps, warmup)
+
+    def _summary(self, steps: int, warmup: int) -> dict:
+        a, b = self.marks[warmup - 1] if warmup else {k: 0.0 for k in self.acc}, self.marks[steps - 1]
+        t0, t1 = self.steps_end[warmup], self.steps_end[steps]
+        span = t1 - t0
+        trained = sum(self.trained_tokens[warmup:steps])
+        lags: dict = {}
+        for k in range(warmup, steps):
+            for lag, n in self.lag_tokens.get(k, {}).items():
+                lags[lag] = lags.get(lag, 0.0) + n
+        total = sum(lags.values()) or 1.0
+        mean_lag = sum(k * v for k, v in lags.items()) / total
+        run, p99 = 0.0, 0
+        for lag in sorted(lags):
+            run += lags[lag]
+            if run >= 0.99 * total:
+                p99 = lag
+                break
+        ideal = agentic_ideal(self.wl, self.aw, self.s)
+        tps = trained / span
+        return {"name": self.s.name, "seed": self.seed, "step_s": span / (steps - warmup),
+                "trained_tokens_per_s": tps, "of_ideal": tps / ideal["ideal_trained_tokens_per_s"],
+                "fleet_utilization": (b["gen_tokens"] - a["gen_tokens"]) / (self.peak * span),
+                "sandbox_utilization": (b["tool_busy"] - a["tool_busy"]) / (self.aw.env_max_concurrent * span),
+                "staleness_mean": mean_lag, "staleness_p99": p99, "staleness_max": max(lags, default=0),
+                "staleness_tokens": {str(k): v / total for k, v in sorted(lags.items())},
+                "max_in_flight_trajectories": self.max_in_flight_trajs, "max_sandboxes_in_use": self.max_sandboxes,
+                "max_groups": self.max_groups, "partial_ratio": self.crossed[1] / max(1, self.crossed[0]), **ideal}
+
+
+def agentic_ideal(wl: sim_server.Workload, aw: AgenticWorkload, s: AgenticSetup) -> dict:
+    """The step no configuration can beat: the expected tokens of B fresh groups (sim_server's lengths, as
+    split_ideal) at the largest of the fleet's peak, training + weight update, and the sandbox pool busy all the time
+    with the step's (turns - 1) B N tool calls of mean median x exp(sigma^2 / 2). E[L] in closed form: a length is
+    log-normal (median median_tokens, sigma sqrt(group_sigma^2 + traj_sigma^2)) capped at max_new_tokens, so
+    E[min(L, H)] = e^(mu + s^2/2) Phi((ln H - mu - s^2) / s) + H (1 - Phi((ln H - mu) / s)) (the floor at
+    min_tokens changes it by less than a token); the same for every seed."""
+    mu, sd = math.log(wl.median_tokens), math.hypot(wl.group_sigma, wl.traj_sigma)
+    H = wl.max_new_tokens
+
+    def phi(x):
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+    mean_length = (math.exp(mu + sd ** 2 / 2) * phi((math.log(H) - mu - sd ** 2) / sd)
+                   + H * (1 - phi((math.log(H) - mu) / sd)))
+    tokens = wl.num_prompts_per_step * wl.num_trajectories_per_prompt * mean_length
+    peak = sum(wl.replica_peak_tokens_per_s(g) for g in s.replicas)
+    tool_s = (wl.num_prompts_per_step * wl.num_trajectories_per_prompt * (aw.turns - 1) * aw.tool_median_s
+              * math.exp(aw.tool_sigma ** 2 / 2))
+    bounds = {"fleet": tokens / peak, "training": tokens / (wl.train_tokens_per_s_per_gpu * s.train_gpus)
+              + wl.update_weights_s, "sandboxes": tool_s / aw.env_max_concurrent}
+    step = max(bounds.values())
+    return {"ideal_step_s": step, "ideal_trained_tokens_per_s": tokens / step,
+            "ideal_bound": max(bounds, key=bounds.get)}
+
+
+def agentic_grid(B: int, N: int) -> list[tuple[AgenticSetup, dict]]:
+    """The rows: S = B N, 2 B N, 4 B N, each with and without rollout.partial, on the spec's 8:8 fleet; then the
+    sensitivity rows with partial: tool latency x 1/4 and a pool half as large at B N and 2 B N, tool latency x 4
+    (sandbox-bound) and the generation-bound 12:4 split at all three. Each entry: (setup, overrides of
+    AgenticWorkload)."""
+    rows = []
+    for k in (1, 2, 4):
+        for partial in (False, True):
+            rows.append((AgenticSetup(f"S={k}BN{' partial' if partial else ''}", k * B * N, partial), {}))
+    for tag, over, split, ks in (("tool x1/4", {"tool_median_s": 6.0}, (8, 8), (1, 2)),
+                                 ("pool 192", {"env_max_concurrent": 192}, (8, 8), (1, 2)),
+                                 ("tool x4", {"tool_median_s": 96.0}, (8, 8), (1, 2, 4)),
+                                 ("split 12:4", {}, (12, 4), (1, 2, 4))):
+        for k in ks:
+            rows.append((AgenticSetup(f"S={k}BN partial, {tag}", k * B * N, True, train_gpus=split[0],
+                                      infer_gpus=split[1]), over))
+    return rows
+
+
+def _interval(xs: list) -> tuple[float, float]:
+    """(mean, half-width of the 95% Student-t interval) over the seeds."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, math.nan
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    t = T_975.get(n - 1) or T_975[max(k for k in T_975 if k <= n - 1)]
+    return m, t * sd / math.sqrt(n)
+
+
+def agentic_rows(results: list[dict]) -> list[dict]:
+    by: dict = {}
+    for r in results:
+        by.setdefault(r["name"], []).append(r)
+    rows = []
+    for name, rs in by.items():
+        row = {k: rs[0][k] for k in ("name", "ideal_step_s", "ideal_trained_tokens_per_s", "ideal_bound",
+                                     "async_max_concurrent_samples", "partial", "workload")}
+        row["seeds"] = len(rs)
+        for key in ("trained_tokens_per_s", "of_ideal", "fleet_utilization", "sandbox_utilization",
+                    "staleness_mean", "staleness_p99", "step_s", "partial_ratio"):
+            row[key] = _interval([r[key] for r in rs])
+        row["staleness_max"] = max(r["staleness_max"] for r in rs)
+        row["max_in_flight_trajectories"] = max(r["max_in_flight_trajectories"] for r in rs)
+        row["max_sandboxes_in_use"] = max(r["max_sandboxes_in_use"] for r in rs)
+        rows.append(row)
+    return rows
+
+
+def agentic_table(rows: list[dict]) -> str:
+    cols = ["row", "`async_max_concurrent_samples`", "`partial`", "trained tokens / s", "of the ideal",
+            "fleet utilisation", "sandbox utilisation", "token staleness mean", "token staleness p99", "step (s)",
+            "partial_ratio", "in flight max", "seeds"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
+
+    def iv(x, fmt):
+        return f"{fmt.format(x[0])} ± {fmt.format(x[1])}"
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["name"], str(r["async_max_concurrent_samples"]), str(r["partial"]).lower(),
+            iv(r["trained_tokens_per_s"], "{:.0f}"), iv(r["of_ideal"], "{:.3f}"),
+            iv(r["fleet_utilization"], "{:.2f}"), iv(r["sandbox_utilization"], "{:.2f}"),
+            iv(r["staleness_mean"], "{:.2f}"), iv(r["staleness_p99"], "{:.1f}"), iv(r["step_s"], "{:.0f}"),
+            f"{r['partial_ratio'][0]:.2f}", str(r["max_in_flight_trajectories"]), str(r["seeds"])]) + " |")
+    return "\n".join(lines)
+
+
+def agentic_plot(rows: list[dict], path: str) -> None:
+    """Trained tokens/s (share of the ideal) against mean token staleness, one line per `partial` through
+    S = B N, 2 B N, 4 B N; bars: the 95% intervals over the seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    main = [r for r in rows if "," not in r["name"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.5))
+    lines = [(f"partial={str(p).lower()}", color, "-o", [r for r in main if r["partial"] == p])
+             for p, color in ((False, "tab:red"), (True, "tab:blue"))]
+    tags = list(dict.fromkeys(r["name"].split(", ", 1)[1] for r in rows if ", " in r["name"]))
+    for tag, color in zip(tags, ("tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:gray")):
+        lines.append((f"partial=true, {tag}", color, "--^", [r for r in rows if r["name"].endswith(", " + tag)]))
+    for label, color, fmt, sel in lines:
+        sel = sorted(sel, key=lambda r: r["async_max_concurrent_samples"])
+        if not sel:
+            continue
+        x = [r["staleness_mean"][0] for r in sel]
+        a.errorbar(x, [r["of_ideal"][0] for r in sel], xerr=[r["staleness_mean"][1] for r in sel],
+                   yerr=[r["of_ideal"][1] for r in sel], fmt=fmt, color=color, capsize=3, label=label, ms=5)
+        for r, xi in zip(sel, x):
+            a.annotate(r["name"].split()[0], (xi, r["of_ideal"][0]), fontsize=6, xytext=(4, -9),
+                       textcoords="offset points")
+    for partial, color in ((False, "tab:red"), (True, "tab:blue")):
+        sel = sorted((r for r in main if r["partial"] == partial), key=lambda r: r["async_max_concurrent_samples"])
+        if not sel:
+            continue
+        label = f"partial={str(partial).lower()}"
+        S = [r["async_max_concurrent_samples"] for r in sel]
+        b.errorbar(S, [r["fleet_utilization"][0] for r in sel], yerr=[r["fleet_utilization"][1] for r in sel],
+                   fmt="-o", color=color, capsize=3, label=f"fleet, {label}")
+        b.errorbar(S, [r["sandbox_utilization"][0] for r in sel], yerr=[r["sandbox_utilization"][1] for r in sel],
+                   fmt="--s", color=color, capsize=3, label=f"sandboxes, {label}")
+    a.axhline(1.0, color="k", linestyle=":", linewidth=1)
+    a.set_xlabel("token staleness, mean (trainer version - version that generated the token)")
+    a.set_ylabel("trained tokens / s, share of the ideal")
+    a.set_title("async_max_concurrent_samples = B N, 2 B N, 4 B N (dashed: sensitivity rows)", fontsize=9)
+    a.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("async_max_concurrent_samples (trajectories)")
+    b.set_ylabel("utilisation")
+    b.set_title("spec fleet 8:8: fleet (tokens vs peak) and sandbox pool (busy share)", fontsize=9)
+    b.grid(alpha=0.3)
+    b.legend(fontsize=7)
+    fig.suptitle("pipeline_sim --agentic: a discrete-event model (not a measurement); bars: 95% intervals over seeds",
+                 fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def run_agentic(args, wl: sim_server.Workload) -> int:
+    B, N = wl.num_prompts_per_step, wl.num_trajectories_per_prompt
+    base = AgenticWorkload(turns=args.turns, tool_median_s=args.tool_median_s, tool_sigma=args.tool_sigma,
+                           env_max_concurrent=args.sandboxes)
+    base.check()
+    grid_rows = agentic_grid(B, N)
+    if args.only:  # (a sensitivity row's name has a comma: separate those with ";")
+        names = [n.strip() for n in args.only.split(";" if ";" in args.only else ",")]
+        grid_rows = [g for g in grid_rows if g[0].name in names]
+        if not grid_rows:
+            raise SystemExit(f"--only: no agentic row named {names}; known: "
+                             f"{', '.join(s.name for s, _ in agentic_grid(B, N))}")
+    print("Simulated: a discrete-event model of the fleet, the tools, the sandbox pool and the trainer (no project "
+          "code runs but the window rule, strategies.py); a model, not a measurement.", flush=True)
+    print(f"workload: B={B} N={N} M={wl.mini_batch_size}, {base.turns} model turns per episode, tool latency "
+          f"log-normal median {base.tool_median_s:g} s sigma {base.tool_sigma:g}, rollout.env_max_concurrent "
+          f"{base.env_max_concurrent}; {args.steps} steps ({args.warmup} excluded), seeds {args.seeds}", flush=True)
+    t0 = time.monotonic()
+    results = []
+    for s, over in grid_rows:
+        aw = dataclasses.replace(base, **over)
+        for seed in range(args.seeds):
+            t1 = time.monotonic()
+            r = AgenticSim(wl, aw, s, seed).run(args.steps, args.warmup)
+            r.update(async_max_concurrent_samples=s.async_max_concurrent_samples, partial=s.partial,
+                     workload=dataclasses.asdict(aw))
+            results.append(r)
+            print(f"  {s.name} seed {seed}: {r['trained_tokens_per_s']:.0f} tok/s ({r['of_ideal']:.3f} of ideal), "
+                  f"staleness {r['staleness_mean']:.2f} / p99 {r['staleness_p99']} [{time.monotonic() - t1:.1f} s]",
+                  flush=True)
+    rows = agentic_rows(results)
+    print()
+    print(agentic_table(rows))
+    print()
+    ideals = {(r["ideal_step_s"], r["ideal_bound"]) for r in rows}
+    print("ideal step (bound): " + "; ".join(f"{s:.0f} s ({b})" for s, b in sorted(ideals)))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"runs": results, "rows": rows}, f, indent=1)
+    png = args.png or os.path.join("runs", "pipeline_sim_agentic.png")
+    agentic_plot(rows, png)
+    print(f"figure: {png}")
+    print(f"wall time: {time.monotonic() - t0:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small, fast grid (B=16, 3 steps): checks that it runs")
@@ -902,10 +1504,32 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-check", action="store_true",
                     help="run the --only configurations (default colocate,fifo-s2) at the compression and at half "
                          "of it, and fit the real code's own time per step")
+    ap.add_argument("--agentic", action="store_true",
+                    help="the agentic workload (multi-turn episodes, tool latency, a sandbox pool): a discrete-event "
+                         "model, async_max_concurrent_samples at B N, 2 B N, 4 B N with and without partial")
+    ap.add_argument("--seeds", type=int, default=5, help="--agentic: repeats of each row (workload and tool seeds)")
+    ap.add_argument("--warmup", type=int, default=4, help="--agentic: first steps left out of the measurement")
+    ap.add_argument("--turns", type=int, default=AgenticWorkload.turns, help="--agentic: model turns per episode")
+    ap.add_argument("--tool-median-s", type=float, default=AgenticWorkload.tool_median_s,
+                    help="--agentic: median tool-call latency, simulated s")
+    ap.add_argument("--tool-sigma", type=float, default=AgenticWorkload.tool_sigma,
+                    help="--agentic: log-normal sigma of the tool-call latency")
+    ap.add_argument("--sandboxes", type=int, default=AgenticWorkload.env_max_concurrent,
+                    help="--agentic: the sandbox pool, rollout.env_max_concurrent")
     ap.add_argument("--json", dest="json_path", default=None, help="write one record per configuration here")
     ap.add_argument("--png", default=None, help="step-time and staleness figure (default: next to --json, or "
                                                 "runs/pipeline_sim.png)")
     args = ap.parse_args(argv)
+    if args.agentic:  # no project process runs: no tokenizer, no fleet, no fork
+        args.steps = args.steps or 16
+        if args.seeds < 1 or not 0 <= args.warmup < args.steps:
+            raise SystemExit(f"--agentic needs --seeds >= 1 and 0 <= --warmup < --steps, got {args.seeds}, "
+                             f"{args.warmup}, {args.steps}")
+        wl = sim_server.load_workload(args.workload_path)
+        if args.batch_scale > 1:
+            wl = scaled_workload(wl, args.batch_scale)
+            args.sandboxes = max(1, args.sandboxes // args.batch_scale)
+        return run_agentic(args, wl)
     args.steps = args.steps or (3 if args.quick else 9)
     args.compression = args.compression or (1000.0 if args.quick else 120.0)
     wl = sim_server.load_workload(args.workload_path)
