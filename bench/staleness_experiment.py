@@ -1,0 +1,591 @@
+"""bench/staleness_experiment.py: does staleness hurt a real (tiny) transformer, and which loss protects it?
+
+A controlled experiment, not the pipeline: one process trains the tiny Qwen3 of tasks.make_tiny_model with this
+project's losses (losses.chosen_policy_loss, losses.compute_advantages), and imposes staleness exactly instead of
+letting a fleet produce it:
+  - step t's batch is sampled with the snapshot of step t - eta (version max(0, t - eta));
+  - with eta > 0, half of the trajectories switch snapshot mid-sequence, as a generation interrupted at a step
+    boundary and resumed on newer weights does: tokens before a cut drawn per step come from version t - eta, the
+    rest from version t - eta + ceil(eta / 2) (re-prefilled, as a resumed request is);
+  - every token keeps the log-prob of the snapshot that sampled it (log mu) and that snapshot's version.
+
+The task is chosen so that a stale mistake carries weight (the mechanism of AReaL's naive-PPO collapse): a prompt
+"8341=" (4-MAX_DIGITS digits), a free scratchpad of up to SCRATCH tokens, then ">" and the digits reversed, then
+eos; reward 1 when the text after the first ">" is exactly the reversed digits and the response stopped on eos,
+else 0 (binary, sparse, per sequence). Responses run up to MAX_NEW tokens. The base is the same Qwen3 pretrained
+on the task's format with a random scratchpad (digits of random length) for as many steps as it takes to reach a
+greedy pass rate in BASE_PASS (checked every 25 steps on held-out prompts); it is cached under --base-dir, keyed
+by its recipe.
+
+Losses (algorithm.policy_loss and its settings, through losses.py, two mini-batches per step):
+  naive      ppo with the ratio against mu (trainer.use_rollout_log_probs=true) and no IS weight: AReaL's baseline
+  recompute  decoupled PPO around the step-start snapshot, behaviour weight pi_old / mu (AReaL)
+  truncated_is  PipelineRL's truncated-IS REINFORCE against mu
+  m2po       ppo around the step-start snapshot with M2PO's second-moment mask of log(pi_old / mu)
+Outcomes per run: eval (greedy pass rate on --eval-prompts held-out prompts every --eval-every steps), final eval
+(mean of the last 3 evals), area under the eval curve (mean eval), collapse (an eval 0.2 below the run's running
+maximum, or a grad norm above 10x the running median after step 20), and per step the diagnostics of docs/metrics.md
+(is_ess, is_log_ratio_m2, neg_adv_high_ratio_frac, grad_norm).
+
+Every finished run is appended to --out (jsonl) and skipped when the command is run again, so an interrupted sweep
+continues where it stopped. --summary prints the table (paired differences against eta = 0 of the same loss and seed,
+95% t-intervals, Wilson intervals of the collapse rate, equivalence at --margin by two one-sided t-tests) and draws
+the figure.
+
+Run:
+    python bench/staleness_experiment.py --out runs/staleness_exp.jsonl [--workers 2] [--seeds 0-7]
+    python bench/staleness_experiment.py --out runs/staleness_exp.jsonl --summary --png docs/results/staleness_exp.png
+    python bench/staleness_experiment.py --pilot --out runs/staleness_pilot.jsonl   # the learning-rate pilot
+    python bench/staleness_experiment.py --quick --out /tmp/q.jsonl                   # seconds: the CI check
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import losses  # noqa: E402
+import tasks  # noqa: E402
+
+SEP = ">"
+
+
+@dataclass
+class Setup:
+    """One run's recipe; everything that changes a result is here (and in the results file)."""
+    loss: str = "recompute"
+    eta: int = 0
+    seed: int = 0
+    steps: int = 300
+    lr: float = 1e-3
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    mini_batches: int = 2
+    eval_every: int = 25
+    eval_prompts: int = 512
+    min_digits: int = 4
+    max_digits: int = 12
+    scratch: int = 16
+    max_new: int = 30
+    hidden: int = 128
+    layers: int = 2
+    base_pass: tuple = (0.10, 0.40)
+    base_seed: int = 0
+
+
+LOSSES = ("naive", "recompute", "truncated_is", "m2po")
+ETAS = (0, 2, 8, 32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The task
+
+def _example(rng: random.Random, s: Setup) -> tuple[str, str]:
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(s.min_digits, s.max_digits)))
+    return f"{digits}=", digits[::-1]
+
+
+def prompts(s: Setup, split: str, n: int, seed: int) -> list[tuple[str, str]]:
+    """n prompts of `split`: eval prompts are those whose hash falls in 1 of 8 buckets, train the rest."""
+    rng, out = random.Random(f"{split}:{seed}"), []
+    while len(out) < n:
+        p, target = _example(rng, s)
+        if (hash_bucket(p) == 0) == (split == "eval"):
+            out.append((p, target))
+    return out
+
+
+def hash_bucket(text: str) -> int:
+    return int(hashlib.sha1(text.encode()).hexdigest(), 16) % 8
+
+
+def reward(text: str, target: str, stopped: bool) -> float:
+    """1 when the response stopped on eos and the text after the first '>' is exactly the reversed digits."""
+    if not stopped or SEP not in text:
+        return 0.0
+    return float(text.split(SEP, 1)[1] == target)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The base: the task's format with a random scratchpad, pretrained until its greedy pass rate is in BASE_PASS
+
+def _base_recipe(s: Setup) -> dict:
+    return {"hidden": s.hidden, "layers": s.layers, "min_digits": s.min_digits, "max_digits": s.max_digits,
+            "scratch": s.scratch, "base_pass": list(s.base_pass), "seed": s.base_seed, "version": 1}
+
+
+def make_base(s: Setup, base_dir: str, log=print) -> str:
+    """The pretrained base for `s` (made once per recipe, cached in base_dir/<hash of the recipe>)."""
+    from transformers import AutoModelForCausalLM
+
+    recipe = _base_recipe(s)
+    key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+    path = os.path.join(base_dir, f"base-{key}")
+    if os.path.exists(os.path.join(path, "recipe.json")):
+        return path
+    tasks.make_tiny_model(path + ".init", s.hidden, s.layers, s.base_seed)
+    model = AutoModelForCausalLM.from_pretrained(path + ".init").float()
+    tok = tasks.build_tokenizer()
+    rng = random.Random(f"base:{s.base_seed}")
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    held = prompts(s, "eval", 256, seed=10_000 + s.base_seed)
+    low, high = s.base_pass
+    t0, step, rate = time.perf_counter(), 0, 0.0
+    while True:
+        rows, masks = [], []
+        for _ in range(64):
+            p, target = _example(rng, s)
+            scratch = "".join(rng.choice("0123456789") for _ in range(rng.randint(0, s.scratch)))
+            a = tok(scratch + SEP + target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids = tok(p, add_special_tokens=False)["input_ids"]
+            rows.append(ids + a)
+            masks.append([0] * len(ids) + [1] * len(a))
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        logits = model(input_ids=ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % 25 == 0:
+            model.eval()
+            rate = evaluate(model, tok, held, s)
+            model.train()
+            log(f"[base] step {step}: loss {loss.item():.3f}, greedy pass rate {rate:.3f} (target {low}-{high})")
+            if rate >= low:
+                break
+            if step >= 20_000:
+                raise RuntimeError(f"the base did not reach a pass rate of {low} in 20,000 steps (last {rate:.3f})")
+    if rate > high:
+        log(f"[base] warning: the pass rate {rate:.3f} overshot {high} within 25 steps; kept")
+    model.eval()
+    model.save_pretrained(path + ".tmp", safe_serialization=True)
+    tok.save_pretrained(path + ".tmp")
+    with open(os.path.join(path + ".tmp", "recipe.json"), "w") as f:
+        json.dump({**recipe, "steps": step, "pass_rate": rate, "seconds": round(time.perf_counter() - t0, 1)}, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling with snapshots: no KV cache, so each position of each row can be sampled by a different snapshot
+
+@torch.no_grad()
+def sample(models: list, row_model: torch.Tensor, cut: int, prompt_ids: list[list[int]], s: Setup, tok,
+           greedy: bool = False, gen: Optional[torch.Generator] = None) -> dict:
+    """Sample a response per prompt. row_model [R, 2] long: the index into `models` of the snapshot that samples a
+    row's positions < cut and >= cut. Returns response ids, the sampling log-probs (log mu), the index of the
+    snapshot of each token, and whether the row stopped on eos."""
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    R = len(prompt_ids)
+    plen = torch.tensor([len(p) for p in prompt_ids])
+    width = int(plen.max()) + s.max_new
+    ids = torch.full((R, width), pad, dtype=torch.long)
+    for i, p in enumerate(prompt_ids):  # left-padded prompts, so every row's next position is the same column
+        ids[i, width - s.max_new - len(p): width - s.max_new] = torch.tensor(p)
+    start = width - s.max_new
+    attn = torch.zeros(R, width, dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        attn[i, start - len(p): start] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    done = torch.zeros(R, dtype=torch.bool)
+    stopped = torch.zeros(R, dtype=torch.bool)
+    mu = torch.zeros(R, s.max_new)
+    who = torch.full((R, s.max_new), -1, dtype=torch.long)
+    length = torch.zeros(R, dtype=torch.long)
+    for t in range(s.max_new):
+        col = start + t
+        use = row_model[:, 0] if t < cut else row_model[:, 1]
+        logits = torch.empty(R, models[0].config.vocab_size)
+        for m in use[~done].unique().tolist():
+            rows = (use == m) & ~done
+            out = models[m](input_ids=ids[rows, :col], attention_mask=attn[rows, :col],
+                            position_ids=pos[rows, :col]).logits[:, -1].float()
+            logits[rows] = out
+        live = ~done
+        logp = torch.log_softmax(logits[live], -1)
+        nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+        ids[live, col] = nxt
+        attn[live, col] = 1
+        pos[live, col] = pos[live, col - 1] + 1
+        mu[live, t] = logp.gather(-1, nxt[:, None]).squeeze(-1)
+        who[live, t] = use[live]
+        length[live] += 1
+        hit = torch.zeros(R, dtype=torch.bool)
+        hit[live] = nxt == eos
+        stopped |= hit
+        done |= hit
+        if bool(done.all()):
+            break
+    return {"ids": ids, "attn": attn, "pos": pos, "start": start, "mu": mu, "who": who, "length": length,
+            "stopped": stopped}
+
+
+def evaluate(model, tok, held: list[tuple[str, str]], s: Setup, batch: int = 256) -> float:
+    """Greedy pass rate on `held`."""
+    total = 0.0
+    for i in range(0, len(held), batch):
+        part = held[i:i + batch]
+        p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in part]
+        out = sample([model], torch.zeros(len(part), 2, dtype=torch.long), s.max_new, p_ids, s, tok, greedy=True)
+        for r, (_, target) in enumerate(part):
+            n = int(out["length"][r])
+            text = tok.decode(out["ids"][r, out["start"]: out["start"] + n].tolist(), skip_special_tokens=True)
+            total += reward(text, target, bool(out["stopped"][r]))
+    return total / len(held)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Diagnostics (docs/metrics.md): the behaviour weights pi_old / mu over the loss tokens
+
+def diagnostics(old: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_high: float) -> dict:
+    """is_ess = (sum w)^2 / (n sum w^2) of w = pi_old / mu; is_log_ratio_m2 = mean (log pi_old - log mu)^2;
+    neg_adv_high_ratio_frac = share of tokens with A < 0 and pi_old / mu > 1 + eps_high."""
+    m = mask.bool()
+    lr = (old - mu)[m].double().clamp(-20, 20)
+    w = lr.exp()
+    n = max(1, int(m.sum()))
+    a = adv[:, None].expand_as(mask)[m]
+    return {"is_ess": float(w.sum() ** 2 / (n * (w * w).sum()).clamp(min=1e-300)),
+            "is_log_ratio_m2": float((lr * lr).mean()) if m.any() else 0.0,
+            "neg_adv_high_ratio_frac": float(((a < 0) & (w > 1 + eps_high)).double().sum() / n)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run
+
+def _algo(s: Setup) -> tuple[losses.LossSettings, str, bool]:
+    """The LossSettings, policy_loss name and whether the ratio is taken against mu, for s.loss."""
+    algo = losses.LossSettings()
+    if s.loss == "naive":
+        return algo, "ppo", True
+    if s.loss == "recompute":
+        algo.is_correction.mask_high = 5.0  # AReaL's behav_imp_weight_cap
+        return algo, "recompute", False
+    if s.loss == "truncated_is":
+        return algo, "truncated_is", False
+    if s.loss == "m2po":
+        algo.m2po.enable = True
+        return algo, "ppo", False
+    raise ValueError(f"--losses: '{s.loss}' is unknown; accepted: {', '.join(LOSSES)}")
+
+
+def _seq_logprobs(model, ids, attn, pos, start) -> torch.Tensor:
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, start - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None]).squeeze(-1)
+
+
+def run(s: Setup, base: str, log=print) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed)
+    rng = random.Random(s.seed)
+    tok = tasks.build_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(base).float()
+    model.eval()  # no dropout: the forward that trains is the forward that scored
+    opt = torch.optim.Adam(model.parameters(), lr=s.lr)
+    algo, name, against_mu = _algo(s)
+    loss_fn = losses.chosen_policy_loss(name)
+    train_prompts = prompts(s, "train", 4096, seed=s.seed)
+    held = prompts(s, "eval", s.eval_prompts, seed=20_000)
+    snaps = {0: copy.deepcopy(model.state_dict())}  # version -> weights, the last eta + 1 kept
+    behaviour = [copy.deepcopy(model), copy.deepcopy(model)]
+    rows, evals, norms, t0 = [], [], [], time.perf_counter()
+    evals.append((0, evaluate(model, tok, held, s)))
+    for step in range(1, s.steps + 1):
+        v = step - 1  # the version the step starts from
+        v_old = max(0, v - s.eta)
+        v_new = max(0, min(v, v - s.eta + math.ceil(s.eta / 2)))
+        behaviour[0].load_state_dict(snaps[v_old])
+        behaviour[1].load_state_dict(snaps[v_new])
+        batch = [train_prompts[rng.randrange(len(train_prompts))] for _ in range(s.prompts_per_step)]
+        p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in batch for _ in range(s.samples_per_prompt)]
+        R = len(p_ids)
+        row_model = torch.zeros(R, 2, dtype=torch.long)
+        if s.eta > 0:
+            switch = torch.randperm(R, generator=gen)[: R // 2]
+            row_model[switch, 1] = 1
+        cut = rng.randint(1, s.max_new - 1)
+        out = sample(behaviour, row_model, cut, p_ids, s, tok, gen=gen)
+        start, T = out["start"], s.max_new
+        mask = torch.arange(T)[None] < out["length"][:, None]
+        rewards = torch.zeros(R)
+        for r in range(R):
+            n = int(out["length"][r])
+            text = tok.decode(out["ids"][r, start: start + n].tolist(), skip_special_tokens=True)
+            rewards[r] = reward(text, batch[r // s.samples_per_prompt][1], bool(out["stopped"][r]))
+        adv = losses.compute_advantages(rewards.view(-1, s.samples_per_prompt)).view(-1)
+        token_version = torch.where(out["who"] == 1, v_new, v_old)
+        versions = torch.where(mask, token_version, -1)
+        with torch.no_grad():
+            old = _seq_logprobs(model, out["ids"], out["attn"], out["pos"], start)
+        diag = diagnostics(old, out["mu"], adv, mask, algo.clip_high)
+        grad_norms, metrics = [], {}
+        for idx in torch.randperm(R, generator=gen).chunk(s.mini_batches):
+            lp = _seq_logprobs(model, out["ids"][idx], out["attn"][idx], out["pos"][idx], start)
+            ref = out["mu"][idx] if against_mu else old[idx]
+            loss, metrics = loss_fn(lp, ref, out["mu"][idx], adv[idx], mask[idx].float(), versions[idx], v + 1,
+                                    algo, float(mask[idx].sum()))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+        snaps[v + 1] = copy.deepcopy(model.state_dict())
+        for old_v in [k for k in snaps if k < v + 1 - s.eta - 1]:
+            del snaps[old_v]
+        norms.append(max(grad_norms))
+        row = {"step": step, "reward": float(rewards.mean()), "grad_norm": norms[-1],
+               "staleness": float((v - token_version.float())[mask].mean()), **diag,
+               "response_len": float(out["length"].float().mean())}
+        if step % s.eval_every == 0 or step == s.steps:
+            evals.append((step, evaluate(model, tok, held, s)))
+            row["eval"] = evals[-1][1]
+            log(f"[{s.loss} eta={s.eta} seed={s.seed}] step {step}: eval {row['eval']:.3f}, reward {row['reward']:.3f}, "
+                f"ess {diag['is_ess']:.3f}, m2 {diag['is_log_ratio_m2']:.4f}, grad {norms[-1]:.3f}, "
+                f"{time.perf_counter() - t0:.0f} s")
+        rows.append(row)
+    return summarise_run(s, rows, evals, time.perf_counter() - t0)
+
+
+def summarise_run(s: Setup, rows: list, evals: list, seconds: float) -> dict:
+    values = [e for _, e in evals]
+    collapsed_at = None
+    best = -1.0
+    for st, e in evals:
+        best = max(best, e)
+        if e < best - 0.2:
+            collapsed_at = st
+            break
+    norms = [r["grad_norm"] for r in rows]
+    for i in range(20, len(norms)):
+        med = sorted(norms[:i])[i // 2]
+        if norms[i] > 10 * med:
+            collapsed_at = rows[i]["step"] if collapsed_at is None else min(collapsed_at, rows[i]["step"])
+            break
+    return {"setup": asdict(s), "final_eval": sum(values[-3:]) / len(values[-3:]), "auc": sum(values) / len(values),
+            "collapsed": collapsed_at is not None, "collapsed_at": collapsed_at, "evals": evals, "rows": rows,
+            "seconds": round(seconds, 1)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sweep: resumable, a process per run
+
+def _key(setup: dict) -> tuple:
+    return (setup["loss"], setup["eta"], setup["seed"], setup["steps"], setup["lr"])
+
+
+def _done(path: str) -> set:
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {_key(json.loads(line)["setup"]) for line in f if line.strip()}
+
+
+def _worker(args):
+    s, base = args
+    torch.set_num_threads(1)
+    return run(s, base, log=lambda m: print(m, flush=True))
+
+
+def sweep(setups: list[Setup], base: str, out: str, workers: int) -> None:
+    import multiprocessing as mp
+
+    todo = [s for s in setups if _key(asdict(s)) not in _done(out)]
+    print(f"[sweep] {len(setups) - len(todo)} of {len(setups)} runs already in {out}; {len(todo)} to go", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for i, result in enumerate(pool.imap_unordered(_worker, [(s, base) for s in todo]), 1):
+            with open(out, "a") as f:  # one line per finished run: an interrupted sweep loses only the runs in flight
+                f.write(json.dumps(result) + "\n")
+            st = result["setup"]
+            print(f"[sweep] {i}/{len(todo)} {st['loss']} eta={st['eta']} seed={st['seed']}: final eval "
+                  f"{result['final_eval']:.3f}, collapsed {result['collapsed']}, {result['seconds']} s "
+                  f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics
+
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20,
+        12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 19: 2.09, 24: 2.06, 29: 2.05}
+T95 = {1: 6.31, 2: 2.92, 3: 2.35, 4: 2.13, 5: 2.02, 6: 1.94, 7: 1.89, 8: 1.86, 9: 1.83, 10: 1.81, 11: 1.80,
+       12: 1.78, 13: 1.77, 14: 1.76, 15: 1.75, 19: 1.73, 24: 1.71, 29: 1.70}
+
+
+def _t(table: dict, df: int) -> float:
+    return table[max(k for k in table if k <= df)] if df >= 1 else math.inf
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t-interval."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, -math.inf, math.inf
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    h = _t(T975, n - 1) * sd / math.sqrt(n)
+    return m, m - h, m + h
+
+
+def equivalent(xs: list[float], margin: float) -> bool:
+    """TOST at 5%: the mean paired difference lies within +-margin (the 90% t-interval inside it)."""
+    n = len(xs)
+    if n < 2:
+        return False
+    m = sum(xs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    h = _t(T95, n - 1) * sd / math.sqrt(n)
+    return -margin < m - h and m + h < margin
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def summary(path: str, margin: float, png: Optional[str]) -> str:
+    with open(path) as f:
+        results = [json.loads(line) for line in f if line.strip()]
+    by = {}
+    for r in results:
+        st = r["setup"]
+        by[(st["loss"], st["eta"], st["seed"])] = r
+    losses_ = sorted({k[0] for k in by}, key=lambda x: LOSSES.index(x) if x in LOSSES else 99)
+    etas = sorted({k[1] for k in by})
+    lines = [f"| loss | eta | runs | final eval (95% CI) | diff vs eta 0 (95% CI) | within +-{margin:.2f}? | AUC | "
+             "collapse (Wilson 95%) | min is_ess | max is_log_ratio_m2 | mean neg_adv_high_ratio_frac |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for loss in losses_:
+        for eta in etas:
+            runs = [by[k] for k in sorted(by) if k[0] == loss and k[1] == eta]
+            if not runs:
+                continue
+            fe = [r["final_eval"] for r in runs]
+            m, lo, hi = mean_ci(fe)
+            diffs = [by[(loss, eta, r["setup"]["seed"])]["final_eval"] - by[(loss, 0, r["setup"]["seed"])]["final_eval"]
+                     for r in runs if (loss, 0, r["setup"]["seed"]) in by]
+            if eta and len(diffs) >= 2:
+                dm, dlo, dhi = mean_ci(diffs)
+                diff = f"{dm:+.3f} ({dlo:+.3f}, {dhi:+.3f})"
+                eq = "yes" if equivalent(diffs, margin) else "not shown"
+            else:
+                diff, eq = "-", "-"
+            k = sum(r["collapsed"] for r in runs)
+            wl, wh = wilson(k, len(runs))
+            auc = mean_ci([r["auc"] for r in runs])[0]
+            ess = min(row["is_ess"] for r in runs for row in r["rows"])
+            m2 = max(row["is_log_ratio_m2"] for r in runs for row in r["rows"])
+            nah = sum(row["neg_adv_high_ratio_frac"] for r in runs for row in r["rows"]) / sum(len(r["rows"]) for r in runs)
+            lines.append(f"| {loss} | {eta} | {len(runs)} | {m:.3f} ({lo:.3f}, {hi:.3f}) | {diff} | {eq} | {auc:.3f} | "
+                         f"{k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {ess:.3f} | {m2:.3f} | {nah:.4f} |")
+    if png:
+        _plot(by, losses_, etas, png)
+    return "\n".join(lines)
+
+
+def _plot(by: dict, losses_: list, etas: list, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(losses_), figsize=(4 * len(losses_), 3.2), sharey=True, squeeze=False)
+    for ax, loss in zip(axes[0], losses_):
+        for eta in etas:
+            runs = [r for k, r in by.items() if k[0] == loss and k[1] == eta]
+            if not runs:
+                continue
+            steps = [s for s, _ in runs[0]["evals"]]
+            mean = [sum(r["evals"][i][1] for r in runs) / len(runs) for i in range(len(steps))]
+            ax.plot(steps, mean, label=f"eta {eta} ({len(runs)} seeds)")
+        ax.set_title(loss)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("greedy eval (mean over seeds)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def _seeds(text: str) -> list[int]:
+    if "-" in text:
+        a, b = text.split("-")
+        return list(range(int(a), int(b) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="results file (jsonl, appended; finished runs are skipped)")
+    p.add_argument("--losses", default=",".join(LOSSES))
+    p.add_argument("--etas", default=",".join(map(str, ETAS)))
+    p.add_argument("--seeds", default="0-7", help="e.g. 0-7 or 8,9,10")
+    p.add_argument("--steps", type=int, default=Setup.steps)
+    p.add_argument("--lr", type=float, default=Setup.lr)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--base-dir", default=os.path.join(ROOT, "runs", "staleness_bases"))
+    p.add_argument("--summary", action="store_true", help="print the table of --out (and draw --png) and stop")
+    p.add_argument("--png", default=None)
+    p.add_argument("--margin", type=float, default=0.05, help="equivalence margin on the final eval")
+    p.add_argument("--pilot", action="store_true",
+                   help="naive and recompute at eta 8, lr in {3e-4, 1e-3, 3e-3}, seeds 0-1: the rate at which "
+                        "they separate")
+    p.add_argument("--quick", action="store_true", help="a few steps of a smaller setup (seconds), for tests")
+    a = p.parse_args(argv)
+    if a.summary:
+        print(summary(a.out, a.margin, a.png))
+        return
+    base_setup = Setup(steps=a.steps, lr=a.lr)
+    if a.quick:
+        base_setup = replace(base_setup, steps=4, eval_every=2, eval_prompts=16, prompts_per_step=2,
+                             samples_per_prompt=4, min_digits=1, max_digits=3, scratch=2, max_new=8, hidden=32,
+                             layers=1, base_pass=(0.1, 1.0))
+    for name in a.losses.split(","):
+        if name not in LOSSES:
+            p.error(f"--losses: '{name}' is unknown; accepted: {', '.join(LOSSES)}")
+    base = make_base(base_setup, a.base_dir)
+    if a.pilot:
+        setups = [replace(base_setup, loss=loss, eta=8, seed=seed, lr=lr)
+                  for lr in (3e-4, 1e-3, 3e-3) for loss in ("naive", "recompute") for seed in (0, 1)]
+    else:
+        setups = [replace(base_setup, loss=loss, eta=int(eta), seed=seed)
+                  for seed in _seeds(a.seeds) for eta in a.etas.split(",") for loss in a.losses.split(",")]
+    if a.quick:
+        todo = [s for s in setups if _key(asdict(s)) not in _done(a.out)]
+        print(f"[sweep] {len(setups) - len(todo)} of {len(setups)} runs already in {a.out}; {len(todo)} to go")
+        for s in todo:  # in this process: seconds
+            result = run(s, base)
+            with open(a.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        print(summary(a.out, a.margin, a.png))
+        return
+    sweep(setups, base, a.out, a.workers)
+    print(summary(a.out, a.margin, a.png))
+
+
+if __name__ == "__main__":
+    main()
