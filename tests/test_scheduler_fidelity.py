@@ -119,12 +119,13 @@ def _req(ids, n=1):
     return scheduler.Req(rid=str(ids), input_ids=list(ids), sp=sp)
 
 
-def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_path, monkeypatch):
+def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_path):
     """mem_cache/radix_cache.py: RadixCache.evict (least recently used leaves first, a parent left childless
-    becomes a leaf) keeps the tree within PREFIX_CACHE_TOKENS; a shared prefix is stored once."""
-    monkeypatch.setattr(scheduler, "PREFIX_CACHE_TOKENS", 20)
+    becomes a leaf) keeps the tree within the KV pool (--max-total-tokens, here 20), evicting when a prefill lacks
+    slots; a shared prefix is stored once."""
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    sched = scheduler.Scheduler(model, AutoTokenizer.from_pretrained(model_path), torch.device("cpu"), 4, 1024, "0")
+    sched = scheduler.Scheduler(model, AutoTokenizer.from_pretrained(model_path), torch.device("cpu"), 4, 1024, "0",
+                                max_total_tokens=20)
     stem = [3, 4, 5, 6, 7, 8]
     _run(sched, [_req(stem + [9, 10])])  # max_new_tokens 1: only the prompt is cached (8 tokens)
     _run(sched, [_req(stem + [11, 12])])  # shares the stem: 2 more tokens
