@@ -910,7 +910,9 @@ class Server:
         info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
                      "weight_version": self.sched.weight_version, **self.limits(),
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
-                                          "effective_max_running_requests_per_dp": self.sched.max_running}]})
+                                          "effective_max_running_requests_per_dp": self.sched.max_running,
+                                          "max_total_num_tokens": self.sched.max_total_tokens,
+                                          "num_retracted_reqs": self.sched.retracted_total}]})
         return web.json_response(info)
 
     async def health(self, request):
@@ -1037,6 +1039,10 @@ def main(argv=None):
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="a request that finds this many waiting is aborted with 503 \"The request queue is full.\"\n"
                         "(default: unbounded; SGLang's flag)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="the KV pool in tokens, shared by the prefix cache and the running requests; the cache is\n"
+                        "evicted, then requests retracted, when a step lacks slots (SGLang's flag; default: sized by\n"
+                        "memory, scheduler.KV_POOL_MEM_FRACTION of the host's memory / the free GPU memory)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
@@ -1068,7 +1074,8 @@ def main(argv=None):
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     for name, v in (("--max-running-requests", args.max_running_requests),
                     ("--max-prefill-tokens", args.max_prefill_tokens),
-                    ("--max-queued-requests", args.max_queued_requests)):
+                    ("--max-queued-requests", args.max_queued_requests),
+                    ("--max-total-tokens", args.max_total_tokens)):
         if v is not None and v < 1:
             p.error(f"{name} must be >= 1, got {v}")
     if not args.max_request_mb > 0:
@@ -1081,7 +1088,8 @@ def main(argv=None):
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
                       args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache,
-                      max_queued=args.max_queued_requests, record_routes=args.enable_return_routed_experts)
+                      max_queued=args.max_queued_requests, record_routes=args.enable_return_routed_experts,
+                      max_total_tokens=args.max_total_tokens)
     sched.weights_cpu_backup = args.enable_weights_cpu_backup
     if args.context_length is not None:
         if not 8 <= args.context_length <= sched.context_len:
@@ -1090,8 +1098,9 @@ def main(argv=None):
         sched.context_len = args.context_length
     sched.thread.start()
     server = Server(args, sched, tokenizer)
-    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",
-             args.model_path, args.host, args.port, device, sched.max_running, args.report_version)
+    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, max_total_num_tokens %d, reporting "
+             "sglang %s)", args.model_path, args.host, args.port, device, sched.max_running, sched.max_total_tokens,
+             args.report_version)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request (as SGLang)
     web.run_app(server.app, host=args.host, port=args.port, handler_cancellation=True, print=None,
                 access_log=None, shutdown_timeout=3.0)

@@ -675,9 +675,9 @@ class Scheduler:
             ext = 0 if key in rows else len(seq) - m  # a group's samples share one row (see _admit)
             if (new or self.running) and ext + expect(r) > room:
                 break  # AddReqResult.NO_TOKEN: the rest wait
-            if ext > self.max_total_tokens - 1:
+            if len(seq) > self.max_total_tokens - 1:
                 self.waiting.popleft()
-                self._finish(r, abort_reason(f"The input ({len(seq)} tokens) is longer than the KV pool "
+                self._finish(r, abort_reason(f"The input ({len(seq)} tokens) does not fit in the KV pool "
                                              f"({self.max_total_tokens} tokens, --max-total-tokens).", 400))
                 continue
             self.waiting.popleft()
