@@ -34,12 +34,12 @@ tensor weight updates need a begin/end_weight_update session; --api-key guards a
 
 Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests) holds
 PREFIX_CACHE_TOKENS tokens, not what the memory allows (least recently used leaves go first); batches do not stream;
-no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+no penalties, grammars or custom logit processors (accepted at their defaults, else 400);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights move to host memory
 (generation waits until they are resumed) and come back as NaN, buffers too, unless --enable-weights-cpu-backup;
 /tokenize takes `prompt` only (no chat template renderer for `messages`).
 
-Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties, `logit_bias`,
+Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties,
 grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
 only: each reshapes the logits before sampling, and RL rollouts here sample from the plain distribution);
 `custom_logit_processor` (SGLang runs pickled Python from the request; nothing here calls it); `input_embeds` and
@@ -99,7 +99,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0, "sampling_seed": None, "logit_bias": None, "json_schema": None, "regex": None,
     "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None}
 # Fields engine.py implements only at their default value (HTTP 400 otherwise, naming the field).
-DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
+DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "json_schema",
                 "regex", "ebnf", "stop_regex", "custom_params", "structural_tag")
 RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -182,6 +182,17 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     min_new = g("min_new_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     seed = g("sampling_seed", _is_int, "an integer")
     interval = g("stream_interval", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    bias = g("logit_bias", lambda v: isinstance(v, dict) and all(map(_is_num, v.values())),
+             "an object of token id strings to numbers")
+    logit_bias = {}
+    for key, value in (bias or {}).items():  # sampling_params.py verify: int(key) in [0, vocab); "1" and "01" collide
+        try:
+            tok = int(key)
+        except ValueError:
+            raise BadRequest(f"field `sampling_params.logit_bias` keys must be token ids, got {json.dumps(key)[:40]}")
+        if not 0 <= tok < vocab_size:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+        logit_bias[tok] = float(value)
     if max_new is not None and min_new > max_new:
         raise BadRequest(f"field `sampling_params.min_new_tokens` ({min_new}) must be <= max_new_tokens ({max_new})")
     greedy = temperature < GREEDY_EPS
@@ -189,7 +200,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy, top_p=float(top_p),
         top_k=top_k, min_p=float(min_p), stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
         stop_token_ids=list(stop_ids or []), min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1,
-        **flags)
+        logit_bias=logit_bias or None, **flags)
 
 
 # The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is a SchemaError.

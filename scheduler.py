@@ -115,6 +115,7 @@ class SamplingParams:
     min_new_tokens: int
     sampling_seed: Optional[int]
     stream_interval: int
+    logit_bias: Optional[dict] = None  # token id -> added to its logit before sampling and log-probs (None: none)
 
 
 @dataclass
@@ -406,9 +407,17 @@ def deserialize_named_tensors(payload: str) -> list:
 
 def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
     """One token per row of logits [B, V] under params[i] (banned[i]: ids it may not draw; generators[i]: its seed or
-    None). Returns (logp [B, V], tokens [B]); logp = log_softmax(logits / temperature) in float32 is what's reported."""
+    None). Returns (logp [B, V], tokens [B]); logp = log_softmax((logits + logit_bias) / temperature) in float32 is
+    what's reported (0.5.23 adds the bias to the logits both are taken from: model_runner.py sample ->
+    SamplingBatchInfo.apply_logits_bias)."""
     logits = logits.float()
     dev = logits.device
+    if any(p.logit_bias for p in params):  # sampling_batch_info.py: logits.add_(logit_bias), before temperature
+        bias = torch.zeros_like(logits)
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()), device=dev)
+        logits = logits + bias
     temp = torch.tensor([p.temperature for p in params], device=dev)
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)

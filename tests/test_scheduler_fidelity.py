@@ -353,6 +353,31 @@ def test_a_full_queue_answers_503_and_the_client_retries_it(queued_url):
         assert b.result(30).json()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_ten_concurrent_requests_with_one_running_and_one_queued_slot_get_two_200s(queued_url):
+    """test/srt/test_request_queue_validation.py: TestMaxQueuedRequests.
+    test_max_queued_requests_validation_with_concurrent_requests (--max-running-requests 1 --max-queued-requests
+    1; test/test_utils.py send_concurrent_generate_requests: ten at once, text prompt, temperature 0, 500 new
+    tokens): two 200 and eight 503. managers/scheduler.py: _abort_on_queued_limit counts the waiting queue, which
+    the iteration after a request arrives empties into the free running slot; here the ten may reach the model
+    thread in one batch of calls, and a request the free slot will take is not counted as waiting
+    (Scheduler._enqueue). Which two get 200 depends on arrival order (the SGLang test lists them first)."""
+    prompt = ("\n            System: You are a helpful assistant.\n            User: What is the capital of France?"
+              "\n            Assistant: The capital of France is\n            ")
+
+    async def send():
+        import aiohttp
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 500,
+                                                            "ignore_eos": True}}
+                async with s.post(queued_url + "/generate", json=body) as r:
+                    return r.status, await r.text()
+            return await asyncio.gather(*[one() for _ in range(10)])
+    out = asyncio.run(send())
+    assert sorted(st for st, _ in out) == [200, 200] + [503] * 8, out
+    assert all(QUEUE_FULL in text for st, text in out if st == 503)
+
+
 def test_waiting_and_running_timeouts_abort_with_503(model_path):
     """managers/scheduler.py: _poll_timeout_aborts: SGLANG_REQ_WAITING_TIMEOUT aborts a request queued longer
     (since it entered the queue) with 503 "Request waiting timeout reached.", SGLANG_REQ_RUNNING_TIMEOUT one
