@@ -523,9 +523,12 @@ class Server:
         text = self.tokenizer.decode(ids[:-1] if _is_int(trim) else ids, skip_special_tokens=r.sp.skip_special_tokens)
         if isinstance(trim, str) and trim in text:
             text = text[:text.find(trim)]
-        meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens, "num_retractions": r.num_retractions,
-                "weight_version": self.sched.weight_version}
+        if final and r.abort_output:  # tokenizer_manager.py _handle_abort_req: these keys, no routed_experts
+            meta = {"id": r.rid, "finish_reason": fin, "weight_version": self.sched.weight_version}
+        else:
+            meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
+                    "cached_tokens": r.cached_tokens, "num_retractions": r.num_retractions,
+                    "weight_version": self.sched.weight_version}
         if final:  # spans only in the final output (scheduler_components/output_streamer.py); a request with no
             # output token has one empty span of the current version (utils/weight_versions.py: compute_weight_version_
             # spans, add_weight_versions_to_meta_info, which also sets weight_version to the last span's)
@@ -533,7 +536,7 @@ class Server:
             meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
             meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
-        if final and r.return_routed_experts and self.sched.recorder is not None:
+        if final and r.return_routed_experts and self.sched.recorder is not None and not r.abort_output:
             # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1)
             end = len(r.input_ids) + n - 1
             rows = torch.cat(r.routes) if r.routes else torch.zeros(0, 1, 1, dtype=torch.int32)  # never prefilled
@@ -552,6 +555,8 @@ class Server:
             if r.token_ids_logprob is not None:  # tokenizer_manager.py add_logprob_to_meta_info, part 3
                 meta["input_token_ids_logprobs"] = tops(r.input_token_ids_logprobs)
                 meta["output_token_ids_logprobs"] = tops(r.output_token_ids_logprobs[:n])
+        if final and r.abort_output:
+            meta["completion_tokens"] = n
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

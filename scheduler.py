@@ -150,6 +150,9 @@ class Req:
     cache_node: Optional["_Node"] = None  # while running: the locked tree node its prefix ends at (Req.last_node)
     tree_len: int = 0  # while running: its tokens held by the tree (the rest are its own in the KV pool)
     abort_sent: bool = False  # an /abort_request for this rid was forwarded (SGLang ignores repeats)
+    # ended outside the running batch's output (queued, refused by the queue limit, retracted out of memory): SGLang's
+    # scheduler reports it with send_abort_output and its tokenizer manager answers it in _handle_abort_req's form
+    abort_output: bool = False
     to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
@@ -593,6 +596,7 @@ class Scheduler:
         however many of them reach the model thread in one batch of calls."""
         free = 0 if self.paused else max(self.max_running - len(self.running), 0)
         if self.max_queued is not None and len(self.waiting) + 1 > self.max_queued + free:
+            r.abort_output = True
             self._finish(r, abort_reason(QUEUE_FULL, 503))
             return
         r.queued_at = time.perf_counter()
@@ -686,6 +690,7 @@ class Scheduler:
                 break  # AddReqResult.NO_TOKEN: the rest wait
             if len(seq) > self.max_total_tokens - 1:
                 self.waiting.popleft()
+                r.abort_output = True
                 self._finish(r, abort_reason(f"The input ({len(seq)} tokens) does not fit in the KV pool "
                                              f"({self.max_total_tokens} tokens, --max-total-tokens).", 400))
                 continue
@@ -1007,6 +1012,7 @@ class Scheduler:
                 break
         if len(order) == 1 and not self._make_room(1, [self.running[order[0]]]):
             aborted.append(order.pop())
+            self.running[aborted[0]].abort_output = True
             self._finish(self.running[aborted[0]], abort_reason(OOM_LAST, 500))
         out = [self.running[i] for i in retracted]
         self._remove(retracted + aborted, cache=False)
@@ -1124,6 +1130,7 @@ class Scheduler:
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:
+            r.abort_output = True
             self._finish(r, reason or abort_reason("Abort in waiting queue"))
         n, dead = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):

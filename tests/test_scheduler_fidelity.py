@@ -261,6 +261,17 @@ def test_a_full_kv_pool_retracts_the_least_advanced_requests_and_requeues_them(m
     assert [r.finish["message"] for r in reqs] == ["Aborted", "Abort in waiting queue", "Aborted"]
     assert [len(r.output_ids) for r in reqs] == [5, 4, 5] and not sched.running and not sched.waiting
     assert sched.protected_tokens == 0
+    # b is answered as tokenizer_manager.py _handle_abort_req answers an AbortReq: these keys only (no
+    # routed_experts, no prompt_tokens); a, aborted while running, by the ordinary output path
+    front = types.SimpleNamespace(tokenizer=sched.tokenizer, sched=types.SimpleNamespace(
+        weight_version="0", recorder=object()))
+    for r in reqs:
+        r.return_routed_experts = True
+    outs = [engine.Server._output(front, r, len(r.output_ids), True) for r in reqs]
+    assert list(outs[1]["meta_info"]) == ["id", "finish_reason", "weight_version", "weight_versions", "e2e_latency",
+                                          "completion_tokens"]
+    assert outs[1]["output_ids"] == reqs[1].output_ids and outs[1]["meta_info"]["completion_tokens"] == 4
+    assert "prompt_tokens" in outs[0]["meta_info"] and "routed_experts" in outs[0]["meta_info"]
 
 
 def test_a_request_that_alone_outgrows_the_kv_pool_is_aborted_with_500(model_path, ref, one_thread):
@@ -360,7 +371,8 @@ def test_ten_concurrent_requests_with_one_running_and_one_queued_slot_get_two_20
     tokens): two 200 and eight 503. managers/scheduler.py: _abort_on_queued_limit counts the waiting queue, which
     the iteration after a request arrives empties into the free running slot; here the ten may reach the model
     thread in one batch of calls, and a request the free slot will take is not counted as waiting
-    (Scheduler._enqueue). Which two get 200 depends on arrival order (the SGLang test lists them first)."""
+    (Scheduler._enqueue). Which two get 200 depends on arrival order (the SGLang test lists them first); the two
+    are long and aborted once the eight were refused, so the test neither races a finish nor waits for one."""
     prompt = ("\n            System: You are a helpful assistant.\n            User: What is the capital of France?"
               "\n            Assistant: The capital of France is\n            ")
 
@@ -368,11 +380,18 @@ def test_ten_concurrent_requests_with_one_running_and_one_queued_slot_get_two_20
         import aiohttp
         async with aiohttp.ClientSession() as s:
             async def one():
-                body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 500,
+                body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": LONG,
                                                             "ignore_eos": True}}
                 async with s.post(queued_url + "/generate", json=body) as r:
                     return r.status, await r.text()
-            return await asyncio.gather(*[one() for _ in range(10)])
+            tasks = [asyncio.ensure_future(one()) for _ in range(10)]
+            deadline = time.monotonic() + 60
+            while sum(t.done() for t in tasks) < 8:  # the refused ones answer at once, two run (or wait) on
+                assert time.monotonic() < deadline, "waited 60 s for eight of ten requests to be answered"
+                await asyncio.sleep(0.05)
+            async with s.post(queued_url + "/abort_request", json={"abort_all": True}) as r:
+                assert r.status == 200
+            return await asyncio.gather(*tasks)
     out = asyncio.run(send())
     assert sorted(st for st, _ in out) == [200, 200] + [503] * 8, out
     assert all(QUEUE_FULL in text for st, text in out if st == 503)
