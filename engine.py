@@ -30,10 +30,19 @@ repeats until no request holds the lock; /health generates through the gate; the
 version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
 prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
 too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
-tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
+tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics;
+`logit_bias` is added to the logits before sampling and before the reported log-probs; --max-queued-requests
+refuses with 503 what finds the queue full, not counting requests the free running slots take this iteration; a
+request ended in the queue is answered in _handle_abort_req's form (no routed_experts).
 
-Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests) holds
-PREFIX_CACHE_TOKENS tokens, not what the memory allows (least recently used leaves go first); batches do not stream;
+KV pool as 0.5.23's (--max-total-tokens, default sized by memory): the prefix cache (a radix tree per namespace of
+prompts and finished requests) and the running requests share it; a prefill is admitted while the pool has room for
+its uncached tokens and expected decode (new_token_ratio), the cache's least recently used unheld leaves are
+evicted only when a step lacks slots, and a decode step that still lacks them retracts requests (fewest outputs
+first, re-queued with their tokens, /server_info num_retracted_reqs).
+
+Simplifications against SGLang: the pool counts tokens, not the padded KV slabs the batch really uses (its memory
+is the cached KV plus those slabs); batches do not stream;
 no penalties, grammars or custom logit processors (accepted at their defaults, else 400);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights move to host memory
 (generation waits until they are resumed) and come back as NaN, buffers too, unless --enable-weights-cpu-backup;
