@@ -101,8 +101,9 @@ def cache_bench(args) -> None:
     sched.thread.start()
     rng, counter = random.Random(0), [0]
 
-    def run(groups: int) -> float:
-        """Generate `groups` groups of 16 (all submitted at once); returns trajectories/s."""
+    def run(groups: int) -> tuple:
+        """Generate `groups` groups of 16 (all submitted at once); returns (trajectories/s, per CPU-second of this
+        process: the model thread's work, the waiting main thread uses next to none)."""
         done, left = threading.Event(), [groups * 16]
         lock = threading.Lock()
 
@@ -122,17 +123,17 @@ def cache_bench(args) -> None:
             for _ in range(16):
                 counter[0] += 1
                 reqs.append(scheduler.Req(rid=f"b{counter[0]}", input_ids=prompt, sp=sp, notify=notify))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sched.call(lambda: sched.submit(reqs)).result(60)
         if not done.wait(3600):
             raise TimeoutError(f"{left[0]} of {groups * 16} trajectories did not finish within 3600 s")
-        return groups * 16 / (time.perf_counter() - t0)
+        return groups * 16 / (time.perf_counter() - t0), groups * 16 / (time.process_time() - c0)
 
     try:
         run(8)  # warm-up
         rows = []
         for rep in range(args.repeats):
-            assert sched.call(sched.flush_cache).result(60), "the prefix cache could not be flushed"
+            assert sched.call(sched.flush_cache).result(600), "the prefix cache could not be flushed"
             empty = run(args.trajectories // 16)
             filled = 0
             while sched.cache_tokens < 0.9 * cap:
@@ -140,17 +141,19 @@ def cache_bench(args) -> None:
                 filled += 64 * 16
             evicted = getattr(sched, "evicted_nodes", None)
             full = run(args.trajectories // 16)
-            rows.append((empty, full, sched.cache_tokens))
+            rows.append((empty, full))
             ev = "" if evicted is None else f", {sched.evicted_nodes - evicted} nodes evicted while measuring"
-            print(f"repeat {rep}: empty cache {empty:.0f} trajectories/s, full cache {full:.0f} trajectories/s "
-                  f"(x{full / empty:.2f}; filled with {filled} trajectories, {sched.cache_tokens} tokens cached of "
-                  f"{cap}{ev})", flush=True)
+            print(f"repeat {rep}: empty cache {empty[0]:.0f} trajectories/s ({empty[1]:.0f} per CPU-s), full cache "
+                  f"{full[0]:.0f} trajectories/s ({full[1]:.0f} per CPU-s) (x{full[0] / empty[0]:.2f} wall, "
+                  f"x{full[1] / empty[1]:.2f} CPU; filled with {filled} trajectories, {sched.cache_tokens} tokens "
+                  f"cached of {cap}{ev})", flush=True)
     finally:
         sched.stop()
-    e = sorted(r[0] for r in rows)[len(rows) // 2]
-    f = sorted(r[1] for r in rows)[len(rows) // 2]
-    print(f"median of {len(rows)}: empty {e:.0f}, full {f:.0f} trajectories/s (full / empty {f / e:.2f}); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    for k, unit in ((0, "trajectories/s"), (1, "trajectories per CPU-second")):
+        e = sorted(r[0][k] for r in rows)[len(rows) // 2]
+        f = sorted(r[1][k] for r in rows)[len(rows) // 2]
+        print(f"median of {len(rows)} ({unit}): empty {e:.0f}, full {f:.0f} (full / empty {f / e:.2f})")
+    print(f"load average {os.getloadavg()[0]:.1f}")
 
 
 def main():
