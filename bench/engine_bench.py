@@ -15,8 +15,8 @@ Run:  .venv/bin/python bench/engine_bench.py [--models tiny,100m] [--device auto
 --prefix-cache: instead, trajectories/s of the model thread alone (scheduler.Scheduler driven in-process, no HTTP)
 on the CPU default's workload (the tiny model, groups of 16 samples of a distinct 16-32 token prompt, 6 new tokens,
 temperature 1), once with an empty prefix cache and once with a full one (filled by the same workload until the
-tree holds >= 90% of --cache-tokens; every finished request then inserts new tokens, so eviction runs in steady
-state). Runs against any scheduler.py: with one that takes max_total_tokens (the KV pool), the pool is
+tree holds all but 256 of --cache-tokens, or until eviction has begun; every finished request then inserts new
+tokens, so eviction runs in steady state). Runs against any scheduler.py: with one that takes max_total_tokens (the KV pool), the pool is
 --cache-tokens; an older one holds scheduler.PREFIX_CACHE_TOKENS (65,536) in its cache.
 Run:  .venv/bin/python bench/engine_bench.py --prefix-cache [--cache-tokens 65536] [--trajectories 4096] [--repeats 3]
 """
@@ -136,7 +136,9 @@ def cache_bench(args) -> None:
             assert sched.call(sched.flush_cache).result(600), "the prefix cache could not be flushed"
             empty = run(args.trajectories // 16)
             filled = 0
-            while sched.cache_tokens < 0.9 * cap:
+            # at its bound: every insert from here on meets a full cache (the old code's cache stays within 256
+            # tokens of it once reached; with a KV pool, eviction has begun)
+            while sched.cache_tokens < cap - 256 and not getattr(sched, "evicted_nodes", 0):
                 run(64)
                 filled += 64 * 16
             evicted = getattr(sched, "evicted_nodes", None)
