@@ -138,7 +138,8 @@ def cache_bench(args) -> None:
             filled = 0
             # at its bound: every insert from here on meets a full cache (the old code's cache stays within 256
             # tokens of it once reached; with a KV pool, eviction has begun)
-            while sched.cache_tokens < cap - 256 and not getattr(sched, "evicted_nodes", 0):
+            ev0 = getattr(sched, "evicted_nodes", 0)
+            while sched.cache_tokens < cap - 256 and getattr(sched, "evicted_nodes", 0) == ev0:
                 run(64)
                 filled += 64 * 16
             evicted = getattr(sched, "evicted_nodes", None)
