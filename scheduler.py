@@ -85,7 +85,8 @@ def env_float(name: str, default: float) -> float:
 # a retraction; a retraction frees RETRACT_DECODE_STEPS tokens per request left
 INIT_NEW_TOKEN_RATIO = env_float("SGLANG_INIT_NEW_TOKEN_RATIO", 0.7)
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * env_float("SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR", 0.14)
-NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / env_int("SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS", 600)
+NEW_TOKEN_RATIO_DECAY = ((INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO)
+                         / env_int("SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS", 600))
 RETRACT_DECODE_STEPS = env_int("SGLANG_RETRACT_DECODE_STEPS", 20)
 CLIP_MAX_NEW_TOKENS = env_int("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", 4096)
 OOM_LAST = ("Out of memory even after retracting all other requests in the decode batch. Aborting the last "
@@ -708,7 +709,8 @@ class Scheduler:
         return new
 
     def _admit(self):
-        """Prefill queued requests (FIFO, up to the running limit, the prefill token budget and the KV pool) as one batch. Each
+        """Prefill queued requests (FIFO, up to the running limit, the prefill token budget and the KV pool: _select)
+        as one batch. Each
         starts from the longest cached prefix of its tokens in its namespace (at most all but its last token), so
         only the rest is computed; row i's cached KV sits left of column C, its new tokens end at the slab's end."""
         new = self._select()

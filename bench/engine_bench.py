@@ -16,8 +16,8 @@ Run:  .venv/bin/python bench/engine_bench.py [--models tiny,100m] [--device auto
 on the CPU default's workload (the tiny model, groups of 16 samples of a distinct 16-32 token prompt, 6 new tokens,
 temperature 1), once with an empty prefix cache and once with a full one (filled by the same workload until the
 tree holds all but 256 of --cache-tokens, or until eviction has begun; every finished request then inserts new
-tokens, so eviction runs in steady state). Runs against any scheduler.py: with one that takes max_total_tokens (the KV pool), the pool is
---cache-tokens; an older one holds scheduler.PREFIX_CACHE_TOKENS (65,536) in its cache.
+tokens, so eviction runs in steady state). Runs against any scheduler.py: with one that takes max_total_tokens
+(the KV pool), the pool is --cache-tokens; an older one holds scheduler.PREFIX_CACHE_TOKENS (65,536) in its cache.
 Run:  .venv/bin/python bench/engine_bench.py --prefix-cache [--cache-tokens 65536] [--trajectories 4096] [--repeats 3]
 """
 import argparse

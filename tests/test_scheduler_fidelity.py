@@ -175,7 +175,7 @@ def test_eviction_pops_only_the_leaves_it_frees_from_a_leaf_set_kept_current(mod
 
     def insert(seq):
         return sched._tree_insert((None, None), seq, lambda pos: kv)
-    stem = insert([1, 2])
+    insert([1, 2])
     leaves = [insert([1, 2, 3 + i // 90, 3 + i % 90]) for i in range(2000)]  # 2,000 leaves under 23 inner nodes
     assert sched.cache_tokens == 2 + 2 * 2000 - 2000 + 23 and sched.evicted_nodes == 0  # never at insert
     assert sched.evictable_leaves == _leaves(sched) == set(leaves)
