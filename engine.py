@@ -30,16 +30,25 @@ repeats until no request holds the lock; /health generates through the gate; the
 version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
 prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
 too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
-tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics.
+tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics;
+`logit_bias` is added to the logits before sampling and before the reported log-probs; --max-queued-requests
+refuses with 503 what finds the queue full, not counting requests the free running slots take this iteration; a
+request ended in the queue is answered in _handle_abort_req's form (no routed_experts).
 
-Simplifications against SGLang: the prefix cache (a radix tree per namespace of prompts and finished requests) holds
-PREFIX_CACHE_TOKENS tokens, not what the memory allows (least recently used leaves go first); batches do not stream;
-no penalties, logit_bias, grammars or custom logit processors (accepted at their defaults, else 400);
+KV pool as 0.5.23's (--max-total-tokens, default sized by memory): the prefix cache (a radix tree per namespace of
+prompts and finished requests) and the running requests share it; a prefill is admitted while the pool has room for
+its uncached tokens and expected decode (new_token_ratio), the cache's least recently used unheld leaves are
+evicted only when a step lacks slots, and a decode step that still lacks them retracts requests (fewest outputs
+first, re-queued with their tokens, /server_info num_retracted_reqs).
+
+Simplifications against SGLang: the pool counts tokens, not the padded KV slabs the batch really uses (its memory
+is the cached KV plus those slabs); batches do not stream;
+no penalties, grammars or custom logit processors (accepted at their defaults, else 400);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights move to host memory
 (generation waits until they are resumed) and come back as NaN, buffers too, unless --enable-weights-cpu-backup;
 /tokenize takes `prompt` only (no chat template renderer for `messages`).
 
-Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties, `logit_bias`,
+Outside the subset (HTTP 400 naming the field, so a test here proves nothing about them): penalties,
 grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
 only: each reshapes the logits before sampling, and RL rollouts here sample from the plain distribution);
 `custom_logit_processor` (SGLang runs pickled Python from the request; nothing here calls it); `input_embeds` and
@@ -99,7 +108,7 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0, "sampling_seed": None, "logit_bias": None, "json_schema": None, "regex": None,
     "ebnf": None, "stop_regex": None, "custom_params": None, "stream_interval": None, "structural_tag": None}
 # Fields engine.py implements only at their default value (HTTP 400 otherwise, naming the field).
-DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "json_schema",
+DEFAULT_ONLY = ("frequency_penalty", "presence_penalty", "repetition_penalty", "json_schema",
                 "regex", "ebnf", "stop_regex", "custom_params", "structural_tag")
 RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -182,6 +191,17 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
     min_new = g("min_new_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     seed = g("sampling_seed", _is_int, "an integer")
     interval = g("stream_interval", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    bias = g("logit_bias", lambda v: isinstance(v, dict) and all(map(_is_num, v.values())),
+             "an object of token id strings to numbers")
+    logit_bias = {}
+    for key, value in (bias or {}).items():  # sampling_params.py verify: int(key) in [0, vocab); "1" and "01" collide
+        try:
+            tok = int(key)
+        except ValueError:
+            raise BadRequest(f"field `sampling_params.logit_bias` keys must be token ids, got {json.dumps(key)[:40]}")
+        if not 0 <= tok < vocab_size:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+        logit_bias[tok] = float(value)
     if max_new is not None and min_new > max_new:
         raise BadRequest(f"field `sampling_params.min_new_tokens` ({min_new}) must be <= max_new_tokens ({max_new})")
     greedy = temperature < GREEDY_EPS
@@ -189,7 +209,7 @@ def parse_sampling_params(sp: Any, vocab_size: int) -> SamplingParams:
         max_new_tokens=max_new, temperature=1.0 if greedy else float(temperature), greedy=greedy, top_p=float(top_p),
         top_k=top_k, min_p=float(min_p), stop_strs=[stop] if isinstance(stop, str) else [s for s in (stop or []) if s],
         stop_token_ids=list(stop_ids or []), min_new_tokens=min_new, sampling_seed=seed, stream_interval=interval or 1,
-        **flags)
+        logit_bias=logit_bias or None, **flags)
 
 
 # The JSON types of GenerateReqInput's fields (managers/io_struct.py): a value of another type is a SchemaError.
@@ -529,9 +549,12 @@ class Server:
         text = self.tokenizer.decode(ids[:-1] if _is_int(trim) else ids, skip_special_tokens=r.sp.skip_special_tokens)
         if isinstance(trim, str) and trim in text:
             text = text[:text.find(trim)]
-        meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
-                "cached_tokens": r.cached_tokens, "num_retractions": r.num_retractions,
-                "weight_version": self.sched.weight_version}
+        if final and r.abort_output:  # tokenizer_manager.py _handle_abort_req: these keys, no routed_experts
+            meta = {"id": r.rid, "finish_reason": fin, "weight_version": self.sched.weight_version}
+        else:
+            meta = {"id": r.rid, "finish_reason": fin, "prompt_tokens": len(r.input_ids), "completion_tokens": n,
+                    "cached_tokens": r.cached_tokens, "num_retractions": r.num_retractions,
+                    "weight_version": self.sched.weight_version}
         if final:  # spans only in the final output (scheduler_components/output_streamer.py); a request with no
             # output token has one empty span of the current version (utils/weight_versions.py: compute_weight_version_
             # spans, add_weight_versions_to_meta_info, which also sets weight_version to the last span's)
@@ -539,7 +562,7 @@ class Server:
             meta["weight_versions"] = spans or [{"version": self.sched.weight_version, "start": 0, "end": 0}]
             meta["weight_version"] = meta["weight_versions"][-1]["version"]
             meta["e2e_latency"] = r.finished_at - r.created
-        if final and r.return_routed_experts and self.sched.recorder is not None and r.routes is not None:
+        if final and r.return_routed_experts and self.sched.recorder is not None and not r.abort_output:
             # 0.5.23 (batch_result_processor._maybe_collect_routed_experts): positions [start, prompt + output - 1),
             # collected when a running request finishes (an abort too); none for one finished from the queue
             end = len(r.input_ids) + n - 1
@@ -559,6 +582,8 @@ class Server:
             if r.token_ids_logprob is not None:  # tokenizer_manager.py add_logprob_to_meta_info, part 3
                 meta["input_token_ids_logprobs"] = tops(r.input_token_ids_logprobs)
                 meta["output_token_ids_logprobs"] = tops(r.output_token_ids_logprobs[:n])
+        if final and r.abort_output:
+            meta["completion_tokens"] = n
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -940,7 +965,9 @@ class Server:
         info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
                      "weight_version": self.sched.weight_version, **self.limits(),
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
-                                          "effective_max_running_requests_per_dp": self.sched.max_running}]})
+                                          "effective_max_running_requests_per_dp": self.sched.max_running,
+                                          "max_total_num_tokens": self.sched.max_total_tokens,
+                                          "num_retracted_reqs": self.sched.retracted_total}]})
         return web.json_response(info)
 
     async def health(self, request):
@@ -1067,6 +1094,10 @@ def main(argv=None):
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="a request that finds this many waiting is aborted with 503 \"The request queue is full.\"\n"
                         "(default: unbounded; SGLang's flag)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="the KV pool in tokens, shared by the prefix cache and the running requests; the cache is\n"
+                        "evicted, then requests retracted, when a step lacks slots (SGLang's flag; default: sized by\n"
+                        "memory, scheduler.KV_POOL_MEM_FRACTION of the host's memory / the free GPU memory)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix cache: every prompt is prefilled in full (SGLang's flag)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
@@ -1098,7 +1129,8 @@ def main(argv=None):
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     for name, v in (("--max-running-requests", args.max_running_requests),
                     ("--max-prefill-tokens", args.max_prefill_tokens),
-                    ("--max-queued-requests", args.max_queued_requests)):
+                    ("--max-queued-requests", args.max_queued_requests),
+                    ("--max-total-tokens", args.max_total_tokens)):
         if v is not None and v < 1:
             p.error(f"{name} must be >= 1, got {v}")
     if not args.max_request_mb > 0:
@@ -1111,7 +1143,8 @@ def main(argv=None):
     model = load_model(args.model_path, device, args.dtype)
     sched = Scheduler(model, tokenizer, device, args.max_running_requests or DEFAULT_MAX_RUNNING,
                       args.max_prefill_tokens, str(args.weight_version), args.disable_radix_cache,
-                      max_queued=args.max_queued_requests, record_routes=args.enable_return_routed_experts)
+                      max_queued=args.max_queued_requests, record_routes=args.enable_return_routed_experts,
+                      max_total_tokens=args.max_total_tokens)
     sched.weights_cpu_backup = args.enable_weights_cpu_backup
     if args.context_length is not None:
         if not 8 <= args.context_length <= sched.context_len:
@@ -1120,8 +1153,9 @@ def main(argv=None):
         sched.context_len = args.context_length
     sched.thread.start()
     server = Server(args, sched, tokenizer)
-    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, reporting sglang %s)",
-             args.model_path, args.host, args.port, device, sched.max_running, args.report_version)
+    log.info("serving %s on http://%s:%d (device %s, max_running_requests %d, max_total_num_tokens %d, reporting "
+             "sglang %s)", args.model_path, args.host, args.port, device, sched.max_running, sched.max_total_tokens,
+             args.report_version)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request (as SGLang)
     web.run_app(server.app, host=args.host, port=args.port, handler_cancellation=True, print=None,
                 access_log=None, shutdown_timeout=3.0)

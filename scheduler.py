@@ -39,7 +39,9 @@ import moe
 log = logging.getLogger("engine")
 
 KV_HEADROOM = 16  # extra slab columns allocated when a KV slab is (re)built, so most steps append in place
-PREFIX_CACHE_TOKENS = 1 << 16  # tokens the prefix cache holds (least recently used leaves go first)
+# The KV pool (--max-total-tokens) by default: this fraction of the host's memory (CPU; engine.py shares it with the
+# trainer) or of the GPU memory free after the weights loaded, in tokens of the model's K and V
+KV_POOL_MEM_FRACTION = {"cpu": 0.05, "cuda": 0.5}
 # A request waiting longer than this (since it last entered the queue), or running longer (since its first forward),
 # is aborted with 503; <= 0: never (0.5.23's environ.py, EnvFloat(-1); managers/scheduler.py _poll_timeout_aborts)
 
@@ -77,6 +79,18 @@ def env_float(name: str, default: float) -> float:
     return _env(name, default, float, "float")
 
 
+# KV-pool admission and retraction (0.5.23 environ.py; managers/scheduler_components/new_token_ratio_tracker.py):
+# a running request is expected to decode min(its remaining max_new_tokens, CLIP) x new_token_ratio more tokens,
+# the ratio starting at INIT, decaying per decode step to INIT x MIN_FACTOR over DECAY_STEPS, re-estimated after
+# a retraction; a retraction frees RETRACT_DECODE_STEPS tokens per request left
+INIT_NEW_TOKEN_RATIO = env_float("SGLANG_INIT_NEW_TOKEN_RATIO", 0.7)
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * env_float("SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR", 0.14)
+NEW_TOKEN_RATIO_DECAY = ((INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO)
+                         / env_int("SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS", 600))
+RETRACT_DECODE_STEPS = env_int("SGLANG_RETRACT_DECODE_STEPS", 20)
+CLIP_MAX_NEW_TOKENS = env_int("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", 4096)
+OOM_LAST = ("Out of memory even after retracting all other requests in the decode batch. Aborting the last "
+            "request.")  # 0.5.23's message (schedule_batch.py: ScheduleBatch.retract_decode), HTTP 500
 REQ_WAITING_TIMEOUT_S = env_float("SGLANG_REQ_WAITING_TIMEOUT", -1.0)
 REQ_RUNNING_TIMEOUT_S = env_float("SGLANG_REQ_RUNNING_TIMEOUT", -1.0)
 QUEUE_FULL = "The request queue is full."  # 0.5.23's message (managers/scheduler.py _abort_on_queued_limit)
@@ -102,6 +116,7 @@ class SamplingParams:
     min_new_tokens: int
     sampling_seed: Optional[int]
     stream_interval: int
+    logit_bias: Optional[dict] = None  # token id -> added to its logit before sampling and log-probs (None: none)
 
 
 @dataclass
@@ -133,7 +148,12 @@ class Req:
     finish: Optional[dict] = None  # SGLang finish_reason once finished
     finished_at: float = 0.0
     num_retractions: int = 0
+    cache_node: Optional["_Node"] = None  # while running: the locked tree node its prefix ends at (Req.last_node)
+    tree_len: int = 0  # while running: its tokens held by the tree (the rest are its own in the KV pool)
     abort_sent: bool = False  # an /abort_request for this rid was forwarded (SGLang ignores repeats)
+    # ended outside the running batch's output (queued, refused by the queue limit, retracted out of memory): SGLang's
+    # scheduler reports it with send_abort_output and its tokenizer manager answers it in _handle_abort_req's form
+    abort_output: bool = False
     to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
@@ -294,11 +314,12 @@ class KVBatch:
 
 class _Node:
     """A radix-tree node (mem_cache/radix_cache.py TreeNode): a run of tokens and their per-layer (K, V) [H, len, D],
-    children by their first token, and the access tick eviction orders leaves by."""
-    __slots__ = ("key", "kv", "parent", "children", "last_access")
+    children by their first token, the access tick eviction orders leaves by, and how many running requests hold
+    it (lock_ref: a held node and its ancestors are not evictable)."""
+    __slots__ = ("key", "kv", "parent", "children", "last_access", "lock_ref")
 
     def __init__(self, key: list, kv: list, parent: Optional["_Node"]):
-        self.key, self.kv, self.parent, self.children, self.last_access = key, kv, parent, {}, 0
+        self.key, self.kv, self.parent, self.children, self.last_access, self.lock_ref = key, kv, parent, {}, 0, 0
 
 
 def _common_len(key: list, seq: list, pos: int) -> int:
@@ -392,9 +413,17 @@ def deserialize_named_tensors(payload: str) -> list:
 
 def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -> tuple:
     """One token per row of logits [B, V] under params[i] (banned[i]: ids it may not draw; generators[i]: its seed or
-    None). Returns (logp [B, V], tokens [B]); logp = log_softmax(logits / temperature) in float32 is what's reported."""
+    None). Returns (logp [B, V], tokens [B]); logp = log_softmax((logits + logit_bias) / temperature) in float32 is
+    what's reported (0.5.23 adds the bias to the logits both are taken from: model_runner.py sample ->
+    SamplingBatchInfo.apply_logits_bias)."""
     logits = logits.float()
     dev = logits.device
+    if any(p.logit_bias for p in params):  # sampling_batch_info.py: logits.add_(logit_bias), before temperature
+        bias = torch.zeros_like(logits)
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()), device=dev)
+        logits = logits + bias
     temp = torch.tensor([p.temperature for p in params], device=dev)
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)
@@ -451,6 +480,21 @@ def load_model(path: str, device: torch.device, dtype: str):
     return model
 
 
+def kv_pool_tokens(model, device: torch.device) -> int:
+    """The default KV pool in tokens, sized by memory as SGLang sizes its token_to_kv_pool: KV_POOL_MEM_FRACTION of
+    the host's memory (CPU) or of the GPU memory free now (after the weights), over the bytes one token's K and V
+    take in every layer."""
+    cfg = model.config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] * KV_POOL_MEM_FRACTION["cuda"]
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * KV_POOL_MEM_FRACTION["cpu"]
+    return max(int(budget // per_token), 1024)
+
+
 def checkpoint_targets(model) -> dict:
     """{checkpoint name: () -> the view of the served model's parameter it fills}. A transformers 5 Qwen3-MoE layer
     keeps its experts fused (mlp.experts.gate_up_proj [E, 2I, H], gate rows first, then up; mlp.experts.down_proj
@@ -485,7 +529,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, device: torch.device, max_running: int, max_prefill_tokens: int,
                  weight_version: str, disable_radix_cache: bool = False, max_queued: Optional[int] = None,
-                 record_routes: bool = False):
+                 record_routes: bool = False, max_total_tokens: Optional[int] = None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # a MoE's routed experts per token (sglang's --enable-return-routed-experts; moe.Recorder)
         self.recorder = moe.Recorder(model) if record_routes else None
@@ -516,6 +560,12 @@ class Scheduler:
         self.disable_radix_cache = disable_radix_cache
         self.max_queued = max_queued  # --max-queued-requests: None, unbounded
         self._cache_clear()  # the radix trees of the prefix cache, one per (extra_key, cache_salt)
+        # the KV pool in tokens (--max-total-tokens): the tree and the running requests' own tokens share it
+        self.max_total_tokens = max_total_tokens or kv_pool_tokens(model, device)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # decode tokens expected per remaining max_new_token
+        self.retracted_total = 0  # requests retracted for KV pool space since the start
+        self.evict_pops = 0  # eviction heap entries popped (stale ones included) since the start
+        self.evicted_nodes = 0  # tree nodes evicted since the start
         self.last_output = 0.0  # perf_counter of the last token generated (/health: did the scheduler answer)
         self.generated_tokens = 0  # total, for throughput in /server_info
         self.throughput = 0.0
@@ -542,9 +592,14 @@ class Scheduler:
 
     def _enqueue(self, r: Req) -> None:
         """Scheduler._add_request_to_queue: a request that finds --max-queued-requests already waiting is aborted
-        with 503 (_abort_on_queued_limit), also a retracted one; else it joins the end of the queue."""
-        if self.max_queued is not None and len(self.waiting) + 1 > self.max_queued:
-            r.routes = None
+        with 503 (_abort_on_queued_limit), also a retracted one; else it joins the end of the queue. Requests that
+        this iteration will admit (free running slots, not paused) are not counted as waiting: SGLang's scheduler
+        admits each request in the iteration after it arrives, so with --max-running-requests 1
+        --max-queued-requests 1 ten requests sent at once get 200, 200 and eight 503 (test_request_queue_validation.py)
+        however many of them reach the model thread in one batch of calls."""
+        free = 0 if self.paused else max(self.max_running - len(self.running), 0)
+        if self.max_queued is not None and len(self.waiting) + 1 > self.max_queued + free:
+            r.abort_output = True
             self._finish(r, abort_reason(QUEUE_FULL, 503))
             return
         r.queued_at = time.perf_counter()
@@ -588,6 +643,8 @@ class Scheduler:
                 self._run_calls()
                 self._poll_timeouts()
                 if not self._busy():
+                    if not (self.running or self.waiting):  # idle (Scheduler.on_idle): the ratio starts again
+                        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
                     continue
                 try:
                     if self.waiting and len(self.running) < self.max_running:
@@ -597,6 +654,7 @@ class Scheduler:
                 except Exception as e:  # fail the batch, keep serving
                     log.exception("model step failed; aborting the requests in it")
                     for req in self.running + self.prefilling:
+                        self._release(req)
                         if req.finish is None:
                             self._finish(req, abort_reason(f"engine error: {e}", 500, "InternalServerError"))
                     self.running, self.prefilling, self.kv = [], [], None
@@ -612,18 +670,54 @@ class Scheduler:
             kw["logits_to_keep"] = 1
         return self.model(input_ids=ids, **kw).logits
 
+    def _select(self) -> list:
+        """Take queued requests to prefill (schedule_policy.py PrefillAdder, FIFO): up to the running limit and the
+        prefill token budget, while the KV pool has room for each one's uncached tokens and its expected decode
+        (min(remaining max_new_tokens, CLIP) x new_token_ratio, as for every running request), the tree's
+        unheld tokens counting as room. The first one waits for nothing but its own tokens, so a lone request
+        always runs. The prefixes they will reuse are held meanwhile; then the pool is made room for them."""
+        def expect(r):
+            return min(max(r.sp.max_new_tokens - len(r.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        room = (self.pool_free() + self.cache_tokens - self.protected_tokens
+                - sum(expect(r) * self.new_token_ratio for r in self.running))
+        new, tokens, extend, rows = [], 0, 0, set()
+        while self.waiting and len(self.running) + len(new) < self.max_running:
+            r = self.waiting[0]
+            seq = r.input_ids + r.output_ids
+            if new and tokens + len(seq) > self.max_prefill_tokens:
+                break
+            key = (r.cache_ns, tuple(seq))
+            m, node = (0, None) if self.disable_radix_cache else self._match_node(r.cache_ns, seq, len(seq) - 1)
+            ext = 0 if key in rows else len(seq) - m  # a group's samples share one row (see _admit)
+            if (new or self.running) and ext + expect(r) > room:
+                break  # AddReqResult.NO_TOKEN: the rest wait
+            if len(seq) > self.max_total_tokens - 1:
+                self.waiting.popleft()
+                r.abort_output = True
+                self._finish(r, abort_reason(f"The input ({len(seq)} tokens) does not fit in the KV pool "
+                                             f"({self.max_total_tokens} tokens, --max-total-tokens).", 400))
+                continue
+            self.waiting.popleft()
+            self._lock(node, 1)  # held until _admit holds what it inserts
+            r.cache_node, r.tree_len = node, 0
+            new.append(r)
+            r.forward_at = r.forward_at or time.perf_counter()
+            rows.add(key)
+            tokens += len(seq)
+            extend += ext
+            room -= ext + expect(r) * self.new_token_ratio
+        if new and not self._make_room(extend):  # (room counted only what eviction can free)
+            log.warning("KV pool: %d tokens free for a prefill of %d", self.pool_free(), extend)
+        return new
+
     def _admit(self):
-        """Prefill queued requests (FIFO, up to the running limit and the prefill token budget) as one batch. Each
+        """Prefill queued requests (FIFO, up to the running limit, the prefill token budget and the KV pool: _select)
+        as one batch. Each
         starts from the longest cached prefix of its tokens in its namespace (at most all but its last token), so
         only the rest is computed; row i's cached KV sits left of column C, its new tokens end at the slab's end."""
-        new, tokens = [], 0
-        while self.waiting and len(self.running) + len(new) < self.max_running:
-            n = len(self.waiting[0].input_ids) + len(self.waiting[0].output_ids)
-            if new and tokens + n > self.max_prefill_tokens:
-                break
-            new.append(self.waiting.popleft())
-            new[-1].forward_at = new[-1].forward_at or time.perf_counter()
-            tokens += n
+        new = self._select()
+        if not new:
+            return
         self.prefilling = new
         seqs = [r.input_ids + r.output_ids for r in new]
         want_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in new]
@@ -668,6 +762,7 @@ class Scheduler:
             kv.cache.layers = kv.layers
         logits = self._forward(ids.to(self.device), kv, pos.to(self.device), last_only=not any(want_input_lp))
         kv.next_pos = torch.tensor([len(s) for s in useqs], device=self.device)
+        inserted: dict = {}  # row -> the tree node its tokens end at
         routed = self.recorder.take().view(len(rows), q, self.num_layers, -1) if self.recorder and any(
             r.return_routed_experts for r in new) else None
         for i, (r, s) in enumerate(zip(new, seqs)):
@@ -677,13 +772,16 @@ class Scheduler:
             if want_input_lp[i]:  # the row's computed columns: positions cached_tokens .. len(s) - 1
                 self._input_logprobs(r, logits[src[i], q - (len(s) - r.cached_tokens):], s, r.cached_tokens)
             if first[src[i]] == i:
-                self._cache_insert(r.cache_ns, s, kv, src[i])
+                inserted[src[i]] = self._cache_insert(r.cache_ns, s, kv, src[i])
+            self._hold(r, inserted[src[i]], len(s) if inserted[src[i]] is not None else 0)
             if r.sp.sampling_seed is not None and r.generator is None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.sp.sampling_seed)
             if r.sp.max_new_tokens <= len(r.output_ids):  # max_new_tokens 0 (or a retracted request at its limit)
                 self._finish(r, {"type": "length", "length": r.sp.max_new_tokens})
         live = [i for i, r in enumerate(new) if r.finish is None]
         if not live:
+            for r in new:
+                self._release(r)
             self.prefilling = []
             return
         toks = self._sample_and_append([new[i] for i in live], logits[torch.tensor([src[i] for i in live]), -1])
@@ -695,9 +793,18 @@ class Scheduler:
         if keep:  # the joined rows are the last ones; each has its own first token
             self.kv.last_tok[self.kv.rows - len(keep):] = toks[torch.tensor(keep, device=self.device)]
         self.running += [new[live[k]] for k in keep]
+        for r in new:
+            if r.finish is not None:  # finished by its first token: its prompt stays cached, unheld
+                self._release(r)
         self.prefilling = []
 
     # -- the prefix cache (SGLang's radix cache, mem_cache/radix_cache.py: a token tree per namespace) -------------
+    # The tree and the running requests share one KV pool of max_total_tokens tokens (SGLang's token_to_kv_pool):
+    # cache_tokens in the tree, of which protected_tokens are held by running requests (lock_ref > 0), and each
+    # running request's own tokens past its tree_len. Eviction runs only when a prefill or a decode step lacks
+    # slots, sized by what it lacks; it pops the least recently used of the evictable leaves, which are kept
+    # current on every change (RadixCache.evictable_leaves, _update_leaf_status) and ordered by a lazy heap: an
+    # eviction costs O(evicted log n), not a walk of the tree.
     def _cache_match(self, ns: tuple, seq: list, limit: int) -> tuple:
         """(length, per-layer (K, V) [H, length, D]) of the longest cached prefix of seq[:limit] in namespace ns;
         (0, None) when none. The walk of RadixCache._match_prefix_helper: whole nodes, then the matched part of the
@@ -710,7 +817,7 @@ class Scheduler:
             m = _common_len(child.key, key, pos)
             if m < len(child.key):
                 child = self._split(child, m)
-            child.last_access = self._tick
+            self._touch(child)
             parts.append(child.kv)
             node, pos = child, pos + m
         if not pos:
@@ -718,21 +825,78 @@ class Scheduler:
         return pos, [(torch.cat([p[li][0] for p in parts], 1), torch.cat([p[li][1] for p in parts], 1))
                      for li in range(self.num_layers)]
 
+    def _match_node(self, ns: tuple, seq: list, limit: int) -> tuple:
+        """(length, node) of the longest cached prefix of seq[:limit], changing nothing: the node is the last one
+        the prefix enters (it may go on past the prefix); (0, None) when none."""
+        node, pos = self.radix.get(ns), 0
+        last = None
+        while node is not None and pos < limit and seq[pos] in node.children:
+            child = node.children[seq[pos]]
+            m = _common_len(child.key, seq[:limit], pos)
+            last, node, pos = child, child, pos + m
+            if m < len(child.key):
+                break
+        return pos, last
+
     def _split(self, child: "_Node", m: int) -> "_Node":
-        """RadixCache._split_node: child's first m tokens become a new node above it."""
+        """RadixCache._split_node: child's first m tokens become a new node above it (holding the same locks)."""
         top = _Node(child.key[:m], [(k[:, :m].clone(), v[:, :m].clone()) for k, v in child.kv], child.parent)
-        top.children, top.last_access = {child.key[m]: child}, child.last_access
+        top.children, top.last_access, top.lock_ref = {child.key[m]: child}, child.last_access, child.lock_ref
         child.parent.children[child.key[0]] = top
         child.key, child.parent = child.key[m:], top
         child.kv = [(k[:, m:].clone(), v[:, m:].clone()) for k, v in child.kv]
         return top
 
-    def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> None:
-        """RadixCache.insert of row `row` of kv (its real columns hold the KV of seq): the tokens past the longest
-        cached prefix become a new leaf (the cached part keeps its KV); then the least recently used leaves are
-        evicted (RadixCache.evict) until at most PREFIX_CACHE_TOKENS tokens are held."""
-        if self.disable_radix_cache or not seq:
+    def _touch(self, node: "_Node") -> None:
+        """A new access tick; an evictable leaf gets a heap entry under it (its old entry goes stale)."""
+        node.last_access = self._tick
+        if node in self.evictable_leaves:
+            self._push(node)
+
+    def _push(self, node: "_Node") -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (node.last_access, self._seq, node))
+        if len(self._heap) > 2 * len(self.evictable_leaves) + 64:  # mostly stale: rebuild (amortised O(1) a push)
+            self._heap = [(n.last_access, i, n) for i, n in enumerate(self.evictable_leaves)]
+            heapq.heapify(self._heap)
+
+    def _update_leaf(self, node: "_Node") -> None:
+        """RadixCache._update_leaf_status: node is an evictable leaf iff it has no children and no lock."""
+        if node.parent is None:  # a root
             return
+        if node.children or node.lock_ref > 0:
+            self.evictable_leaves.discard(node)
+        elif node not in self.evictable_leaves:
+            self.evictable_leaves.add(node)
+            self._push(node)
+
+    def _lock(self, node: Optional["_Node"], delta: int) -> None:
+        """RadixCache.inc_lock_ref (delta 1) / dec_lock_ref (-1): node and its ancestors are held by one more / one
+        fewer running request; a node's tokens count as protected while any holds it."""
+        while node is not None and node.parent is not None:
+            if node.lock_ref == (0 if delta > 0 else 1):
+                self.protected_tokens += len(node.key) * delta
+            node.lock_ref += delta
+            self._update_leaf(node)
+            node = node.parent
+
+    def _cache_insert(self, ns: tuple, seq: list, kv: KVBatch, row: int) -> Optional["_Node"]:
+        """RadixCache.insert of row `row` of kv (its real columns hold the KV of seq); returns the node seq ends
+        at (None with the cache disabled)."""
+        if self.disable_radix_cache or not seq:
+            return None
+
+        def take(pos):
+            cols = kv.mask[row, :kv.n].nonzero()[:, 0]
+            assert len(cols) == len(seq), (len(cols), len(seq))
+            return [(layer.kb[row, :, cols[pos:]].clone(), layer.vb[row, :, cols[pos:]].clone())
+                    for layer in kv.layers]
+        return self._tree_insert(ns, seq, take)
+
+    def _tree_insert(self, ns: tuple, seq: list, take: Callable[[int], list]) -> "_Node":
+        """RadixCache._insert_helper: the tokens past the longest cached prefix of seq become a new leaf with the KV
+        take(pos) gives for seq[pos:] (the cached part keeps its KV). Nothing is evicted here: the tokens were the
+        request's own in the pool already."""
         node = self.radix.setdefault(ns, _Node([], [], None))
         pos = 0
         self._tick += 1
@@ -741,45 +905,78 @@ class Scheduler:
             m = _common_len(child.key, seq, pos)
             if m < len(child.key):
                 child = self._split(child, m)
-            child.last_access = self._tick
+            self._touch(child)
             node, pos = child, pos + m
         if pos < len(seq):
-            cols = kv.mask[row, :kv.n].nonzero()[:, 0]
-            assert len(cols) == len(seq), (len(cols), len(seq))
-            cols = cols[pos:]
-            leaf = _Node(seq[pos:], [(layer.kb[row, :, cols].clone(), layer.vb[row, :, cols].clone())
-                                     for layer in kv.layers], node)
+            leaf = _Node(seq[pos:], take(pos), node)
             leaf.last_access = self._tick
             node.children[seq[pos]] = leaf
             self.cache_tokens += len(leaf.key)
-        if self.cache_tokens > PREFIX_CACHE_TOKENS:
-            self._evict(self.cache_tokens - PREFIX_CACHE_TOKENS)
+            self._update_leaf(node)
+            self._update_leaf(leaf)
+            node = leaf
+        return node
 
-    def _evict(self, tokens: int) -> None:
-        """RadixCache.evict: free least recently used leaves (a parent left childless becomes one) until `tokens`
-        tokens are freed."""
-        leaves = []
-        stack = list(self.radix.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if not n.children and n.parent is not None:
-                leaves.append((n.last_access, id(n), n))
-        heapq.heapify(leaves)
+    def _evict(self, tokens: int) -> int:
+        """RadixCache.evict: free least recently used evictable leaves (a parent left childless and unheld becomes
+        one) until `tokens` tokens are freed or none is left; returns the tokens freed."""
         freed = 0
-        while freed < tokens and leaves:
-            _, _, n = heapq.heappop(leaves)
+        while freed < tokens and self._heap:
+            tick, _, n = heapq.heappop(self._heap)
+            self.evict_pops += 1
+            if n.last_access != tick or n not in self.evictable_leaves:
+                continue  # stale: touched since, or no longer an evictable leaf
+            self.evictable_leaves.discard(n)
             del n.parent.children[n.key[0]]
             freed += len(n.key)
-            p = n.parent
-            if not p.children and p.parent is not None:
-                heapq.heappush(leaves, (p.last_access, id(p), p))
-        self.cache_tokens -= freed
+            self.cache_tokens -= len(n.key)
+            self.evicted_nodes += 1
+            n.kv = []
+            self._update_leaf(n.parent)
+        return freed
 
     def _cache_clear(self) -> None:
         self.radix, self.cache_tokens, self._tick = {}, 0, 0  # namespace -> root _Node; tokens held; access clock
+        self.protected_tokens = 0  # of cache_tokens, those in nodes running requests hold
+        self.evictable_leaves: set = set()  # unheld childless nodes (RadixCache.evictable_leaves)
+        self._heap, self._seq = [], 0  # (last_access, seq, node) of evictable leaves, lazily invalidated
+
+    # -- the KV pool ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _own(r: Req) -> int:
+        """Pool tokens a running request holds outside the tree: its prompt and outputs whose KV exists (all but
+        the last output token, not yet forwarded), less its tree_len."""
+        return len(r.input_ids) + max(len(r.output_ids) - 1, 0) - r.tree_len
+
+    def pool_free(self, reqs: Optional[list] = None) -> int:
+        """Free KV-pool tokens with `reqs` (default: the running batch) holding their own."""
+        return self.max_total_tokens - self.cache_tokens - sum(map(self._own, self.running if reqs is None else reqs))
+
+    def _make_room(self, tokens: int, reqs: Optional[list] = None) -> bool:
+        """TokenToKVPoolAllocator's eviction before an allocation: evict the tree's least recently used leaves
+        until `tokens` slots are free; False when even then they are not."""
+        short = tokens - self.pool_free(reqs)
+        if short > 0:
+            self._evict(short)
+        return self.pool_free(reqs) >= tokens
+
+    def _hold(self, r: Req, node: Optional["_Node"], tree_len: int) -> None:
+        """r now holds `node` (its first tree_len tokens are in the tree), in place of what it held."""
+        self._lock(node, 1)
+        self._lock(r.cache_node, -1)
+        r.cache_node, r.tree_len = node, tree_len
+
+    def _release(self, r: Req) -> None:
+        self._lock(r.cache_node, -1)
+        r.cache_node, r.tree_len = None, 0
 
     def _decode(self):
+        if not self._make_room(len(self.running)):  # one slot per request (ScheduleBatch.check_decode_mem)
+            self._retract_decode()
+            if not self.running:
+                return
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         if self.kv.n + 1 > self.kv.cap:  # out of columns: rebuild, dropping those no row uses any more
             self.kv = KVBatch.combine([(self.kv, list(range(len(self.running))))], self._row_cap(len(self.running)))
         kv = self.kv
@@ -796,13 +993,54 @@ class Scheduler:
         if dead:
             self._remove(dead)
 
-    def _remove(self, dead: list):
+    def _retract_decode(self) -> None:
+        """Scheduler.update_running_batch when the pool lacks a slot per running request (0.5.23
+        schedule_batch.py: ScheduleBatch.retract_decode, _get_decode_retraction_order, release_req): requests are
+        retracted in order, fewest output tokens first (then the longest prompt), until the rest fit, always keeping
+        one; each one's KV is freed, not cached, and RETRACT_DECODE_STEPS tokens per request left are evicted from
+        the tree at once; the last one aborts (500) if even it does not fit. A retracted request keeps its output
+        tokens (recomputed with its prompt when it is admitted again), counts a retraction and goes to the end of
+        the queue (_add_request_to_queue(is_retracted=True): a full queue aborts it with 503); new_token_ratio is
+        re-estimated from the requests left."""
+        order = sorted(range(len(self.running)), key=lambda i: (len(self.running[i].output_ids),
+                                                               -len(self.running[i].input_ids)), reverse=True)
+        retracted, aborted = [], []
+        while True:
+            if len(order) == 1:
+                break
+            i = order.pop()
+            self._release(self.running[i])
+            retracted.append(i)
+            self._evict(len(order) * RETRACT_DECODE_STEPS)
+            if self._make_room(len(order), [self.running[j] for j in order]):
+                break
+        if len(order) == 1 and not self._make_room(1, [self.running[order[0]]]):
+            aborted.append(order.pop())
+            self.running[aborted[0]].abort_output = True
+            self._finish(self.running[aborted[0]], abort_reason(OOM_LAST, 500))
+        out = [self.running[i] for i in retracted]
+        self._remove(retracted + aborted, cache=False)
+        left, old_ratio = self.running, self.new_token_ratio
+        self.new_token_ratio = min(1.0, (sum(len(r.output_ids) for r in left) + RETRACT_DECODE_STEPS * len(left))
+                                   / (sum(r.sp.max_new_tokens for r in left) + 1))
+        log.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                    len(out), old_ratio, self.new_token_ratio)
+        self.retracted_total += len(out)
+        for r in out:
+            r.num_retractions += 1
+            r.routes = []  # (Req.reset_for_retract: routed_experts = None; recomputed with the prompt)
+            self._enqueue(r)
+
+    def _remove(self, dead: list, cache: bool = True):
         """Drop rows `dead` of the running batch (finished or aborted), in place, caching each one's KV first: its
         prompt and all but its last output token, the last one never having been forwarded (0.5.23's
-        release_kv_cache(checkpoint=True) of a finished request; a retracted one is not cached, release_req)."""
+        release_kv_cache(checkpoint=True) of a finished request; a retracted one, cache=False, is not cached:
+        release_req); each lets go of the tree nodes it held."""
         for i in dead:
             r = self.running[i]
-            self._cache_insert(r.cache_ns, r.input_ids + r.output_ids[:-1], self.kv, i)
+            if cache:
+                self._cache_insert(r.cache_ns, r.input_ids + r.output_ids[:-1], self.kv, i)
+            self._release(r)
         if len(dead) == len(self.running):
             self.kv, self.running = None, []
         else:
@@ -896,7 +1134,7 @@ class Scheduler:
         queued = [r for r in self.waiting if hit(r)]
         self.waiting = collections.deque(r for r in self.waiting if not hit(r))
         for r in queued:  # a retracted one too: its routes went with its KV (Req.reset_for_retract)
-            r.routes = None
+            r.abort_output = True
             self._finish(r, reason or abort_reason("Abort in waiting queue"))
         n, dead = len(queued) + sum(map(hit, self.running)), []
         for i, r in enumerate(self.running):
@@ -916,7 +1154,9 @@ class Scheduler:
             self.abort(abort_all=True)
         elif mode == "retract":  # 0.5.23 pause_generation: each to the end of the queue (_add_request_to_queue)
             retracted, self.running, self.kv = self.running, [], None
+            self.paused = mode  # (a paused scheduler admits nothing: the queue limit counts every waiting request)
             for r in retracted:
+                self._release(r)
                 r.num_retractions += 1
                 self._enqueue(r)
         self.paused = mode

@@ -11,13 +11,23 @@ so each figure also comes as tokens per CPU-second (the CPU time the baseline / 
 /proc), which stays meaningful on a shared machine; the load average is printed.
 
 Run:  .venv/bin/python bench/engine_bench.py [--models tiny,100m] [--device auto] [--max-new-tokens 64]
+
+--prefix-cache: instead, trajectories/s of the model thread alone (scheduler.Scheduler driven in-process, no HTTP)
+on the CPU default's workload (the tiny model, groups of 16 samples of a distinct 16-32 token prompt, 6 new tokens,
+temperature 1), once with an empty prefix cache and once with a full one (filled by the same workload until the
+tree holds all but 256 of --cache-tokens, or until eviction has begun; every finished request then inserts new
+tokens, so eviction runs in steady state). Runs against any scheduler.py: with one that takes max_total_tokens
+(the KV pool), the pool is --cache-tokens; an older one holds scheduler.PREFIX_CACHE_TOKENS (65,536) in its cache.
+Run:  .venv/bin/python bench/engine_bench.py --prefix-cache [--cache-tokens 65536] [--trajectories 4096] [--repeats 3]
 """
 import argparse
 import asyncio
+import inspect
 import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +85,80 @@ async def engine_rate(url: str, pid: int, ps: list, concurrency: int, max_new: i
         return tokens / (time.perf_counter() - t0), tokens / (cpu_seconds(pid) - c0)
 
 
+def cache_bench(args) -> None:
+    """Trajectories/s of the model thread with an empty and with a full prefix cache (see the module docstring)."""
+    import scheduler
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(args.threads)
+    tok = tasks.build_tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tasks.make_tiny_model(os.path.join(tmp, "tiny"), seed=0, **MODELS["tiny"])
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    kw = {"max_total_tokens": args.cache_tokens} if "max_total_tokens" in inspect.signature(
+        scheduler.Scheduler).parameters else {}
+    cap = args.cache_tokens if kw else scheduler.PREFIX_CACHE_TOKENS
+    sched = scheduler.Scheduler(model, tok, torch.device("cpu"), 256, 16384, "default", **kw)
+    sched.thread.start()
+    rng, counter = random.Random(0), [0]
+
+    def run(groups: int) -> tuple:
+        """Generate `groups` groups of 16 (all submitted at once); returns (trajectories/s, per CPU-second of this
+        process: the model thread's work, the waiting main thread uses next to none)."""
+        done, left = threading.Event(), [groups * 16]
+        lock = threading.Lock()
+
+        def notify(n, final):
+            if final:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+        reqs = []
+        for _ in range(groups):
+            prompt = [rng.randrange(4, len(tok)) for _ in range(rng.randint(16, 32))]
+            sp = scheduler.SamplingParams(max_new_tokens=6, temperature=1.0, greedy=False, top_p=1.0, top_k=-1,
+                                          min_p=0.0, stop_strs=[], stop_token_ids=[], ignore_eos=True,
+                                          skip_special_tokens=True, no_stop_trim=False, min_new_tokens=0,
+                                          sampling_seed=None, stream_interval=1)
+            for _ in range(16):
+                counter[0] += 1
+                reqs.append(scheduler.Req(rid=f"b{counter[0]}", input_ids=prompt, sp=sp, notify=notify))
+        t0, c0 = time.perf_counter(), time.process_time()
+        sched.call(lambda: sched.submit(reqs)).result(60)
+        if not done.wait(3600):
+            raise TimeoutError(f"{left[0]} of {groups * 16} trajectories did not finish within 3600 s")
+        return groups * 16 / (time.perf_counter() - t0), groups * 16 / (time.process_time() - c0)
+
+    try:
+        run(8)  # warm-up
+        rows = []
+        for rep in range(args.repeats):
+            assert sched.call(sched.flush_cache).result(600), "the prefix cache could not be flushed"
+            empty = run(args.trajectories // 16)
+            filled = 0
+            # at its bound: every insert from here on meets a full cache (the old code's cache stays within 256
+            # tokens of it once reached; with a KV pool, eviction has begun)
+            ev0 = getattr(sched, "evicted_nodes", 0)
+            while sched.cache_tokens < cap - 256 and getattr(sched, "evicted_nodes", 0) == ev0:
+                run(64)
+                filled += 64 * 16
+            evicted = getattr(sched, "evicted_nodes", None)
+            full = run(args.trajectories // 16)
+            rows.append((empty, full))
+            ev = "" if evicted is None else f", {sched.evicted_nodes - evicted} nodes evicted while measuring"
+            print(f"repeat {rep}: empty cache {empty[0]:.0f} trajectories/s ({empty[1]:.0f} per CPU-s), full cache "
+                  f"{full[0]:.0f} trajectories/s ({full[1]:.0f} per CPU-s) (x{full[0] / empty[0]:.2f} wall, "
+                  f"x{full[1] / empty[1]:.2f} CPU; filled with {filled} trajectories, {sched.cache_tokens} tokens "
+                  f"cached of {cap}{ev})", flush=True)
+    finally:
+        sched.stop()
+    for k, unit in ((0, "trajectories/s"), (1, "trajectories per CPU-second")):
+        e = sorted(r[0][k] for r in rows)[len(rows) // 2]
+        f = sorted(r[1][k] for r in rows)[len(rows) // 2]
+        print(f"median of {len(rows)} ({unit}): empty {e:.0f}, full {f:.0f} (full / empty {f / e:.2f})")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,100m", help="comma list of: " + ", ".join(MODELS))
@@ -83,7 +167,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="requests per level = rounds * concurrency (min 8)")
     ap.add_argument("--seq-prompts", type=int, default=8, help="prompts for the sequential baseline")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the baseline and the engine")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="measure trajectories/s with an empty vs a full prefix cache instead (see above)")
+    ap.add_argument("--cache-tokens", type=int, default=1 << 16, help="--prefix-cache: the KV pool in tokens")
+    ap.add_argument("--trajectories", type=int, default=4096, help="--prefix-cache: trajectories per measurement")
+    ap.add_argument("--repeats", type=int, default=3, help="--prefix-cache: empty/full pairs measured")
     args = ap.parse_args()
+    if args.prefix_cache:
+        return cache_bench(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(args.threads)
     print(f"device {device}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}",

@@ -49,7 +49,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch

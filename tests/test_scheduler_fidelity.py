@@ -119,12 +119,13 @@ def _req(ids, n=1):
     return scheduler.Req(rid=str(ids), input_ids=list(ids), sp=sp)
 
 
-def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_path, monkeypatch):
+def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_path):
     """mem_cache/radix_cache.py: RadixCache.evict (least recently used leaves first, a parent left childless
-    becomes a leaf) keeps the tree within PREFIX_CACHE_TOKENS; a shared prefix is stored once."""
-    monkeypatch.setattr(scheduler, "PREFIX_CACHE_TOKENS", 20)
+    becomes a leaf) keeps the tree within the KV pool (--max-total-tokens, here 20), evicting when a prefill lacks
+    slots; a shared prefix is stored once."""
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    sched = scheduler.Scheduler(model, AutoTokenizer.from_pretrained(model_path), torch.device("cpu"), 4, 1024, "0")
+    sched = scheduler.Scheduler(model, AutoTokenizer.from_pretrained(model_path), torch.device("cpu"), 4, 1024, "0",
+                                max_total_tokens=20)
     stem = [3, 4, 5, 6, 7, 8]
     _run(sched, [_req(stem + [9, 10])])  # max_new_tokens 1: only the prompt is cached (8 tokens)
     _run(sched, [_req(stem + [11, 12])])  # shares the stem: 2 more tokens
@@ -135,6 +136,155 @@ def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_p
     assert sched.cache_tokens == 20
     assert sched._cache_match((None, None), stem + [11, 12, 0], 8)[0] == 6
     assert sched._cache_match((None, None), stem + [9, 10, 0], 8)[0] == 8
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as engine.py's model thread on CPU (two spin-waiting OpenMP threads on a loaded 2-core
+    machine made each tiny forward ~30 ms)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _sched(model_path, ref, **kw):
+    return scheduler.Scheduler(ref, AutoTokenizer.from_pretrained(model_path), torch.device("cpu"), 8, 1024, "0", **kw)
+
+
+def _leaves(sched):
+    """The unheld childless nodes, found by walking every tree (what the incremental set must equal)."""
+    out, stack = set(), list(sched.radix.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n.parent is not None and not n.children and n.lock_ref == 0:
+            out.add(n)
+    return out
+
+
+def test_eviction_pops_only_the_leaves_it_frees_from_a_leaf_set_kept_current(model_path, ref):
+    """mem_cache/radix_cache.py: RadixCache.evictable_leaves, kept by _update_leaf_status on every insert, split,
+    delete and inc_lock_ref / dec_lock_ref, and RadixCache.evict, which pops least recently used leaves from it (a
+    held prefix is not evictable) and runs only when an allocation lacks slots (mem_cache/common.py:
+    evict_from_tree_cache). Issue 36 item 9: the old _evict walked every node of every tree and heap-sorted all
+    leaves to free a few tokens on each insert past its bound (~50x slower generation with a full cache); here
+    freeing 3 leaves of 2,000 pops a few heap entries, and inserting never evicts."""
+    sched = _sched(model_path, ref, max_total_tokens=4000)
+    kv = [(torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))] * sched.num_layers
+
+    def insert(seq):
+        return sched._tree_insert((None, None), seq, lambda pos: kv)
+    insert([1, 2])
+    leaves = [insert([1, 2, 3 + i // 90, 3 + i % 90]) for i in range(2000)]  # 2,000 leaves under 23 inner nodes
+    assert sched.cache_tokens == 2 + 2 * 2000 - 2000 + 23 and sched.evicted_nodes == 0  # never at insert
+    assert sched.evictable_leaves == _leaves(sched) == set(leaves)
+    sched._lock(leaves[0], 1)  # a running request holds the oldest leaf (and its ancestors)
+    assert leaves[0] not in sched.evictable_leaves and sched.protected_tokens == 1 + 1 + 2
+    pops = sched.evict_pops
+    full = sched.max_total_tokens - sched.cache_tokens  # the pool's free slots; ask for 3 more
+    assert sched._make_room(full + 3)
+    # O(evicted), not O(nodes): the 3 leaves and the few stale heap entries of nodes that stopped being evictable
+    # leaves (the stem before it had children, the held leaf); the old walk visited all 4,000+ nodes
+    assert sched.evicted_nodes == 3 and sched.evict_pops - pops < 10
+    assert [n in sched.evictable_leaves for n in leaves[:5]] == [False, False, False, False, True]
+    assert leaves[0].parent is not None and leaves[0] in leaves[0].parent.children.values()  # held: kept
+    sched._lock(leaves[0], -1)
+    assert sched.protected_tokens == 0 and sched.evictable_leaves == _leaves(sched)
+    sched._cache_match((None, None), [1, 2, 3, 7, 0], 4)  # touched: now the most recently used
+    sched._evict(sched.cache_tokens - 4)  # all but the 4 tokens of the touched path, leaves before their parents
+    assert sched.cache_tokens == 4 and sched._cache_match((None, None), [1, 2, 3, 7, 0], 4)[0] == 4
+    assert sched.evictable_leaves == _leaves(sched) and len(sched._heap) <= 2 * len(sched.evictable_leaves) + 64
+
+
+def _drive(sched, check=lambda: None):
+    """The model loop without the thread: admit and decode until nothing is left, `check` after every step."""
+    with torch.inference_mode():
+        while sched.waiting or sched.running:
+            if sched.waiting and len(sched.running) < sched.max_running:
+                sched._admit()
+            if sched.running:
+                sched._decode()
+            check()
+
+
+def _long(rid, prompt, n):
+    sp = engine.parse_sampling_params({"max_new_tokens": n, "temperature": 0, "ignore_eos": True}, 1 << 30)
+    return scheduler.Req(rid=rid, input_ids=list(prompt), sp=sp)
+
+
+def test_a_full_kv_pool_retracts_the_least_advanced_requests_and_requeues_them(model_path, ref, one_thread):
+    """managers/scheduler.py: update_running_batch and managers/schedule_batch.py: ScheduleBatch.retract_decode /
+    _get_decode_retraction_order / release_req: when the running batch lacks a KV slot per request for the next
+    decode (check_decode_mem) after evicting the tree, requests are retracted, fewest output tokens first, then
+    the longest prompt, until the rest fit (one always stays); a retracted one's KV is freed, not cached, it keeps
+    its output tokens, counts a retraction and goes to the end of the queue (_add_request_to_queue), where an
+    abort-all finds it ("Abort in waiting queue", scheduler.py abort_request); readmitted, it recomputes its KV and
+    continues to the same greedy tokens."""
+    prompts = {"a": [3, 4, 5, 6], "b": [7, 8, 9, 10, 11, 12], "c": [13, 14, 15, 16, 17]}
+    free = _sched(model_path, ref)
+    reqs = [_long(k, p, 8) for k, p in prompts.items()]
+    free.submit(reqs)
+    _drive(free)
+    want = {r.rid: r.output_ids for r in reqs}
+    assert all(r.num_retractions == 0 for r in reqs)
+
+    def retracting():
+        """Three running requests (4 tokens out each), then a pool 2 slots short for the next decode step."""
+        sched = _sched(model_path, ref)
+        reqs = [_long(k, p, 8) for k, p in prompts.items()]
+        sched.submit(reqs)
+        with torch.inference_mode():
+            sched._admit()
+            for _ in range(3):
+                sched._decode()
+            assert [r.rid for r in sched.running] == ["a", "b", "c"] and sched.cache_tokens == 15
+            # the pool shrinks to what the batch holds now (its prompts in the tree, 3 own tokens each) + 1 slot
+            sched.max_total_tokens = sched.max_total_tokens - sched.pool_free() + 1
+            sched._decode()
+        return sched, reqs
+    sched, reqs = retracting()
+    # equal outputs: the longest prompt (b) goes first; its prompt, no longer held, is evicted, and a and c fit
+    assert [r.rid for r in sched.running] == ["a", "c"] and [r.rid for r in sched.waiting] == ["b"]
+    b = sched.waiting[0]
+    assert b.num_retractions == 1 and b.output_ids == want["b"][:4] and b.cache_node is None and b.finish is None
+    assert sched.cache_tokens == 9 and sched.retracted_total == 1
+    assert sched.new_token_ratio == min(1.0, (5 + 5 + 2 * 20) / (16 + 1))
+    assert sched.pool_free() >= 0 and sched.evictable_leaves == _leaves(sched)
+    sched.max_total_tokens += 1000
+    _drive(sched, lambda: sched.pool_free() >= 0)
+    assert {r.rid: r.output_ids for r in reqs} == want and [r.num_retractions for r in reqs] == [0, 1, 0]
+    assert sched.protected_tokens == 0 and sched.evictable_leaves == _leaves(sched)
+
+    sched, reqs = retracting()  # an abort-all while b is retracted finds it in the queue
+    assert sched.abort(abort_all=True) == 3
+    assert [r.finish["message"] for r in reqs] == ["Aborted", "Abort in waiting queue", "Aborted"]
+    assert [len(r.output_ids) for r in reqs] == [5, 4, 5] and not sched.running and not sched.waiting
+    assert sched.protected_tokens == 0
+    # b is answered as tokenizer_manager.py _handle_abort_req answers an AbortReq: these keys only (no
+    # routed_experts, no prompt_tokens); a, aborted while running, by the ordinary output path
+    front = types.SimpleNamespace(tokenizer=sched.tokenizer, sched=types.SimpleNamespace(
+        weight_version="0", recorder=object()))
+    for r in reqs:
+        r.return_routed_experts = True
+    outs = [engine.Server._output(front, r, len(r.output_ids), True) for r in reqs]
+    assert list(outs[1]["meta_info"]) == ["id", "finish_reason", "weight_version", "weight_versions", "e2e_latency",
+                                          "completion_tokens"]
+    assert outs[1]["output_ids"] == reqs[1].output_ids and outs[1]["meta_info"]["completion_tokens"] == 4
+    assert "prompt_tokens" in outs[0]["meta_info"] and "routed_experts" in outs[0]["meta_info"]
+
+
+def test_a_request_that_alone_outgrows_the_kv_pool_is_aborted_with_500(model_path, ref, one_thread):
+    """managers/schedule_batch.py: ScheduleBatch.retract_decode: when even the last request left cannot get a
+    slot it is aborted with 500 "Out of memory even after retracting all other requests in the decode batch.
+    Aborting the last request."; a prompt longer than the pool is refused (400) before it is prefilled."""
+    sched = _sched(model_path, ref, max_total_tokens=12)
+    r = _long("x", [3, 4, 5, 6, 7, 8], 20)
+    too_long = _long("y", list(range(3, 20)), 1)
+    sched.submit([r, too_long])
+    _drive(sched)
+    assert r.finish == scheduler.abort_reason(scheduler.OOM_LAST, 500) and len(r.output_ids) == 12 - 6 + 1
+    assert too_long.finish["status_code"] == 400 and "--max-total-tokens" in too_long.finish["message"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,6 +362,39 @@ def test_a_full_queue_answers_503_and_the_client_retries_it(queued_url):
             assert post(url, "/continue_generation").status_code == 200
             post(url, "/abort_request", {"rid": "r-b"})
         assert b.result(30).json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_ten_concurrent_requests_with_one_running_and_one_queued_slot_get_two_200s(queued_url):
+    """test/srt/test_request_queue_validation.py: TestMaxQueuedRequests.
+    test_max_queued_requests_validation_with_concurrent_requests (--max-running-requests 1 --max-queued-requests
+    1; test/test_utils.py send_concurrent_generate_requests: ten at once, text prompt, temperature 0, 500 new
+    tokens): two 200 and eight 503. managers/scheduler.py: _abort_on_queued_limit counts the waiting queue, which
+    the iteration after a request arrives empties into the free running slot; here the ten may reach the model
+    thread in one batch of calls, and a request the free slot will take is not counted as waiting
+    (Scheduler._enqueue). Which two get 200 depends on arrival order (the SGLang test lists them first); the two
+    are long and aborted once the eight were refused, so the test neither races a finish nor waits for one."""
+    prompt = ("\n            System: You are a helpful assistant.\n            User: What is the capital of France?"
+              "\n            Assistant: The capital of France is\n            ")
+
+    async def send():
+        import aiohttp
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": LONG,
+                                                            "ignore_eos": True}}
+                async with s.post(queued_url + "/generate", json=body) as r:
+                    return r.status, await r.text()
+            tasks = [asyncio.ensure_future(one()) for _ in range(10)]
+            deadline = time.monotonic() + 60
+            while sum(t.done() for t in tasks) < 8:  # the refused ones answer at once, two run (or wait) on
+                assert time.monotonic() < deadline, "waited 60 s for eight of ten requests to be answered"
+                await asyncio.sleep(0.05)
+            async with s.post(queued_url + "/abort_request", json={"abort_all": True}) as r:
+                assert r.status == 200
+            return await asyncio.gather(*tasks)
+    out = asyncio.run(send())
+    assert sorted(st for st, _ in out) == [200, 200] + [503] * 8, out
+    assert all(QUEUE_FULL in text for st, text in out if st == 503)
 
 
 def test_waiting_and_running_timeouts_abort_with_503(model_path):

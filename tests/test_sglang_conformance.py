@@ -629,3 +629,70 @@ def test_context_limits_are_0_5_23s_and_the_client_caps_max_new_tokens_to_them(u
     assert capped.status == "truncated" and capped.metadata["finish_reason"] == {"type": "length", "length": 14}
     assert capped.response_ids.numel() == 14
     assert too_long.status == "truncated" and too_long.response_ids.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang's own HTTP tests that engine.py failed (issue 36: logit_bias, forbidden tokens, top-k log-probs vs HF)
+
+def test_logit_bias_forces_a_token_and_a_forbidden_token_never_appears(url, models):
+    """test/srt/test_srt_endpoint.py: TestSRTEndpoint.test_logit_bias (+100 on one token: every sampled token is
+    it) and test_forbidden_token (-100: it never appears), at temperature 1; sampling/sampling_params.py:
+    SamplingParams.logit_bias (token id strings -> numbers, verify: keys in [0, vocab)) and
+    sampling_batch_info.py: added to the logits before sampling, so the reported log-probs include it."""
+    ref = models[1]["A"]
+    greedy = gen(url, P, max_new_tokens=6, ignore_eos=True)["output_ids"]
+    target, forbidden = 41, greedy[0]
+    out = gen(url, P, max_new_tokens=6, temperature=1.0, ignore_eos=True, logit_bias={str(target): 100.0})
+    assert out["output_ids"] == [target] * 6 and max(abs(lp) for lp in lps(out)) < 1e-4
+    for seed in range(4):
+        out = gen(url, P, max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=seed,
+                  logit_bias={str(forbidden): -100.0})
+        assert forbidden not in out["output_ids"]
+    # greedy with a bias of +2 on the runner-up: the reported log-prob is log_softmax(logits + bias)
+    with torch.no_grad():
+        logits = ref(torch.tensor([P])).logits[0, -1].float()
+    second = int(logits.topk(2).indices[1])
+    out = gen(url, P, max_new_tokens=1, logit_bias={str(second): 2.0, "0" + str(second): 2.0})
+    biased = logits.clone()
+    biased[second] += 2.0
+    assert out["output_ids"] == [int(biased.argmax())]
+    assert abs(lps(out)[0] - torch.log_softmax(biased, -1)[out["output_ids"][0]].item()) < 1e-4
+    for bad, msg in (({"100000": 1.0}, "logit_bias must has keys in [0, "), ({"x": 1.0}, "keys must be token ids"),
+                     ({"3": "a"}, "logit_bias")):
+        r = post(url, "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 1, "logit_bias": bad}})
+        assert r.status_code == 400 and msg in r.text, r.text
+
+
+def test_top_logprobs_match_hf_in_value_and_order(url, models):
+    """test/runners.py: HFRunner.forward_generation_raw against SRTRunner.forward_generation_raw as
+    check_close_model_outputs compares them (test/srt/models/test_generation_models.py): greedy, NUM_TOP_LOGPROBS
+    5, logprob_start_len 0; input_top_logprobs[1:] + output_top_logprobs[0] against get_top_logprobs (log_softmax in
+    float32, torch.topk) of the HF forward's logits, output_top_logprobs against those of HF generate's scores;
+    here the ids too, in order (layers/logprob_processor.py: get_top_logprobs_raw, logprobs.topk: a tie keeps
+    topk's order, the same call on the same values)."""
+    from transformers import GenerationConfig
+    ref = models[1]["A"]
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    m = r.json()["meta_info"]
+    with torch.no_grad():
+        hf = ref.generate(input_ids=torch.tensor([prompt]), generation_config=GenerationConfig(
+            do_sample=False, temperature=None, top_p=None, max_new_tokens=6, return_dict_in_generate=True,
+            output_scores=True, disable_compile=True, eos_token_id=None, pad_token_id=0))
+        input_logits = ref(torch.tensor([prompt])).logits[0]
+    assert hf.sequences[0, len(prompt):].tolist() == r.json()["output_ids"]
+
+    def top(logits):
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(5, dim=-1)
+    srt_in = m["input_top_logprobs"][1:] + [m["output_top_logprobs"][0]]
+    want = top(input_logits)
+    assert len(srt_in) == len(prompt)
+    for row, v, i in zip(srt_in, want.values.tolist(), want.indices.tolist()):
+        assert [t for _, t, _ in row] == i and max(abs(a - b) for (a, _, _), b in zip(row, v)) < 1e-4
+    for row, scores in zip(m["output_top_logprobs"], hf.scores):
+        w = top(scores[0])
+        assert [t for _, t, _ in row] == w.indices.tolist()
+        assert max(abs(a - b) for (a, _, _), b in zip(row, w.values.tolist())) < 1e-4
