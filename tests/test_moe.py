@@ -433,9 +433,8 @@ def test_an_abort_carries_routes_only_for_a_running_request(routed):
         assert post(url, "/continue_generation", {}).status_code == 200
         meta, ids = last["meta_info"], last["output_ids"]
         assert meta["finish_reason"]["type"] == "abort" and 0 < len(ids) < 3000
-        assert meta["num_retractions"] == int(retract)
-        if retract:
-            assert "routed_experts" not in meta
+        if retract:  # _handle_abort_req's keys: no routed_experts (and no num_retractions either)
+            assert "routed_experts" not in meta and "num_retractions" not in meta
         else:
             rows = moe_lib.decode(meta["routed_experts"], 2, 2)
             assert rows.shape[0] == len(PROMPTS[1]) + len(ids) - 1
@@ -578,6 +577,9 @@ def _fsdp_gather(path: str) -> None:
         print(f"RESULT auto {sorted({str(t.dtype) for t in auto.values()})}")
     else:
         checkpoint.export_hf(mixed, path, out + "_auto", checkpoint.export_dtype("auto", path))
+    # both ranks leave together: a rank that tore gloo down while rank 0 still read its files aborted the other
+    # ("terminate called without an active exception", rank 1 SIGABRT) once in a full-suite run
+    dist.barrier()
     dist.destroy_process_group()
 
 
