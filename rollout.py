@@ -116,20 +116,24 @@ def trajectory_rid_prefix(run_tag: str, epoch: int, seq: int, index: int) -> str
 # ---------------------------------------------------------------------------------------------------------------
 # The concurrency knob
 
-def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency: Optional[int]) -> Optional[int]:
+def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency: Optional[int],
+                                 tool_slots: int = 0) -> Optional[int]:
     """rollout.async_max_concurrent_samples after validation (ValueError: not > 0, or below N) and the clamp to the
-    fleet's concurrency (a warning naming both numbers, not an error: users want this value large)."""
+    fleet's concurrency plus `tool_slots` (a warning naming the numbers, not an error: users want this value large).
+    tool_slots: rollout.env_max_concurrent for a multi-turn function, whose trajectories in a tool step hold no
+    server slot (so an agentic run can keep the fleet busy while that many episodes wait on their tools), else 0."""
     validate_concurrency(value, n)
-    if value is None or fleet_concurrency is None or value <= fleet_concurrency:
+    if value is None or fleet_concurrency is None or value <= fleet_concurrency + tool_slots:
         return value
     if fleet_concurrency < n:
         raise ValueError(f"the inference fleet's concurrency ({fleet_concurrency}, sum of max_running_requests or the "
                          f"router limit) is below data_source.num_trajectories_per_prompt ({n}), so no group could be "
                          "in flight; raise rollout.sglang_args.max_running_requests or add servers")
+    tools = f" + rollout.env_max_concurrent {tool_slots}" if tool_slots else ""
     warnings.warn(f"rollout.async_max_concurrent_samples ({value}) exceeds the inference fleet's concurrency "
-                  f"({fleet_concurrency}, sum of max_running_requests or the router limit); clamping it to "
-                  f"{fleet_concurrency}", stacklevel=2)
-    return fleet_concurrency
+                  f"({fleet_concurrency}, sum of max_running_requests or the router limit){tools}; clamping it to "
+                  f"{fleet_concurrency + tool_slots}", stacklevel=2)
+    return fleet_concurrency + tool_slots
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,8 +439,9 @@ class Rollout:
         return task
 
     async def _start(self) -> None:
+        tool_slots = 0 if self.fn is single_turn else self.cfg.rollout.env_max_concurrent
         self.max_samples = clamp_max_concurrent_samples(self.cfg.rollout.async_max_concurrent_samples, self.n,
-                                                        await self.fleet.concurrency())
+                                                        await self.fleet.concurrency(), tool_slots)
         self.max_groups = None if self.max_samples is None else self.max_samples // self.n
         self.context_len, self.max_input_len = await self.fleet.context_limits()
         if self.max_samples is not None:  # the buffer enforces (and reports) the clamped cap, not the configured one

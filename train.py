@@ -693,7 +693,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             mesh = init_device_mesh(device.type, (world,))
             model, _ = model_lib.load_model(cfg, mesh, device, rank, ctrl)
             if rank == 0:
-                print(memory_report(cfg, model, world, device), flush=True)
+                print(memory_report(cfg, model, world, device, cfg.trainer.entropy_metric), flush=True)
             opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type))
             actor = Actor(cfg, model, opt, sched, device, ctrl)
             actor.released = cfg.colocate and cfg.run_mode == "default"

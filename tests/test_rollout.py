@@ -72,6 +72,10 @@ def test_concurrency_knob_clamps_with_warning_and_rejects_bad_values():
         assert rollout.clamp_max_concurrent_samples(16, 4, 24) == 16
         assert rollout.clamp_max_concurrent_samples(None, 4, 24) is None
         assert rollout.clamp_max_concurrent_samples(100, 4, None) == 100  # fleet concurrency unknown: no clamp
+        # multi-turn: episodes in a tool step hold no server slot, so the bound is the fleet plus the tool slots
+        assert rollout.clamp_max_concurrent_samples(30, 4, 24, tool_slots=16) == 30
+    with pytest.warns(UserWarning, match=r"\(24, .*\) \+ rollout.env_max_concurrent 16; clamping it to 40"):
+        assert rollout.clamp_max_concurrent_samples(100, 4, 24, tool_slots=16) == 40
     with pytest.raises(ValueError, match="must be > 0"):
         rollout.clamp_max_concurrent_samples(0, 4, 24)
     with pytest.raises(ValueError, match=r"\(3\) must be >= data_source.num_trajectories_per_prompt \(4\)"):
