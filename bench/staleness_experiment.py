@@ -252,22 +252,6 @@ def evaluate(model, tok, held: list[tuple[str, str]], s: Setup, batch: int = 256
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Diagnostics (docs/metrics.md): the behaviour weights pi_old / mu over the loss tokens
-
-def diagnostics(old: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_high: float) -> dict:
-    """is_ess = (sum w)^2 / (n sum w^2) of w = pi_old / mu; is_log_ratio_m2 = mean (log pi_old - log mu)^2;
-    neg_adv_high_ratio_frac = share of tokens with A < 0 and pi_old / mu > 1 + eps_high."""
-    m = mask.bool()
-    lr = (old - mu)[m].double().clamp(-20, 20)
-    w = lr.exp()
-    n = max(1, int(m.sum()))
-    a = adv[:, None].expand_as(mask)[m]
-    return {"is_ess": float(w.sum() ** 2 / (n * (w * w).sum()).clamp(min=1e-300)),
-            "is_log_ratio_m2": float((lr * lr).mean()) if m.any() else 0.0,
-            "neg_adv_high_ratio_frac": float(((a < 0) & (w > 1 + eps_high)).double().sum() / n)}
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # One run
 
 def _algo(s: Setup) -> tuple[losses.LossSettings, str, bool]:
@@ -275,8 +259,8 @@ def _algo(s: Setup) -> tuple[losses.LossSettings, str, bool]:
     algo = losses.LossSettings()
     if s.loss == "naive":
         return algo, "ppo", True
-    if s.loss == "recompute":
-        algo.is_correction.mask_high = 5.0  # AReaL's behav_imp_weight_cap
+    if s.loss == "recompute":  # decoupled PPO as AReaL's paper has it: with the behaviour weight pi_old / mu
+        algo.is_correction.enable, algo.is_correction.mask_high = True, 5.0  # mask_high: AReaL's behav_imp_weight_cap
         return algo, "recompute", False
     if s.loss == "truncated_is":
         return algo, "truncated_is", False
@@ -336,7 +320,8 @@ def run(s: Setup, base: str, log=print) -> dict:
         versions = torch.where(mask, token_version, -1)
         with torch.no_grad():
             old = _seq_logprobs(model, out["ids"], out["attn"], out["pos"], start)
-        diag = diagnostics(old, out["mu"], adv, mask, algo.clip_high)
+        diag = {k.split("/")[1]: v for k, v in losses.offpolicy_diagnostics(  # the trainer's train/* diagnostics
+            losses.offpolicy_diagnostic_sums(old, out["mu"], adv, mask.float(), algo.clip_high)).items()}
         grad_norms, metrics = [], {}
         for idx in torch.randperm(R, generator=gen).chunk(s.mini_batches):
             lp = _seq_logprobs(model, out["ids"][idx], out["attn"][idx], out["pos"][idx], start)
