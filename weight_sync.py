@@ -30,9 +30,7 @@ import base64
 import contextlib
 import datetime
 import io
-import json
 import os
-import shutil
 import time
 from typing import Optional
 
@@ -376,32 +374,12 @@ class WeightSync:
 
     # ---- disk: an HF checkpoint directory ----
     def export(self, path: str, dtype: torch.dtype) -> None:
-        """The weights as an HF checkpoint directory (config and tokenizer of model.path, safetensors shards and
-        their index as save_pretrained writes them), gathered bucket by bucket; written by rank 0."""
-        from huggingface_hub import split_torch_state_dict_into_shards
-        from safetensors.torch import save_file
+        """The weights as an HF checkpoint directory, as the final export writes it (checkpoint.export_hf: config
+        and tokenizer of model.path, safetensors shards and their index, one FSDP2 unit gathered at a time);
+        written by rank 0, which counts its bytes for perf/weight_sync_gbps."""
+        import checkpoint
 
-        state, self.last_bytes = {}, 0
-        for spec in plan_buckets(self.model, dtype, self.cfg.weight_sync.bucket_mb * 2 ** 20):
-            self.last_bytes += spec_bytes(spec, dtype)
-            if self.rank != 0:
-                join_gather(spec)
-                continue
-            state.update((n, t.cpu()) for n, t in gather_bucket(self.model, spec, dtype, self.device).named)
-        if self.rank != 0:
-            return
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.cfg.model.path, tmp, ignore=shutil.ignore_patterns(
-            "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt"))
-        split = split_torch_state_dict_into_shards(state, max_shard_size=SHARD_BYTES)
-        for file, names in split.filename_to_tensors.items():
-            save_file({n: state[n].contiguous() for n in names}, os.path.join(tmp, file), metadata={"format": "pt"})
-        if split.is_sharded:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        self.last_bytes = checkpoint.export_hf(self.model, self.cfg.model.path, path, dtype)
 
 
 def _future_error(fut) -> str:
