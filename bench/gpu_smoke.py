@@ -60,10 +60,10 @@ TOTAL_S = {"cuda": 560, "cpu": 2100}  # the whole smoke, all stages: one 10-minu
 # a shared 2-core machine: the dry run takes 51 s idle, 487 s at a load average of ~20 (flex_attention's CPU compile
 # alone took > 180 s at 25).
 STAGES = [("preflight", 45, 120, []),
-          ("packing", 60, 480, ["yaml", "tokenizers", "safetensors"]),
-          ("single_rank", 220, 480, ["yaml", "safetensors"]),
+          ("packing", 150, 480, ["yaml", "tokenizers", "safetensors"]),
+          ("single_rank", 160, 480, ["yaml", "safetensors"]),
           ("moe", 75, 300, ["yaml", "tokenizers", "safetensors"]),
-          ("colocate", 160, 720, ["yaml", "tokenizers", "safetensors", "aiohttp", "orjson", "numpy", "requests"])]
+          ("colocate", 130, 720, ["yaml", "tokenizers", "safetensors", "aiohttp", "orjson", "numpy", "requests"])]
 OPTIONAL = ["flash_attn", "yaml", "tokenizers", "safetensors", "aiohttp", "orjson", "numpy", "requests", "pyarrow",
             "math_verify", "sglang"]
 # Sizes per device: the realistic ones on cuda, tiny on cpu.
@@ -354,6 +354,7 @@ def stage_single_rank(ctx) -> dict:
         torch.cuda.empty_cache()
         f["offloaded_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
         f["offloaded_allocated_gib"] = torch.cuda.memory_allocated(device) / GIB
+        f["offloaded_live_tensors"] = _live_cuda_tensors()  # what still holds device memory, if anything
     actor.offload(device)
     again = actor.train_plan(plan_b, 1, denom_b)
     rt = [_local(p).detach().cpu() for p in model.parameters()]
@@ -448,6 +449,26 @@ def _single_rank_moe(ctx, device, ctrl, lengths: list) -> dict:
     return f
 
 
+def _live_cuda_tensors(top: int = 6) -> list:
+    """The largest CUDA tensors Python can still reach (shape, dtype, MiB): what an offload left behind."""
+    import torch
+
+    import warnings
+
+    seen, out = set(), []
+    with warnings.catch_warnings():  # isinstance on some module objects warns about deprecated attributes
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if type(o) in (torch.Tensor, torch.nn.Parameter) and o.is_cuda and id(o) not in seen:
+                    seen.add(id(o))  # exact types: compile's FakeTensors have symbolic sizes that cannot compare
+                    out.append((int(o.untyped_storage().nbytes()) / 2 ** 20, [int(d) for d in o.shape],
+                                str(o.dtype)))
+            except Exception:  # objects that raise on isinstance/attribute access
+                continue
+    return [{"mib": round(m, 2), "shape": sh, "dtype": dt} for m, sh, dt in sorted(out, reverse=True)[:top]]
+
+
 def _make_moe(path: str, seed: int) -> str:
     import tasks
 
@@ -471,6 +492,7 @@ def stage_moe(ctx) -> dict:
     a, b = (_make_moe(os.path.join(ctx["work"], f"moe_{k}"), seed) for k, seed in (("A", 0), ("B", 1)))
     cfg = _cfg(ctx, f"model.path={b}", "trainer.packing=true", "trainer.micro_batch_tokens=512", "trainer.lr=1e-2",
                "model.activation_checkpointing=true", "algorithm.routing_replay=true",
+               "model.attn_implementation=sdpa",  # the routes and names are this stage's; kernels are packing's
                f"run_dir={os.path.join(ctx['work'], 'moe_run')}")
     model, _ = model_lib.load_model(cfg, init_device_mesh(device.type, (1,)), device, 0, ctrl)
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
