@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -184,14 +185,22 @@ def make_base(s: Setup, base_dir: str, log=print) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sampling with snapshots: no KV cache, so each position of each row can be sampled by a different snapshot
+# Sampling with snapshots: one KV cache per snapshot over all rows; a row that switches snapshot is re-prefilled
 
 @torch.no_grad()
 def sample(models: list, row_model: torch.Tensor, cut: int, prompt_ids: list[list[int]], s: Setup, tok,
            greedy: bool = False, gen: Optional[torch.Generator] = None) -> dict:
     """Sample a response per prompt. row_model [R, 2] long: the index into `models` of the snapshot that samples a
     row's positions < cut and >= cut. Returns response ids, the sampling log-probs (log mu), the index of the
-    snapshot of each token, and whether the row stopped on eos."""
+    snapshot of each token, and whether the row stopped on eos.
+
+    Each snapshot keeps a KV cache over every row; at each position only the snapshots some live row uses run, and
+    one that joins late (the second snapshot at `cut`) first reads every column it has not seen, so its first
+    token conditions on the whole prefix, as a resumed request re-prefilled on new weights does. (The first
+    version recomputed every prefix at every position: the same log-probs, tests/test_staleness_experiment.py,
+    at ~4x the time.)"""
+    from transformers import DynamicCache
+
     eos, pad = tok.eos_token_id, tok.pad_token_id
     R = len(prompt_ids)
     plen = torch.tensor([len(p) for p in prompt_ids])
@@ -209,15 +218,20 @@ def sample(models: list, row_model: torch.Tensor, cut: int, prompt_ids: list[lis
     mu = torch.zeros(R, s.max_new)
     who = torch.full((R, s.max_new), -1, dtype=torch.long)
     length = torch.zeros(R, dtype=torch.long)
+    caches: dict = {}  # snapshot index -> [its DynamicCache, the columns it has read]
+    # the cache's keyword: `past_key_values` up to transformers 5.24, `cache` from 5.25 (the old name warns)
+    kw = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
     for t in range(s.max_new):
         col = start + t
         use = row_model[:, 0] if t < cut else row_model[:, 1]
         logits = torch.empty(R, models[0].config.vocab_size)
         for m in use[~done].unique().tolist():
+            cache = caches.setdefault(m, [DynamicCache(), 0])
+            out = models[m](input_ids=ids[:, cache[1]:col], attention_mask=attn[:, :col],
+                            position_ids=pos[:, cache[1]:col], use_cache=True, **{kw: cache[0]})
+            cache[1] = col
             rows = (use == m) & ~done
-            out = models[m](input_ids=ids[rows, :col], attention_mask=attn[rows, :col],
-                            position_ids=pos[rows, :col]).logits[:, -1].float()
-            logits[rows] = out
+            logits[rows] = out.logits[rows, -1].float()
         live = ~done
         logp = torch.log_softmax(logits[live], -1)
         nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)

@@ -37,6 +37,41 @@ def test_quick_sweep_imposes_staleness_and_resumes(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 4  # every run was already there: none ran twice
 
 
+def test_cached_sampler_log_probs_are_the_sampling_snapshots(tmp_path):
+    """The KV-cached sampler: every token's log mu equals a full forward of the snapshot that sampled it, also for
+    rows that switch snapshot mid-sequence (the second snapshot's cache must read the whole prefix first); a wrong
+    cache offset, position or mask moves these by far more than float noise."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tasks
+
+    s = se.Setup(hidden=32, layers=1, max_new=12, min_digits=1, max_digits=5)
+    tasks.make_tiny_model(str(tmp_path / "m"), s.hidden, s.layers, 0)
+    tok = tasks.build_tokenizer()
+    m0 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).float().eval()
+    m1 = copy.deepcopy(m0)
+    with torch.no_grad():
+        for p in m1.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in se.prompts(s, "train", 16, 0)]
+    row_model = torch.zeros(16, 2, dtype=torch.long)
+    row_model[::2, 1] = 1  # half the rows switch to the second snapshot at position 5
+    out = se.sample([m0, m1], row_model, 5, p_ids, s, tok, gen=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = [se._seq_logprobs(m, out["ids"], out["attn"], out["pos"], out["start"]) for m in (m0, m1)]
+    who = out["who"]
+    assert bool((who[1::2] <= 0).all()) and bool((who[::2, 5:][who[::2, 5:] >= 0] == 1).all())
+    assert int((who == 1).sum()) > 10  # the switch happened on sampled tokens
+    ref = torch.where(who == 1, full[1], full[0])
+    sampled = who >= 0
+    assert float((out["mu"] - ref)[sampled].abs().max()) < 1e-4
+    other = torch.where(who == 1, full[0], full[1])  # the other snapshot's log-probs differ: the check can fail
+    assert float((out["mu"] - other)[sampled].abs().max()) > 1e-2
+
+
 def test_statistics():
     assert se.wilson(0, 8)[0] == 0.0 and 0.3 < se.wilson(0, 8)[1] < 0.4  # 0 of 8: up to ~0.32
     m, lo, hi = se.mean_ci([1.0, 2.0, 3.0])
