@@ -71,7 +71,7 @@ class Setup:
     eta: int = 0
     seed: int = 0
     steps: int = 300
-    lr: float = 1e-3
+    lr: float = 1e-4  # the pilot's choice: on-policy learns 0.29 -> 0.43 in 300 steps; 3e-4 is unstable on-policy
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
     mini_batches: int = 2
@@ -83,7 +83,7 @@ class Setup:
     max_new: int = 30
     hidden: int = 128
     layers: int = 2
-    base_pass: tuple = (0.10, 0.40)
+    base_pass: tuple = (0.25, 0.40)
     base_seed: int = 0
 
 
@@ -466,42 +466,47 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def summary(path: str, margin: float, png: Optional[str]) -> str:
+    """The table of a results file: a row per (learning rate, loss, eta), paired differences against eta 0 of the
+    same learning rate, loss and seed."""
     with open(path) as f:
         results = [json.loads(line) for line in f if line.strip()]
     by = {}
     for r in results:
         st = r["setup"]
-        by[(st["loss"], st["eta"], st["seed"])] = r
-    losses_ = sorted({k[0] for k in by}, key=lambda x: LOSSES.index(x) if x in LOSSES else 99)
-    etas = sorted({k[1] for k in by})
-    lines = [f"| loss | eta | runs | final eval (95% CI) | diff vs eta 0 (95% CI) | within +-{margin:.2f}? | AUC | "
+        by[(st["lr"], st["loss"], st["eta"], st["seed"])] = r
+    lrs = sorted({k[0] for k in by})
+    losses_ = sorted({k[1] for k in by}, key=lambda x: LOSSES.index(x) if x in LOSSES else 99)
+    etas = sorted({k[2] for k in by})
+    lines = [f"| lr | loss | eta | runs | final eval (95% CI) | diff vs eta 0 (95% CI) | within +-{margin:.2f}? | AUC | "
              "collapse (Wilson 95%) | min is_ess | max is_log_ratio_m2 | mean neg_adv_high_ratio_frac |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for loss in losses_:
-        for eta in etas:
-            runs = [by[k] for k in sorted(by) if k[0] == loss and k[1] == eta]
-            if not runs:
-                continue
-            fe = [r["final_eval"] for r in runs]
-            m, lo, hi = mean_ci(fe)
-            diffs = [by[(loss, eta, r["setup"]["seed"])]["final_eval"] - by[(loss, 0, r["setup"]["seed"])]["final_eval"]
-                     for r in runs if (loss, 0, r["setup"]["seed"]) in by]
-            if eta and len(diffs) >= 2:
-                dm, dlo, dhi = mean_ci(diffs)
-                diff = f"{dm:+.3f} ({dlo:+.3f}, {dhi:+.3f})"
-                eq = "yes" if equivalent(diffs, margin) else "not shown"
-            else:
-                diff, eq = "-", "-"
-            k = sum(r["collapsed"] for r in runs)
-            wl, wh = wilson(k, len(runs))
-            auc = mean_ci([r["auc"] for r in runs])[0]
-            ess = min(row["is_ess"] for r in runs for row in r["rows"])
-            m2 = max(row["is_log_ratio_m2"] for r in runs for row in r["rows"])
-            nah = sum(row["neg_adv_high_ratio_frac"] for r in runs for row in r["rows"]) / sum(len(r["rows"]) for r in runs)
-            lines.append(f"| {loss} | {eta} | {len(runs)} | {m:.3f} ({lo:.3f}, {hi:.3f}) | {diff} | {eq} | {auc:.3f} | "
-                         f"{k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {ess:.3f} | {m2:.3f} | {nah:.4f} |")
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lr in lrs:
+        for loss in losses_:
+            for eta in etas:
+                runs = [by[k] for k in sorted(by) if k[:3] == (lr, loss, eta)]
+                if not runs:
+                    continue
+                fe = [r["final_eval"] for r in runs]
+                m, lo, hi = mean_ci(fe)
+                diffs = [r["final_eval"] - by[(lr, loss, 0, r["setup"]["seed"])]["final_eval"]
+                         for r in runs if (lr, loss, 0, r["setup"]["seed"]) in by]
+                if eta and len(diffs) >= 2:
+                    dm, dlo, dhi = mean_ci(diffs)
+                    diff = f"{dm:+.3f} ({dlo:+.3f}, {dhi:+.3f})"
+                    eq = "yes" if equivalent(diffs, margin) else "not shown"
+                else:
+                    diff, eq = "-", "-"
+                k = sum(r["collapsed"] for r in runs)
+                wl, wh = wilson(k, len(runs))
+                auc = mean_ci([r["auc"] for r in runs])[0]
+                ess = min(row["is_ess"] for r in runs for row in r["rows"])
+                m2 = max(row["is_log_ratio_m2"] for r in runs for row in r["rows"])
+                nah = (sum(row["neg_adv_high_ratio_frac"] for r in runs for row in r["rows"])
+                       / sum(len(r["rows"]) for r in runs))
+                lines.append(f"| {lr:g} | {loss} | {eta} | {len(runs)} | {m:.3f} ({lo:.3f}, {hi:.3f}) | {diff} | {eq} | "
+                             f"{auc:.3f} | {k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {ess:.3f} | {m2:.3f} | {nah:.4f} |")
     if png:
-        _plot(by, losses_, etas, png)
+        _plot({k[1:]: r for k, r in by.items() if k[0] == lrs[-1]}, losses_, etas, png)
     return "\n".join(lines)
 
 
@@ -551,8 +556,8 @@ def main(argv=None) -> None:
     p.add_argument("--png", default=None)
     p.add_argument("--margin", type=float, default=0.05, help="equivalence margin on the final eval")
     p.add_argument("--pilot", action="store_true",
-                   help="naive and recompute at eta 8, lr in {3e-4, 1e-3, 3e-3}, seeds 0-1: the rate at which "
-                        "they separate")
+                   help="naive and recompute at eta 8, lr in {1e-4, 3e-4}, seeds 0-1: the rate at which they "
+                        "separate (at 1e-3 even on-policy recompute fell to a pass rate of 0 within 10 steps)")
     p.add_argument("--quick", action="store_true", help="a few steps of a smaller setup (seconds), for tests")
     a = p.parse_args(argv)
     if a.summary:
@@ -569,7 +574,7 @@ def main(argv=None) -> None:
     base = make_base(base_setup, a.base_dir)
     if a.pilot:
         setups = [replace(base_setup, loss=loss, eta=8, seed=seed, lr=lr)
-                  for lr in (3e-4, 1e-3, 3e-3) for loss in ("naive", "recompute") for seed in (0, 1)]
+                  for lr in (1e-4, 3e-4) for loss in ("naive", "recompute") for seed in (0, 1)]
     else:
         setups = [replace(base_setup, loss=loss, eta=int(eta), seed=seed)
                   for seed in _seeds(a.seeds) for eta in a.etas.split(",") for loss in a.losses.split(",")]
