@@ -562,7 +562,8 @@ def validate(cfg: Config) -> Config:
     if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
         raise ValueError("algorithm.policy_loss=truncated_is sums its tokens (PipelineRL's normalisation); use "
                          "algorithm.loss_agg_mode=token-mean or seq-mean-token-sum-norm")
-    if a.policy_loss in ("recompute", "loglinear") and a.is_correction.level != "token":
+    if (a.policy_loss in ("recompute", "loglinear") and a.is_correction.enable
+            and a.is_correction.level != "token"):  # off, the level is never read
         raise ValueError(f"algorithm.policy_loss={a.policy_loss} weights each token by pi_prox / mu (AReaL's decoupled "
                          "PPO, with algorithm.is_correction's clip and mask bounds); set "
                          "algorithm.is_correction.level=token")

@@ -793,14 +793,22 @@ def test_policy_loss_names_in_config_are_the_losses_table():
                                           "loglinear, gspo, cispo, got 'reinforce'"),
     (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-mean"],
      "algorithm.policy_loss=truncated_is sums its tokens"),
-    (["algorithm.policy_loss=loglinear", "algorithm.is_correction.level=sequence"],
-     "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
+    (["algorithm.policy_loss=loglinear", "algorithm.is_correction.enable=true",
+      "algorithm.is_correction.level=sequence"], "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
     (["algorithm.policy_loss=recompute", "trainer.use_rollout_log_probs=true"],
      "algorithm.policy_loss=recompute takes its proximal policy from the step-start forward"),
 ])
 def test_policy_loss_combinations_are_refused_in_one_sentence(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
         config.load_config(None, ["colocate=false", *overrides])
+
+
+def test_decoupled_ppo_accepts_any_is_level_while_is_correction_is_off():
+    """The level is read only when the behaviour weight is on (AReaL's default has none): a config that sets it for
+    another loss and switches to recompute loads."""
+    cfg = config.load_config(None, ["colocate=false", "algorithm.policy_loss=recompute",
+                                    "algorithm.is_correction.level=sequence"])
+    assert cfg.algorithm.policy_loss == "recompute" and not cfg.algorithm.is_correction.enable
 
 
 def collated_batch(seed, step):
