@@ -363,15 +363,19 @@ def run(s: Setup, base: str, log=print) -> dict:
     return summarise_run(s, rows, evals, time.perf_counter() - t0)
 
 
-def summarise_run(s: Setup, rows: list, evals: list, seconds: float) -> dict:
-    values = [e for _, e in evals]
-    collapsed_at = None
+def _eval_drop(evals: list) -> Optional[int]:
+    """The first eval step 0.2 below the running maximum of the evals, or None."""
     best = -1.0
     for st, e in evals:
         best = max(best, e)
         if e < best - 0.2:
-            collapsed_at = st
-            break
+            return st
+    return None
+
+
+def summarise_run(s: Setup, rows: list, evals: list, seconds: float) -> dict:
+    values = [e for _, e in evals]
+    collapsed_at = _eval_drop(evals)
     norms = [r["grad_norm"] for r in rows]
     for i in range(20, len(norms)):
         med = sorted(norms[:i])[i // 2]
@@ -465,11 +469,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
-def summary(path: str, margin: float, png: Optional[str]) -> str:
-    """The table of a results file: a row per (learning rate, loss, eta), paired differences against eta 0 of the
-    same learning rate, loss and seed."""
+def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] = None) -> str:
+    """The table of a results file (of `seeds` only, if given: one seed set against another): a row per (learning
+    rate, loss, eta), paired differences against eta 0 of the same learning rate, loss and seed."""
     with open(path) as f:
         results = [json.loads(line) for line in f if line.strip()]
+    results = [r for r in results if seeds is None or r["setup"]["seed"] in seeds]
     by = {}
     for r in results:
         st = r["setup"]
@@ -478,8 +483,9 @@ def summary(path: str, margin: float, png: Optional[str]) -> str:
     losses_ = sorted({k[1] for k in by}, key=lambda x: LOSSES.index(x) if x in LOSSES else 99)
     etas = sorted({k[2] for k in by})
     lines = [f"| lr | loss | eta | runs | final eval (95% CI) | diff vs eta 0 (95% CI) | within +-{margin:.2f}? | AUC | "
-             "collapse (Wilson 95%) | min is_ess | max is_log_ratio_m2 | mean neg_adv_high_ratio_frac |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "collapse (Wilson 95%) | of which an eval drop | min is_ess | max is_log_ratio_m2 | "
+             "mean neg_adv_high_ratio_frac |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lr in lrs:
         for loss in losses_:
             for eta in etas:
@@ -497,6 +503,7 @@ def summary(path: str, margin: float, png: Optional[str]) -> str:
                 else:
                     diff, eq = "-", "-"
                 k = sum(r["collapsed"] for r in runs)
+                drops = sum(_eval_drop(r["evals"]) is not None for r in runs)  # the rest: a grad-norm spike alone
                 wl, wh = wilson(k, len(runs))
                 auc = mean_ci([r["auc"] for r in runs])[0]
                 ess = min(row["is_ess"] for r in runs for row in r["rows"])
@@ -504,7 +511,8 @@ def summary(path: str, margin: float, png: Optional[str]) -> str:
                 nah = (sum(row["neg_adv_high_ratio_frac"] for r in runs for row in r["rows"])
                        / sum(len(r["rows"]) for r in runs))
                 lines.append(f"| {lr:g} | {loss} | {eta} | {len(runs)} | {m:.3f} ({lo:.3f}, {hi:.3f}) | {diff} | {eq} | "
-                             f"{auc:.3f} | {k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {ess:.3f} | {m2:.3f} | {nah:.4f} |")
+                             f"{auc:.3f} | {k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {drops} | {ess:.3f} | {m2:.3f} | "
+                             f"{nah:.4f} |")
     if png:
         _plot({k[1:]: r for k, r in by.items() if k[0] == lrs[-1]}, losses_, etas, png)
     return "\n".join(lines)
@@ -554,6 +562,7 @@ def main(argv=None) -> None:
     p.add_argument("--base-dir", default=os.path.join(ROOT, "runs", "staleness_bases"))
     p.add_argument("--summary", action="store_true", help="print the table of --out (and draw --png) and stop")
     p.add_argument("--png", default=None)
+    p.add_argument("--summary-seeds", default=None, help="--summary of these seeds only (e.g. 0-3), to compare seed sets")
     p.add_argument("--margin", type=float, default=0.05, help="equivalence margin on the final eval")
     p.add_argument("--pilot", action="store_true",
                    help="naive and recompute at eta 8, lr in {1e-4, 3e-4}, seeds 0-1: the rate at which they "
@@ -561,7 +570,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a few steps of a smaller setup (seconds), for tests")
     a = p.parse_args(argv)
     if a.summary:
-        print(summary(a.out, a.margin, a.png))
+        print(summary(a.out, a.margin, a.png, _seeds(a.summary_seeds) if a.summary_seeds else None))
         return
     base_setup = Setup(steps=a.steps, lr=a.lr)
     if a.quick:
