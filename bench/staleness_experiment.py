@@ -513,6 +513,18 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
                 lines.append(f"| {lr:g} | {loss} | {eta} | {len(runs)} | {m:.3f} ({lo:.3f}, {hi:.3f}) | {diff} | {eq} | "
                              f"{auc:.3f} | {k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {drops} | {ess:.3f} | {m2:.3f} | "
                              f"{nah:.4f} |")
+    lines += ["", "Against naive PPO at the same learning rate, eta and seed (final eval, paired):", "",
+              "| lr | loss | eta | pairs | loss - naive (95% CI) |", "|---|---|---|---|---|"]
+    for lr in lrs:
+        for loss in losses_:
+            if loss == "naive":
+                continue
+            for eta in etas:
+                d = [r["final_eval"] - by[(lr, "naive", eta, k[3])]["final_eval"]
+                     for k, r in sorted(by.items()) if k[:3] == (lr, loss, eta) and (lr, "naive", eta, k[3]) in by]
+                if len(d) >= 2:
+                    dm, dlo, dhi = mean_ci(d)
+                    lines.append(f"| {lr:g} | {loss} | {eta} | {len(d)} | {dm:+.3f} ({dlo:+.3f}, {dhi:+.3f}) |")
     if png:
         _plot({k[1:]: r for k, r in by.items() if k[0] == lrs[-1]}, losses_, etas, png)
     return "\n".join(lines)
