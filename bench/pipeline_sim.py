@@ -348,12 +348,8 @@ def sweep_plot(rows: list[dict], path: str) -> None:
         ax.set_title(f"split {split}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("pipeline_sim --sweep: each rule over its knob; bars: min-max over the repeats (alternating order)",
-                 fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save_figure(fig, path, "pipeline_sim --sweep: each rule over its knob; bars: min-max over the repeats "
+                 "(alternating order)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -797,9 +793,17 @@ def plot(results: list[dict], path: str) -> None:
     b.set_xlabel("share of trained trajectories")
     b.set_title("staleness: trainer version - start version of the trajectory")
     b.legend(fontsize=7)
-    fig.suptitle("pipeline_sim: simulated fleet and training, the project's own orchestration", fontsize=10)
+    _save_figure(fig, path, "pipeline_sim: simulated fleet and training, the project's own orchestration", dpi=110)
+
+
+def _save_figure(fig, path: str, title: str, dpi: int = 80) -> None:
+    """Every figure of this script: its title, tight layout, written to `path` (its folder made), closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
@@ -1427,12 +1431,8 @@ def agentic_plot(rows: list[dict], path: str) -> None:
     b.set_title("spec fleet 8:8: fleet (tokens vs peak) and sandbox pool (busy share)", fontsize=9)
     b.grid(alpha=0.3)
     b.legend(fontsize=7)
-    fig.suptitle("pipeline_sim --agentic: a discrete-event model (not a measurement); bars: 95% intervals over seeds",
-                 fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save_figure(fig, path, "pipeline_sim --agentic: a discrete-event model (not a measurement); bars: 95% intervals "
+                 "over seeds")
 
 
 def run_agentic(args, wl: sim_server.Workload) -> int:

@@ -106,12 +106,7 @@ def test_a_finished_request_caches_its_prompt_and_output(url, ref):
 def _run(sched, reqs):
     """Drive the scheduler in this thread until reqs finished (its loop without the thread)."""
     sched.waiting.extend(reqs)
-    with torch.inference_mode():
-        while sched.waiting or sched.running:
-            if sched.waiting and len(sched.running) < sched.max_running:
-                sched._admit()
-            if sched.running:
-                sched._decode()
+    _drive(sched)
 
 
 def _req(ids, n=1):
