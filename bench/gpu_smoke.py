@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -452,8 +453,6 @@ def _single_rank_moe(ctx, device, ctrl, lengths: list) -> dict:
 def _live_cuda_tensors(top: int = 6) -> list:
     """The largest CUDA tensors Python can still reach (shape, dtype, MiB): what an offload left behind."""
     import torch
-
-    import warnings
 
     seen, out = set(), []
     with warnings.catch_warnings():  # isinstance on some module objects warns about deprecated attributes
