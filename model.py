@@ -128,6 +128,29 @@ def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(index >= 0, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
 
 
+# flex_attention's compiled training forward fails for a packed row shorter than about one of its 128-token blocks
+# (torch 2.11 on an H200: 110 tokens raise InductorError NoValidChoicesError, 200 and 1,100 compile; docs/gpu.md),
+# which a step's last micro-batch or a DUMMY placeholder row can be: such rows are padded to this length.
+FLEX_MIN_TOKENS = 256
+
+
+def pad_packed(b: dict, min_tokens: int) -> dict:
+    """A packed micro-batch whose row is shorter than min_tokens, with a padding sequence appended (token 0,
+    positions restarting at 0, so the attention keeps it to itself; no routes): the loss index does not reach it,
+    so the log-probs are unchanged (tests/test_packing.py)."""
+    n = b["ids"].shape[1]
+    if n >= min_tokens:
+        return b
+    k = min_tokens - n
+    out = dict(b, ids=torch.cat([b["ids"], b["ids"].new_zeros(1, k)], 1),
+               pos=torch.cat([b["pos"], torch.arange(k, device=b["pos"].device)[None]], 1),
+               cu=torch.cat([b["cu"], b["cu"][-1:] + k]), max_len=max(b["max_len"], k))
+    if "routes" in b:
+        out["routes"] = torch.cat([b["routes"], b["routes"].new_zeros(1, k, *b["routes"].shape[2:])], 1)
+        out["routed"] = torch.cat([b["routed"], b["routed"].new_zeros(1, k)], 1)
+    return out
+
+
 def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False) -> tuple:
     """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
     as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
@@ -142,6 +165,8 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     import losses
     import moe
 
+    if "pos" in b and model.config._attn_implementation == "flex_attention":
+        b = pad_packed(b, FLEX_MIN_TOKENS)
     moe.set_routes(model, b.get("routes"), b.get("routed"))  # routing replay (none recorded: the routers' own)
     kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
     if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs

@@ -1,11 +1,11 @@
-"""Which shapes flex_attention trains on, on this GPU: one packed forward and backward of a tiny Qwen3 (dense and
-MoE) through transformers' flex_attention path, per head_dim and dtype. Evidence for model.attn_implementation's
-auto rule (model.py): the tiny models have head_dim 16, and gpu_smoke's moe stage failed there on an H200
-(torch 2.11, inductor: "NoValidChoicesError: No choices to select"). Each case runs in its own process (a first
-version ran them in one and every case after the first failed the same way, head_dim 128 too, which the smoke's
-packing and single_rank stages train). Prints one JSON line per case; --out FILE also writes them as a list.
+"""Which packed rows flex_attention trains on, on this GPU: one packed forward and backward of a tiny Qwen3 (dense
+and MoE) through transformers' flex_attention path, per head_dim, dtype and packed length. Evidence for
+model.FLEX_MIN_TOKENS: on an H200 (torch 2.11) every 110-token case failed in inductor ("NoValidChoicesError: No
+choices to select"), whatever the head_dim, dtype, MoE or checkpointing, while 200 tokens (head_dim 128) and 1,100
+(head_dim 16) compiled (docs/results/gpu_smoke.md). Each case runs in its own process (in one process a failed
+compile leaves dynamo's state to the next case). Prints one JSON line per case; --out FILE also writes them.
 
-    python3 bench/flex_probe.py [--out runs/flex_probe.json] [--device cuda]
+    python3 bench/flex_probe.py [--out runs/flex_probe.json] [--device cuda] [--cases "dense,16,bfloat16,0,600:500;..."]
 """
 from __future__ import annotations
 
@@ -62,14 +62,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default=None, help="kind,head_dim,dtype,checkpointing[,len:len...] cases joined by ';'")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in this process (the child)
     args = ap.parse_args()
     if args.case:
-        kind, hd, dt, ckpt = args.case.split(",")
-        print(json.dumps(case(kind, int(hd), getattr(torch, dt), args.device, ckpt == "1")), flush=True)
+        kind, hd, dt, ckpt, lens = (args.case.split(",") + ["60:50"])[:5]
+        lengths = tuple(int(k) for k in lens.split(":"))
+        print(json.dumps(case(kind, int(hd), getattr(torch, dt), args.device, ckpt == "1", lengths)), flush=True)
         return
-    cases = ["dense,16,bfloat16,0", "dense,16,float32,0", "moe,16,bfloat16,0", "moe,16,bfloat16,1",
-             "dense,32,bfloat16,0", "dense,64,bfloat16,0", "moe,64,bfloat16,1", "dense,128,bfloat16,0"]
+    cases = args.cases.split(";") if args.cases else [
+        "dense,16,bfloat16,0", "dense,16,float32,0", "moe,16,bfloat16,0", "moe,16,bfloat16,1",
+        "dense,32,bfloat16,0", "dense,64,bfloat16,0", "moe,64,bfloat16,1", "dense,128,bfloat16,0",
+        "dense,128,bfloat16,0,64:64", "dense,128,bfloat16,0,100:100", "dense,16,bfloat16,0,600:500",
+        "moe,16,bfloat16,1,150:106"]
     res = []
     for c in cases:  # each in a fresh process: a failed compile cannot leave state (dynamo's caches) to the next
         p = subprocess.run([sys.executable, __file__, "--device", args.device, "--case", c], capture_output=True,

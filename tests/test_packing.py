@@ -152,7 +152,8 @@ def test_routes_stay_in_their_dtype_with_a_mask_of_the_positions_the_server_ran(
         assert b["routes"].shape == (1, sum(lengths), 3, 2)
         want = torch.cat([torch.arange(n) < k for n, k in zip(lengths, known)])[None]
         assert torch.equal(b["routed"], want)
-        assert torch.equal(b["routes"][0, :6], seqs[0]["routes"]) and torch.equal(b["routes"][0, 7:9], seqs[1]["routes"])
+        assert torch.equal(b["routes"][0, :6], seqs[0]["routes"])
+        assert torch.equal(b["routes"][0, 7:9], seqs[1]["routes"])
     else:
         assert b["routes"].shape == (3, 7, 3, 2)
         assert b["routed"].sum(1).tolist() == known
@@ -176,3 +177,32 @@ def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_pa
     assert s1["train/entropy"] > 0 and "train/entropy" not in s0
     assert {k: v for k, v in s1.items() if k != "train/entropy"} == pytest.approx(s0, abs=1e-6)
     assert all(torch.allclose(g1[n], g0[n], atol=1e-6) for n in g1) and any(g.abs().max() > 0 for g in g1.values())
+
+
+def test_a_short_packed_row_is_padded_for_flex_attention_with_the_same_log_probs(tiny_path, monkeypatch):
+    """flex_attention's compiled training forward failed on an H200 for a 110-token packed row (docs/gpu.md):
+    model.pad_packed appends a padding sequence up to FLEX_MIN_TOKENS, outside the loss index, so the log-probs
+    through flex_attention (forward only: CPU flex has no backward) equal sdpa's of the unpadded row."""
+    seqs = _seqs([(5, 9), (3, 2), (4, 1)])
+    b = batching.collate(seqs, packing=True)
+    padded = model_lib.pad_packed(b, model_lib.FLEX_MIN_TOKENS)
+    n = b["ids"].shape[1]
+    assert n == 24 and padded["ids"].shape == (1, model_lib.FLEX_MIN_TOKENS)
+    assert padded["pos"][0, n:].tolist() == list(range(model_lib.FLEX_MIN_TOKENS - n))  # its own sequence
+    assert padded["cu"].tolist() == b["cu"].tolist() + [model_lib.FLEX_MIN_TOKENS]
+    assert model_lib.pad_packed(padded, model_lib.FLEX_MIN_TOKENS) is padded  # long enough: unchanged
+    rows = []
+    real_pad = model_lib.pad_packed
+
+    def spy(b_, k):
+        rows.append(real_pad(b_, k)["ids"].shape[1])
+        return real_pad(b_, k)
+
+    monkeypatch.setattr(model_lib, "pad_packed", spy)
+    with torch.no_grad():
+        ref, _ = model_lib.token_logprobs(_model(tiny_path, "sdpa"), b, 1.0, 16)
+        assert rows == []  # sdpa: not padded
+        flex, _ = model_lib.token_logprobs(_model(tiny_path, "flex_attention"), b, 1.0, 16)
+    assert rows == [model_lib.FLEX_MIN_TOKENS]
+    assert flex.shape == ref.shape == b["mask"].shape
+    assert ((flex - ref) * b["mask"]).abs().max() < 1e-5 and float((ref * b["mask"]).abs().max()) > 1e-2
