@@ -27,10 +27,12 @@ Outcomes per run: eval (greedy pass rate on --eval-prompts held-out prompts ever
 maximum, or a grad norm above 10x the running median after step 20), and per step the diagnostics of docs/metrics.md
 (is_ess, is_log_ratio_m2, neg_adv_high_ratio_frac, grad_norm).
 
-Every finished run is appended to --out (jsonl) and skipped when the command is run again, so an interrupted sweep
-continues where it stopped. --summary prints the table (paired differences against eta = 0 of the same loss and seed,
-95% t-intervals, Wilson intervals of the collapse rate, equivalence at --margin by two one-sided t-tests) and draws
-the figure.
+At eta 0 recompute and m2po share naive's run (ETA0_IS: on-policy pi_old = mu up to float error, so both are PPO
+around mu; --every-eta0 runs them too, as seeds 0-3 did, and --summary shows the differences as the check). Every
+finished run is appended to --out (jsonl) and skipped when the command is run again, so an interrupted sweep
+continues where it stopped. --summary prints the table (paired differences against eta = 0 of the same seed, 95%
+t-intervals, Wilson intervals of the collapse rate, equivalence at --margin by two one-sided t-tests) and draws the
+figure.
 
 Run:
     python bench/staleness_experiment.py --out runs/staleness_exp.jsonl [--workers 2] [--seeds 0-7]
@@ -89,6 +91,10 @@ class Setup:
 
 LOSSES = ("naive", "recompute", "truncated_is", "m2po")
 ETAS = (0, 2, 8, 32)
+# On-policy (eta 0) pi_old = mu up to float error, so recompute (behaviour weight 1) and m2po (nothing masked) are
+# naive PPO: their eta 0 is naive's run, per seed. truncated_is is another estimator even on-policy (REINFORCE with a
+# truncated weight, no clip on the second mini-batch) and runs its own.
+ETA0_IS = {"recompute": "naive", "m2po": "naive"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,6 +488,12 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
     lrs = sorted({k[0] for k in by})
     losses_ = sorted({k[1] for k in by}, key=lambda x: LOSSES.index(x) if x in LOSSES else 99)
     etas = sorted({k[2] for k in by})
+    # eta 0 of a loss in ETA0_IS is its twin's run (the same algorithm on-policy); its own eta-0 runs, where they
+    # exist (--every-eta0), are kept apart as the check that they are
+    twins = {k: by[k] for k in by if k[2] == 0 and k[1] in ETA0_IS}
+    for lr, loss, eta, seed in list(by):
+        if (lr, ETA0_IS.get(loss), 0, seed) in by:
+            by[(lr, loss, 0, seed)] = by[(lr, ETA0_IS[loss], 0, seed)]
     lines = [f"| lr | loss | eta | runs | final eval (95% CI) | diff vs eta 0 (95% CI) | within +-{margin:.2f}? | AUC | "
              "collapse (Wilson 95%) | of which an eval drop | min is_ess | max is_log_ratio_m2 | "
              "mean neg_adv_high_ratio_frac |",
@@ -513,13 +525,25 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
                 lines.append(f"| {lr:g} | {loss} | {eta} | {len(runs)} | {m:.3f} ({lo:.3f}, {hi:.3f}) | {diff} | {eq} | "
                              f"{auc:.3f} | {k}/{len(runs)} ({wl:.2f}, {wh:.2f}) | {drops} | {ess:.3f} | {m2:.3f} | "
                              f"{nah:.4f} |")
+    if twins:
+        lines += ["", "The eta-0 runs of " + ", ".join(f"{k} (shared with {v})" for k, v in ETA0_IS.items()) +
+                  " against the run they share (final eval, paired; one algorithm on-policy, so the seed noise of "
+                  "float-level differences):", "", "| lr | loss | pairs | own eta-0 run - shared (95% CI) |",
+                  "|---|---|---|---|"]
+        for lr in lrs:
+            for loss in losses_:
+                d = [r["final_eval"] - by[(lr, ETA0_IS[loss], 0, k[3])]["final_eval"] for k, r in sorted(twins.items())
+                     if k[:2] == (lr, loss) and (lr, ETA0_IS[loss], 0, k[3]) in by]
+                if len(d) >= 2:
+                    dm, dlo, dhi = mean_ci(d)
+                    lines.append(f"| {lr:g} | {loss} | {len(d)} | {dm:+.3f} ({dlo:+.3f}, {dhi:+.3f}) |")
     lines += ["", "Against naive PPO at the same learning rate, eta and seed (final eval, paired):", "",
               "| lr | loss | eta | pairs | loss - naive (95% CI) |", "|---|---|---|---|---|"]
     for lr in lrs:
         for loss in losses_:
             if loss == "naive":
                 continue
-            for eta in etas:
+            for eta in [e for e in etas if e > 0 or loss not in ETA0_IS]:  # a shared eta 0 differs by 0
                 d = [r["final_eval"] - by[(lr, "naive", eta, k[3])]["final_eval"]
                      for k, r in sorted(by.items()) if k[:3] == (lr, loss, eta) and (lr, "naive", eta, k[3]) in by]
                 if len(d) >= 2:
@@ -572,6 +596,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=Setup.lr)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--base-dir", default=os.path.join(ROOT, "runs", "staleness_bases"))
+    p.add_argument("--every-eta0", action="store_true",
+                   help="run eta 0 for every loss (default: recompute and m2po share naive's, ETA0_IS)")
     p.add_argument("--summary", action="store_true", help="print the table of --out (and draw --png) and stop")
     p.add_argument("--png", default=None)
     p.add_argument("--summary-seeds", default=None, help="--summary of these seeds only (e.g. 0-3), to compare seed sets")
@@ -596,9 +622,11 @@ def main(argv=None) -> None:
     if a.pilot:
         setups = [replace(base_setup, loss=loss, eta=8, seed=seed, lr=lr)
                   for lr in (1e-4, 3e-4) for loss in ("naive", "recompute") for seed in (0, 1)]
-    else:
+    else:  # eta 0 of a loss in ETA0_IS is its twin's run unless --every-eta0
+        names = a.losses.split(",")
         setups = [replace(base_setup, loss=loss, eta=int(eta), seed=seed)
-                  for seed in _seeds(a.seeds) for eta in a.etas.split(",") for loss in a.losses.split(",")]
+                  for seed in _seeds(a.seeds) for eta in a.etas.split(",") for loss in names
+                  if int(eta) > 0 or ETA0_IS.get(loss) not in names or a.every_eta0]
     if a.quick:
         todo = [s for s in setups if _key(asdict(s)) not in _done(a.out)]
         print(f"[sweep] {len(setups) - len(todo)} of {len(setups)} runs already in {a.out}; {len(todo)} to go")

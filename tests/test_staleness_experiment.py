@@ -13,10 +13,10 @@ def test_quick_sweep_imposes_staleness_and_resumes(tmp_path, capsys):
     out, bases = tmp_path / "r.jsonl", tmp_path / "bases"
     argv = ["--quick", "--out", str(out), "--base-dir", str(bases), "--losses", "naive,recompute", "--etas", "0,2",
             "--seeds", "0"]
-    se.main(argv)  # in this process: the quick base (a 1-layer model at a ~20% pass rate) and four 4-step runs
+    se.main(argv)  # in this process: the quick base (a 1-layer model at a ~20% pass rate) and three 4-step runs
     printed = capsys.readouterr().out
     runs = {(r["setup"]["loss"], r["setup"]["eta"]): r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(runs) == [("naive", 0), ("naive", 2), ("recompute", 0), ("recompute", 2)]
+    assert sorted(runs) == [("naive", 0), ("naive", 2), ("recompute", 2)]  # eta 0 once, shared
     for (loss, eta), r in runs.items():
         rows = r["rows"]
         assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
@@ -32,9 +32,12 @@ def test_quick_sweep_imposes_staleness_and_resumes(tmp_path, capsys):
             assert rows[-1]["staleness"] >= 1.0
         assert 0.0 <= r["final_eval"] <= 1.0 and len(r["evals"]) >= 2
     assert "| naive | 2 |" in printed  # the summary table
+    naive0 = next(ln for ln in printed.splitlines() if ln.startswith("| 0.0001 | naive | 0 |"))
+    recompute0 = next(ln for ln in printed.splitlines() if ln.startswith("| 0.0001 | recompute | 0 |"))
+    assert naive0.split("|")[4:] == recompute0.split("|")[4:]  # recompute's eta 0 is naive's run
     se.main(argv)
-    assert "4 of 4 runs already" in capsys.readouterr().out
-    assert len(out.read_text().splitlines()) == 4  # every run was already there: none ran twice
+    assert "3 of 3 runs already" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 3  # every run was already there: none ran twice
 
 
 def test_cached_sampler_log_probs_are_the_sampling_snapshots(tmp_path):
