@@ -97,16 +97,17 @@ def _exit_when_orphaned(poll_s: float = 2.0) -> None:
 
 
 def serve(settings, rpc_init_method: str, rank: int, world_size: int, prompts_per_source: list,
-          decode: Optional[Callable[[list], str]] = None) -> None:
+          decode: Optional[Callable[[list], str]] = None, startup_timeout: Optional[float] = None) -> None:
     """Run the buffer process (workers.py starts it, with the prompts of each data source): a PipelineServer of
     `settings` (a BufferSettings, or a validated config.Config) reachable as RPC worker "buffer" until every worker
-    shuts down."""
+    shuts down. startup_timeout: how long init_rpc waits for the others (default settings.rpc_timeout_s)."""
     global _SERVER
     torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
     # before init_rpc: clients may call as soon as it returns
     _SERVER = PipelineServer(settings, prompts_per_source, decode=decode)
     try:
-        init_rpc("buffer", rank, world_size, rpc_init_method, _SERVER.settings.rpc_timeout_s)
+        init_rpc("buffer", rank, world_size, rpc_init_method, _SERVER.settings.rpc_timeout_s,
+                 startup_timeout=startup_timeout)
         _exit_when_orphaned()
         rpc.shutdown(graceful=True)  # returns once the trainer and the rollout have shut down too
     finally:

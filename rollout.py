@@ -1009,10 +1009,10 @@ class RemoteRollout:
         return self._call("stop")
 
 
-def serve(cfg, rpc_init_method: str, rank: int, world_size: int) -> None:
-    """The rollout process (workers.py starts it): join RPC as "rollout", build the Rollout against
-    RemoteBuffer("buffer") and the fleet, serve its methods until the trainer shuts RPC down. `cfg` is a config.Config
-    that passed config.validate (duck-typed)."""
+def serve(cfg, rpc_init_method: str, rank: int, world_size: int, startup_timeout: Optional[float] = None) -> None:
+    """The rollout process (workers.py starts it): join RPC as "rollout" (waiting up to startup_timeout for the
+    others, default buffer.rpc_timeout_s), build the Rollout against RemoteBuffer("buffer") and the fleet, serve its
+    methods until the trainer shuts RPC down. `cfg` is a config.Config that passed config.validate (duck-typed)."""
     global _ROLLOUT
     from torch.distributed import rpc
     from transformers import AutoTokenizer
@@ -1020,7 +1020,8 @@ def serve(cfg, rpc_init_method: str, rank: int, world_size: int) -> None:
     import remote
 
     _READY_TIMEOUT_S[0] = cfg.rollout.startup_timeout_s
-    remote.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s)
+    remote.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s,
+                    startup_timeout=startup_timeout)
     sync = SyncFleet(Fleet.from_config(cfg))
     try:
         try:

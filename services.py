@@ -3,10 +3,12 @@
 The inference servers (engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked, relaunched
 when one dies), the buffer process (`python workers.py buffer`) and the rollout process (`python workers.py rollout`),
 RPC between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
-orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0 and calls `launch_fleet`, `start_rpc`, `watch`
-and `close`. Servers are placed per node (rollout.server_layout): the local rank 0 of every other trainer node
-launches and supervises its own (`serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects
-them; every other rank starts nothing.
+orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0: `launch_fleet(wait=False)` before the
+model loads, then `spawn_rpc_workers`, `launch_fleet` (the servers' /health), `join_rpc`, `watch` and `close`, so
+that the servers', the workers' and the model's start-ups overlap. Servers are placed per node
+(rollout.server_layout): the local rank 0 of every other trainer node launches and supervises its own
+(`serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects them; every other rank starts
+nothing.
 """
 from __future__ import annotations
 
@@ -143,6 +145,8 @@ class Services:
         self.relaunching: set = set()
         self.replaced: set = set()  # relaunched since the weight-update group last formed (Actor.sync_weights)
         self.server_restarts = 0
+        self.starting: dict = {}  # node -> {i: URL} of servers started by launch_servers(wait=False), not yet waited
+        self.rpc_init = None  # spawn_rpc_workers' tcp:// address, which join_rpc joins
 
     def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
         log = os.path.join(self.logs, f"{name}.log")
@@ -204,9 +208,24 @@ class Services:
                     os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
         threading.Thread(target=loop, name="child-watcher", daemon=True).start()
 
-    def launch_servers(self, version: int, node: int = 0) -> dict[int, str]:
+    def launch_servers(self, version: int, node: int = 0, wait: bool = True) -> dict[int, str]:
         """rollout.launch engine | sglang: the entries of rollout.server_layout on `node`, server i on base_port + i;
-        returns {i: URL} once every one answers /health."""
+        returns {i: URL} once every one answers /health. wait=False: returns once they are started, and the next
+        call for the node waits for them (train.py starts the servers before the model loads)."""
+        if node in self.starting:
+            urls = self.starting.pop(node)
+        else:
+            urls = self._spawn_servers(version, node)
+        if not wait:
+            self.starting[node] = urls
+            return urls
+        self.wait_healthy(list(urls.values()))
+        if urls:
+            print(f"[train] node {node} launched " + ", ".join(
+                f"server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid})" for i, u in urls.items()), flush=True)
+        return urls
+
+    def _spawn_servers(self, version: int, node: int) -> dict[int, str]:
         r = self.cfg.rollout
         urls = {}
         for i, layout in enumerate(r.server_layout):
@@ -246,16 +265,13 @@ class Services:
             self.spawn(f"server_{i}", cmd, env)
             urls[i] = f"http://{server_address(a.host, node)}:{port}"
             self.servers[f"server_{i}"] = (cmd, env, urls[i])
-        self.wait_healthy(list(urls.values()))
-        if urls:
-            print(f"[train] node {node} launched " + ", ".join(
-                f"server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid})" for i, u in urls.items()), flush=True)
         return urls
 
-    def launch_fleet(self, version: int) -> list[str]:
-        """Trainer rank 0: its own node's servers, then the URLs the other nodes' local ranks 0 published in the
-        torchrun store (serve_node), in server_layout order."""
-        urls = self.launch_servers(version, 0)
+    def launch_fleet(self, version: int, wait: bool = True) -> list[str]:
+        """Trainer rank 0: its own node's servers (wait=False: started, not waited for; launch_servers(version)
+        waits), then the URLs the other nodes' local ranks 0 published in the torchrun store (serve_node), in
+        server_layout order."""
+        urls = dict(self.launch_servers(version, 0, wait))  # a copy: the remote URLs are added to it
         layout = self.cfg.rollout.server_layout
         remote = [i for i in range(len(layout)) if i not in urls]
         deadline = time.monotonic() + self.cfg.rollout.startup_timeout_s
@@ -341,15 +357,20 @@ class Services:
                                    f"see {self.logs}/server_*.log")
             time.sleep(0.1)  # a refused connect or a one-token /health: cheap, and each launch waits less for it
 
-    def start_rpc(self, resolved_config: str) -> None:
-        """Buffer (rank 1) and rollout (rank 2) processes, then RPC as "trainer" (rank 0), watching both."""
-        init = f"tcp://127.0.0.1:{free_port()}"
+    def spawn_rpc_workers(self, resolved_config: str) -> None:
+        """The buffer (RPC rank 1) and rollout (rank 2) processes; join_rpc joins them as "trainer" (rank 0). They
+        wait for it in init_rpc for up to rollout.startup_timeout_s + buffer.rpc_timeout_s (workers.py), so
+        whatever rank 0 does in between (the servers' /health) is bounded by rollout.startup_timeout_s."""
+        self.rpc_init = f"tcp://127.0.0.1:{free_port()}"
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "workers.py"), "buffer"]),
                                             ("rollout", [os.path.join(ROOT, "workers.py"), "rollout"])], start=1):
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
-            self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", init,
+            self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", self.rpc_init,
                               "--rank", str(rank), "--world-size", "3"], env)
-        startup = self.cfg.rollout.startup_timeout_s
+
+    def join_rpc(self) -> None:
+        """RPC as "trainer" (rank 0) with the workers of spawn_rpc_workers, watching both while it waits."""
+        init, startup = self.rpc_init, self.cfg.rollout.startup_timeout_s
         remote.init_rpc("trainer", 0, 3, init, self.cfg.buffer.rpc_timeout_s, num_worker_threads=16,
                             startup_timeout=startup,
                             while_waiting=lambda: self.check_alive("joining RPC as 'buffer' / 'rollout'"),

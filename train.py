@@ -572,18 +572,28 @@ class Actor:
         return {"perf/memory_train_end": before, "perf/memory_before_push": model_lib.memory_now(self.device)}
 
 
-def start_fleet(cfg, services, version: int, launched: bool):
+def start_fleet(cfg, services, version: int, launched: bool, wait: bool = True):
     """Rank 0: the servers of rollout.server_layout (this node's launched here, the other nodes' published by their
     local rank 0, see node_services; or rollout.servers / rollout.router_url already running), where they reach the
-    broadcast group, and the SyncFleet once every server answers /health."""
+    broadcast group, and the SyncFleet once every server answers /health. wait=False: the SyncFleet of the URLs, the
+    servers maybe still starting (wait_fleet waits)."""
     import sglang_client
 
     if launched:
-        cfg.rollout.servers = services.launch_fleet(version)
+        cfg.rollout.servers = services.launch_fleet(version, wait)
     cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
     fleet = services.fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
-    fleet.wait_healthy(cfg.rollout.startup_timeout_s)
+    if wait:
+        wait_fleet(cfg, services, version, launched)
     return fleet
+
+
+def wait_fleet(cfg, services, version: int, launched: bool) -> None:
+    """Until this node's launched servers answer /health (their log and exit named if one dies), then every
+    server of the fleet, and their sglang versions."""
+    if launched:
+        services.launch_servers(version, 0)
+    services.fleet.wait_healthy(cfg.rollout.startup_timeout_s)
 
 
 def node_services(cfg, local_rank: int, launched: bool):
@@ -676,7 +686,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         dist.broadcast_object_list(box, src=0, group=ctrl)
         resume_path = box[0]
 
-        # ---- colocate: the servers start first and release their memory before the model loads ----
+        # ---- colocate: the servers start first and release their memory before the model loads; otherwise they
+        # start now and the model loads during their start-up (minutes for SGLang at scale), waited for below ----
+        if rank == 0 and launched and not (cfg.colocate and cfg.run_mode == "default"):
+            services = Services(cfg)
+            services.launch_servers(checkpoint.load_run_state(resume_path)["step"] if resume_path else 0, 0, wait=False)
         if cfg.colocate and cfg.run_mode == "default":
             if rank == 0:
                 services = Services(cfg)
@@ -723,15 +737,19 @@ def main(argv: Optional[list[str]] = None) -> None:
                 buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
                 ro = NoRollout()
             else:
-                if fleet is None:
-                    services = Services(cfg)
-                    fleet = start_fleet(cfg, services, start_step, launched)
+                waiting = fleet is None
+                if waiting:  # the URLs now; /health below, once the RPC workers are starting too
+                    services = services or Services(cfg)
+                    fleet = start_fleet(cfg, services, start_step, launched, wait=False)
                 resolved = os.path.join(cfg.run_dir, "config.yaml")
                 with open(resolved, "w") as f:
                     import yaml
 
                     yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
-                services.start_rpc(resolved)
+                services.spawn_rpc_workers(resolved)
+                if waiting:
+                    wait_fleet(cfg, services, start_step, launched)
+                services.join_rpc()
                 services.watch()
                 buf = remote.RemoteBuffer("buffer", b.rpc_timeout_s)
                 ro = rollout_lib.RemoteRollout("rollout", b.rpc_timeout_s)

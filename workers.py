@@ -35,7 +35,14 @@ def serve_buffer(cfg, rpc_init: str, rank: int, world_size: int) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens) for ds in cfg.data_sources]
-    remote.serve(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode)
+    remote.serve(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode,
+                 startup_timeout=rpc_startup_timeout(cfg))
+
+
+def rpc_startup_timeout(cfg) -> float:
+    """How long a worker waits in init_rpc for the trainer: started before the servers answer /health, it joins
+    within rollout.startup_timeout_s of them, and within buffer.rpc_timeout_s of the other workers."""
+    return cfg.rollout.startup_timeout_s + cfg.buffer.rpc_timeout_s
 
 
 def generate(cfg, split: str, limit: Optional[int], out: Optional[str]) -> dict:
@@ -86,7 +93,7 @@ def main(argv=None) -> None:
     if args.role == "buffer":
         serve_buffer(cfg, args.rpc_init, args.rank, args.world_size)
     elif args.role == "rollout":
-        rollout.serve(cfg, args.rpc_init, args.rank, args.world_size)
+        rollout.serve(cfg, args.rpc_init, args.rank, args.world_size, rpc_startup_timeout(cfg))
     else:
         print(json.dumps({"rollout_summary": generate(cfg, args.split, args.limit, args.out)}))
 
