@@ -579,8 +579,8 @@ def start_fleet(cfg, services, version: int, launched: bool, wait: bool = True):
     servers maybe still starting (wait_fleet waits)."""
     import sglang_client
 
-    if launched:
-        cfg.rollout.servers = services.launch_fleet(version, wait)
+    if launched:  # started (or already starting), waited for in wait_fleet
+        cfg.rollout.servers = services.launch_fleet(version, wait=False)
     cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
     fleet = services.fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     if wait:

@@ -181,8 +181,8 @@ def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_pa
 
 def test_a_short_packed_row_is_padded_for_flex_attention_with_the_same_log_probs(tiny_path, monkeypatch):
     """flex_attention's compiled training forward failed on an H200 for a 110-token packed row (docs/gpu.md):
-    model.pad_packed appends a padding sequence up to FLEX_MIN_TOKENS, outside the loss index, so the log-probs
-    through flex_attention (forward only: CPU flex has no backward) equal sdpa's of the unpadded row."""
+    token_logprobs pads a packed row under flex_attention (only) with model.pad_packed, a padding sequence up to
+    FLEX_MIN_TOKENS outside the loss index, which leaves the log-probs as they were."""
     seqs = _seqs([(5, 9), (3, 2), (4, 1)])
     b = batching.collate(seqs, packing=True)
     padded = model_lib.pad_packed(b, model_lib.FLEX_MIN_TOKENS)
@@ -191,18 +191,23 @@ def test_a_short_packed_row_is_padded_for_flex_attention_with_the_same_log_probs
     assert padded["pos"][0, n:].tolist() == list(range(model_lib.FLEX_MIN_TOKENS - n))  # its own sequence
     assert padded["cu"].tolist() == b["cu"].tolist() + [model_lib.FLEX_MIN_TOKENS]
     assert model_lib.pad_packed(padded, model_lib.FLEX_MIN_TOKENS) is padded  # long enough: unchanged
-    rows = []
-    real_pad = model_lib.pad_packed
+    model = _model(tiny_path, "sdpa")
+    with torch.no_grad():
+        ref, _ = model_lib.token_logprobs(model, b, 1.0, 16)
+        out, _ = model_lib.token_logprobs(model, padded, 1.0, 16)
+    assert out.shape == ref.shape == b["mask"].shape
+    assert ((out - ref) * b["mask"]).abs().max() < 1e-5 and float((ref * b["mask"]).abs().max()) > 1e-2
+
+    class Padded(Exception):
+        pass
 
     def spy(b_, k):
-        rows.append(real_pad(b_, k)["ids"].shape[1])
-        return real_pad(b_, k)
+        raise Padded(b_["ids"].shape[1], k)
 
-    monkeypatch.setattr(model_lib, "pad_packed", spy)
+    monkeypatch.setattr(model_lib, "pad_packed", spy)  # which attention pads (without compiling flex on CPU)
     with torch.no_grad():
-        ref, _ = model_lib.token_logprobs(_model(tiny_path, "sdpa"), b, 1.0, 16)
-        assert rows == []  # sdpa: not padded
-        flex, _ = model_lib.token_logprobs(_model(tiny_path, "flex_attention"), b, 1.0, 16)
-    assert rows == [model_lib.FLEX_MIN_TOKENS]
-    assert flex.shape == ref.shape == b["mask"].shape
-    assert ((flex - ref) * b["mask"]).abs().max() < 1e-5 and float((ref * b["mask"]).abs().max()) > 1e-2
+        model_lib.token_logprobs(model, b, 1.0, 16)  # sdpa: not padded
+        model.config._attn_implementation = "flex_attention"
+        with pytest.raises(Padded) as e:
+            model_lib.token_logprobs(model, b, 1.0, 16)
+    assert e.value.args == (24, model_lib.FLEX_MIN_TOKENS)
