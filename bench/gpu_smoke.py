@@ -491,7 +491,8 @@ def stage_moe(ctx) -> dict:
     a, b = (_make_moe(os.path.join(ctx["work"], f"moe_{k}"), seed) for k, seed in (("A", 0), ("B", 1)))
     cfg = _cfg(ctx, f"model.path={b}", "trainer.packing=true", "trainer.micro_batch_tokens=512", "trainer.lr=1e-2",
                "model.activation_checkpointing=true", "algorithm.routing_replay=true",
-               "model.attn_implementation=sdpa",  # the routes and names are this stage's; kernels are packing's
+               # attention: auto, so flex_attention on a GPU without flash-attn: this stage's ~110-token packed rows
+               # are what failed to compile on the H200 before model.token_logprobs padded them (FLEX_MIN_TOKENS)
                f"run_dir={os.path.join(ctx['work'], 'moe_run')}")
     model, _ = model_lib.load_model(cfg, init_device_mesh(device.type, (1,)), device, 0, ctrl)
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
