@@ -454,6 +454,12 @@ def mean_ci(xs: list[float]) -> tuple[float, float, float]:
     return m, m - h, m + h
 
 
+def ci_text(xs: list[float]) -> str:
+    """A paired difference as the tables print it: mean (95% t-interval)."""
+    m, lo, hi = mean_ci(xs)
+    return f"{m:+.3f} ({lo:+.3f}, {hi:+.3f})"
+
+
 def equivalent(xs: list[float], margin: float) -> bool:
     """TOST at 5%: the mean paired difference lies within +-margin (the 90% t-interval inside it)."""
     n = len(xs)
@@ -509,8 +515,7 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
                 diffs = [r["final_eval"] - by[(lr, loss, 0, r["setup"]["seed"])]["final_eval"]
                          for r in runs if (lr, loss, 0, r["setup"]["seed"]) in by]
                 if eta and len(diffs) >= 2:
-                    dm, dlo, dhi = mean_ci(diffs)
-                    diff = f"{dm:+.3f} ({dlo:+.3f}, {dhi:+.3f})"
+                    diff = ci_text(diffs)
                     eq = "yes" if equivalent(diffs, margin) else "not shown"
                 else:
                     diff, eq = "-", "-"
@@ -535,8 +540,7 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
                 d = [r["final_eval"] - by[(lr, ETA0_IS[loss], 0, k[3])]["final_eval"] for k, r in sorted(twins.items())
                      if k[:2] == (lr, loss) and (lr, ETA0_IS[loss], 0, k[3]) in by]
                 if len(d) >= 2:
-                    dm, dlo, dhi = mean_ci(d)
-                    lines.append(f"| {lr:g} | {loss} | {len(d)} | {dm:+.3f} ({dlo:+.3f}, {dhi:+.3f}) |")
+                    lines.append(f"| {lr:g} | {loss} | {len(d)} | {ci_text(d)} |")
     lines += ["", "Against naive PPO at the same learning rate, eta and seed (final eval, paired):", "",
               "| lr | loss | eta | pairs | loss - naive (95% CI) |", "|---|---|---|---|---|"]
     for lr in lrs:
@@ -547,8 +551,7 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
                 d = [r["final_eval"] - by[(lr, "naive", eta, k[3])]["final_eval"]
                      for k, r in sorted(by.items()) if k[:3] == (lr, loss, eta) and (lr, "naive", eta, k[3]) in by]
                 if len(d) >= 2:
-                    dm, dlo, dhi = mean_ci(d)
-                    lines.append(f"| {lr:g} | {loss} | {eta} | {len(d)} | {dm:+.3f} ({dlo:+.3f}, {dhi:+.3f}) |")
+                    lines.append(f"| {lr:g} | {loss} | {eta} | {len(d)} | {ci_text(d)} |")
     if png:
         _plot({k[1:]: r for k, r in by.items() if k[0] == lrs[-1]}, losses_, etas, png)
     return "\n".join(lines)
