@@ -3,9 +3,10 @@
 The inference servers (engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked, relaunched
 when one dies), the buffer process (`python workers.py buffer`) and the rollout process (`python workers.py rollout`),
 RPC between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
-orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0: `launch_fleet(wait=False)` before the
-model loads, then `spawn_rpc_workers`, `launch_fleet` (the servers' /health), `join_rpc`, `watch` and `close`, so
-that the servers', the workers' and the model's start-ups overlap. Servers are placed per node
+orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0: `launch_servers(wait=False)` before the
+model loads, then `launch_fleet(wait=False)` (the other nodes' URLs), `spawn_rpc_workers`, `launch_servers` (the
+servers' /health), `join_rpc`, `watch` and `close`, so that the servers', the workers' and the model's start-ups
+overlap. Servers are placed per node
 (rollout.server_layout): the local rank 0 of every other trainer node launches and supervises its own
 (`serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects them; every other rank starts
 nothing.

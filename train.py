@@ -688,14 +688,16 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- colocate: the servers start first and release their memory before the model loads; otherwise they
         # start now and the model loads during their start-up (minutes for SGLang at scale), waited for below ----
-        if rank == 0 and launched and not (cfg.colocate and cfg.run_mode == "default"):
+        colocated = cfg.colocate and cfg.run_mode == "default"
+        starts_servers = rank == 0 and (launched or colocated)  # labelled with the version they first serve
+        first_version = checkpoint.load_run_state(resume_path)["step"] if starts_servers and resume_path else 0
+        if rank == 0 and launched and not colocated:
             services = Services(cfg)
-            services.launch_servers(checkpoint.load_run_state(resume_path)["step"] if resume_path else 0, 0, wait=False)
-        if cfg.colocate and cfg.run_mode == "default":
+            services.launch_servers(first_version, 0, wait=False)
+        if colocated:
             if rank == 0:
                 services = Services(cfg)
-                fleet = start_fleet(cfg, services, checkpoint.load_run_state(resume_path)["step"] if resume_path
-                                    else 0, launched)
+                fleet = start_fleet(cfg, services, first_version, launched)
                 fleet.release_memory()
             else:
                 services = node_services(cfg, local_rank, launched)
@@ -713,7 +715,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(memory_report(cfg, model, world, device, cfg.trainer.entropy_metric), flush=True)
             opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type))
             actor = Actor(cfg, model, opt, sched, device, ctrl)
-            actor.released = cfg.colocate and cfg.run_mode == "default"
+            actor.released = colocated
         if rank != 0 and services is None:  # (colocate started them before the model loaded)
             services = node_services(cfg, local_rank, launched)
 
