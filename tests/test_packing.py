@@ -154,6 +154,10 @@ def test_routes_stay_in_their_dtype_with_a_mask_of_the_positions_the_server_ran(
         assert torch.equal(b["routed"], want)
         assert torch.equal(b["routes"][0, :6], seqs[0]["routes"])
         assert torch.equal(b["routes"][0, 7:9], seqs[1]["routes"])
+        padded = model_lib.pad_packed(b, 32)  # flex_attention's padding sequence: no routes, the dtype kept
+        assert padded["routes"].shape == (1, 32, 3, 2) and padded["routes"].dtype == torch.uint8
+        assert torch.equal(padded["routes"][:, :16], b["routes"]) and not padded["routes"][:, 16:].any()
+        assert torch.equal(padded["routed"][:, :16], b["routed"]) and not padded["routed"][:, 16:].any()
     else:
         assert b["routes"].shape == (3, 7, 3, 2)
         assert b["routed"].sum(1).tolist() == known
