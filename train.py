@@ -801,12 +801,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
         cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
         if cause is None and rank != 0 and isinstance(e, RuntimeError):
-            # rank 0 failed (its own error says why: let it print first) or a collective with it broke; one line
-            if isinstance(e, RankZeroFailed):
-                time.sleep(STARTUP_ERROR_WAIT_S)  # torchrun stops this rank once rank 0 has exited
+            # rank 0 failed (its own error says why: let it print first) or a collective with it broke; one line.
+            # Then wait for torchrun to stop this rank once rank 0 has exited: rank 0's teardown (its children, RPC)
+            # takes seconds after its sockets may already be closed, and a rank that exited first would be torchrun's
+            # "first observed failure" in place of rank 0's (its exit code 2 for a run that cannot train, say).
             print(f"[train] rank {rank}: lost trainer rank 0 (it failed, exited, or did not answer within the "
                   f"control group's timeout): {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
                   file=sys.stderr, flush=True)
+            time.sleep(STARTUP_ERROR_WAIT_S)
             failed = 1
         elif cause is None:
             raise
