@@ -63,7 +63,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -1018,12 +1017,6 @@ class Server:
 
 # -- Launching (CLI and subprocess helper) -------------------------------------------------------------------------
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class EngineProcess:
     """Handle of an engine subprocess started by launch()."""
 
@@ -1050,7 +1043,10 @@ def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
     """Start `python engine.py` on a free port (or `port`), wait until /health answers 200 and return (url, handle).
     Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8); `env` adds environment
     variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT); the log goes to log_path (default: a temporary file)."""
-    port = port or free_port(host)
+    if not port:
+        from services import free_port  # below the ephemeral range, as train.py's own launches
+
+        port = free_port(host)
     url = f"http://{host}:{port}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_path), "--host", host,
            "--port", str(port)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,10 +43,25 @@ TRAINER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port p with p .. p + span - 1 free on `host`, drawn at random from 10000-28999: below the kernel's
+    ephemeral range (Linux: 32768+ by default), from which bind(0) and every outgoing connection take theirs, so a
+    port found free there can be a connection's by the time the service binds it (EADDRINUSE), and a stray
+    connection to an RPC port aborts TensorPipe; and below the fixed defaults (torchrun's 29500,
+    weight_sync.master_port 29700, rollout.base_port 31000 + server index), which a server may not have bound yet."""
+    high = 29000
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        high = min(high, int(f.read().split()[0]))
+    for _ in range(1000):
+        port = random.randrange(10000, max(10001, high - span + 1))
+        try:
+            for q in range(port, port + span):
+                with socket.socket() as sock:
+                    sock.bind((host, q))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} free consecutive port(s) on {host} in 10000-{high - 1} after 1000 tries")
 
 
 URL_KEY = "asyncrl/server_url/"  # + server index: its URL (or "error: ..."), in the torchrun store

@@ -36,19 +36,11 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from services import free_port  # noqa: E402  (below the kernel's ephemeral ports, as train.py's own)
+
 B, N, M = 4, 4, 8
-
-
-def free_port(lo: int, hi: int) -> int:
-    """A random port in [lo, hi] nothing is bound to (also not as the local end of a connection)."""
-    while True:
-        port = random.randint(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
 
 
 class Run:
@@ -56,10 +48,9 @@ class Run:
 
     def __init__(self, run_dir: str, model: str, steps: int, *extra: str):
         self.run_dir = run_dir
-        self.port = free_port(20000, 29999)  # below the kernel's ephemeral ports (32768+ on Linux), which
-        # outgoing connections take meanwhile: a port free at the check could be a connection's by the bind
+        self.port = free_port()
         args = [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={self.port}",
-                f"weight_sync.master_port={free_port(10000, 19999)}", f"data_source.num_prompts={B * steps}",
+                f"weight_sync.master_port={free_port()}", f"data_source.num_prompts={B * steps}",
                 "data_source.num_eval_prompts=8", f"data_source.num_prompts_per_step={B}",
                 f"data_source.num_trajectories_per_prompt={N}", f"trainer.mini_batch_size={M}",
                 f"trainer.total_steps={steps}", "trainer.save_freq=5", "trainer.eval_freq=0",

@@ -46,7 +46,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -88,9 +87,9 @@ MOE_SIZES = {
 # ---------------------------------------------------------------------------------------------------------------
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from services import free_port  # below the kernel's ephemeral ports, as train.py's own
+
+    return free_port()
 
 
 def _device(ctx):

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import buffer
 import config
 import remote
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, DataSource, PipelineBuffer, PipelineServer, Trajectory
+from services import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,10 +76,6 @@ def aborted(g, i, start=0, end=0):
     return t
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import sglang_client
 import scheduler
 import tasks
 import weight_sync
+from services import free_port  # noqa: E402
 
 MAX_RUNNING = 8
 LONG = 3000  # max_new_tokens of requests meant to be still running when the test acts on them
@@ -425,7 +426,7 @@ def test_update_weights_from_disk(url, models, restore_weights):
 def test_update_weights_over_gloo_group(url, models, restore_weights):
     _, refs, _ = models
     prompt = [6, 10, 14]
-    port = engine.free_port()
+    port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "test_group", "backend": "gloo"}
     with cf.ThreadPoolExecutor(1) as ex:

@@ -8,7 +8,6 @@ Run: .venv/bin/python -m pytest -q tests/test_learning.py
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,16 +17,13 @@ sys.path.insert(0, ROOT)
 import pytest  # noqa: E402
 
 import config  # noqa: E402
+from services import free_port  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 STEPS = 30  # training steps of the check
 MARGIN = 0.12  # required rise of eval/reward_mean over the base's (see the module docstring)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +31,8 @@ def learned(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("learn") / "run"
     model = tmp_path_factory.mktemp("base") / "tiny-base"  # made by train.py (model.make_tiny), pretrained
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
-            "--config", TINY, f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={_free_port()}",
-            f"weight_sync.master_port={_free_port()}", f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}",
+            "--config", TINY, f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={free_port()}",
+            f"weight_sync.master_port={free_port()}", f"trainer.total_steps={STEPS}", f"trainer.eval_freq={STEPS}",
             "trainer.save_freq=0", "trainer.export_hf=false", "buffer.get_timeout_s=60"]
     p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

@@ -34,7 +34,8 @@ import checks
 import model as model_lib
 import weight_sync
 from test_engine import first_chunk_stream, generate, last_chunk, loads, make_model, post, version
-from test_train import ROOT, TORCHRUN, _free_port
+from services import free_port  # noqa: E402
+from test_train import ROOT, TORCHRUN
 
 TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.yaml")
 
@@ -103,7 +104,7 @@ def gap(url, ref) -> float:
 def push_gloo(url, named: list, flat: list = ()) -> list:
     """One /update_weights_from_distributed of (name, tensor) over a gloo group (test_engine's gloo test); with
     `flat`, one call per Bucket in load_format flattened_bucket, each one broadcast of its bytes. The answers."""
-    port = engine.free_port()
+    port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": f"g{port}", "backend": "gloo"}
     with cf.ThreadPoolExecutor(1) as ex:
@@ -165,7 +166,7 @@ def test_flattened_bucket_is_one_broadcast_per_bucket_and_refuses_what_sglang_re
     assert up["model.layers.0.mlp.experts.5.up_proj.weight"].data_ptr() == fused[5, fused.shape[1] // 2:].data_ptr()
     assert len(push_gloo(url, [], flat=kept)) == len(kept) == 3  # 2 layers + the root: 3 broadcasts in all
     assert gap(url, ref) < 1e-5
-    port = engine.free_port()
+    port = free_port()
     with cf.ThreadPoolExecutor(1) as ex:
         joined = ex.submit(post, url, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
@@ -282,12 +283,12 @@ def test_tiny_moe_config_runs_with_engine_and_trainer_log_probs_equal(mode, moe_
     2.08 (colocate). run_dir/hf has save_pretrained's keys."""
     run_dir = tmp_path / "run"
     extra = (["colocate=true", "weight_sync.method=tensor"] if mode == "colocate-tensor" else
-             ["weight_sync.method=distributed", f"weight_sync.master_port={_free_port()}",
+             ["weight_sync.method=distributed", f"weight_sync.master_port={free_port()}",
               "algorithm.routing_replay=true"])  # and the trainer replays the engine's routes
     p = subprocess.run([*TORCHRUN, "train.py", "--config", TINY_MOE, f"run_dir={run_dir}", f"model.path={moe_base}",
                         *extra, "fully_async.enable=false", "rollout.partial=false",
                         "rollout.mask_offpolicy_in_partial_rollout=false", "weight_sync.bucket_mb=1",
-                        f"rollout.base_port={_free_port()}", "data_source.num_prompts=64",
+                        f"rollout.base_port={free_port()}", "data_source.num_prompts=64",
                         "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=8",
                         "trainer.mini_batch_size=32", "trainer.total_steps=3", "trainer.eval_freq=0",
                         "trainer.save_freq=0", "trainer.lr=0.01", "rollout.filter=[failed]",

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ import pytest
 import config
 import plugins
 import strategies
+from services import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -33,10 +33,6 @@ ALL_FIVE = ["algorithm.policy_loss=clipped_loss:symmetric_ppo", "data_source.rew
 EXAMPLES_ALL = ["strict_fifo", "clipped_loss", "length_penalty_reward", "rollout_fn", "echo_env", "slow_flaky_env"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pid(text: str, line: str) -> int:
@@ -57,7 +53,7 @@ def test_every_example_runs_through_train_py_in_its_own_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(outside), EXAMPLES])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
            "--config", TINY, f"run_dir={run_dir}", f"model.path={tmp_path / 'model'}", "model.tiny_pretrain_steps=0",
-           f"rollout.base_port={_free_port()}", f"weight_sync.master_port={_free_port()}",
+           f"rollout.base_port={free_port()}", f"weight_sync.master_port={free_port()}",
            "data_source.num_prompts=32", "data_source.num_eval_prompts=8", "data_source.num_prompts_per_step=4",
            "data_source.num_trajectories_per_prompt=4", "trainer.mini_batch_size=8", "trainer.total_steps=4",
            "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false", "rollout.filter=[failed]",

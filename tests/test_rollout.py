@@ -25,6 +25,7 @@ import sglang_client
 import tasks
 import workers
 from buffer import COMPLETED, FAILED, TRUNCATED, Trajectory
+from services import free_port  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def test_fleet_retries_5xx_not_4xx_and_takes_unreachable_servers_out_of_rotation
 
 def test_generate_waits_for_a_server_to_come_back_and_stop_ends_the_wait():
     """The only server dies (here: is not there yet); a request waits, and is served once /health answers."""
-    port = engine.free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     sync = sglang_client.SyncFleet(sglang_client.Fleet([url], retry_backoff_s=0.05, startup_timeout_s=30))
 

@@ -158,3 +158,20 @@ def test_sglang_command_per_server_has_its_layout_gpus_and_the_extra_flags(tmp_p
     flags = " ".join(cmd[cmd.index("--port"):])
     assert flags == ("--port 25000 --host 127.0.0.1 --tp-size 2 --dp-size 2 --pp-size 1 --weight-version 7 "
                      "--dtype bfloat16 --ep-size 2 --context-length 32768")
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_the_fixed_defaults():
+    """services.free_port: a port the kernel could hand to an outgoing connection meanwhile (its ephemeral range,
+    bind(0)'s answer) was taken between the check and a server's bind under load (EADDRINUSE on
+    weight_sync.master_port); the defaults rollout.base_port and weight_sync.master_port are not drawn either."""
+    cfg = config.Config()
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = [services.free_port(span=3) for _ in range(200)]
+    assert all(10000 <= p and p + 2 < min(ephemeral, cfg.weight_sync.master_port, cfg.rollout.base_port)
+               for p in ports), (min(ports), max(ports))
+    assert len(set(ports)) > 150  # drawn at random: two runs started together do not race for one port
+    for p in ports[:20]:
+        for q in (p, p + 1, p + 2):  # free, all three
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", q))

@@ -12,7 +12,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,10 +38,6 @@ TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +49,9 @@ def tiny_model(tmp_path_factory) -> str:
 
 def _run_overrides(run_dir, model) -> list:
     """tiny.yaml shrunk to one epoch of 32 prompts in 8 steps (B=4, N=4, M=8: 2 training calls per step)."""
-    return [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={_free_port()}",
-            f"weight_sync.master_port={_free_port()}", "data_source.num_prompts=32", "data_source.num_eval_prompts=8",
+    return [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={services_lib.free_port()}",
+            f"weight_sync.master_port={services_lib.free_port()}", "data_source.num_prompts=32",
+            "data_source.num_eval_prompts=8",
             "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
             "trainer.mini_batch_size=8", "trainer.total_steps=8", "trainer.save_freq=1", "trainer.eval_freq=4",
             "rollout.filter=[failed]",  # every group is trained: the epoch of 32 prompts, each exactly once
@@ -432,7 +428,7 @@ def test_a_connected_server_that_dies_and_returns_gets_the_weights_again(tmp_pat
     requests wait or go elsewhere, the next sync re-forms the group with it, and no prompt is lost or repeated."""
     import engine
 
-    port = _free_port()
+    port = services_lib.free_port()
     url, handle = engine.launch(tiny_model, port=port)
     run_dir = tmp_path / "run"
     trainer_err = tmp_path / "trainer.err"
@@ -480,7 +476,7 @@ def _torchrun_self(mode: str, args: dict, timeout: float = 240) -> dict:
 def actor_checks(tmp_path_factory, tiny_model) -> dict:
     """One torchrun (one start-up) for the snapshot and weight-sync checks, each on a fresh model from model.path."""
     return _torchrun_self("actor", {"model": tiny_model, "run_dir": str(tmp_path_factory.mktemp("actor")),
-                                    "port": _free_port(), "master_port": _free_port(),
+                                    "port": services_lib.free_port(), "master_port": services_lib.free_port(),
                                     "variants": [[], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]]})
 
 
@@ -718,7 +714,7 @@ def test_fully_async_run_through_sglang_router_updates_every_worker(tmp_path, ti
 
     pytest.importorskip("sglang_router")
     servers = [engine.launch(tiny_model, num_threads=1) for _ in range(2)]
-    port = _free_port()
+    port = services_lib.free_port()
     router = subprocess.Popen([PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                                "--worker-urls", *[u for u, _ in servers], "--policy", "round_robin",
                                "--log-level", "warn"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
