@@ -1159,3 +1159,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    from services import exit_process
+
+    exit_process(0)  # the server has shut down: no teardown of torch and transformers to wait for

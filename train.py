@@ -834,4 +834,11 @@ def main(argv: Optional[list[str]] = None) -> None:
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
-    main()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # main's own exits: 2 for bad input or a run that cannot train, 1 for a failed run
+        if not isinstance(e.code, (int, type(None))):
+            raise
+        code = e.code or 0
+    services_lib.exit_process(code)

@@ -100,3 +100,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    import services
+
+    services.exit_process(0)  # RPC is down and the role has stopped: no teardown of torch to wait for
