@@ -537,20 +537,22 @@ def test_released_weights_come_back_undefined_without_cpu_backup(models):
         out = generate(url, [5, 6, 7], max_new_tokens=4, temperature=0.0, ignore_eos=True)
         return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
-    for backup in (False, True):
-        url, handle = engine.launch(models[0]["A"], enable_weights_cpu_backup=backup)
-        try:
+    with cf.ThreadPoolExecutor(2) as pool:  # both start at once: each start is one core's work
+        launched = list(pool.map(lambda b: engine.launch(models[0]["A"], enable_weights_cpu_backup=b), (False, True)))
+    try:
+        for backup, (url, _) in zip((False, True), launched):
             before = lp(url)
             assert post(url, "/release_memory_occupation", {}).json()["success"] is True
             assert post(url, "/resume_memory_occupation", {}).json()["success"] is True
             after = lp(url)
-        finally:
+            assert all(math.isfinite(x) for x in before)
+            if backup:
+                assert after == before
+            else:
+                assert all(x is None or math.isnan(x) for x in after), after  # orjson writes NaN as null
+    finally:
+        for _, handle in launched:
             handle.stop()
-        assert all(math.isfinite(x) for x in before)
-        if backup:
-            assert after == before
-        else:
-            assert all(x is None or math.isnan(x) for x in after), after  # orjson writes NaN as null
 
 
 # ---------------------------------------------------------------------------------------------------------------

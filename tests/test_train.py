@@ -5,6 +5,7 @@ CPU only. The multi-process checks run this file as a script under torchrun (2 g
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_train.py snapshot '{...}'
 Run: .venv/bin/python -m pytest -q tests/test_train.py
 """
+import concurrent.futures
 import contextlib
 import importlib
 import json
@@ -713,7 +714,8 @@ def test_fully_async_run_through_sglang_router_updates_every_worker(tmp_path, ti
     import engine
 
     pytest.importorskip("sglang_router")
-    servers = [engine.launch(tiny_model, num_threads=1) for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once: each start is one core's work
+        servers = list(pool.map(lambda _: engine.launch(tiny_model, num_threads=1), range(2)))
     port = services_lib.free_port()
     router = subprocess.Popen([PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                                "--worker-urls", *[u for u, _ in servers], "--policy", "round_robin",
