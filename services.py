@@ -57,6 +57,10 @@ def exit_process(code: int = 0) -> None:
     os._exit(code)
 
 
+_PORT_RNG = random.SystemRandom()  # not the `random` module's: train.py seeds that with trainer.seed, and two runs
+# started together then drew the same port (EADDRINUSE at the RPC rendezvous, seen with two tests at once)
+
+
 def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     """A port p with p .. p + span - 1 free on `host`, drawn at random from 10000-28999: below the kernel's
     ephemeral range (Linux: 32768+ by default), from which bind(0) and every outgoing connection take theirs, so a
@@ -67,7 +71,7 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     with contextlib.suppress(OSError, ValueError), open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         high = min(high, int(f.read().split()[0]))
     for _ in range(1000):
-        port = random.randrange(10000, max(10001, high - span + 1))
+        port = _PORT_RNG.randrange(10000, max(10001, high - span + 1))
         try:
             for q in range(port, port + span):
                 with socket.socket() as sock:

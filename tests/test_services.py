@@ -171,6 +171,11 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_and_the_fixed_defaults()
     assert all(10000 <= p and p + 2 < min(ephemeral, cfg.weight_sync.master_port, cfg.rollout.base_port)
                for p in ports), (min(ports), max(ports))
     assert len(set(ports)) > 150  # drawn at random: two runs started together do not race for one port
+    draws = []
+    for _ in range(2):  # ... also when both seeded `random` alike (train.py seeds it with the config's seed)
+        random.seed(0)
+        draws.append([services.free_port() for _ in range(3)])
+    assert draws[0] != draws[1], draws
     for p in ports[:20]:
         for q in (p, p + 1, p + 2):  # free, all three
             with socket.socket() as s:
