@@ -57,8 +57,8 @@ def exit_process(code: int = 0) -> None:
     os._exit(code)
 
 
-_PORT_RNG = random.SystemRandom()  # not the `random` module's: train.py seeds that with trainer.seed, and two runs
-# started together then drew the same port (EADDRINUSE at the RPC rendezvous, seen with two tests at once)
+_PORT_RNG = random.SystemRandom()  # not the `random` module's: train.py seeds that with the config's `seed`, and two
+# runs started together then drew the same port (EADDRINUSE at the RPC rendezvous, seen with two tests at once)
 
 
 def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
