@@ -19,10 +19,16 @@ tree holds all but 256 of --cache-tokens, or until eviction has begun; every fin
 tokens, so eviction runs in steady state). Runs against any scheduler.py: with one that takes max_total_tokens
 (the KV pool), the pool is --cache-tokens; an older one holds scheduler.PREFIX_CACHE_TOKENS (65,536) in its cache.
 Run:  .venv/bin/python bench/engine_bench.py --prefix-cache [--cache-tokens 65536] [--trajectories 4096] [--repeats 3]
+
+--long-text: the latency of refusing a /generate body whose `text` (10 MB of digits) cannot fit the context (engine.py
+refuses it by its character count before tokenizing, `_parse_one`; tokenizing it took 14 s), and the latency of
+small one-token requests sent one after another meanwhile, against the same small requests alone.
+Run:  .venv/bin/python bench/engine_bench.py --long-text [--repeats 3]
 """
 import argparse
 import asyncio
 import inspect
+import json
 import os
 import random
 import sys
@@ -159,6 +165,52 @@ def cache_bench(args) -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
+def long_text_bench(args) -> None:
+    """Refusal latency of an over-long `text` and small-request latency meanwhile (see the module docstring)."""
+    import requests
+
+    def small(url: str) -> float:
+        t = time.perf_counter()
+        r = requests.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}},
+                          timeout=60)
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - t
+
+    def pct(xs: list, q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
+
+    body = json.dumps({"text": "1" * (10 << 20), "sampling_params": {"max_new_tokens": 4}})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tasks.make_tiny_model(os.path.join(tmp, "tiny"), seed=0, **MODELS["tiny"])
+        url, handle = engine.launch(path, device="cpu", num_threads=args.threads)
+        try:
+            alone = [small(url) for _ in range(200)]
+            during, refusals, stop = [], [], threading.Event()
+
+            def loop():
+                while not stop.is_set():
+                    during.append(small(url))
+
+            thread = threading.Thread(target=loop)
+            thread.start()
+            try:
+                for _ in range(args.repeats):
+                    t = time.perf_counter()
+                    r = requests.post(url + "/generate", data=body, timeout=60)
+                    refusals.append(time.perf_counter() - t)
+                    assert r.status_code == 400, r.text
+            finally:
+                stop.set()
+                thread.join()
+        finally:
+            handle.stop()
+    print(f"load average {os.getloadavg()[0]:.1f}; a 10 MB `text` refused in {pct(refusals, 0.5):.0f} ms (median of "
+          f"{len(refusals)}, max {max(refusals) * 1000:.0f} ms)")
+    print(f"small requests alone: median {pct(alone, 0.5):.1f} ms, p99 {pct(alone, 0.99):.1f} ms; meanwhile: median "
+          f"{pct(during, 0.5):.1f} ms, max {max(during) * 1000:.1f} ms ({len(during)} requests)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,100m", help="comma list of: " + ", ".join(MODELS))
@@ -171,8 +223,13 @@ def main():
                     help="measure trajectories/s with an empty vs a full prefix cache instead (see above)")
     ap.add_argument("--cache-tokens", type=int, default=1 << 16, help="--prefix-cache: the KV pool in tokens")
     ap.add_argument("--trajectories", type=int, default=4096, help="--prefix-cache: trajectories per measurement")
-    ap.add_argument("--repeats", type=int, default=3, help="--prefix-cache: empty/full pairs measured")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="--prefix-cache: empty/full pairs measured; --long-text: refusals measured")
+    ap.add_argument("--long-text", action="store_true",
+                    help="measure the refusal of an over-long `text` and small requests meanwhile instead")
     args = ap.parse_args()
+    if args.long_text:
+        return long_text_bench(args)
     if args.prefix_cache:
         return cache_bench(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

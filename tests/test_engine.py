@@ -671,32 +671,31 @@ def test_oversized_body_is_refused_with_413_before_it_is_read(url):
 
 
 def test_text_too_long_for_the_context_is_refused_without_tokenizing(url):
-    """10 MB of text: refused in tens of milliseconds, mostly reading and parsing the body (tokenizing it took
-    14 s), and other requests go on meanwhile (bounds with headroom for a loaded 2-core machine)."""
+    """10 MB of text is refused by its character count, before it is tokenized (engine._parse_one; the message that
+    names characters comes only from that check, and tokenizing such a body took 14 s), while small requests sent
+    meanwhile are all served. How fast, is measured by `bench/engine_bench.py --long-text`, not asserted here."""
     body = json.dumps({"text": "1" * (10 << 20), "sampling_params": {"max_new_tokens": 4}})
-    latencies, stop = [], threading.Event()
+    statuses, stop, first = [], threading.Event(), threading.Event()
 
     def small_requests():
         while not stop.is_set():
-            t = time.perf_counter()
-            generate(url, [5, 6], max_new_tokens=1)
-            latencies.append(time.perf_counter() - t)
+            r = post(url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
+            statuses.append(r.status_code)
+            first.set()
 
     thread = threading.Thread(target=small_requests)
     thread.start()
     try:
+        assert first.wait(60), "no small request came back within 60 s"
         for _ in range(3):
-            t0 = time.perf_counter()
             r = requests.post(url + "/generate", data=body, timeout=30)
-            elapsed = time.perf_counter() - t0
             assert r.status_code == 400, r.text
             assert r.json()["error"]["message"].startswith("field `text` has 10485760 characters, more than the "
                                                           "model's context length of 4096 tokens can hold")
-            assert elapsed < 0.5, elapsed
     finally:
         stop.set()
         thread.join()
-    assert latencies and max(latencies) < 0.25, latencies
+    assert set(statuses) == {200}, statuses
     r = post(url, "/generate", {"text": "1" * 5000, "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 400, r.text  # short enough to tokenize, then refused by its token count
     assert r.json()["error"]["message"] == "The input (5000 tokens) is longer than the model's context length (4096 " \
