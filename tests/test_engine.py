@@ -679,8 +679,11 @@ def test_text_too_long_for_the_context_is_refused_without_tokenizing(url):
 
     def small_requests():
         while not stop.is_set():
-            r = post(url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
-            statuses.append(r.status_code)
+            try:
+                statuses.append(post(url, "/generate", {"input_ids": [5, 6],
+                                                        "sampling_params": {"max_new_tokens": 1}}).status_code)
+            except requests.RequestException as e:  # recorded: an error in this thread must fail the test
+                statuses.append(repr(e))
             first.set()
 
     thread = threading.Thread(target=small_requests)
