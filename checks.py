@@ -25,16 +25,16 @@ def check_launch(cfg, world: int) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     if cfg.model.make_tiny and cfg.model.tiny_pretrain_steps > 0 and not os.path.isdir(cfg.model.path):
-        import tasks
+        from standins import tiny_model
 
-        if cfg.data_sources[0].task not in tasks.PRETRAIN_TASK_OF:
+        if cfg.data_sources[0].task not in tiny_model.PRETRAIN_TASK_OF:
             raise ValueError(f"model.tiny_pretrain_steps={cfg.model.tiny_pretrain_steps} needs a toy task with a "
-                             f"pretraining task ({', '.join(tasks.PRETRAIN_TASK_OF)}), not data_source.task "
+                             f"pretraining task ({', '.join(tiny_model.PRETRAIN_TASK_OF)}), not data_source.task "
                              f"'{cfg.data_sources[0].task}'; set model.tiny_pretrain_steps=0")
     if cfg.model.make_tiny and os.path.isdir(cfg.model.path):
-        import tasks
+        from standins import tiny_model
 
-        tasks.check_tiny_base(cfg)  # a base an earlier run made is reused only if this config would make the same
+        tiny_model.check_tiny_base(cfg)  # a base an earlier run made is reused only if this config would make the same
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
         raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
                          "model.make_tiny=true to create the tiny model there")
@@ -71,6 +71,7 @@ def check_inputs(cfg) -> None:
     answer fits rollout.sampling.max_new_tokens (tasks.check_answers_fit), and a checkpoint given as
     trainer.resume loads."""
     import tasks
+    from standins import tiny_model
 
     if cfg.run_mode != "train-only":
         tokenizer = None
@@ -82,7 +83,7 @@ def check_inputs(cfg) -> None:
 
                 tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             elif tokenizer is None and cfg.model.make_tiny:  # the tiny model's, before it is made
-                tokenizer = tasks.build_tokenizer()
+                tokenizer = tiny_model.build_tokenizer()
             if tokenizer is not None and ds.task in tasks.FILE_TASKS:
                 tasks.check_answers_fit(ds, tokenizer, cfg.rollout.sampling.max_new_tokens)
             if cfg.rollout.max_prompt_tokens is not None and os.path.isdir(cfg.model.path):

@@ -36,7 +36,7 @@ POLICY_LOSSES = tuple(losses.POLICY_LOSSES)  # algorithm.policy_loss: losses.py'
 @dataclass
 class ModelConfig:
     path: str = "runs/tiny-model"  # HF checkpoint directory (config.json, safetensors, tokenizer)
-    make_tiny: bool = False  # create the tiny model at `path` when it does not exist yet (tasks.make_tiny_model)
+    make_tiny: bool = False  # create the tiny model at `path` when it does not exist yet (standins/tiny_model.py)
     tiny_hidden_size: int = 64  # width of the tiny model made by `make_tiny`
     tiny_num_layers: int = 2  # decoder layers of the tiny model
     tiny_pretrain_steps: int = 300  # supervised steps of the tiny base on its task's pretraining task (0 = random)
@@ -261,10 +261,6 @@ class Config:
 # ---------------------------------------------------------------------------------------------------------
 # Building a Config from dicts, with errors that name the key
 # ---------------------------------------------------------------------------------------------------------
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
-
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check (and gently coerce) `value` against annotation `tp`; raise ValueError naming `key`."""
@@ -717,7 +713,7 @@ def validate_server_layout(cfg: Config) -> None:
         if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in s.gpus):
             raise ValueError(f"{key}.gpus must be a list of GPU ids (integers >= 0), got {s.gpus!r}")
         if r.launch == "engine" and s.tp * s.dp * s.pp != 1:
-            raise ValueError(f"{key}: engine.py serves one rank (tp = dp = pp = 1), got tp={s.tp} dp={s.dp} "
+            raise ValueError(f"{key}: standins/engine.py serves one rank (tp = dp = pp = 1), got tp={s.tp} dp={s.dp} "
                              f"pp={s.pp}; use rollout.launch=sglang for parallel servers")
         if r.launch == "sglang" and len(s.gpus) != s.tp * s.dp * s.pp:
             raise ValueError(f"{key}.gpus lists {len(s.gpus)} GPUs but tp x dp x pp = {s.tp} x {s.dp} x {s.pp} = "

@@ -54,7 +54,8 @@ def load_model(cfg, mesh, device: torch.device, rank: int, group):
     if rank == 0:
         print(f"[train] attention: {impl} (model.attn_implementation={cfg.model.attn_implementation})", flush=True)
     with torch.device("meta"):
-        # experts_implementation: as engine.py's scheduler.load_model (eager on CPU: grouped_mm is ~10x slower there)
+        # experts_implementation: as standins/engine.py's scheduler.load_model (eager on CPU: grouped_mm is ~10x slower
+        # there)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl,
                                                  experts_implementation="eager" if device.type == "cpu" else None)
     if cfg.model.activation_checkpointing:

@@ -16,7 +16,7 @@ top-k would get weight 0 and no gradient.
 
 - `routers(model)`: [(decoder layer index, top-k router)] of an HF model (transformers 5 Qwen3-MoE: each sparse
   layer's `mlp.gate`, a Qwen3MoeTopKRouter returning (router_logits, top-k weights, top-k expert ids)).
-- `Recorder(model)` (engine.py, scheduler.py): forward hooks keep the last forward's top-k ids of every router.
+- `Recorder(model)` (standins/engine.py, scheduler.py): forward hooks keep the last forward's top-k ids of every router.
 - `set_routes(model, routes, routed)` (model.token_logprobs): every later forward routes token (b, t) of its input
   to routes[b, t] (integer [B, T, layers, top-k], in the trajectories' uint8 / int16) where routed[b, t] (bool
   [B, T]; elsewhere, padding and tokens the server never ran, the router's own top-k), until the next call; set, not

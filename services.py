@@ -1,9 +1,9 @@
 """services.py: what rank 0 of train.py starts and supervises, kept apart from the training step.
 
-The inference servers (engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked, relaunched
-when one dies), the buffer process (`python workers.py buffer`) and the rollout process (`python workers.py rollout`),
-RPC between them and the trainer, a watcher thread that stops the run with the root cause when a child dies, and the
-orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0: `launch_servers(wait=False)` before the
+The inference servers (standins/engine.py on CPU, SGLang on GPUs: launched on rollout.base_port + i, health-checked,
+relaunched when one dies), the buffer process (`python workers.py buffer`) and the rollout process (`python workers.py
+rollout`), RPC between them and the trainer, a watcher thread that stops the run with the root cause when a child dies,
+and the orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0: `launch_servers(wait=False)` before the
 model loads, then `launch_fleet(wait=False)` (the other nodes' URLs), `spawn_rpc_workers`, `launch_servers` (the
 servers' /health), `join_rpc`, `watch` and `close`, so that the servers', the workers' and the model's start-ups
 overlap. Servers are placed per node
@@ -276,7 +276,7 @@ class Services:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in layout.gpus)
             a = r.sglang_args
             if r.launch == "engine":
-                cmd = [sys.executable, os.path.join(ROOT, "engine.py"), "--model-path", self.cfg.model.path,
+                cmd = [sys.executable, "-m", "standins.engine", "--model-path", self.cfg.model.path,
                        "--port", str(port), "--host", a.host, "--weight-version", str(version)]
             else:
                 cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,

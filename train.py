@@ -1,8 +1,8 @@
 """train.py: the RL trainer, one SPMD program: every trainer rank runs the same `main()` and the same step loop.
 
 main: config and start-up checks (checks.py) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group)
--> the policy, FSDP2-sharded, and AdamW (model.py) -> rank 0 starts the inference servers (engine.py on CPU, SGLang
-on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process and the rollout process through
+-> the policy, FSDP2-sharded, and AdamW (model.py) -> rank 0 starts the inference servers (standins/engine.py on CPU,
+SGLang on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process and the rollout process through
 services.py -> resume (checkpoint.py) -> run_steps, the step loop (docs/design.md):
   fetch (rank 0, from the buffer: fully-async each call's M // N groups; synchronous the step's B groups, then the
   producer pauses) -> forward/backward and optimizer step ((B x N) // M calls; a scatter gives every rank its
@@ -24,7 +24,7 @@ Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers 
         --master_port 29400 train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 Simplifications: data parallel only (FSDP2 over the decoder layers); GPU-only paths (nccl, bf16 compute,
 flash_attention_2, CUDA IPC weight sync, launching SGLang) are switched on by device=cuda / rollout.launch=sglang
-and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (shared with engine.py and losses.py):
+and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (shared with standins/engine.py and losses.py):
 log_softmax(logits / temperature) of the sampled token.
 """
 from __future__ import annotations
@@ -666,11 +666,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     random.seed(cfg.seed + rank)
     os.makedirs(cfg.run_dir, exist_ok=True)
     if rank == 0 and cfg.model.make_tiny and not os.path.isdir(cfg.model.path):
-        import tasks
+        from standins import tiny_model
 
         print(f"[train] making the tiny model at {cfg.model.path} ({cfg.model.tiny_pretrain_steps} pretraining "
               "steps)", flush=True)
-        tasks.make_tiny_for(cfg)
+        tiny_model.make_tiny_for(cfg)
     dist.barrier(group=ctrl)
 
     services, ok, failed, actor, logger, fleet = None, False, 0, None, None, None

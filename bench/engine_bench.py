@@ -1,11 +1,11 @@
-"""bench/engine_bench.py: output tokens/s of engine.py at concurrency 1, 16 and 64, against sequential
+"""bench/engine_bench.py: output tokens/s of standins/engine.py at concurrency 1, 16 and 64, against sequential
 transformers `generate` calls on the same checkpoint.
 
-Models: "tiny" (tasks.make_tiny_model defaults: Qwen3, hidden 64, 2 layers) and "100m" (the same architecture at
+Models: "tiny" (tiny_model.make_tiny_model defaults: Qwen3, hidden 64, 2 layers) and "100m" (the same architecture at
 hidden 1024, 11 layers: ~104M parameters), both random-init. Every request samples at temperature 1 with
 ignore_eos, so all requests generate exactly --max-new-tokens tokens; the baseline samples too (top_k off) and
 counts the tokens it actually generated. The baseline runs before the engine starts, so they never share the CPU,
-and both use --threads torch threads (default 1, engine.py's CPU default).
+and both use --threads torch threads (default 1, standins/engine.py's CPU default).
 Simplified: prompts are random token ids (8-32 tokens). Wall-clock figures depend on what else the machine runs,
 so each figure also comes as tokens per CPU-second (the CPU time the baseline / the engine process used, from
 /proc), which stays meaningful on a shared machine; the load average is printed.
@@ -20,9 +20,9 @@ tokens, so eviction runs in steady state). Runs against any scheduler.py: with o
 (the KV pool), the pool is --cache-tokens; an older one holds scheduler.PREFIX_CACHE_TOKENS (65,536) in its cache.
 Run:  .venv/bin/python bench/engine_bench.py --prefix-cache [--cache-tokens 65536] [--trajectories 4096] [--repeats 3]
 
---long-text: the latency of refusing a /generate body whose `text` (10 MB of digits) cannot fit the context (engine.py
-refuses it by its character count before tokenizing, `_parse_one`; tokenizing it took 14 s), and the latency of
-small one-token requests sent one after another meanwhile, against the same small requests alone.
+--long-text: the latency of refusing a /generate body whose `text` (10 MB of digits) cannot fit the context
+(standins/engine.py refuses it by its character count before tokenizing, `_parse_one`; tokenizing it took 14 s), and the
+latency of small one-token requests sent one after another meanwhile, against the same small requests alone.
 Run:  .venv/bin/python bench/engine_bench.py --long-text [--repeats 3]
 """
 import argparse
@@ -42,8 +42,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engine  # noqa: E402 (after the sys.path line)
-import tasks  # noqa: E402
+from standins import engine  # noqa: E402 (after the sys.path line)
+from standins import tiny_model  # noqa: E402
 
 MODELS = {"tiny": dict(hidden_size=64, num_layers=2), "100m": dict(hidden_size=1024, num_layers=11)}
 CONCURRENCY = (1, 16, 64)
@@ -93,12 +93,12 @@ async def engine_rate(url: str, pid: int, ps: list, concurrency: int, max_new: i
 
 def cache_bench(args) -> None:
     """Trajectories/s of the model thread with an empty and with a full prefix cache (see the module docstring)."""
-    import scheduler
+    from standins import scheduler
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(args.threads)
-    tok = tasks.build_tokenizer()
+    tok = tiny_model.build_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
-        path = tasks.make_tiny_model(os.path.join(tmp, "tiny"), seed=0, **MODELS["tiny"])
+        path = tiny_model.make_tiny_model(os.path.join(tmp, "tiny"), seed=0, **MODELS["tiny"])
         model = AutoModelForCausalLM.from_pretrained(path).eval()
     kw = {"max_total_tokens": args.cache_tokens} if "max_total_tokens" in inspect.signature(
         scheduler.Scheduler).parameters else {}
@@ -182,7 +182,7 @@ def long_text_bench(args) -> None:
 
     body = json.dumps({"text": "1" * (10 << 20), "sampling_params": {"max_new_tokens": 4}})
     with tempfile.TemporaryDirectory() as tmp:
-        path = tasks.make_tiny_model(os.path.join(tmp, "tiny"), seed=0, **MODELS["tiny"])
+        path = tiny_model.make_tiny_model(os.path.join(tmp, "tiny"), seed=0, **MODELS["tiny"])
         url, handle = engine.launch(path, device="cpu", num_threads=args.threads)
         try:
             alone = [small(url) for _ in range(200)]
@@ -239,11 +239,11 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            path = tasks.make_tiny_model(os.path.join(tmp, name), seed=0, **MODELS[name])
+            path = tiny_model.make_tiny_model(os.path.join(tmp, name), seed=0, **MODELS[name])
             n_params = sum(t.numel() for t in load_file(os.path.join(path, "model.safetensors")).values())
             max_new = args.max_new_tokens if name == "tiny" else args.max_new_tokens // 2
             seq_n = args.seq_prompts if name == "tiny" else max(2, args.seq_prompts // 2)
-            vocab = len(tasks.build_tokenizer())
+            vocab = len(tiny_model.build_tokenizer())
             seq = sequential_generate(path, device, prompts(seq_n, vocab, 1), max_new)
             url, handle = engine.launch(path, device=device, max_running_requests=max(CONCURRENCY),
                                         num_threads=args.threads)

@@ -22,10 +22,10 @@ run alike: every stage can run on CPU).
                as train.py feeds the servers' routes: every expert call of the forward and of the checkpointed
                recompute runs the set experts, which the routers' own top-k does not), pushed in weight_sync's
                checkpoint names
-               (plan_buckets / gather_bucket / to_checkpoint) into engine.py's loader (scheduler.load_tensors,
+               (plan_buckets / gather_bucket / to_checkpoint) into standins/engine.py's loader (scheduler.load_tensors,
                checkpoint_targets) in this process: every name lands, the engine's log-probs equal the trainer's,
                and the control (the trainer's own fused names) leaves the experts behind and a large gap;
-  colocate     train.py device=cuda colocate=true weight_sync.method=tensor on configs/tiny.yaml, 4 steps (engine.py
+  colocate     train.py device=cuda colocate=true weight_sync.method=tensor on configs/tiny.yaml, 4 steps (standins/engine.py
                server, CUDA IPC pushes): per-phase memory (perf/memory_train_end, _before_push, _after_offload),
                train/rollout_logprob_diff_* after each sync, the HF export.
 
@@ -209,10 +209,10 @@ def stage_packing(ctx) -> dict:
 
     import batching
     import model as model_lib
-    import tasks
+    from standins import tiny_model
 
     device, dtype = _device(ctx), getattr(torch, SIZES[ctx["device"]]["dtype"])
-    path = tasks.make_tiny_model(os.path.join(ctx["work"], "packing_model"))
+    path = tiny_model.make_tiny_model(os.path.join(ctx["work"], "packing_model"))
     figures, checks, parts = {"dtype": str(dtype)}, {}, []
     seqs = _seqs([(5, 9), (3, 2), (7, 14), (4, 1), (6, 6)], 90)
     for impl in _installed_kernels(device.type):
@@ -468,9 +468,9 @@ def _live_cuda_tensors(top: int = 6) -> list:
 
 
 def _make_moe(path: str, seed: int) -> str:
-    import tasks
+    from standins import tiny_model
 
-    return tasks.make_sharp_model(path, seed, num_experts=8)  # tests/test_moe.py's tiny MoE
+    return tiny_model.make_sharp_model(path, seed, num_experts=8)  # tests/test_moe.py's tiny MoE
 
 
 def stage_moe(ctx) -> dict:
@@ -481,7 +481,7 @@ def stage_moe(ctx) -> dict:
     import losses
     import model as model_lib
     import moe as moe_lib
-    import scheduler
+    from standins import scheduler
     import train
     import weight_sync
 

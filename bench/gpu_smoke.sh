@@ -9,7 +9,7 @@
 # project's .venv is CPU-only: not used there). Of the project's runtime requirements that image already holds
 # aiohttp, numpy, pyyaml, requests, safetensors, tokenizers and pyarrow (see the preflight's "modules"); the one it
 # lacks travels as a wheel in .whl/ (git-ignored), installed with --no-index into /tmp/gpu_smoke_site:
-#   orjson 3.13.0 (cp312, manylinux_2_17_x86_64; engine.py and rollout.py, so the colocate stage).
+#   orjson 3.13.0 (cp312, manylinux_2_17_x86_64; standins/engine.py and rollout.py, so the colocate stage).
 # Not needed by any stage: wandb (off), math-verify (math rewards only), matplotlib (plots), sglang, sglang-router.
 #
 #   bash bench/gpu_smoke.sh --fetch-wheels     # here, with the registry: download the wheels into .whl/ (~130 KB)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import config as config_lib  # noqa: E402
 import losses  # noqa: E402
-import tasks  # noqa: E402
+from standins import tiny_model  # noqa: E402
 import batching  # noqa: E402
 import model as model_lib  # noqa: E402
 
@@ -107,7 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         from transformers import AutoModelForCausalLM
 
-        path = tasks.make_tiny_model(os.path.join(d, "m"), hidden_size=a.hidden, num_layers=a.layers)
+        path = tiny_model.make_tiny_model(os.path.join(d, "m"), hidden_size=a.hidden, num_layers=a.layers)
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     algo = config_lib.load_config(None, []).algorithm
     seqs = fake_seqs(small, model.config.vocab_size, rng)

@@ -536,7 +536,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
     import buffer
     import rollout
     import sglang_client
-    import tasks
+    from standins import tiny_model
     import train
 
     proc, urls = start_fleet(s, args)
@@ -549,7 +549,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
         phases: dict = {}
         buf = buffer.PipelineServer(cfg, [prompts])
         fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))  # one event loop: the producer's and the actor's
-        ro = rollout.Rollout(cfg, buf, fleet, tasks.build_tokenizer())
+        ro = rollout.Rollout(cfg, buf, fleet, tiny_model.build_tokenizer())
         actor = SimActor(wl, fleet, s.train_gpus, args.compression, args.token_scale, cfg.flush_on_update)
         logger = StepLogger(actor, phases, urls, args.compression)
         t0 = time.monotonic()
@@ -1542,8 +1542,8 @@ def main(argv=None) -> int:
             json.dump(dataclasses.asdict(wl), f)  # JSON is YAML
     if args.quick:
         wl = dataclasses.replace(wl, num_prompts_per_step=16, mini_batch_size=32)
-    import tasks
-    tok = tasks.build_tokenizer()
+    from standins import tiny_model
+    tok = tiny_model.build_tokenizer()
     args.eos_id = tok.eos_token_id
     args.filler_id = tok.convert_tokens_to_ids("7")
     import buffer, rollout, train  # noqa: E401,F401  (imported before forking: each child starts warm)

@@ -1,7 +1,7 @@
-"""bench/rollout_bench.py: does the producer keep engine.py saturated, and what does it cost per trajectory?
+"""bench/rollout_bench.py: does the producer keep standins/engine.py saturated, and what does it cost per trajectory?
 
-Starts engine.py (the tiny model unless --model-path or --url), a PipelineServer (fully-async, no-window) and the
-Rollout. After one warm-up step, a trainer stand-in takes groups as fast as they are buffered (no training), so
+Starts standins/engine.py (the tiny model unless --model-path or --url), a PipelineServer (fully-async, no-window) and
+the Rollout. After one warm-up step, a trainer stand-in takes groups as fast as they are buffered (no training), so
 the producer dispatches all the time and only it and the engine set the pace; a poller reads the engine's /v1/loads
 every few ms meanwhile. The --seconds are cut into --steps segments, each ended by a step boundary taken while the
 producer is busy (pause, bump the weight version, resume), which measures timing/pause_delay; the poller does not
@@ -40,10 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import buffer  # noqa: E402
 import config  # noqa: E402
-import engine  # noqa: E402
+from standins import engine  # noqa: E402
 import rollout  # noqa: E402
 import sglang_client  # noqa: E402
 import tasks  # noqa: E402
+from standins import tiny_model  # noqa: E402
 
 
 def poll_loads(url: str, ro: rollout.Rollout, dispatching: threading.Event, stop: threading.Event, out: list,
@@ -69,14 +70,14 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=8, help="N trajectories per group")
     ap.add_argument("--b", type=int, default=8, help="B groups per step (the trainer stand-in pauses after B)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--engine-max-running", type=int, default=None, help="engine.py --max-running-requests "
+    ap.add_argument("--engine-max-running", type=int, default=None, help="standins/engine.py --max-running-requests "
                     "(default: S, so the engine runs everything the producer sends)")
     ap.add_argument("--partial", action="store_true", help="rollout.partial=true (abort at each pause)")
-    ap.add_argument("--url", default=None, help="use this running server instead of starting engine.py")
+    ap.add_argument("--url", default=None, help="use this running server instead of starting standins/engine.py")
     ap.add_argument("--model-path", default=None, help="model (and tokenizer) directory; default: a new tiny model")
     args = ap.parse_args(argv)
 
-    model = args.model_path or tasks.make_tiny_model(tempfile.mkdtemp(prefix="rollout-bench-"))
+    model = args.model_path or tiny_model.make_tiny_model(tempfile.mkdtemp(prefix="rollout-bench-"))
     handle = None
     url = args.url
     if url is None:

@@ -3,7 +3,7 @@ routing replay (algorithm.routing_replay, moe.py), when the trainer's weights di
 bf16-sized noise (each weight times 1 + eps * N(0, 1), eps = 2^-8: bfloat16's rounding error, as between a bf16
 server and a trainer's fp32 master weights or bf16 kernels that add in another order).
 
-engine.py (--enable-return-routed-experts) serves the tiny Qwen3-MoE base of configs/tiny_moe.yaml and samples
+standins/engine.py (--enable-return-routed-experts) serves the tiny Qwen3-MoE base of configs/tiny_moe.yaml and samples
 responses to reverse_digits prompts (temperature 1, as rollouts do), returning each position's experts; the trainer's
 forward (batching.collate + model.token_logprobs, fp32, no FSDP) runs on the same tokens with the noisy weights, and
 the experts its MoE blocks actually ran with are read at their input. Printed per noise level:
@@ -28,11 +28,12 @@ sys.path.insert(0, ROOT)
 
 import buffer  # noqa: E402
 import config  # noqa: E402
-import engine  # noqa: E402
+from standins import engine  # noqa: E402
 import moe  # noqa: E402
 import rollout  # noqa: E402
 import sglang_client  # noqa: E402
 import tasks  # noqa: E402
+from standins import tiny_model  # noqa: E402
 import batching  # noqa: E402
 import model as model_lib  # noqa: E402
 
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--eps", type=float, nargs="+", default=[0.0, 2 ** -8, 2 ** -6])
     args = ap.parse_args()
     if not os.path.isdir(args.model):
-        tasks.make_tiny_model(args.model, 64, 2, 0, "copy_digits", 300, num_experts=8, experts_per_token=2)
+        tiny_model.make_tiny_model(args.model, 64, 2, 0, "copy_digits", 300, num_experts=8, experts_per_token=2)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -1,6 +1,6 @@
 """bench/staleness_experiment.py: does staleness hurt a real (tiny) transformer, and which loss protects it?
 
-A controlled experiment, not the pipeline: one process trains the tiny Qwen3 of tasks.make_tiny_model with this
+A controlled experiment, not the pipeline: one process trains the tiny Qwen3 of tiny_model.make_tiny_model with this
 project's losses (losses.chosen_policy_loss, losses.compute_advantages), and imposes staleness exactly instead of
 letting a fleet produce it:
   - step t's batch is sampled with the snapshot of step t - eta (version max(0, t - eta));
@@ -61,7 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import losses  # noqa: E402
-import tasks  # noqa: E402
+from standins import tiny_model  # noqa: E402
 
 SEP = ">"
 
@@ -143,9 +143,9 @@ def make_base(s: Setup, base_dir: str, log=print) -> str:
     path = os.path.join(base_dir, f"base-{key}")
     if os.path.exists(os.path.join(path, "recipe.json")):
         return path
-    tasks.make_tiny_model(path + ".init", s.hidden, s.layers, s.base_seed)
+    tiny_model.make_tiny_model(path + ".init", s.hidden, s.layers, s.base_seed)
     model = AutoModelForCausalLM.from_pretrained(path + ".init").float()
-    tok = tasks.build_tokenizer()
+    tok = tiny_model.build_tokenizer()
     rng = random.Random(f"base:{s.base_seed}")
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     held = prompts(s, "eval", 256, seed=10_000 + s.base_seed)
@@ -301,7 +301,7 @@ def run(s: Setup, base: str, log=print) -> dict:
     torch.manual_seed(s.seed)
     gen = torch.Generator().manual_seed(s.seed)
     rng = random.Random(s.seed)
-    tok = tasks.build_tokenizer()
+    tok = tiny_model.build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(base).float()
     model.eval()  # no dropout: the forward that trains is the forward that scored
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)

@@ -35,7 +35,7 @@ and its 95% t-interval over the runs, and per round as the ratio:
   between the times of those steps' metrics rows.
 So step s = (trajectories per group x B) / (trajectories/s) + what is not overlapped, and a slower step shows which
 term moved and, through CPU per trajectory, in which process. `--engine-only` (with --compare) bisects the engine's
-share: engine.py of each tree alone under the config's rollout load (engine_run), its CPU us per trajectory.
+share: standins/engine.py of each tree alone under the config's rollout load (engine_run), its CPU us per trajectory.
 """
 from __future__ import annotations
 
@@ -59,11 +59,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ensure_base(cfg) -> None:
-    import tasks
+    from standins import tiny_model
 
     if not os.path.isdir(cfg.model.path):
-        tasks.make_tiny_for(cfg)
-    tasks.check_tiny_base(cfg)  # as train.py's check_launch: a cached base of another recipe is refused
+        tiny_model.make_tiny_for(cfg)
+    tiny_model.check_tiny_base(cfg)  # as train.py's check_launch: a cached base of another recipe is refused
 
 
 def greedy_eval(model, tokenizer, prompts, max_new_tokens, reward_fn) -> tuple[float, float]:
@@ -203,7 +203,7 @@ def interval(xs: list[float]) -> tuple[float, float]:
 
 def role_of(cmdline: str) -> str:
     """The process a command line is, in this tree's layout or the older one (buffer.py / rollout.py --serve)."""
-    if "engine.py" in cmdline:
+    if "standins.engine" in cmdline or "engine.py" in cmdline:
         return "engine"
     if "workers.py\0buffer" in cmdline or "/buffer.py" in cmdline:
         return "buffer"
@@ -328,10 +328,10 @@ def breakdown(rows: list[dict], warmup: int, steps: int, wall_mean: float) -> No
 
 
 def engine_run(root: str, base: str, cfg, rounds: int = 4, groups: int = 100) -> float:
-    """engine.py of the tree at `root` alone under the config's rollout load: groups of N identical prompts of the
-    first data source, async_max_concurrent_samples // N of them in flight, temperature and max_new_tokens of the
-    config, return_logprob, and a /flush_cache after every `groups` groups (a step's weight sync flushes). Returns
-    the engine process's CPU us per trajectory over the rounds after the first (a warm-up)."""
+    """The engine of the tree at `root` (standins/engine.py, or engine.py in older trees) alone under the config's
+    rollout load: groups of N identical prompts of the first data source, async_max_concurrent_samples // N of them
+    in flight, temperature and max_new_tokens of the config, return_logprob, and a /flush_cache after every `groups`
+    groups (a step's weight sync flushes). Returns the engine process's CPU us per trajectory over the rounds after the first (a warm-up)."""
     import asyncio
 
     import aiohttp
@@ -342,9 +342,10 @@ def engine_run(root: str, base: str, cfg, rounds: int = 4, groups: int = 100) ->
 
     prompts = tasks.load_prompts(cfg.data_sources[0], AutoTokenizer.from_pretrained(base), "train")
     port, N, s = random.randint(20000, 29999), cfg.N, cfg.rollout.sampling
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "engine.py"), "--model-path", base, "--port",
-                             str(port), "--max-running-requests", str(cfg.rollout.async_max_concurrent_samples),
-                             "--device", "cpu", "--log-level", "warning"], cwd=root, stdout=subprocess.DEVNULL,
+    engine = ["-m", "standins.engine"] if os.path.isdir(os.path.join(root, "standins")) else ["engine.py"]
+    proc = subprocess.Popen([sys.executable, *engine, "--model-path", base, "--port", str(port),
+                             "--max-running-requests", str(cfg.rollout.async_max_concurrent_samples), "--device",
+                             "cpu", "--log-level", "warning"], cwd=root, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     try:
@@ -355,7 +356,7 @@ def engine_run(root: str, base: str, cfg, rounds: int = 4, groups: int = 100) ->
             except requests.RequestException:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"[engine] {root}/engine.py did not answer /health within 300 s")
+                raise SystemExit(f"[engine] the engine of {root} did not answer /health within 300 s")
             time.sleep(0.2)
 
         def cpu() -> float:
@@ -436,7 +437,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1, help="system runs (per side with --compare), figures as mean and "
                                                        "95%% t-interval")
     p.add_argument("--compare", metavar="GIT_REV", help="alternate the system runs with those of this revision")
-    p.add_argument("--engine-only", action="store_true", help="with --compare: engine.py of each tree alone under "
+    p.add_argument("--engine-only", action="store_true", help="with --compare: the engine of each tree alone under "
                                                               "the config's rollout load (engine_run), not train.py")
     args, overrides = p.parse_known_args()
     if args.runs < 1:

@@ -1,12 +1,12 @@
 """bench/weight_sync_bench.py: trainer -> server weight-sync throughput on CPU, GB/s per weight_sync.method.
 
 A random ~100M-parameter Qwen3 (hidden 768, 11 layers, vocab 32000, tied embeddings; float32 on CPU, so ~0.4 GB
-per sync) is loaded by --ranks trainer processes (gloo, FSDP2, torchrun) exactly as train.py loads it, one engine.py
-server serves it, and `Actor.sync_weights` pushes it --repeats times per method (a fresh engine and trainer per
-method). Printed per method: the first sync (it forms the broadcast group) and the median of the others, in
+per sync) is loaded by --ranks trainer processes (gloo, FSDP2, torchrun) exactly as train.py loads it, one
+standins/engine.py server serves it, and `Actor.sync_weights` pushes it --repeats times per method (a fresh engine and
+trainer per method). Printed per method: the first sync (it forms the broadcast group) and the median of the others, in
 seconds and GB/s (parameter bytes in the servers' dtype / seconds). --code DIR runs the Actor of another checkout
 whose train.py is one SPMD program (model.load_model and Actor take the control group; an older one, with
-train._CTRL and Actor.follow, does not run here), whose engine.py serves too; methods it lacks are skipped.
+train._CTRL and Actor.follow, does not run here), whose standins/engine.py serves too; methods it lacks are skipped.
 The machine is shared and loaded: compare figures of one run, or of runs taken back to back.
 
 Run: python bench/weight_sync_bench.py [--code DIR] [--ranks 2] [--methods distributed,tensor,disk]
@@ -27,15 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(path: str, moe: bool = False) -> int:
-    """A random ~100M-parameter Qwen3 at `path` (the character tokenizer of tasks.make_tiny_model); its size. moe: a
+    """A random ~100M-parameter Qwen3 at `path` (the character tokenizer of tiny_model.make_tiny_model); its size. moe: a
     Qwen3-MoE of Qwen3-30B-A3B's expert count (128 experts, top-8, width 32: 393 checkpoint tensors a layer, as the
     30B's 393), 8 layers, ~120M parameters."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    import tasks
+    from standins import tiny_model
 
-    tasks.make_tiny_model(path)  # tokenizer and generation config
+    tiny_model.make_tiny_model(path)  # tokenizer and generation config
     shared = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=32000,
                   tie_word_embeddings=True, max_position_embeddings=512)
     if moe:
@@ -95,7 +95,7 @@ def worker(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--code", default=ROOT, help="checkout whose train.py / engine.py run (default: this one)")
+    p.add_argument("--code", default=ROOT, help="checkout whose train.py / standins/engine.py run (default: this one)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--methods", default="distributed,tensor,disk")
     p.add_argument("--bucket-mb", type=int, default=512)
@@ -112,7 +112,7 @@ def main() -> None:
     if a.worker:
         return worker(a)
     sys.path.insert(0, a.code)
-    import engine
+    from standins import engine
 
     if not os.path.exists(os.path.join(a.code, "weight_sync.py")):  # the code before the rewrite: no tensor path
         a.methods = ",".join(m for m in a.methods.split(",") if m != "tensor")
@@ -143,7 +143,7 @@ def main() -> None:
             res["times"].update(one["times"])
     gb = res["bytes"] / 1e9
     print(f"code {a.code}: {n / 1e6:.0f}M parameters{' (MoE)' if a.moe else ''} ({gb:.2f} GB float32), {a.ranks} "
-          f"trainer ranks (gloo), one engine.py, bucket_mb {a.bucket_mb}; shared, loaded machine")
+          f"trainer ranks (gloo), one standins/engine.py, bucket_mb {a.bucket_mb}; shared, loaded machine")
     for method, times in res["times"].items():
         rest = statistics.median(times[1:]) if len(times) > 1 else times[0]
         print(f"  {method:<12} first {times[0]:6.2f} s ({gb / times[0]:.3f} GB/s)   then median {rest:6.2f} s "

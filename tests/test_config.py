@@ -124,7 +124,7 @@ RULES = [
     (["rollout.server_layout=[{node: 1}]"], None, ["rollout.server_layout[0].node=1", "trainer.num_nodes"]),
     (["rollout.server_layout=[{tp: 0}]"], None, ["rollout.server_layout[0].tp"]),
     (["rollout.server_layout=[{gpus: [-1]}]"], None, ["rollout.server_layout[0].gpus"]),
-    (["rollout.server_layout=[{}, {tp: 2}]"], None, ["rollout.server_layout[1]", "engine.py", "rollout.launch"]),
+    (["rollout.server_layout=[{}, {tp: 2}]"], None, ["rollout.server_layout[1]", "standins/engine.py", "rollout.launch"]),
     (["rollout.launch=sglang"], None, ["rollout.server_layout[0].gpus lists 0 GPUs", "tp x dp x pp"]),
     (["rollout.launch=sglang", "rollout.server_layout=[{gpus: [0, 1, 2, 3], tp: 2, dp: 1, pp: 3}]"], None,
      ["rollout.server_layout[0].gpus lists 4 GPUs", "2 x 1 x 3 = 6"]),

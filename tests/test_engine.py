@@ -1,4 +1,4 @@
-"""Contract tests of engine.py over HTTP: every endpoint's fields and shapes (docs/sglang.md), aborts, pause
+"""Contract tests of standins/engine.py over HTTP: every endpoint's fields and shapes (docs/sglang.md), aborts, pause
 modes, weight updates (disk and a gloo group) with weight_versions spans, and the numbers: greedy == transformers
 generate, log-probs == the trainer's (losses.token_logprobs), sampling_seed reproduces; plus a 200-request stress
 run with random aborts and pauses and 400s naming the field for malformed input.
@@ -24,11 +24,11 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import engine
+from standins import engine
 import losses
 import sglang_client
-import scheduler
-import tasks
+from standins import scheduler
+from standins import tiny_model
 import weight_sync
 from services import free_port  # noqa: E402
 
@@ -37,9 +37,9 @@ LONG = 3000  # max_new_tokens of requests meant to be still running when the tes
 
 
 def make_model(path: str, seed: int) -> str:
-    """tasks.make_sharp_model: the tiny model with random RMSNorm gains (a random-init model with tied embeddings
+    """tiny_model.make_sharp_model: the tiny model with random RMSNorm gains (a random-init model with tied embeddings
     greedily repeats its last input token, which would make the greedy and weight-change checks vacuous)."""
-    return tasks.make_sharp_model(path, seed)
+    return tiny_model.make_sharp_model(path, seed)
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +228,8 @@ def test_greedy_equals_transformers_as_rows_leave_and_join_in_place(url, models)
 
 
 def test_a_prompt_sent_n_times_in_one_batch_samples_as_n_separate_requests(url, models):
-    """engine.py prefills the requests of one batch that have the same tokens as one row (a group's N samples) and
-    gives each its own first token: each item's output and log-probs equal those of the same prompt and seed sent
+    """standins/engine.py prefills the requests of one batch that have the same tokens as one row (a group's N samples)
+    and gives each its own first token: each item's output and log-probs equal those of the same prompt and seed sent
     alone, and the trainer's log-probs of it."""
     ref = models[1]["A"]
     prompts, seeds = [[5, 6, 7]] * 4 + [[9, 8]] * 2, [11, 12, 13, 11, 11, 12]

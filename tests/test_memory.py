@@ -204,12 +204,12 @@ def test_a_moes_experts_count_as_stored(qwen3_30b, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    import tasks
+    from standins import tiny_model
 
     _, largest = memory.param_counts(qwen3_30b)
     experts = 128 * 3 * 2048 * 768  # gate, up and down of each expert
     assert experts < largest < experts + 25e6  # + attention, norms and the router
-    path = tasks.make_tiny_model(str(tmp_path / "moe"), num_experts=8, experts_per_token=2)
+    path = tiny_model.make_tiny_model(str(tmp_path / "moe"), num_experts=8, experts_per_token=2)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         stored = sum(f.get_slice(k).get_shape()[0] * torch.Size(f.get_slice(k).get_shape()[1:]).numel()
                      for k in f.keys())

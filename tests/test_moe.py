@@ -2,7 +2,7 @@
 experts fused (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj); its checkpoint, and sglang 0.5.23's
 loader (models/qwen3_moe.py Qwen3MoeForCausalLM.load_weights: FusedMoE.make_expert_params_mapping, and
 `if name not in params_dict: continue` for any other name), know only experts.{i}.gate_proj/up_proj/down_proj.
-engine.py (scheduler.load_tensors) loads the same way, so fused names are dropped silently and only a
+standins/engine.py (scheduler.load_tensors) loads the same way, so fused names are dropped silently and only a
 trainer-vs-engine log-prob gap shows it; weight_sync's converted buckets close the gap; configs/tiny_moe.yaml runs
 through train.py with the gap < 1e-4 after every sync. Rollout routing replay (moe.py): the engine's routes in
 sglang's layout, the trainer's experts equal to them, its log-probs equal to the engine's. CPU only, fp32.
@@ -22,13 +22,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3
 
 import buffer
 import config
-import engine
+from standins import engine
 import losses
 import moe as moe_lib  # (the fixture `moe` is the engine)
 import rollout
 import sglang_client
-import scheduler
-import tasks
+from standins import scheduler
+from standins import tiny_model
 import batching
 import checks
 import model as model_lib
@@ -45,7 +45,7 @@ PROMPTS = [[5, 6, 7], list(range(20, 31))]
 def make_moe(path: str, seed: int) -> str:
     """A tiny Qwen3-MoE (hidden 64, 8 experts, top-2, 2 layers, random init and random RMSNorm gains as
     test_engine.make_model) with tasks' character tokenizer, written by save_pretrained (per-expert names)."""
-    tasks.make_tiny_model(path, seed=seed)  # the tokenizer and generation config; the dense weights are replaced
+    tiny_model.make_tiny_model(path, seed=seed)  # the tokenizer and generation config; the dense weights are replaced
     dense = AutoConfig.from_pretrained(path)
     cfg = Qwen3MoeConfig(vocab_size=dense.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -225,7 +225,7 @@ def test_colocate_tensor_path_pushes_checkpoint_names(moe):
 
 def test_export_writes_save_pretrained_keys_that_the_engine_and_from_pretrained_load(moe, tmp_path):
     """WeightSync.export (the disk method and run_dir/hf): save_pretrained's keys and shapes, loadable by
-    from_pretrained with the same logits, and by engine.py's /update_weights_from_disk."""
+    from_pretrained with the same logits, and by standins/engine.py's /update_weights_from_disk."""
     url, paths, ref = moe
     ws = object.__new__(weight_sync.WeightSync)
     ws.model, ws.device, ws.rank = no_fsdp(ref), torch.device("cpu"), 0
@@ -269,13 +269,13 @@ def test_fsdp2_gathered_buckets_equal_the_save_pretrained_file(moe):
 def moe_base(tmp_path_factory) -> str:
     """configs/tiny_moe.yaml's base, briefly copy-pretrained (30 steps: its groups' rewards differ, so every step
     moves the policy)."""
-    return tasks.make_tiny_model(str(tmp_path_factory.mktemp("moe_base") / "base"), 64, 2, 0, "copy_digits", 30,
+    return tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("moe_base") / "base"), 64, 2, 0, "copy_digits", 30,
                                  num_experts=8, experts_per_token=2)
 
 
 @pytest.mark.parametrize("mode", ["distributed", "colocate-tensor"])
 def test_tiny_moe_config_runs_with_engine_and_trainer_log_probs_equal(mode, moe_base, tmp_path):
-    """configs/tiny_moe.yaml through train.py (2 FSDP2 ranks, engine.py), synchronous so that each step's
+    """configs/tiny_moe.yaml through train.py (2 FSDP2 ranks, standins/engine.py), synchronous so that each step's
     trajectories come from the weights the previous step pushed: the trainer's step-start log-probs equal the
     engine's after every sync, over the broadcast group (distributed, with routing replay) and over shared tensors
     (colocate). With the fused names pushed (weight_sync.to_checkpoint made the identity), the engine keeps the
@@ -285,7 +285,7 @@ def test_tiny_moe_config_runs_with_engine_and_trainer_log_probs_equal(mode, moe_
     colocate-tensor is also the colocate end-to-end check, on CPU through the GPU's code path: the servers launched
     and released before the model loads, trainer offload / onload around generation, the staged resume (weights,
     then KV cache), every phase timed and its memory logged. The servers run with --enable-weights-cpu-backup
-    (services.py): engine.py, like SGLang, gives a released weights region back undefined without it, buffers
+    (services.py): standins/engine.py, like SGLang, gives a released weights region back undefined without it, buffers
     included, and no push restores those (a dense run measured without the pushes after the first: gaps of 3.0,
     4.5, 6.8 at steps 2-4)."""
     run_dir = tmp_path / "run"

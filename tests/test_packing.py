@@ -15,14 +15,14 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import config  # noqa: E402
 import losses  # noqa: E402
-import tasks  # noqa: E402
+from standins import tiny_model  # noqa: E402
 import batching  # noqa: E402
 import model as model_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory) -> str:
-    return tasks.make_tiny_model(str(tmp_path_factory.mktemp("packing") / "tiny"))
+    return tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("packing") / "tiny"))
 
 
 def _model(path, impl):

@@ -1,7 +1,7 @@
-"""rollout.py: the fleet client, response parsing, the concurrency knob, and the producer against engine.py.
+"""rollout.py: the fleet client, response parsing, the concurrency knob, and the producer against standins/engine.py.
 
 The Fleet unit tests use a tiny aiohttp fake where only HTTP behaviour matters (retries, fan-out, router workers);
-every producer test runs against engine.py serving the tiny model, started by the test.
+every producer test runs against standins/engine.py serving the tiny model, started by the test.
 """
 import asyncio
 import contextlib
@@ -19,10 +19,11 @@ from aiohttp import web
 
 import buffer
 import config
-import engine
+from standins import engine
 import rollout
 import sglang_client
 import tasks
+from standins import tiny_model
 import workers
 from buffer import COMPLETED, FAILED, TRUNCATED, Trajectory
 from services import free_port  # noqa: E402
@@ -296,8 +297,7 @@ def test_rollout_function_names():
 def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():
     """A scripted server answers "calc 2+3" then "5": the calculator's "=5\\n" gets loss mask 0; a trajectory
     restored after its first turn replays that turn into a fresh environment and only generates the answer."""
-    import tasks
-    tok = tasks.build_tokenizer()
+    tok = tiny_model.build_tokenizer()
     eos = tok.eos_token_id
 
     async def generate(request):  # the producer sends list requests (of one item: one per trajectory here)
@@ -352,7 +352,7 @@ def _calc_server(hold_answers=None):
     """A scripted server for calc_tool: the first turn of "A+B=" is "calc A+B" eos, the turn after the tool's
     "=R\n" is "R" eos. hold_answers: a dict {"paused": asyncio.Event, "resumed": bool} that makes every answer turn
     wait for /pause_generation (then it comes back aborted, with no tokens) until /continue_generation."""
-    tok = tasks.build_tokenizer()
+    tok = tiny_model.build_tokenizer()
     eos = tok.eos_token_id
 
     async def generate(request):
@@ -613,14 +613,14 @@ async def _new_event():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The producer against engine.py serving the tiny model
+# The producer against standins/engine.py serving the tiny model
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One engine.py for the module (the kill-and-restart test, last, replaces its process on the same port).
+    """One standins/engine.py for the module (the kill-and-restart test, last, replaces its process on the same port).
     Started without --max-running-requests, as SGLang usually is: /server_info's flag is null and the limit it
     enforces (engine.DEFAULT_MAX_RUNNING) is only in internal_states."""
-    model = tasks.make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+    model = tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
     url, handle = engine.launch(model, num_threads=1)
     srv = {"url": url, "handle": handle, "model": model}
     yield srv
@@ -831,7 +831,7 @@ KEY = "k3y"
 
 @pytest.fixture(scope="module")
 def strict_server(server):
-    """engine.py with --api-key, 2 running requests and a 1 s window between registration and dispatch."""
+    """standins/engine.py with --api-key, 2 running requests and a 1 s window between registration and dispatch."""
     url, handle = engine.launch(server["model"], max_running_requests=2, dispatch_delay_s=1.0, api_key=KEY,
                                 num_threads=1)
     yield url

@@ -15,9 +15,9 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import engine
+from standins import engine
 import sglang_client
-import scheduler
+from standins import scheduler
 from test_engine import make_model
 from test_sglang_conformance import reference_lps
 
@@ -135,7 +135,7 @@ def test_prefix_cache_evicts_least_recently_used_leaves_within_its_bound(model_p
 
 @pytest.fixture
 def one_thread():
-    """One torch thread, as engine.py's model thread on CPU (two spin-waiting OpenMP threads on a loaded 2-core
+    """One torch thread, as standins/engine.py's model thread on CPU (two spin-waiting OpenMP threads on a loaded 2-core
     machine made each tiny forward ~30 ms)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 published through the torchrun store; GPU overlap with the trainer refused; the weight-update group's size.
 
 The two-node run starts two torchrun agents on this machine (`--nnodes 2 --nproc_per_node 1`, c10d rendezvous on
-127.0.0.1), one engine.py per node, and trains the tiny config end to end.
+127.0.0.1), one standins/engine.py per node, and trains the tiny config end to end.
 Run: .venv/bin/python -m pytest -q tests/test_services.py
 """
 import ast
@@ -77,9 +77,9 @@ def test_master_address_and_server_urls_come_from_the_rendezvous(monkeypatch):
 
 
 def test_two_torchrun_nodes_each_launch_their_engine_and_both_end_at_the_final_version(tmp_path):
-    import tasks
+    from standins import tiny_model
 
-    model = tasks.make_tiny_model(str(tmp_path / "model"))
+    model = tiny_model.make_tiny_model(str(tmp_path / "model"))
     run_dir, base_port, rdzv = tmp_path / "run", _ports(2), _ports(1)
     steps = 3
     overrides = [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={base_port}",

@@ -1,5 +1,5 @@
-"""Where engine.py behaves like sglang 0.5.23 because a client that relies on anything else fails on a real fleet,
-and the client fixes that depend on it (issue 17). Each test's docstring names the file of the 0.5.23 wheel
+"""Where standins/engine.py behaves like sglang 0.5.23 because a client that relies on anything else fails on a real
+fleet, and the client fixes that depend on it (issue 17). Each test's docstring names the file of the 0.5.23 wheel
 (paths under sglang/srt/) and the function whose behaviour it imitates or guards against.
 
 One engine subprocess (two tiny models of different weights, A served first) serves the module, with
@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 
 import buffer
 import config
-import engine
+from standins import engine
 import losses
 import rollout
 import sglang_client
-import scheduler
+from standins import scheduler
 import tasks
 from test_engine import make_model  # a tiny model with random RMSNorm gains, as the engine tests use
 from test_rollout import wait_until
@@ -632,7 +632,7 @@ def test_context_limits_are_0_5_23s_and_the_client_caps_max_new_tokens_to_them(u
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# SGLang's own HTTP tests that engine.py failed (issue 36: logit_bias, forbidden tokens, top-k log-probs vs HF)
+# SGLang's own HTTP tests that standins/engine.py failed (issue 36: logit_bias, forbidden tokens, top-k log-probs vs HF)
 
 def test_logit_bias_forces_a_token_and_a_forbidden_token_never_appears(url, models):
     """test/srt/test_srt_endpoint.py: TestSRTEndpoint.test_logit_bias (+100 on one token: every sampled token is

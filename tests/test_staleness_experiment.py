@@ -49,11 +49,11 @@ def test_cached_sampler_log_probs_are_the_sampling_snapshots(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import tasks
+    from standins import tiny_model
 
     s = se.Setup(hidden=32, layers=1, max_new=12, min_digits=1, max_digits=5)
-    tasks.make_tiny_model(str(tmp_path / "m"), s.hidden, s.layers, 0)
-    tok = tasks.build_tokenizer()
+    tiny_model.make_tiny_model(str(tmp_path / "m"), s.hidden, s.layers, 0)
+    tok = tiny_model.build_tokenizer()
     m0 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).float().eval()
     m1 = copy.deepcopy(m0)
     with torch.no_grad():

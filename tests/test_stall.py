@@ -204,9 +204,9 @@ def test_most_responses_cut_by_length_warn_once_naming_the_key(tmp_path, capsys)
 # train.py end to end: a new user's GSM8K-layout dataset that the tiny base never solves
 
 def test_a_dataset_whose_rewards_never_vary_stops_with_the_reason(tmp_path):
-    import tasks
+    from standins import tiny_model
 
-    model = tasks.make_tiny_model(str(tmp_path / "tiny"))
+    model = tiny_model.make_tiny_model(str(tmp_path / "tiny"))
     data = tmp_path / "gsm8k.jsonl"
     with open(data, "w") as f:  # the base (random init) never writes "Answer: N": math scores every response 0.0
         for i in range(16):

@@ -731,17 +731,17 @@ def test_a_preset_run_with_another_peers_loss_says_so_once_at_start_up(tmp_path,
 
 
 def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_prompt(tmp_path):
-    """torchrun train.py with the prime-rl preset at M = 0 on the CPU default (engine.py, 2 ranks): in-place pauses,
-    and before each one the rollout aborts every group started under older weights (buffer.update_aborts), and the
-    buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
+    """torchrun train.py with the prime-rl preset at M = 0 on the CPU default (standins/engine.py, 2 ranks): in-place
+    pauses, and before each one the rollout aborts every group started under older weights (buffer.update_aborts), and
+    the buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
     the last checkpoint's replay."""
     import subprocess
 
     import checkpoint
-    import tasks
+    from standins import tiny_model
     from test_train import TINY, TORCHRUN, _read_rows, _run_overrides
 
-    model = tasks.make_tiny_model(str(tmp_path / "model"))
+    model = tiny_model.make_tiny_model(str(tmp_path / "model"))
     run_dir = tmp_path / "run"
     p = subprocess.run([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, model),
                         "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",

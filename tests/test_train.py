@@ -43,9 +43,9 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    import tasks
+    from standins import tiny_model
 
-    return tasks.make_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
+    return tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
 
 
 def _run_overrides(run_dir, model) -> list:
@@ -410,7 +410,7 @@ def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tm
                           "data_source.num_prompts=20", "trainer.total_steps=5"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_steps(str(run_dir), 1, p)
-    [pid] = _pids("engine.py", tiny_model)
+    [pid] = _pids("standins.engine", tiny_model)
     os.kill(pid, signal.SIGKILL)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 0, err[-3000:]
@@ -427,7 +427,7 @@ def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tm
 def test_a_connected_server_that_dies_and_returns_gets_the_weights_again(tmp_path, tiny_model):
     """A server the run connected to (rollout.servers) dies and is restarted by someone else on the same port: its
     requests wait or go elsewhere, the next sync re-forms the group with it, and no prompt is lost or repeated."""
-    import engine
+    from standins import engine
 
     port = services_lib.free_port()
     url, handle = engine.launch(tiny_model, port=port)
@@ -503,7 +503,7 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
         assert m["before_sync"] > 1e-3, m  # the trainer's weights had moved away from the engine's
         assert m["after_sync"] < 1e-4, m  # float32, same weights, same convention
         assert m["tokens"] >= 4 and m["weight_version"] == m["version"]
-    import engine  # the trainer fails fast with the server's message, not after weight_sync.timeout_s (600 s)
+    from standins import engine  # the trainer fails fast with the server's message, not after weight_sync.timeout_s (600 s)
     assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
@@ -704,14 +704,14 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The real sglang-router (requirements-dev.txt) in front of two engine.py servers
+# The real sglang-router (requirements-dev.txt) in front of two standins/engine.py servers
 
 def test_fully_async_run_through_sglang_router_updates_every_worker(tmp_path, tiny_model):
     """The router forwards /generate and lists its workers (GET /workers); pauses, weight-update sessions and
     broadcasts go to each worker. After 3 steps both report weight version 3."""
     import requests
 
-    import engine
+    from standins import engine
 
     pytest.importorskip("sglang_router")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once: each start is one core's work

@@ -78,8 +78,10 @@ import torch
 from aiohttp import web
 
 import moe
-from scheduler import (BadRequest, Req, SamplingParams, Scheduler, broadcast_tensors,
-                       deserialize_named_tensors, env_bool, env_int, init_weight_update_group, load_model)
+from standins.scheduler import (BadRequest, Req, SamplingParams, Scheduler, broadcast_tensors,
+                                deserialize_named_tensors, env_bool, env_int, init_weight_update_group, load_model)
+
+ROOT = str(Path(__file__).resolve().parents[1])  # the repository root, where the roles' modules are
 
 log = logging.getLogger("engine")
 
@@ -1048,8 +1050,8 @@ def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
 
         port = free_port(host)
     url = f"http://{host}:{port}"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--model-path", str(model_path), "--host", host,
-           "--port", str(port)]
+    cmd = [sys.executable, "-m", "standins.engine", "--model-path", str(model_path), "--host", host, "--port",
+           str(port)]
     for k, v in kw.items():
         if v is not None and v is not False:
             cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
@@ -1057,8 +1059,9 @@ def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
         fd, log_path = tempfile.mkstemp(prefix=f"engine-{port}-", suffix=".log")
         os.close(fd)
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                "PYTHONUNBUFFERED": "1", **(env or {})})
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)  # `-m standins.engine`
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})})
     handle = EngineProcess(proc, url, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
