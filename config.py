@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import buffer
 import losses
+import strategies
 from buffer import BufferConfig, validate_concurrency
 from losses import LossSettings
 
@@ -219,8 +220,8 @@ class Config:
 
     @property
     def capacity(self) -> int:
-        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1); a preset derives
-        it from fully_async.policy_param."""
+        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (docs/design.md, symbols); a preset
+        derives it from fully_async.policy_param."""
         return dataclasses.replace(self.buffer_settings(), fully_async=True).capacity
 
     @property
@@ -435,7 +436,6 @@ def validate(cfg: Config) -> Config:
     fa = cfg.fully_async
     if fa.stale_steps < 0:
         raise ValueError(f"fully_async.stale_steps must be >= 0, got {fa.stale_steps}")
-    import strategies  # local import: strategies.py imports only torch/stdlib, config stays light
     load_plugins(cfg)
     if fa.sliding_window not in strategies.REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' is not registered; "
@@ -634,7 +634,6 @@ def load_plugins(cfg: Config) -> None:
         registry[spec] = obj
 
     if plugins.is_spec(fa.sliding_window):
-        import strategies
         register(strategies.REGISTRY, fa.sliding_window, "fully_async.sliding_window", "a registered strategy name",
                  lambda c: isinstance(c, type) and issubclass(c, strategies.Strategy),
                  "a subclass of strategies.Strategy")

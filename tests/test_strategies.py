@@ -291,7 +291,7 @@ class Driver:
         if self.window == "sync":
             assert st["consumed_step"] + st["R"] + st["Q"] <= self.C
         else:
-            assert st["R"] + st["Q"] <= self.C  # spec section 3, every strategy
+            assert st["R"] + st["Q"] <= self.C  # the capacity rule, every strategy (docs/design.md)
         if st["max_generating"] is not None:
             assert st["generating"] <= st["max_generating"]
         if self.window not in ("windowed-fifo",):
