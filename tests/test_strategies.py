@@ -540,15 +540,21 @@ def test_prime_rl_gates_on_batches_shipped_not_on_groups_in_flight():
     assert strategies.PrimeRL.capacity(1, 2, 2) == srv.C
 
 
+def started(version):
+    """A group as keep sees it, by its start version alone (the presets' rules read no more)."""
+    return SimpleNamespace(start_version=version, trajectories=[])
+
+
 def test_roll_filter_at_the_bound_with_the_fractional_quota():
     r = strategies.build("roll", 4, 10, True, 1.5, 2)  # ceil(alpha) = 2; the oldest step fills ceil(0.5 * 4) = 2
     v = view(B=4, C=10)
     v.version = 5
-    assert r.keep(4, v) and r.keep(3, v) and r.keep(3, v) and not r.keep(3, v) and not r.keep(2, v)
+    assert (r.keep(started(4), v) and r.keep(started(3), v) and r.keep(started(3), v) and not r.keep(started(3), v)
+            and not r.keep(started(2), v))
     r.reset()
-    assert r.keep(3, v)
+    assert r.keep(started(3), v)
     whole = strategies.build("roll", 4, 8, True, 1.0, 2)
-    assert all(whole.keep(4, v) for _ in range(9)) and not whole.keep(3, v)
+    assert all(whole.keep(started(4), v) for _ in range(9)) and not whole.keep(started(3), v)
     assert strategies.Roll.capacity(1.5, 4, 2) == 10  # ceil(alpha B) + B
 
 
