@@ -452,6 +452,10 @@ def validate(cfg: Config) -> Config:
         preset.check(fa.policy_param, B, N)
         if cfg.rollout.async_max_concurrent_samples is None:  # the peer's own concurrency cap, its companion knob
             cfg.rollout.async_max_concurrent_samples = preset.max_concurrent_samples(B, N)
+    elif fa.policy_param is not None:
+        raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
+                         f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")
+    if fa.enable:  # built here as the buffer process builds it: its interface and update action refused now
         strategy = strategies.build(fa.sliding_window, B, cfg.capacity, True, fa.policy_param, N)
         try:
             strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)
@@ -460,9 +464,6 @@ def validate(cfg: Config) -> Config:
                              f"the weight update) needs {strategy.accepted_settings()}; got rollout.partial="
                              f"{str(cfg.rollout.partial).lower()}, rollout.pause_mode={cfg.rollout.pause_mode}"
                              ) from None
-    elif fa.policy_param is not None:
-        raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
-                         f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")
     if fa.enable:
         if cfg.colocate:
             raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own GPUs")

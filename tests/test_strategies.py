@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import config
 import strategies
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED
 from strategies import PipelineView
@@ -229,7 +230,7 @@ def test_a_token_level_keep_plugin_changes_what_the_buffer_keeps(monkeypatch):
             g1, default._view())
 
 
-def test_a_strategy_written_for_the_start_version_signature_is_refused_at_build(monkeypatch):
+def test_a_strategy_written_for_the_start_version_signature_is_refused_at_build_and_start_up(monkeypatch):
     class Old(strategies.Strategy):
         def keep(self, start_version, view):
             return view.version - start_version <= 1
@@ -245,6 +246,9 @@ def test_a_strategy_written_for_the_start_version_signature_is_refused_at_build(
         strategies.build("old", 4, 8, True)
     with pytest.raises(ValueError, match=re.escape("OwnInit.__init__ must take max_weight_staleness=None")):
         make_server(window="own-init")
+    # config.validate builds the run's strategy as the buffer process will: the run stops before anything starts
+    with pytest.raises(ValueError, match=re.escape("Old.keep(self, start_version, view) has the earlier signature")):
+        config.load_config("configs/tiny.yaml", ["fully_async.sliding_window=old"])
 
 
 # ---------------------------------------------------------------------------------------------------------
