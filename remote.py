@@ -1,37 +1,44 @@
-"""remote.py: the torch.distributed.rpc side of the processes. `init_rpc` (every process joins with it: trainer rank
-0, the buffer process, the rollout process), the buffer process's server (`serve`: a buffer.PipelineServer reachable
-as RPC worker "buffer") and its client proxy `RemoteBuffer`. buffer.py itself knows nothing of RPC, so it copies into
-another project alone; this file needs buffer.py (+ strategies.py) and torch.
+"""remote.py: the torch.distributed.rpc side of the processes, one shape for every served object.
+
+- `init_rpc`: every process joins with it (trainer rank 0, the buffer process, the rollout process).
+- `serve_object`: a process serves one object as an RPC worker; `Proxy` is its client in the other processes. Which
+  methods cross is one table per served object, here: BUFFER_METHODS (buffer.PipelineServer, RPC worker "buffer",
+  served by `serve_buffer`) and ROLLOUT_METHODS (rollout.Rollout, RPC worker "rollout", served by
+  workers.serve_rollout). The proxy offers those methods and no others, the serving side calls no others.
+buffer.py itself knows nothing of RPC, so it copies into another project alone; this file needs buffer.py
+(+ strategies.py) and torch.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed.rpc as rpc
 
 from buffer import PipelineServer
 
-# ---------------------------------------------------------------------------------------------------------
-# Serving over torch.distributed.rpc: the buffer process ("buffer") and the client proxy
-# ---------------------------------------------------------------------------------------------------------
+# What each served object answers over RPC: {method: None, or the position of its `timeout` argument where it waits
+# (the call's RPC timeout is the proxy's plus that wait)}.
+BUFFER_METHODS = {"dispatch": 1, "put": None, "exchange": None, "get": 1, "wait": 1, "step_boundary": None,
+                  "update_aborts": None, "set_weight_version": None, "set_max_concurrent_samples": None,
+                  "step_metrics": None, "stats": None, "state_dict": None, "load_state_dict": None}
+ROLLOUT_METHODS = {"start": None, "pause": None, "resume": None, "step_metrics": None, "stop": None}
 
-_SERVER: Optional[PipelineServer] = None  # the buffer process's singleton, reached by _invoke
-_METHODS = ("dispatch", "put", "exchange", "get", "wait", "step_boundary", "update_aborts", "set_weight_version",
-            "set_max_concurrent_samples", "step_metrics", "stats", "state_dict", "load_state_dict")
+_RENAMED = {"RemoteBuffer": "remote.RemoteBuffer(worker, timeout) is now remote.Proxy(worker, timeout, "
+                            "remote.BUFFER_METHODS)",
+            "serve": "remote.serve (the buffer process) is now remote.serve_buffer, with the same arguments"}
 
 
-def _invoke(method: str, *args):
-    """Runs in the buffer process for every RemoteBuffer call."""
-    if _SERVER is None:
-        raise RuntimeError("no PipelineServer is running in this process; start it with remote.serve(...)")
-    if method not in _METHODS:
-        raise ValueError(f"buffer method '{method}' is not served; served: {', '.join(_METHODS)}")
-    return getattr(_SERVER, method)(*args)
+def __getattr__(name: str):
+    if name in _RENAMED:
+        raise AttributeError(_RENAMED[name])
+    raise AttributeError(f"module 'remote' has no attribute '{name}'")
 
 
 def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float,
@@ -82,98 +89,116 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: f
                            f"failed: {errors[0]}") from errors[0]
 
 
-def _exit_when_orphaned(poll_s: float = 2.0) -> None:
-    """The buffer process lives as long as its parent: if the trainer dies, nobody will ever call shutdown."""
+# ---------------------------------------------------------------------------------------------------------
+# The serving side: one object per process, reached by _invoke
+# ---------------------------------------------------------------------------------------------------------
+
+_NAME, _OBJECT, _METHODS = "", None, {}  # this process's served object and its table (serve_object sets them)
+_READY = threading.Event()  # set once serve_object has built _OBJECT, or failed to
+_READY_TIMEOUT_S = [0.0]  # how long a call that arrives during the build waits for it
+
+
+def _invoke(method: str, *args, **kwargs):
+    """Runs in the serving process for every Proxy call: one method of the served object that its table lists."""
+    if not _READY.wait(_READY_TIMEOUT_S[0]) or _OBJECT is None:
+        raise RuntimeError(f"RPC worker '{_NAME}' built nothing to serve within {_READY_TIMEOUT_S[0]:.0f} s; see "
+                           "its log for the start-up error")
+    if method not in _METHODS:
+        raise ValueError(f"{_NAME} method '{method}' is not served; served: {', '.join(_METHODS)}")
+    return getattr(_OBJECT, method)(*args, **kwargs)
+
+
+def _exit_when_orphaned(name: str, poll_s: float = 2.0) -> None:
+    """A served process lives as long as its parent: if the trainer dies, nobody will ever call shutdown."""
     parent = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
             if os.getppid() != parent:
-                print(f"buffer: parent process {parent} is gone; exiting", file=sys.stderr, flush=True)
+                print(f"{name}: parent process {parent} is gone; exiting", file=sys.stderr, flush=True)
                 os._exit(1)
 
-    threading.Thread(target=watch, name="buffer-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name=f"{name}-parent-watch", daemon=True).start()
 
 
-def serve(settings, rpc_init_method: str, rank: int, world_size: int, prompts_per_source: list,
-          decode: Optional[Callable[[list], str]] = None, startup_timeout: Optional[float] = None) -> None:
-    """Run the buffer process (workers.py starts it, with the prompts of each data source): a PipelineServer of
-    `settings` (a BufferSettings, or a validated config.Config) reachable as RPC worker "buffer" until every worker
-    shuts down. startup_timeout: how long init_rpc waits for the others (default settings.rpc_timeout_s)."""
-    global _SERVER
-    torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
-    # before init_rpc: clients may call as soon as it returns
-    _SERVER = PipelineServer(settings, prompts_per_source, decode=decode)
+def serve_object(name: str, methods: dict, make: Callable[[], ContextManager], rpc_init_method: str, rank: int,
+                 world_size: int, timeout: float, startup_timeout: Optional[float] = None) -> None:
+    """Serve one object of this process as RPC worker `name` until every worker has shut down. Joins RPC first
+    (waiting up to startup_timeout for the others, default `timeout`, the later calls' RPC timeout), then builds
+    the object by entering `make()`, a context manager whose exit closes it: building may call the other workers
+    (the rollout asks the buffer), and a call that arrives meanwhile waits for it, up to startup_timeout. Only the
+    methods in `methods` are served."""
+    global _NAME, _OBJECT, _METHODS
+    _NAME, _METHODS = name, methods
+    _READY.clear()
+    _READY_TIMEOUT_S[0] = timeout if startup_timeout is None else startup_timeout
+    init_rpc(name, rank, world_size, rpc_init_method, timeout, startup_timeout=startup_timeout)
+    _exit_when_orphaned(name)
     try:
-        init_rpc("buffer", rank, world_size, rpc_init_method, _SERVER.settings.rpc_timeout_s,
-                 startup_timeout=startup_timeout)
-        _exit_when_orphaned()
-        rpc.shutdown(graceful=True)  # returns once the trainer and the rollout have shut down too
+        with contextlib.ExitStack() as stack:
+            try:
+                _OBJECT = stack.enter_context(make())
+            finally:
+                _READY.set()  # calls waiting in _invoke get the object, or the error that it is missing
+            rpc.shutdown(graceful=True)  # returns once every other worker has shut down too
     finally:
-        _SERVER.close()
-        _SERVER = None
+        _OBJECT = None
 
+
+def serve_buffer(settings, rpc_init_method: str, rank: int, world_size: int, prompts_per_source: list,
+                 decode: Optional[Callable[[list], str]] = None, startup_timeout: Optional[float] = None) -> None:
+    """The buffer process (workers.py starts it, with the prompts of each data source): a PipelineServer of
+    `settings` (a BufferSettings, or a validated config.Config) served as RPC worker "buffer" (BUFFER_METHODS).
+    startup_timeout: how long init_rpc waits for the others (default buffer.rpc_timeout_s)."""
+    torch.set_num_threads(1)  # the buffer only copies; intra-op threads would just contend for the trainer's cores
+    # built before joining RPC: its settings give the RPC timeout, and bad ones fail before the others wait
+    with contextlib.closing(PipelineServer(settings, prompts_per_source, decode=decode)) as server:
+        serve_object("buffer", BUFFER_METHODS, lambda: contextlib.nullcontext(server), rpc_init_method, rank,
+                     world_size, server.settings.rpc_timeout_s, startup_timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The client side
+# ---------------------------------------------------------------------------------------------------------
 
 _REMOTE_ERRORS = {"TimeoutError": TimeoutError, "ValueError": ValueError}  # kept as their type on the client
 
 
-class RemoteBuffer:
-    """Client proxy of the buffer process: the PipelineServer methods, each one rpc_sync of _invoke.
+class Proxy:
+    """An object that another process serves (serve_object), called as if it were here: each method of `methods`
+    (its table: BUFFER_METHODS, ROLLOUT_METHODS) is one rpc_sync of _invoke there, any other name is refused.
 
-    Every call times out after `timeout` s (buffer.rpc_timeout_s); get() and dispatch() add their own wait.
+        buf = remote.Proxy("buffer", cfg.buffer.rpc_timeout_s, remote.BUFFER_METHODS)
+        groups = buf.get(4, 30.0)
+
+    Every call times out after `timeout` s (buffer.rpc_timeout_s), one that waits (its table names the position of
+    its `timeout` argument) after that plus its own wait. A TimeoutError or ValueError raised there is raised here
+    as the same type, any other error as RuntimeError; each message names the method and the worker.
     """
 
-    def __init__(self, worker: str = "buffer", timeout: float = 600.0):
-        self.worker, self.timeout = worker, float(timeout)
-        self._get_timeout: Optional[float] = None  # the server's buffer.get_timeout_s, fetched on first use
+    def __init__(self, worker: str, timeout: float, methods: dict):
+        self.worker, self.timeout, self.methods = worker, float(timeout), methods
 
-    def _call(self, method: str, *args, wait: float = 0.0):
+    def __getattr__(self, method: str):
+        methods = self.__dict__.get("methods", {})
+        if method not in methods:
+            raise AttributeError(f"RPC worker '{self.__dict__.get('worker')}' serves no method '{method}'; served: "
+                                 f"{', '.join(methods)}")
+        return functools.partial(self._call, method)
+
+    def __dir__(self):
+        return sorted({*super().__dir__(), *self.methods})
+
+    def _call(self, method: str, *args, **kwargs) -> Any:
+        wait, at = 0.0, self.methods[method]
+        if at is not None:
+            wait = kwargs.get("timeout", args[at] if len(args) > at else None)
+            if wait is None:
+                raise ValueError(f"{method} over RPC needs its timeout (argument {at + 1}): the call waits "
+                                 f"{self.timeout} s (buffer.rpc_timeout_s) plus that")
         try:
-            return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), timeout=self.timeout + wait)
+            return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), kwargs=kwargs, timeout=self.timeout + wait)
         except RuntimeError as e:  # torch RPC re-raises remote errors as RuntimeError("<Type>: On WorkerInfo...")
             kind = _REMOTE_ERRORS.get(str(e).split(":", 1)[0], RuntimeError)
-            raise kind(f"buffer.{method} on RPC worker '{self.worker}' failed: {e}") from e
-
-    def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list:
-        return self._call("dispatch", max_groups, timeout, wait=timeout)
-
-    def put(self, trajs: list) -> None:
-        return self._call("put", trajs)
-
-    def exchange(self, trajs: list, max_groups: Optional[int]) -> list:
-        return self._call("exchange", trajs, max_groups)
-
-    def get(self, k: int, timeout: Optional[float] = None) -> list:
-        if timeout is None:
-            if self._get_timeout is None:
-                self._get_timeout = self.stats()["get_timeout_s"]
-            timeout = self._get_timeout
-        return self._call("get", k, timeout, wait=timeout)
-
-    def wait(self, k: int, timeout: float) -> dict:
-        return self._call("wait", k, timeout, wait=timeout)
-
-    def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
-        return self._call("step_boundary", returned, keep_in_flight)
-
-    def update_aborts(self) -> list:
-        return self._call("update_aborts")
-
-    def set_weight_version(self, v: int) -> None:
-        return self._call("set_weight_version", v)
-
-    def set_max_concurrent_samples(self, value: int) -> None:
-        return self._call("set_max_concurrent_samples", value)
-
-    def step_metrics(self) -> dict:
-        return self._call("step_metrics")
-
-    def stats(self, keys: bool = False) -> dict:
-        return self._call("stats", keys)
-
-    def state_dict(self) -> dict:
-        return self._call("state_dict")
-
-    def load_state_dict(self, sd: dict) -> None:
-        return self._call("load_state_dict", sd)
+            raise kind(f"{method} on RPC worker '{self.worker}' failed: {e}") from e

@@ -22,8 +22,7 @@
   max_new_tokens); its finished trajectories are put back as they are. `rollout.trajectory_timeout_s` aborts a
   request that runs too long (its clock also runs while a kept request waits on a paused server) and marks its
   unfinished trajectories failed.
-- `serve` / `RemoteRollout`: the rollout process (RPC worker "rollout", started by workers.py) and the trainer's
-  proxy of it.
+- The rollout process serves a Rollout over RPC (workers.serve_rollout); the trainer calls it through remote.Proxy.
 - `generate_dataset`: generate and score a dataset against running servers, without training (workers.py generate).
 
 Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP layer
@@ -90,7 +89,7 @@ import torch
 import losses
 import moe
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
-from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response
+from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response  # noqa: F401 (Fleet: re-exported)
 
 log = logging.getLogger("rollout")
 
@@ -325,13 +324,13 @@ class _GroupRun:
 class Rollout:
     """The producer: dispatch groups, run and score their trajectories, put them to the buffer (see module doc).
 
-    `buffer` is a buffer.PipelineServer or a remote.RemoteBuffer (dispatch, put, exchange, step_boundary); `fleet` a
+    `buffer` is a buffer.PipelineServer or its remote.Proxy (dispatch, put, exchange, step_boundary); `fleet` a
     Fleet or a SyncFleet (whose event-loop thread the producer runs on). Public methods are synchronous and
     thread-safe.
     """
 
     def __init__(self, cfg, buffer, fleet, tokenizer):
-        r = cfg.rollout  # validated by config.validate (load_config, serve)
+        r = cfg.rollout  # validated by config.validate (config.load_config)
         self.cfg, self.buffer, self.tokenizer = cfg, buffer, tokenizer
         self.sync = fleet if isinstance(fleet, SyncFleet) else SyncFleet(fleet)
         self.fleet = self.sync.fleet
@@ -966,78 +965,16 @@ class Rollout:
                 log.warning("continuing the paused servers at stop failed: %s", e)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The rollout process (RPC worker "rollout") and its proxy
-
-_ROLLOUT: Optional[Rollout] = None
-_READY = threading.Event()  # set once serve() has built _ROLLOUT (or failed to)
-_READY_TIMEOUT_S = [300.0]  # serve() sets rollout.startup_timeout_s here
+# The rollout process is served by workers.serve_rollout (remote.serve_object), its client is remote.Proxy.
+_RENAMED = {"RemoteRollout": "rollout.RemoteRollout(worker, timeout) is now remote.Proxy(worker, timeout, "
+                             "remote.ROLLOUT_METHODS)",
+            "serve": "rollout.serve (the rollout process) is now workers.serve_rollout, with the same arguments"}
 
 
-def _invoke(method: str, *args):
-    """Runs in the rollout process: one method of the served Rollout (called through rpc.rpc_sync)."""
-    if not _READY.wait(_READY_TIMEOUT_S[0]) or _ROLLOUT is None:
-        raise RuntimeError(f"the rollout process built no Rollout within rollout.startup_timeout_s="
-                           f"{_READY_TIMEOUT_S[0]} s; see its log for the start-up error")
-    return getattr(_ROLLOUT, method)(*args)
-
-
-class RemoteRollout:
-    """The trainer's proxy of the served Rollout: the same methods, each an rpc_sync with a timeout."""
-
-    def __init__(self, worker: str = "rollout", timeout: float = 600.0):
-        self.worker, self.timeout = worker, timeout
-
-    def _call(self, method: str, *args, timeout: Optional[float] = None):
-        from torch.distributed import rpc
-
-        return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), timeout=timeout or self.timeout)
-
-    def start(self) -> None:
-        return self._call("start")
-
-    def pause(self) -> dict:
-        return self._call("pause")
-
-    def resume(self, version: int) -> None:
-        return self._call("resume", version)
-
-    def step_metrics(self) -> dict:
-        return self._call("step_metrics")
-
-    def stop(self) -> None:
-        return self._call("stop")
-
-
-def serve(cfg, rpc_init_method: str, rank: int, world_size: int, startup_timeout: Optional[float] = None) -> None:
-    """The rollout process (workers.py starts it): join RPC as "rollout" (waiting up to startup_timeout for the
-    others, default buffer.rpc_timeout_s), build the Rollout against RemoteBuffer("buffer") and the fleet, serve its
-    methods until the trainer shuts RPC down. `cfg` is a config.Config that passed config.validate (duck-typed)."""
-    global _ROLLOUT
-    from torch.distributed import rpc
-    from transformers import AutoTokenizer
-
-    import remote
-
-    _READY_TIMEOUT_S[0] = cfg.rollout.startup_timeout_s
-    remote.init_rpc("rollout", rank, world_size, rpc_init_method, cfg.buffer.rpc_timeout_s,
-                    startup_timeout=startup_timeout)
-    sync = SyncFleet(Fleet.from_config(cfg))
-    try:
-        try:
-            # The trainer waited for /health and checked versions (services.Services.start_fleet); a colocated server has
-            # released its memory since, so its /health (a generated token) would wait 20 s and fail: reachable is
-            # what is asked here.
-            sync.live_workers(cfg.rollout.startup_timeout_s)
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            _ROLLOUT = Rollout(cfg, remote.RemoteBuffer("buffer", cfg.buffer.rpc_timeout_s), sync, tokenizer)
-        finally:
-            _READY.set()  # callers waiting in _invoke get the Rollout, or the error that it is missing
-        rpc.shutdown()  # graceful: returns once every worker has called shutdown
-    finally:
-        if _ROLLOUT is not None:
-            _ROLLOUT.stop()
-        sync.close()
+def __getattr__(name: str):
+    if name in _RENAMED:
+        raise AttributeError(_RENAMED[name])
+    raise AttributeError(f"module 'rollout' has no attribute '{name}'")
 
 
 # ---------------------------------------------------------------------------------------------------------------

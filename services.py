@@ -420,15 +420,14 @@ class Services:
         """Trainer rank 0: the buffer and rollout processes (spawn_rpc_workers), the servers' /health meanwhile
         (wait_servers: start_fleet(wait=False) came first), then RPC with both (join_rpc) and the watcher. Returns
         the trainer's handles of the buffer and the rollout."""
-        import rollout as rollout_lib
-
         self.spawn_rpc_workers()
         if wait_servers:
             self.wait_fleet(version, launched)
         self.join_rpc()
         self.watch()
         timeout = self.cfg.buffer.rpc_timeout_s
-        return remote.RemoteBuffer("buffer", timeout), rollout_lib.RemoteRollout("rollout", timeout)
+        return (remote.Proxy("buffer", timeout, remote.BUFFER_METHODS),
+                remote.Proxy("rollout", timeout, remote.ROLLOUT_METHODS))
 
     def spawn_rpc_workers(self) -> None:
         """The buffer (RPC rank 1) and rollout (rank 2) processes, given the run's resolved config
@@ -470,9 +469,7 @@ class Services:
         if self.rpc_up:
             try:
                 if ok:
-                    import rollout as rollout_lib
-
-                    rollout_lib.RemoteRollout("rollout", 60.0).stop()
+                    remote.Proxy("rollout", 60.0, remote.ROLLOUT_METHODS).stop()
                 rpc.shutdown(graceful=ok, timeout=60 if ok else 0)
             except Exception as e:
                 print(f"[train] RPC shutdown: {e}", file=sys.stderr)

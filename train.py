@@ -109,8 +109,8 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
               save_checkpoint(steps_done, run_state) -> None, memory_to_trainer() / memory_to_servers()
               (colocate: the GPUs' memory goes to the trainer for training and back to the servers after it).
     buffer:   get(k, timeout) -> list[Group], wait(k, timeout) -> dict (see fetch), step_metrics() -> dict,
-              state_dict(), set_weight_version(v) (buffer.PipelineServer or remote.RemoteBuffer).
-    rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or RemoteRollout).
+              state_dict(), set_weight_version(v) (buffer.PipelineServer or its remote.Proxy).
+    rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or its remote.Proxy).
     logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
               in training order) and "data/samples" (sample_records of a few trained trajectories);
               waiting(step, record) while the trainer waits for groups (Logger.waiting).

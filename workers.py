@@ -11,12 +11,13 @@ Standalone generation (no training): generate and score a dataset against runnin
 
     python workers.py generate --config configs/tiny.yaml rollout.servers=[http://127.0.0.1:31000] [--split eval]
 
-RPC pickles each call as the function's module and name (remote._invoke, rollout._invoke), so the served singletons
-live in the imported modules `remote` and `rollout`, never in this `__main__`.
+Both processes serve their object the same way, remote.serve_object (the buffer's PipelineServer through
+remote.serve_buffer, the rollout's Rollout through serve_rollout here); the trainer calls them through remote.Proxy.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -35,8 +36,34 @@ def serve_buffer(cfg, rpc_init: str, rank: int, world_size: int) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens) for ds in cfg.data_sources]
-    remote.serve(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode,
-                 startup_timeout=rpc_startup_timeout(cfg))
+    remote.serve_buffer(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode,
+                        startup_timeout=rpc_startup_timeout(cfg))
+
+
+def serve_rollout(cfg, rpc_init: str, rank: int, world_size: int, startup_timeout: Optional[float] = None) -> None:
+    """The rollout process: a Rollout against the buffer process (remote.Proxy) and the fleet, served as RPC
+    worker "rollout" (remote.ROLLOUT_METHODS) until the trainer shuts RPC down. startup_timeout: how long init_rpc
+    waits for the others (default buffer.rpc_timeout_s)."""
+
+    @contextlib.contextmanager
+    def make():
+        from transformers import AutoTokenizer
+
+        with contextlib.closing(sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))) as sync:
+            # The trainer waited for /health and checked versions (train.start_fleet); a colocated server has
+            # released its memory since, so its /health (a generated token) would wait 20 s and fail: reachable is
+            # what is asked here.
+            sync.live_workers(cfg.rollout.startup_timeout_s)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            buf = remote.Proxy("buffer", cfg.buffer.rpc_timeout_s, remote.BUFFER_METHODS)
+            producer = rollout.Rollout(cfg, buf, sync, tokenizer)
+            try:
+                yield producer
+            finally:
+                producer.stop()
+
+    remote.serve_object("rollout", remote.ROLLOUT_METHODS, make, rpc_init, rank, world_size, cfg.buffer.rpc_timeout_s,
+                        startup_timeout)
 
 
 def rpc_startup_timeout(cfg) -> float:
@@ -93,7 +120,7 @@ def main(argv=None) -> None:
     if args.role == "buffer":
         serve_buffer(cfg, args.rpc_init, args.rank, args.world_size)
     elif args.role == "rollout":
-        rollout.serve(cfg, args.rpc_init, args.rank, args.world_size, rpc_startup_timeout(cfg))
+        serve_rollout(cfg, args.rpc_init, args.rank, args.world_size, rpc_startup_timeout(cfg))
     else:
         print(json.dumps({"rollout_summary": generate(cfg, args.split, args.limit, args.out)}))
 

@@ -136,12 +136,12 @@ def _rpc_main(rank: int, init: str, T: int, groups: int, repeats: int, barrier, 
     torch.set_num_threads(1)
     cfg = make_cfg()
     if rank == 0:
-        remote.serve(cfg.buffer_settings(), init, 0, 3, make_prompts())
+        remote.serve_buffer(cfg.buffer_settings(), init, 0, 3, make_prompts())
         return
     import torch.distributed.rpc as rpc
     name = "rollout" if rank == 1 else "trainer"
     remote.init_rpc(name, rank, 3, init, 120.0)
-    rb = remote.RemoteBuffer("buffer", 120.0)
+    rb = remote.Proxy("buffer", 120.0, remote.BUFFER_METHODS)
     if rank == 1:
         prod = Producer(rb, T)
         barrier.wait()

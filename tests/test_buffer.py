@@ -560,11 +560,11 @@ def _rpc_worker(rank, init, out_dir, settings):
     import torch.distributed.rpc as rpc
     prompts = make_prompts(30)
     if rank == 0:
-        remote.serve(settings, init, 0, 3, prompts)
+        remote.serve_buffer(settings, init, 0, 3, prompts)
         return
     name = "rollout" if rank == 1 else "trainer"
     remote.init_rpc(name, rank, 3, init, timeout=30)
-    rb = remote.RemoteBuffer("buffer", timeout=30)
+    rb = remote.Proxy("buffer", 30, remote.BUFFER_METHODS)
     result = {}
     total = RPC_B * RPC_STEPS
     if rank == 1:
@@ -596,6 +596,14 @@ def _rpc_worker(rank, init, out_dir, settings):
             result["timeout"] = str(e)
         result["metrics"] = rb.step_metrics()
         result["state_format"] = rb.state_dict()["format"]
+        refused = []  # a method outside BUFFER_METHODS: refused by the proxy, and by the server when called anyway
+        for call in (lambda: rb.close(), lambda: rpc.rpc_sync("buffer", remote._invoke, args=("close",)),
+                     lambda: rb.get(1)):  # a wait without its timeout: the RPC's own could not cover it
+            try:
+                call()
+            except Exception as e:
+                refused.append(f"{type(e).__name__}: {e}")
+        result["refused"] = refused
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f)
     rpc.shutdown()
@@ -617,12 +625,25 @@ def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
     assert trainer["state_format"] == 1
     seq = RPC_B * RPC_STEPS
     assert rollout["restored"] == [RPC_N, [0, seq], [0, seq], [COMPLETED, ABORTED], [seq, 0], True]
+    unserved, server_side, no_wait = trainer["refused"]
+    assert unserved.startswith("AttributeError: RPC worker 'buffer' serves no method 'close'; served: dispatch, ")
+    assert "ValueError: buffer method 'close' is not served" in server_side
+    assert no_wait.startswith("ValueError: get over RPC needs its timeout (argument 2)")
 
 
-def test_every_remote_buffer_method_is_served():
-    """RemoteBuffer's calls go by name through _invoke: one missing from _METHODS fails only over RPC, at run time."""
-    public = {n for n, v in vars(remote.RemoteBuffer).items() if callable(v) and not n.startswith("_")}
-    assert public <= set(remote._METHODS), public - set(remote._METHODS)
+@pytest.mark.parametrize("served", ["buffer.PipelineServer", "rollout.Rollout"])
+def test_every_served_method_exists_and_a_wait_is_its_timeout_argument(served):
+    """The proxy and the server go by one table a served object: each name in it is a method of the object, and
+    a method waits (its RPC timeout grows by the wait) exactly when it has a `timeout` argument, at that position."""
+    import importlib
+    import inspect
+
+    module, name = served.split(".")
+    cls = getattr(importlib.import_module(module), name)
+    table = {"buffer": remote.BUFFER_METHODS, "rollout": remote.ROLLOUT_METHODS}[module]
+    for method, at in table.items():
+        params = list(inspect.signature(getattr(cls, method)).parameters)[1:]  # without self
+        assert at == (params.index("timeout") if "timeout" in params else None), (method, at, params)
 
 
 def test_rpc_start_up_times_out_naming_the_missing_workers():
