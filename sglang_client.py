@@ -11,8 +11,8 @@ Imports only the standard library, aiohttp and orjson, so it copies into another
   once per server per pause, with their count. A server that cannot be reached leaves the /generate rotation until
   its /health answers again.
 - `SyncFleet`: a Fleet on its own event-loop thread, so that synchronous code (the trainer, the weight sync, tests)
-  calls it too: one blocking method per Fleet call, written out (`run` for any coroutine, `submit` to start a call
-  without waiting). The rollout producer runs its coroutines on that same loop.
+  calls it too: each coroutine method of Fleet is a blocking method of the same name there (`run` for any
+  coroutine, `submit` to start a call without waiting). The rollout producer runs its coroutines on that same loop.
 - `parse_generate_response`: a /generate reply as token ids, log-probs, per-token weight versions and finish type.
 
 Weight versions are ints ("default", SGLang's until the first update, is 0); a response's `weight_versions` spans
@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import inspect
 import json
 import logging
 import math
@@ -553,9 +555,15 @@ def server_concurrency(info: dict) -> Optional[int]:
 
 
 class SyncFleet:
-    """A Fleet on its own event-loop thread, callable from synchronous code: each Fleet call has a blocking method
-    of the same name here (e.g. `SyncFleet(fleet).update_weights_from_disk(path, 3)`); `submit` starts one and
-    returns a Future instead, `run` waits for any coroutine of the loop.
+    """A Fleet on its own event-loop thread, callable from synchronous code: every coroutine method of Fleet is a
+    blocking method of the same name and arguments here (__getattr__ runs it on the loop, bounded by
+    call_timeout_s): generate, workers, live_workers, health, wait_healthy, check_versions, server_infos, loads,
+    concurrency, context_limits, abort, pause, continue_, flush_cache, release_memory, resume_memory,
+    update_weights_from_disk, update_weight_version, engine_ranks, init_weights_update_group, begin_weight_update,
+    end_weight_update, destroy_weights_update_group, update_weights_from_distributed, update_weights_from_tensor
+    (see Fleet for what each does), e.g. `SyncFleet(fleet).update_weights_from_disk(path, 3)`. `submit` starts one
+    and returns a Future instead, `run` waits for any coroutine of the loop. Fleet's plain methods
+    (take_abort_failures) are Fleet's own.
 
     The Rollout producer runs on this same loop, so one process has one event loop and one HTTP session.
     """
@@ -567,6 +575,24 @@ class SyncFleet:
         self._thread.start()
         # A fleet call is bounded by its own HTTP timeouts; this outer bound only catches a wedged loop.
         self.call_timeout_s = max(fleet.control_timeout_s, fleet.request_timeout_s) + 60.0
+
+    def __getattr__(self, name: str):
+        fn = inspect.getattr_static(Fleet, name, None)
+        if name.startswith("_") or not inspect.isfunction(fn):
+            raise AttributeError(f"SyncFleet has no attribute '{name}', and Fleet no method of that name")
+        method = getattr(self.fleet, name)
+        if not inspect.iscoroutinefunction(fn):
+            return method  # a plain method (take_abort_failures): nothing to run on the loop
+
+        @functools.wraps(method)
+        def blocking(*args, **kwargs):
+            return self.run(method(*args, **kwargs), what=f"Fleet.{name}")
+
+        return blocking
+
+    def __dir__(self):
+        return sorted({*super().__dir__(), *(n for n, v in vars(Fleet).items()
+                                             if not n.startswith("_") and inspect.isfunction(v))})
 
     def run(self, coro, timeout_s: Optional[float] = None, what: str = "fleet call"):
         """Run a coroutine on the loop and wait for its result (TimeoutError naming `what` after timeout_s)."""
@@ -586,93 +612,3 @@ class SyncFleet:
             self.run(self.fleet.close(), 30.0, "closing the fleet's HTTP session")
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10.0)
-
-    # ---- the Fleet's calls, blocking (see Fleet for what each does) ----
-    def generate(self, payload: dict, next_rid: Optional[Callable[[], str]] = None,
-                 stop: Optional[asyncio.Event] = None) -> Optional[dict]:
-        return self.run(self.fleet.generate(payload, next_rid, stop), what="Fleet.generate")
-
-    def workers(self) -> list[str]:
-        return self.run(self.fleet.workers(), what="Fleet.workers")
-
-    def live_workers(self, timeout_s: float) -> list[str]:
-        return self.run(self.fleet.live_workers(timeout_s), what="Fleet.live_workers")
-
-    def health(self, path: str = "/health") -> dict[str, bool]:
-        return self.run(self.fleet.health(path), what="Fleet.health")
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        return self.run(self.fleet.wait_healthy(timeout_s), what="Fleet.wait_healthy")
-
-    def check_versions(self) -> None:
-        return self.run(self.fleet.check_versions(), what="Fleet.check_versions")
-
-    def server_infos(self) -> list[dict]:
-        return self.run(self.fleet.server_infos(), what="Fleet.server_infos")
-
-    def loads(self) -> list[dict]:
-        return self.run(self.fleet.loads(), what="Fleet.loads")
-
-    def concurrency(self) -> Optional[int]:
-        return self.run(self.fleet.concurrency(), what="Fleet.concurrency")
-
-    def context_limits(self) -> tuple[Optional[int], Optional[int]]:
-        return self.run(self.fleet.context_limits(), what="Fleet.context_limits")
-
-    def abort(self, rid_prefix: str = "", abort_all: bool = False) -> int:
-        return self.run(self.fleet.abort(rid_prefix, abort_all), what="Fleet.abort")
-
-    def take_abort_failures(self) -> dict[str, list]:
-        return self.fleet.take_abort_failures()
-
-    def pause(self, mode: str = "abort", timeout_s: Optional[float] = None) -> list:
-        return self.run(self.fleet.pause(mode, timeout_s), what="Fleet.pause")
-
-    def continue_(self) -> list:
-        return self.run(self.fleet.continue_(), what="Fleet.continue_")
-
-    def flush_cache(self) -> list:
-        return self.run(self.fleet.flush_cache(), what="Fleet.flush_cache")
-
-    def release_memory(self, tags: Optional[list[str]] = None) -> list:
-        return self.run(self.fleet.release_memory(tags), what="Fleet.release_memory")
-
-    def resume_memory(self, tags: Optional[list[str]] = None) -> list:
-        return self.run(self.fleet.resume_memory(tags), what="Fleet.resume_memory")
-
-    def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True) -> list:
-        return self.run(self.fleet.update_weights_from_disk(path, version, flush_cache),
-                        what="Fleet.update_weights_from_disk")
-
-    def update_weight_version(self, version: int, abort_all_requests: bool = False) -> list:
-        return self.run(self.fleet.update_weight_version(version, abort_all_requests),
-                        what="Fleet.update_weight_version")
-
-    def engine_ranks(self) -> list[int]:
-        return self.run(self.fleet.engine_ranks(), what="Fleet.engine_ranks")
-
-    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl") -> list:
-        return self.run(self.fleet.init_weights_update_group(master_address, master_port, world_size, group_name,
-                                                             backend), what="Fleet.init_weights_update_group")
-
-    def begin_weight_update(self) -> list:
-        return self.run(self.fleet.begin_weight_update(), what="Fleet.begin_weight_update")
-
-    def end_weight_update(self, timeout_s: Optional[float] = None) -> list:
-        return self.run(self.fleet.end_weight_update(timeout_s), what="Fleet.end_weight_update")
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list:
-        return self.run(self.fleet.destroy_weights_update_group(group_name), what="Fleet.destroy_weights_update_group")
-
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        version: Optional[int] = None, group_name: str = "weight_update_group",
-                                        flush_cache: bool = True, load_format: Optional[str] = None) -> list:
-        return self.run(self.fleet.update_weights_from_distributed(names, dtypes, shapes, version, group_name,
-                                                                   flush_cache, load_format),
-                        what="Fleet.update_weights_from_distributed")
-
-    def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,
-                                   flush_cache: bool = True) -> list:
-        return self.run(self.fleet.update_weights_from_tensor(payloads, version, flush_cache),
-                        what="Fleet.update_weights_from_tensor")

@@ -155,6 +155,23 @@ def test_fleet_retries_5xx_not_4xx_and_takes_unreachable_servers_out_of_rotation
         servers.close()
 
 
+def test_sync_fleet_runs_every_fleet_call_blocking_under_its_name():
+    """SyncFleet writes no method out: each coroutine method of Fleet is a blocking one of the same name (dir lists
+    them), bounded by call_timeout_s and named in its timeout; a plain method is Fleet's own; other names fail."""
+    sync = sglang_client.SyncFleet(sglang_client.Fleet(["http://127.0.0.1:9"]))  # discard port: refused
+    try:
+        calls = {n for n, v in vars(sglang_client.Fleet).items() if asyncio.iscoroutinefunction(v) and n[0] != "_"}
+        assert calls - {"close"} <= set(dir(sync)) and "take_abort_failures" in dir(sync)
+        assert sync.health() == {"http://127.0.0.1:9": False} and sync.take_abort_failures() == {}
+        sync.call_timeout_s = 0.2
+        with pytest.raises(TimeoutError, match=r"^Fleet.wait_healthy did not finish within 0.2 s$"):
+            sync.wait_healthy(30)
+        with pytest.raises(AttributeError, match="SyncFleet has no attribute 'from_config', and Fleet no method"):
+            sync.from_config
+    finally:
+        sync.close()
+
+
 def test_generate_waits_for_a_server_to_come_back_and_stop_ends_the_wait():
     """The only server dies (here: is not there yet); a request waits, and is served once /health answers."""
     port = free_port()
