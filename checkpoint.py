@@ -2,12 +2,11 @@
 torch.distributed.checkpoint (DCP, every rank writes its shards) and run_state.pt (rank 0: the step, the weight
 version, the buffer's state, the LR scheduler and every rank's RNG state). A directory is written as .tmp and
 renamed once complete (commit), so one without ".tmp" always loads; latest_checkpoint finds the newest that does.
-export_hf: the final model as an HF checkpoint directory, from the float32 master shards (not FSDP2's bf16 unshard).
+The final model as an HF checkpoint directory is hf_export.py's.
 """
 from __future__ import annotations
 
 import glob
-import json
 import os
 import random
 import shutil
@@ -131,85 +130,10 @@ def latest_checkpoint(run_dir: str) -> Optional[str]:
     return None
 
 
-def export_dtype(setting: str, model_path: str) -> torch.dtype:
-    """trainer.export_dtype with auto resolved: the dtype model.path's config.json names (transformers 5 writes
-    "dtype", 4 "torch_dtype"; a multimodal one under text_config), float32 when it names none. The default, because
-    a trained checkpoint is expected in its base's format: Qwen3-30B-A3B's bf16 comes back as 61 GB of bf16, which
-    is also what SGLang serves, not as 122 GB of float32; float32 keeps the master weights' bits."""
-    if setting != "auto":
-        return getattr(torch, setting)
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            c = json.load(f)
-    except OSError:
-        return torch.float32
-    for d in (c, c.get("text_config") or {}):
-        name = d.get("dtype") or d.get("torch_dtype")
-        if isinstance(name, str) and isinstance(getattr(torch, name.removeprefix("torch."), None), torch.dtype):
-            return getattr(torch, name.removeprefix("torch."))
-    return torch.float32
+_MOVED_TO_HF_EXPORT = ("export_hf", "export_dtype", "full_parameter")  # with the code weight_sync.py shares
 
 
-def full_parameter(p: torch.Tensor) -> torch.Tensor:
-    """Every rank: the whole parameter from its FSDP2 shards in their own dtype (the float32 master weights), not
-    the param_dtype copy (bf16 on cuda) that FSDP2's unshard gathers. A shard offloaded to host memory is moved to
-    the mesh's device type for the all-gather first (as torch's _gather_state_dict does)."""
-    if not hasattr(p, "full_tensor"):
-        return p.detach()
-    if p.device.type != p.device_mesh.device_type:
-        p = p.to(p.device_mesh.device_type)
-    return p.detach().full_tensor()
-
-
-def export_hf(model, model_path: str, path: str, dtype: torch.dtype) -> int:
-    """Every rank: the model as an HF checkpoint directory (config and tokenizer files of model_path, safetensors
-    shards of at most weight_sync.SHARD_BYTES and their index, in checkpoint names: weight_sync.to_checkpoint), one
-    FSDP2 unit gathered at a time from the float32 shards (full_parameter) and cast once to `dtype`; rank 0 writes
-    each shard file as it fills, so host memory holds one shard, not the model. Returns the bytes written (0 on
-    the other ranks)."""
-    from safetensors.torch import save_file
-
-    import weight_sync
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp = path + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(model_path, tmp, ignore=shutil.ignore_patterns(
-            "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt"))
-    params = dict(model.named_parameters())
-    files, weight_map, shard, size, total = [], {}, {}, 0, 0
-
-    def flush():
-        nonlocal shard, size
-        files.append(f"part-{len(files):05d}.safetensors")
-        save_file(shard, os.path.join(tmp, files[-1]), metadata={"format": "pt"})
-        weight_map.update((n, files[-1]) for n in shard)
-        shard, size = {}, 0
-
-    with torch.no_grad():
-        for _, names in weight_sync.fsdp_units(model):
-            full = {n: full_parameter(params[n]) for n in names}
-            if rank == 0:
-                for n, t in weight_sync.to_checkpoint(model, full).items():
-                    t = t.to("cpu", dtype).contiguous()
-                    if shard and size + t.nbytes > weight_sync.SHARD_BYTES:
-                        flush()
-                    shard[n], size, total = t, size + t.nbytes, total + t.nbytes
-            del full
-    if rank != 0:
-        return 0
-    if shard or not files:
-        flush()
-    if len(files) == 1:  # as save_pretrained: one file, no index
-        os.replace(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
-    else:
-        names = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
-        for f, name in names.items():
-            os.replace(os.path.join(tmp, f), os.path.join(tmp, name))
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total},
-                       "weight_map": {n: names[f] for n, f in sorted(weight_map.items())}}, f, indent=2)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return total
+def __getattr__(name: str):
+    if name in _MOVED_TO_HF_EXPORT:
+        raise AttributeError(f"checkpoint.{name} is now hf_export.{name} (same arguments)")
+    raise AttributeError(f"module 'checkpoint' has no attribute '{name}'")

@@ -50,6 +50,7 @@ import checkpoint  # noqa: E402
 import checks  # noqa: E402
 import colocate as colocate_lib  # noqa: E402
 import config as config_lib  # noqa: E402
+import hf_export  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import services as services_lib  # noqa: E402
@@ -374,13 +375,13 @@ class Actor:
 
     def export_hf(self, path: str) -> None:
         """Every rank: the float32 master weights as an HF checkpoint directory in trainer.export_dtype
-        (checkpoint.export_hf; not weight_sync's bf16 unshard)."""
+        (hf_export.export_hf; not weight_sync's bf16 unshard)."""
         if self.cfg.colocate:  # the last sync offloaded the trainer
             self.colocate.offload(self.device)
         if self.world > 1:  # rank 0 may still be asking the servers (their weight versions)
             dist.barrier(group=self.ctrl)
-        checkpoint.export_hf(self.model, self.cfg.model.path, path,
-                             checkpoint.export_dtype(self.cfg.trainer.export_dtype, self.cfg.model.path))
+        hf_export.export_hf(self.model, self.cfg.model.path, path,
+                            hf_export.export_dtype(self.cfg.trainer.export_dtype, self.cfg.model.path))
 
     # ---- checkpoints (checkpoint.py): sharded model + optimizer (DCP) + run state ----
     def save_checkpoint(self, steps_done: int, run_state: Optional[dict]) -> None:

@@ -20,9 +20,9 @@ copied into the bucket's flat buffer in the servers' dtype by the ranks that sen
 serves a server TP rank); the other ranks only join the all-gathers (join_gather). Buckets (whole units, at most
 weight_sync.bucket_mb, a larger unit alone) overlap:
 unit k + 1 is gathered while bucket k's broadcast or HTTP call is in flight. Every push and write carries the
-checkpoint's names, shapes and dtypes (to_checkpoint, one unit at a time: a Qwen3-MoE layer's fused experts go out
-per expert, as save_pretrained writes them and sglang's loader maps them, as views of the fused tensors; a dense
-model's names are unchanged).
+checkpoint's names, shapes and dtypes (hf_export.to_checkpoint, one unit at a time: a Qwen3-MoE layer's fused
+experts go out per expert, as save_pretrained writes them and sglang's loader maps them, as views of the fused
+tensors; a dense model's names are unchanged).
 The weight version and flush_cache travel on the last bucket that carries tensors, never on an empty trailing call.
 
 Run the throughput bench: python bench/weight_sync_bench.py
@@ -41,9 +41,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import hf_export
+
 WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
 SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
-SHARD_BYTES = 5 * 2 ** 30  # disk path: safetensors shard size (save_pretrained's default max_shard_size)
 
 
 def serialize_named_tensors(named: list) -> str:
@@ -69,53 +70,16 @@ def serialize_named_tensors(named: list) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def fsdp_units(model) -> list:
-    """[(FSDP2 module, [parameter names it all-gathers])]: each decoder layer, then the root (the rest)."""
-    layers = list(model.model.layers)
-    units, seen = [], set()
-    for i, layer in enumerate(layers):
-        names = [f"model.layers.{i}.{n}" for n, _ in layer.named_parameters()]
-        units.append((layer, names))
-        seen.update(names)
-    units.append((model, [n for n, _ in model.named_parameters() if n not in seen]))
-    return units
-
-
-class _Views(torch.Tensor):
-    """A tensor whose .contiguous() is itself. transformers' Chunk (the reverse of a Qwen3-MoE layer's gate/up
-    Concatenate) makes each half of the fused gate_up_proj [E, 2I, H] contiguous: a copy of the whole fused tensor
-    (805 MB a layer for Qwen3-30B-A3B in bf16) at every sync, only to be copied again into the bucket, which copies
-    from strided views just as well."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.contiguous:
-            return args[0]
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-def to_checkpoint(model, named: dict) -> dict:
-    """One FSDP unit's {parameter name: tensor} -> {checkpoint name: tensor}, as save_pretrained writes them:
-    transformers' own core_model_loading.revert_weight_conversion (what save_pretrained calls), applied to this
-    unit's tensors only (its converters are per layer: a Qwen3-MoE layer's fused mlp.experts.gate_up_proj /
-    down_proj become experts.{i}.gate_proj/up_proj/down_proj.weight), every one a view of the unit's tensors, never a
-    copy (_Views). A dense model's names are returned unchanged and in their order."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    out = revert_weight_conversion(model, {n: t.as_subclass(_Views) for n, t in named.items()})
-    return dict(named) if out.keys() == named.keys() else {n: t.as_subclass(torch.Tensor) for n, t in out.items()}
-
-
 def plan_buckets(model, dtype: torch.dtype, limit_bytes: int) -> list:
     """Whole FSDP units per bucket, at most limit_bytes each (a unit larger than that alone), sized by the
     checkpoint tensors they become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)],
     [parameter names])]]. The limit bounds what every server allocates to receive a bucket."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # DTensor: the global shape
     out, cur, size = [], [], 0
-    for module, names in fsdp_units(model):
+    for module, names in hf_export.fsdp_units(model):
         if not names:
             continue
-        ckpt = to_checkpoint(model, {n: torch.empty(shapes[n], dtype=dtype, device="meta") for n in names})
+        ckpt = hf_export.to_checkpoint(model, {n: torch.empty(shapes[n], dtype=dtype, device="meta") for n in names})
         unit = sum(t.numel() for t in ckpt.values()) * dtype.itemsize
         if cur and size + unit > limit_bytes:
             out, cur, size = out + [cur], [], 0
@@ -167,7 +131,7 @@ def gather_bucket(model, spec: list, dtype: torch.dtype, device: torch.device) -
         for module, _, names in spec:
             module.unshard()
             params = dict(model.named_parameters())
-            for n, t in to_checkpoint(model, {n: params[n] for n in names}).items():
+            for n, t in hf_export.to_checkpoint(model, {n: params[n] for n in names}).items():
                 views[n].copy_(t)
             module.reshard()
     return bucket
@@ -440,15 +404,22 @@ class WeightSync:
 
     # ---- disk: an HF checkpoint directory ----
     def export(self, path: str, dtype: torch.dtype) -> None:
-        """The weights as an HF checkpoint directory, as the final export writes it (checkpoint.export_hf: config
+        """The weights as an HF checkpoint directory, as the final export writes it (hf_export.export_hf: config
         and tokenizer of model.path, safetensors shards and their index, one FSDP2 unit gathered at a time);
         written by rank 0, which counts its bytes for perf/weight_sync_gbps."""
-        import checkpoint
-
-        self.last_bytes = checkpoint.export_hf(self.model, self.cfg.model.path, path, dtype)
+        self.last_bytes = hf_export.export_hf(self.model, self.cfg.model.path, path, dtype)
 
 
 def _future_error(fut) -> str:
     if not fut.done():
         return "no answer yet"
     return repr(fut.exception()) if fut.exception() is not None else "answered ok"
+
+
+_MOVED_TO_HF_EXPORT = ("fsdp_units", "to_checkpoint", "SHARD_BYTES")  # with the code checkpoint.py shared
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_HF_EXPORT:
+        raise AttributeError(f"weight_sync.{name} is now hf_export.{name}")
+    raise AttributeError(f"module 'weight_sync' has no attribute '{name}'")

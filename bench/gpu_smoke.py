@@ -22,7 +22,7 @@ run alike: every stage can run on CPU).
                as train.py feeds the servers' routes: every expert call of the forward and of the checkpointed
                recompute runs the set experts, which the routers' own top-k does not), pushed in weight_sync's
                checkpoint names
-               (plan_buckets / gather_bucket / to_checkpoint) into standins/engine.py's loader (scheduler.load_tensors,
+               (plan_buckets / gather_bucket / hf_export.to_checkpoint) into standins/engine.py's loader (scheduler.load_tensors,
                checkpoint_targets) in this process: every name lands, the engine's log-probs equal the trainer's,
                and the control (the trainer's own fused names) leaves the experts behind and a large gap;
   colocate     train.py device=cuda colocate=true weight_sync.method=tensor on configs/tiny.yaml, 4 steps (standins/engine.py

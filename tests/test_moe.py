@@ -31,6 +31,7 @@ from standins import scheduler
 from standins import tiny_model
 import batching
 import checks
+import hf_export
 import model as model_lib
 import weight_sync
 from test_engine import first_chunk_stream, generate, last_chunk, loads, make_model, post, version
@@ -162,7 +163,7 @@ def test_flattened_bucket_is_one_broadcast_per_bucket_and_refuses_what_sglang_re
     kept = buckets(ref)
     # each unit's expert tensors are views of the unshard, never a copy of the fused gate_up (to_checkpoint)
     fused = dict(ref.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
-    up = weight_sync.to_checkpoint(ref, dict(ref.model.layers[0].named_parameters(prefix="model.layers.0")))
+    up = hf_export.to_checkpoint(ref, dict(ref.model.layers[0].named_parameters(prefix="model.layers.0")))
     assert up["model.layers.0.mlp.experts.5.up_proj.weight"].data_ptr() == fused[5, fused.shape[1] // 2:].data_ptr()
     assert len(push_gloo(url, [], flat=kept)) == len(kept) == 3  # 2 layers + the root: 3 broadcasts in all
     assert gap(url, ref) < 1e-5
@@ -248,7 +249,7 @@ def test_a_dense_models_names_do_not_change(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(make_model(str(tmp_path / "dense"), 0))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     got = [(n, tuple(t.shape)) for b in buckets(model) for n, t in b.named]
-    assert got == [(n, shapes[n]) for _, names in weight_sync.fsdp_units(model) for n in names]  # the units' order
+    assert got == [(n, shapes[n]) for _, names in hf_export.fsdp_units(model) for n in names]  # the units' order
 
 
 def test_fsdp2_gathered_buckets_equal_the_save_pretrained_file(moe):
@@ -259,7 +260,7 @@ def test_fsdp2_gathered_buckets_equal_the_save_pretrained_file(moe):
                        timeout=240, start_new_session=True,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
     assert p.returncode == 0 and "RESULT same" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
-    # checkpoint.export_hf under a bf16 unshard: the float32 bits, where weight_sync's gather rounds them; auto
+    # hf_export.export_hf under a bf16 unshard: the float32 bits, where weight_sync's gather rounds them; auto
     # takes the base's own dtype (make_moe's float32, from its config.json)
     assert "RESULT export exact" in p.stdout and "RESULT unshard rounded" in p.stdout, p.stdout[-2000:]
     assert "RESULT auto ['torch.float32']" in p.stdout, p.stdout[-2000:]
@@ -278,7 +279,7 @@ def test_tiny_moe_config_runs_with_engine_and_trainer_log_probs_equal(mode, moe_
     """configs/tiny_moe.yaml through train.py (2 FSDP2 ranks, standins/engine.py), synchronous so that each step's
     trajectories come from the weights the previous step pushed: the trainer's step-start log-probs equal the
     engine's after every sync, over the broadcast group (distributed, with routing replay) and over shared tensors
-    (colocate). With the fused names pushed (weight_sync.to_checkpoint made the identity), the engine keeps the
+    (colocate). With the fused names pushed (hf_export.to_checkpoint made the identity), the engine keeps the
     base's experts: the gap after the syncs of steps 1 and 2 was 0.11, 0.43 (distributed, without replay) and 1.01,
     2.08 (colocate). run_dir/hf has save_pretrained's keys.
 
@@ -568,9 +569,8 @@ def _fsdp_gather(path: str) -> None:
     ref = load_file(os.path.join(path, "model.safetensors"))
     if dist.get_rank() == 0 and got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref):
         print("RESULT same")
-    # The final export (checkpoint.export_hf) under cuda's mixed precision, bf16 unshard: the float32 master bits
+    # The final export (hf_export.export_hf) under cuda's mixed precision, bf16 unshard: the float32 master bits
     # (issue 36: it was gathered by the unshard, so rounded to bf16, which weight_sync's bucket still is).
-    import checkpoint
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mixed = AutoModelForCausalLM.from_pretrained(path)
@@ -579,7 +579,7 @@ def _fsdp_gather(path: str) -> None:
         fully_shard(layer, mp_policy=mp)
     fully_shard(mixed, mp_policy=mp)
     out = os.path.join(os.path.dirname(path), "export")
-    checkpoint.export_hf(mixed, path, out, torch.float32)
+    hf_export.export_hf(mixed, path, out, torch.float32)
     rounded = {n: t.clone() for spec in weight_sync.plan_buckets(mixed, torch.float32, 1)
                for n, t in weight_sync.gather_bucket(mixed, spec, torch.float32, torch.device("cpu")).named}
     if dist.get_rank() == 0:
@@ -588,11 +588,11 @@ def _fsdp_gather(path: str) -> None:
             print("RESULT export exact")
         if any(not torch.equal(rounded[k], ref[k]) for k in ref):
             print("RESULT unshard rounded")
-        checkpoint.export_hf(mixed, path, out + "_auto", checkpoint.export_dtype("auto", path))
+        hf_export.export_hf(mixed, path, out + "_auto", hf_export.export_dtype("auto", path))
         auto = load_file(os.path.join(out + "_auto", "model.safetensors"))
         print(f"RESULT auto {sorted({str(t.dtype) for t in auto.values()})}")
     else:
-        checkpoint.export_hf(mixed, path, out + "_auto", checkpoint.export_dtype("auto", path))
+        hf_export.export_hf(mixed, path, out + "_auto", hf_export.export_dtype("auto", path))
     # both ranks leave together: a rank that tore gloo down while rank 0 still read its files aborted the other
     # ("terminate called without an active exception", rank 1 SIGABRT) once in a full-suite run
     dist.barrier()

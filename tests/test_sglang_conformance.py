@@ -235,10 +235,11 @@ def test_the_last_weight_bucket_carries_tensors_the_version_and_the_flush(tmp_pa
     only with flush_cache), and the radix cache kept serving old-weight prefix KV. Here the last FSDP unit (the
     root: embeddings, final norm, head) exactly fills its bucket; weight_sync.WeightSync.push runs with the
     gathering and the HTTP/broadcast of each bucket recorded instead."""
+    import hf_export
     import weight_sync
 
     model = AutoModelForCausalLM.from_pretrained(make_model(str(tmp_path / "m"), 0))
-    units = weight_sync.fsdp_units(model)
+    units = hf_export.fsdp_units(model)
     params = dict(model.named_parameters())
     root_mb = sum(params[n].numel() for n in units[-1][1]) * 4 / 2 ** 20  # float32 on CPU
     ws = object.__new__(weight_sync.WeightSync)

@@ -1,0 +1,85 @@
+"""The root's layout: no import cycle among its modules (imports inside functions included), no file over 1,100
+lines, and a name that moved between them is refused naming where it went."""
+import ast
+import importlib
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and os.path.isfile(os.path.join(ROOT, f)))
+
+
+def _root_imports(module: str) -> set:
+    """The root modules that `module` imports anywhere in its file: at the top, inside functions, under if."""
+    names = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, module + ".py")).read())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & set(ROOT_MODULES) - {module}
+
+
+def _cycle(graph: dict):
+    """One cycle of `graph` ({node: set of nodes}) as a list of nodes that starts and ends at the same one, or None
+    (depth-first search; a node met again while still on the path closes a cycle)."""
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            found = visit(nxt)
+            if found:
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    return next((c for c in map(visit, sorted(graph)) if c), None)
+
+
+def test_cycle_finder_finds_a_cycle_and_only_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"d"}}) == ["d", "d"]
+
+
+def test_no_import_cycle_among_root_modules():
+    """What two root modules both need lives in a third that imports neither (style principle 14)."""
+    assert {"train", "checkpoint", "weight_sync", "hf_export", "remote"} <= set(ROOT_MODULES)
+    cycle = _cycle({m: _root_imports(m) for m in ROOT_MODULES})
+    assert cycle is None, f"import cycle among the root's modules: {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("module", ROOT_MODULES)
+def test_no_root_file_exceeds_1100_lines(module):
+    with open(os.path.join(ROOT, module + ".py")) as f:
+        lines = sum(1 for _ in f)
+    assert lines <= 1100, f"{module}.py has {lines} lines, over 1,100: split a role out"
+
+
+@pytest.mark.parametrize("module, name, new", [
+    ("remote", "RemoteBuffer", "remote.Proxy(worker, timeout, remote.BUFFER_METHODS)"),
+    ("remote", "serve", "remote.serve_buffer"),
+    ("rollout", "RemoteRollout", "remote.Proxy(worker, timeout, remote.ROLLOUT_METHODS)"),
+    ("rollout", "serve", "workers.serve_rollout"),
+    ("checkpoint", "export_hf", "hf_export.export_hf"),
+    ("checkpoint", "export_dtype", "hf_export.export_dtype"),
+    ("checkpoint", "full_parameter", "hf_export.full_parameter"),
+    ("weight_sync", "fsdp_units", "hf_export.fsdp_units"),
+    ("weight_sync", "to_checkpoint", "hf_export.to_checkpoint"),
+    ("weight_sync", "SHARD_BYTES", "hf_export.SHARD_BYTES"),
+])
+def test_a_moved_name_is_refused_naming_where_it_went(module, name, new):
+    mod = importlib.import_module(module)
+    with pytest.raises(AttributeError, match=rf"^{module}\.{name}\b.* is now {re.escape(new)}"):
+        getattr(mod, name)
+    assert new.split("(")[0].split(".")[-1] in dir(importlib.import_module(new.split(".")[0]))
+    with pytest.raises(AttributeError, match=f"^module '{module}' has no attribute 'no_such_name'$"):
+        mod.no_such_name
