@@ -50,9 +50,9 @@ def serve_rollout(cfg, rpc_init: str, rank: int, world_size: int, startup_timeou
         from transformers import AutoTokenizer
 
         with contextlib.closing(sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))) as sync:
-            # The trainer waited for /health and checked versions (train.start_fleet); a colocated server has
-            # released its memory since, so its /health (a generated token) would wait 20 s and fail: reachable is
-            # what is asked here.
+            # The trainer waited for /health and checked versions (services.Services.start_fleet); a colocated
+            # server has released its memory since, so its /health (a generated token) would wait 20 s and fail:
+            # reachable is what is asked here.
             sync.live_workers(cfg.rollout.startup_timeout_s)
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             buf = remote.Proxy("buffer", cfg.buffer.rpc_timeout_s, remote.BUFFER_METHODS)
