@@ -130,10 +130,9 @@ def latest_checkpoint(run_dir: str) -> Optional[str]:
     return None
 
 
-_MOVED_TO_HF_EXPORT = ("export_hf", "export_dtype", "full_parameter")  # with the code weight_sync.py shares
+_MOVED = {n: f"checkpoint.{n} is now hf_export.{n}, the code weight_sync.py shares"
+          for n in ("export_hf", "export_dtype", "full_parameter")}
 
 
-def __getattr__(name: str):
-    if name in _MOVED_TO_HF_EXPORT:
-        raise AttributeError(f"checkpoint.{name} is now hf_export.{name} (same arguments)")
-    raise AttributeError(f"module 'checkpoint' has no attribute '{name}'")
+def __getattr__(name: str):  # a name that moved is refused naming where it went
+    raise AttributeError(_MOVED.get(name, f"module 'checkpoint' has no attribute '{name}'"))

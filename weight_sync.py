@@ -416,10 +416,9 @@ def _future_error(fut) -> str:
     return repr(fut.exception()) if fut.exception() is not None else "answered ok"
 
 
-_MOVED_TO_HF_EXPORT = ("fsdp_units", "to_checkpoint", "SHARD_BYTES")  # with the code checkpoint.py shared
+_MOVED = {n: f"weight_sync.{n} is now hf_export.{n}, the code the final export shares"
+          for n in ("fsdp_units", "to_checkpoint", "SHARD_BYTES")}
 
 
-def __getattr__(name: str):
-    if name in _MOVED_TO_HF_EXPORT:
-        raise AttributeError(f"weight_sync.{name} is now hf_export.{name}")
-    raise AttributeError(f"module 'weight_sync' has no attribute '{name}'")
+def __getattr__(name: str):  # a name that moved is refused naming where it went
+    raise AttributeError(_MOVED.get(name, f"module 'weight_sync' has no attribute '{name}'"))
