@@ -5,6 +5,7 @@
   methods cross is one table per served object, here: BUFFER_METHODS (buffer.PipelineServer, RPC worker "buffer",
   served by `serve_buffer`) and ROLLOUT_METHODS (rollout.Rollout, RPC worker "rollout", served by
   workers.serve_rollout). The proxy offers those methods and no others, the serving side calls no others.
+  (remote.RemoteBuffer and rollout.RemoteRollout, the proxies written out per method, are refused naming Proxy.)
 buffer.py itself knows nothing of RPC, so it copies into another project alone; this file needs buffer.py
 (+ strategies.py) and torch.
 """
@@ -93,14 +94,14 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: f
 
 _NAME, _OBJECT, _METHODS = "", None, {}  # this process's served object and its table (serve_object sets them)
 _READY = threading.Event()  # set once serve_object has built _OBJECT, or failed to
-_READY_TIMEOUT_S = [0.0]  # how long a call that arrives during the build waits for it
+_READY_TIMEOUT_S = 0.0  # how long a call that arrives during the build waits for it
 
 
 def _invoke(method: str, *args, **kwargs):
     """Runs in the serving process for every Proxy call: one method of the served object that its table lists."""
-    if not _READY.wait(_READY_TIMEOUT_S[0]) or _OBJECT is None:
-        raise RuntimeError(f"RPC worker '{_NAME}' built nothing to serve within {_READY_TIMEOUT_S[0]:.0f} s; see "
-                           "its log for the start-up error")
+    if not _READY.wait(_READY_TIMEOUT_S) or _OBJECT is None:
+        raise RuntimeError(f"RPC worker '{_NAME}' built nothing to serve within {_READY_TIMEOUT_S:.0f} s; see its "
+                           "log for the start-up error")
     if method not in _METHODS:
         raise ValueError(f"{_NAME} method '{method}' is not served; served: {', '.join(_METHODS)}")
     return getattr(_OBJECT, method)(*args, **kwargs)
@@ -127,10 +128,10 @@ def serve_object(name: str, methods: dict, make: Callable[[], ContextManager], r
     the object by entering `make()`, a context manager whose exit closes it: building may call the other workers
     (the rollout asks the buffer), and a call that arrives meanwhile waits for it, up to startup_timeout. Only the
     methods in `methods` are served."""
-    global _NAME, _OBJECT, _METHODS
+    global _NAME, _OBJECT, _METHODS, _READY_TIMEOUT_S
     _NAME, _METHODS = name, methods
     _READY.clear()
-    _READY_TIMEOUT_S[0] = timeout if startup_timeout is None else startup_timeout
+    _READY_TIMEOUT_S = timeout if startup_timeout is None else startup_timeout
     init_rpc(name, rank, world_size, rpc_init_method, timeout, startup_timeout=startup_timeout)
     _exit_when_orphaned(name)
     try:
