@@ -523,7 +523,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         if rank == 0:
             from transformers import AutoTokenizer
 
-
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             logger = Logger(cfg, keep_until=start_step if run_state else -1, tokenizer=tokenizer)
             if cfg.run_mode == "train-only":

@@ -137,10 +137,6 @@ def test_a_base_made_by_hand_is_used_as_given(tiny):
 # ---------------------------------------------------------------------------------------------------------------
 # The names the tiny model had in tasks.py
 
-def test_the_tiny_models_old_names_in_tasks_are_refused_naming_the_new_ones():
-    with pytest.raises(AttributeError, match=r"tasks.make_tiny_model is now standins.tiny_model.make_tiny_model"):
-        tasks.make_tiny_model  # noqa: B018
-    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        tasks.no_such_name  # noqa: B018
+def test_the_tiny_models_old_command_is_refused_naming_the_new_one():  # its names: tests/test_layout.py
     r = subprocess.run([sys.executable, "tasks.py", "make-tiny-model", "--out", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "python -m standins.tiny_model" in r.stderr, r.stderr
