@@ -2,7 +2,8 @@
 of yaml / transformers / config.py, and every block of the README's "Copy a piece" section runs there.
 
 No role file imports config.py: config.py composes their settings (losses.LossSettings, buffer.BufferSettings),
-train.py, workers.py and services.py read the config.
+train.py, workers.py, services.py and logger.py read the config (CONFIG_READERS; every other file at the root and
+in standins/ is checked).
 """
 import ast
 import os
@@ -14,9 +15,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROLE_FILES = ("losses.py", "strategies.py", "buffer.py", "rollout.py", "sglang_client.py", "weight_sync.py",
-              "tasks.py", "moe.py", "standins/engine.py", "standins/scheduler.py", "standins/tiny_model.py",
-              "remote.py", "checkpoint.py", "hf_export.py", "model.py", "batching.py", "plugins.py", "sandbox.py")
+CONFIG_READERS = {"config.py", "train.py", "workers.py", "services.py", "logger.py"}  # they read the config
+ROLE_FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f not in CONFIG_READERS) + [
+    "standins/" + f for f in sorted(os.listdir(os.path.join(ROOT, "standins"))) if f.endswith(".py")]
 # piece -> (the files it needs, modules that must not be loaded by importing it)
 PIECES = {
     "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
