@@ -14,12 +14,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROLE_FILES = ("losses.py", "strategies.py", "buffer.py", "rollout.py", "sglang_client.py", "weight_sync.py",
+ROLE_FILES = ("losses.py", "logprobs.py", "strategies.py", "buffer.py", "rollout.py", "sglang_client.py", "weight_sync.py",
               "tasks.py", "moe.py", "standins/engine.py", "standins/scheduler.py", "standins/tiny_model.py",
               "remote.py", "checkpoint.py", "model.py", "batching.py", "plugins.py", "sandbox.py")
 # piece -> (the files it needs, modules that must not be loaded by importing it)
 PIECES = {
     "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "logprobs": (["logprobs.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "strategies": (["strategies.py"], ["torch", "yaml", "transformers", "aiohttp", "orjson", "config"]),
     "buffer": (["buffer.py", "strategies.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "sglang_client": (["sglang_client.py"], ["torch", "yaml", "transformers", "config"]),
