@@ -14,9 +14,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROLE_FILES = ("losses.py", "logprobs.py", "strategies.py", "buffer.py", "rollout.py", "sglang_client.py", "weight_sync.py",
-              "tasks.py", "moe.py", "standins/engine.py", "standins/scheduler.py", "standins/tiny_model.py",
-              "remote.py", "checkpoint.py", "model.py", "batching.py", "plugins.py", "sandbox.py")
+ROLE_FILES = ("losses.py", "logprobs.py", "strategies.py", "buffer.py", "rollout.py", "sglang_client.py",
+              "weight_sync.py", "tasks.py", "moe.py", "standins/engine.py", "standins/scheduler.py",
+              "standins/tiny_model.py", "remote.py", "checkpoint.py", "model.py", "batching.py", "plugins.py",
+              "sandbox.py")
 # piece -> (the files it needs, modules that must not be loaded by importing it)
 PIECES = {
     "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),

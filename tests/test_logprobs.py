@@ -48,7 +48,8 @@ def test_token_logprobs_hand_computed():
     h = -(2 / z * math.log(1 / z) + math.sqrt(2) / z * math.log(math.sqrt(2) / z))
     assert torch.allclose(ent, torch.tensor([h, h]), atol=1e-6)
     # greedy (temperature < 1e-6) reports temperature-1 log-probs, as the engine does
-    assert torch.equal(logprobs.token_logprobs(logits, targets, 0.0)[0], logprobs.token_logprobs(logits, targets, 1.0)[0])
+    assert torch.equal(logprobs.token_logprobs(logits, targets, 0.0)[0],
+                       logprobs.token_logprobs(logits, targets, 1.0)[0])
     assert logprobs.token_logprobs(logits, targets, 1.0)[1] is None
 
 
@@ -103,7 +104,8 @@ def test_linear_token_logprobs_equal_the_logits_path_with_gradients(shape, chunk
         results = []
         for fused in (True, False):
             if fused:
-                logp, ent = logprobs.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size, with_entropy)
+                logp, ent = logprobs.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size,
+                                                           with_entropy)
             else:
                 logp, ent = logprobs.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size, with_entropy)
             ((logp * w_logp).sum() + ((ent * w_ent).sum() if with_entropy else 0)).backward()

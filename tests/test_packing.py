@@ -76,8 +76,8 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
         logp, ent = model_lib.token_logprobs(model, b, 1.0, 16, with_entropy=True)  # chunks smaller than a row
         denom = losses.loss_denominator(b["mask"], agg)
         old = logp.detach() + 0.05 * torch.linspace(-1, 1, logp.numel()).view_as(logp)  # ratios away from 1
-        loss, _ = losses.policy_loss(logp, old, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm, denom,
-                                     entropy=ent)
+        loss, _ = losses.ppo(losses.TokenBatch(logp, old, b["rollout_lp"], b["adv"], b["mask"], entropy=ent),
+                             cfg.algorithm, denom)
         loss.backward()
         results[packing] = (logp.detach() * b["mask"], ent.detach() * b["mask"], loss.detach(),
                             {n: p.grad.clone() for n, p in model.named_parameters()})
