@@ -314,7 +314,6 @@ CORRECTIONS: dict[str, Callable[[TokenBatch, object], Correction]] = {  # key = 
 }
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # algorithm.policy_loss: one signature for every loss, registered by name with what it declares
 # ---------------------------------------------------------------------------------------------------------
@@ -576,7 +575,8 @@ def recompute(batch: TokenBatch, settings: LossSettings,
               denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """recompute: decoupled PPO with pi_prox = a forward of the step-start weights, which in this trainer is
     old_log_probs itself (the snapshot it already takes as pi_old)."""
-    return _decoupled_ppo(batch, settings, denominator, batch.old_log_probs.detach())
+    prox = _needs(batch, "old_log_probs", "algorithm.policy_loss=recompute").detach()
+    return _decoupled_ppo(batch, settings, denominator, prox)
 
 
 @register("loglinear", reads_old_log_probs=False, check=_behaviour_weight_per_token)
