@@ -1,11 +1,12 @@
 """buffer.py: the data between rollout and training (remote.py serves it over torch.distributed.rpc).
 
 Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order, monotonic sequence numbers, the
-restored lane), TrajQueue (trajectories -> complete groups), the collector thread (strategy check, rollout.filter
-with the reasons of its drops and the stop when it drops every group, rollout.max_weight_staleness, the strategy's
-consumption filter), the bounded PipelineBuffer (oldest (epoch, seq) first) and the PipelineServer facade that the
-rollout and the trainer call. Semantics: docs/design.md, counted in prompt groups
-(R in flight, Q buffered, C capacity; strategies.py holds the dispatch/collection rules and the update actions).
+restored lane), TrajQueue (trajectories -> complete groups), the collector thread, the bounded PipelineBuffer (oldest
+(epoch, seq) first) and the PipelineServer facade that the rollout and the trainer call. What happens to a group is
+decided by one function, PipelineServer._verdict (rollout.filter, the strategy's rollout.max_weight_staleness rule and
+its keep, the update action), and carried out and counted by one, PipelineServer._apply, at collection, at the weight
+update and at the step boundary. Semantics: docs/design.md, counted in prompt groups (R in flight, Q buffered, C
+capacity; strategies.py holds the dispatch/collection/keep rules and the update actions).
 
 Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
@@ -49,9 +50,9 @@ WIRE_BYTES_MAX = 256  # tensor fields of at most this many elements are pickled 
 
 class _WireState:
     """Pickling of a dataclass with short 1-D tensor fields (token data): each such tensor travels as (dtype, raw
-    bytes). torch RPC sends every tensor of a pickle as a buffer of its own, at ~20 us on each side, which for a
-    short trajectory (5 tensors) costs more than the rest of its pickle: `bench/buffer_bench.py --tokens 6`, one
-    step over RPC, 0.176 -> 0.104 s CPU. Longer tensors stay tensors, which RPC moves without a copy."""
+    bytes). torch RPC sends every tensor of a pickle as a buffer of its own, a fixed cost on each side that for a
+    short trajectory (5 tensors) outweighs the rest of its pickle (docs/results/step_bench.md, profiling notes).
+    Longer tensors stay tensors, which RPC moves without a copy."""
 
     def __getstate__(self) -> tuple:
         state = dict(self.__dict__)
@@ -81,8 +82,8 @@ class Trajectory(_WireState):
     seq: int  # dispatch sequence number of the group (monotonic over the whole run)
     index: int  # position of this trajectory in its group, 0..N-1
     prompt_ids: torch.Tensor  # int64 [P]
-    # (the defaults are shared empty tensors: a new tensor each cost ~4 us, four per trajectory, on the producer's
-    # hot path; tensor fields are replaced, never changed in place)
+    # (the defaults are shared empty tensors: four new ones per trajectory cost the producer's hot path measurably,
+    # docs/results/step_bench.md; tensor fields are replaced, never changed in place)
     response_ids: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T]
     rollout_log_probs: torch.Tensor = field(default_factory=lambda: _EMPTY_FLOAT32)  # float32 [T]
     versions: torch.Tensor = field(default_factory=lambda: _EMPTY_INT64)  # int64 [T]
@@ -130,7 +131,8 @@ class PromptGroup(_WireState):
 
 @dataclass
 class Group:
-    """N trajectories of one prompt, as the collector writes them into PipelineBuffer."""
+    """N trajectories of one prompt, as the collector writes them into PipelineBuffer; also what a strategy's keep,
+    keep_buffered and consumed are asked about (strategies.Strategy.keep lists what they read)."""
     prompt: PromptGroup
     trajectories: list  # list[Trajectory], len N, sorted by index
 
@@ -141,6 +143,17 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+    @property
+    def start_version(self) -> int:
+        return start_version(self.prompt, self.trajectories)
+
+
+def start_version(prompt: PromptGroup, trajs: list) -> int:
+    """A group's start version: the oldest start version of its trajectories that generated a token (None slots of a
+    group in flight skipped), else the weight version it was dispatched under."""
+    started = [t.start_version for t in trajs if t is not None and t.start_version >= 0]
+    return min(started) if started else prompt.metadata["dispatch_version"]
 
 
 Key = tuple  # (epoch, seq): the prompt id of a group
@@ -218,7 +231,7 @@ class BufferSettings:
     @property
     def capacity(self) -> int:
         """C: in-flight plus buffered prompt groups. Fully-async: int(B * (1 + stale_steps)), or the preset's from
-        policy_param (spec section 1); synchronous: B + num_oversample."""
+        policy_param; synchronous: B + num_oversample (docs/design.md)."""
         B = self.num_prompts_per_step
         if not self.fully_async:
             return B + self.num_oversample
@@ -343,7 +356,7 @@ class DataSource:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# TrajQueue and PipelineBuffer: the two queues of spec section 2
+# TrajQueue and PipelineBuffer: the two queues (docs/design.md, "Three parts and two queues")
 # ---------------------------------------------------------------------------------------------------------
 
 class TrajQueue:
@@ -410,15 +423,10 @@ class PipelineBuffer:
     def pop(self, k: int) -> list:
         return [heapq.heappop(self._heap)[1] for _ in range(min(k, len(self._heap)))]
 
-    def remove_if(self, pred) -> list:
-        """Remove and return the groups for which pred(group) is true."""
-        out, keep = [], []
-        for kg in self._heap:
-            (out if pred(kg[1]) else keep).append(kg)
-        if out:
-            self._heap = keep
-            heapq.heapify(self._heap)
-        return [g for _, g in out]
+    def remove(self, key: Key) -> None:
+        """Remove the group `key` (O(C): a weight update's drops only)."""
+        self._heap = [kg for kg in self._heap if kg[0] != key]
+        heapq.heapify(self._heap)
 
     def groups(self) -> list:
         return [g for _, g in sorted(self._heap, key=lambda kg: kg[0])]
@@ -431,23 +439,33 @@ class PipelineBuffer:
 # PipelineServer: dispatch -> TrajQueue -> collector -> PipelineBuffer -> trainer, with the step boundary
 # ---------------------------------------------------------------------------------------------------------
 
-# What happens to a group, decided by one function (PipelineServer._verdict) at collection and at every weight
-# update, with the reason. A group dropped is not trained, and its prompt is not dispatched again this epoch (the
-# data source moves on); a restored or requeued one is dispatched again first (the restored lane).
+# What happens to a group, decided by one function (PipelineServer._verdict) and carried out by one
+# (PipelineServer._apply), at collection, at every weight update and at every step boundary, with the reason. A group
+# dropped is not trained, and its prompt is not dispatched again this epoch (the data source moves on); a restored or
+# requeued one is dispatched again first (the restored lane).
 KEEP, RESTORE, RESTART, REQUEUE, DROP = "keep", "restore", "restart", "requeue", "drop"
 # place of the group asked about
 COLLECTED = "collected"  # complete, leaving TrajQueue for PipelineBuffer
 BUFFERED = "buffered"  # in PipelineBuffer at a weight update
 IN_FLIGHT = "in_flight"  # dispatched and not collected, at a step boundary whose pause aborted the requests
 KEPT_IN_FLIGHT = "kept_in_flight"  # the same, at a boundary whose servers kept their requests (retract, in_place)
-# why a group is dropped, each counted in rollout/drop_<reason>_count (groups, per step)
-DROP_REASONS = ("filter", "max_weight_staleness", "strategy", "stale_after", "incomplete")
+# why a group is dropped -> the one metric that counts it (groups). The reasons of COMPLETE_DROPS are decided at
+# collection and at the weight update (counted per step); the other two at the step boundary (its metrics).
+DROP_METRICS = {"filter": "rollout/filter_drop", "max_weight_staleness": "rollout/staleness_drop",
+                "strategy": "rollout/policy_drop", "stale_after": "rollout/update_dropped_groups",
+                "incomplete": "rollout/partial_dropped_incomplete_groups"}
+COMPLETE_DROPS = ("filter", "max_weight_staleness", "strategy")  # why a complete group is dropped (view.dropped)
+# the counters of one step (PipelineServer._counts, popped by step_metrics): the drops of COMPLETE_DROPS; trajectories
+# that arrived for a group no longer in flight (dropped or restored at a step boundary, or duplicates: not a verdict);
+# the group flow; response tokens thrown away by every drop and restart
+COUNTERS = (*(DROP_METRICS[r] for r in COMPLETE_DROPS), "rollout/late_drop", "rollout/dispatched_groups",
+            "rollout/collected_groups", "rollout/consumed_groups", "rollout/discarded_tokens")
 
 
 @dataclass(frozen=True)
 class Verdict:
     """keep | restore (abort, continue from the partial trajectories) | restart (abort, generate from the prompt
-    again) | requeue (nothing generated: dispatched again as it was) | drop, and why (a DROP_REASONS entry for a
+    again) | requeue (nothing generated: dispatched again as it was) | drop, and why (a DROP_METRICS key for a
     drop; `detail` says more, e.g. the filter's sentence)."""
     action: str
     reason: str
@@ -468,7 +486,7 @@ def _check_trajectory(t: Trajectory, n: int) -> None:
 
 
 def consumed_metrics(versions: list) -> dict:
-    """Spec section 4 metrics over the trajectories the trainer consumed in a step, from their
+    """The consumption metrics of docs/metrics.md over the trajectories the trainer consumed in a step, from their
     (start_version, end_version, trainer_version_when_consumed) triples: `rollout/partial_ratio` is the share whose
     first and last generated tokens came from different weight versions, `rollout/partial_span_max` the largest
     end - start span; staleness is trainer version - start version. Trajectories with no generated token (start -1)
@@ -522,9 +540,9 @@ class PipelineServer(Exchange):
         self.stop_groups = s.stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
         self.sources = [(d.task, d.reward) for d in s.sources]
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
-        self.max_staleness = s.max_weight_staleness  # None: no per-trajectory bound
         self.get_timeout = float(s.get_timeout_s)
-        self.strategy = strategies.build(s.sliding_window, self.B, self.C, self.fully_async, s.policy_param, self.N)
+        self.strategy = strategies.build(s.sliding_window, self.B, self.C, self.fully_async, s.policy_param, self.N,
+                                         max_weight_staleness=s.max_weight_staleness)
         self.action = self.strategy.action(s.partial, s.pause_mode)  # (c), at step_boundary
         ds = s.sources
         self.data = DataSource(prompts_per_source, [d.weight for d in ds], [d.seed for d in ds],
@@ -535,10 +553,10 @@ class PipelineServer(Exchange):
         self._in_flight: dict = {}  # key -> PromptGroup: dispatched, not yet collected (R)
         self._complete: set = set()  # in-flight keys with all N trajectories in TrajQueue: not generating
         self._consumed_step = 0  # groups handed out since the last step boundary
-        self._counts: Counter = Counter()  # popped by step_metrics()
+        self._counts: Counter = Counter()  # this step's counters, by metric name (COUNTERS), popped by step_metrics()
         self._totals: Counter = Counter()  # the popped counts, summed over the run (PipelineView.dropped)
         self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
-        self._boundary: dict = {}  # cleanup metrics of the last step boundary, reported once
+        self._boundary: Counter = Counter()  # what the last step boundary did, by metric name, reported once
         self._waited: dict = self._new_wait_counts()  # for the trainer's waiting line, popped by wait()
         self._dropped = self._new_drop_run()  # groups the filter dropped since the last one it let through
         self._producer_stop: Optional[str] = None  # a trajectory's metadata["stop"]: the producer says the run ends
@@ -578,7 +596,7 @@ class PipelineServer(Exchange):
                 view.oldest_uncompleted = min(pg.seq, pg.seq if view.oldest_uncompleted is None
                                               else view.oldest_uncompleted)
                 out.append(pg)
-            self._counts["dispatched"] += len(out)
+            self._counts["rollout/dispatched_groups"] += len(out)
             return out
 
     def put(self, trajs: list) -> None:
@@ -615,14 +633,12 @@ class PipelineServer(Exchange):
         trajectories `returned` then holds: those groups are dropped. The strategy and the step's count are reset.
         The strategy's update-time action (self.action) applies to what is restored: restart throws the partial
         tokens away, abort by staleness drops groups that started too long before the next weights.
+        Every group in flight gets a verdict (_verdict) that _apply carries out; the returned dict counts them.
         """
         for t in returned:
             _check_trajectory(t, self.N)
         with self._cond:
             if keep_in_flight:
-                # The groups the rollout aborted (those of an earlier update_aborts() call) are dropped whatever
-                # update_aborts() says now: a trajectory that finished in between, having waited in a server's
-                # queue, can carry a later start version and take its group out of the list.
                 stray = {t.prompt_id for t in returned} - set(self._in_flight)
                 if stray:
                     raise ValueError(f"step_boundary(keep_in_flight=True) got trajectories of groups {sorted(stray)} "
@@ -630,68 +646,32 @@ class PipelineServer(Exchange):
                                      "those of update_aborts()")
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
             if keep_in_flight:
-                returned_keys = frozenset(t.prompt_id for t in returned)
-                verdicts = {key: self._verdict(KEPT_IN_FLIGHT, pg, self.queue.slots(key), returned=returned_keys)
-                            for key, pg in self._in_flight.items()}
-                self._count_drops(list(verdicts.values()))
-                dropped = [key for key, v in verdicts.items() if v.action == DROP]
-                tokens = sum(int(t.response_ids.numel()) for t in returned)
-                for key in dropped:
-                    tokens += sum(int(s.response_ids.numel()) for s in self.queue.pop(key) if s is not None)
-                    del self._in_flight[key]
-                    self._complete.discard(key)
-                self._counts["discarded_tokens"] += tokens
-                self._end_step_locked()
-                self._boundary = {"rollout/kept_in_flight_groups": len(self._in_flight),
-                                  "rollout/update_dropped_groups": len(dropped),
-                                  "rollout/pipeline_buf_size": len(self.pbuf)}
-                self._cond.notify_all()
-                return dict(self._boundary)
-            for t in returned:
-                self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
-            restored, dropped_trajs, dropped_groups, untouched, update_dropped, restarted = [], 0, 0, 0, 0, 0
-            # every verdict first (with the returned partials' start versions), then their effects
-            verdicts = {key: self._verdict(IN_FLIGHT, pg, self.queue.slots(key))
-                        for key, pg in self._in_flight.items()}
-            self._count_drops(list(verdicts.values()))
-            for key in sorted(self._in_flight):
-                pg, verdict = self._in_flight[key], verdicts[key]
-                slots = self.queue.pop(key)
-                present = sum(s is not None for s in slots)
-                tokens = sum(int(s.response_ids.numel()) for s in slots if s is not None)
-                if verdict.reason == "stale_after":  # (c) abort by staleness: too old under the next weights
-                    update_dropped += 1
-                    self._counts["discarded_tokens"] += tokens
-                elif verdict.action == RESTART:  # (c) restart from the prompt: the partial tokens are thrown away
-                    restarted += 1
-                    self._counts["discarded_tokens"] += tokens
-                    pg.partial = []
-                    pg.metadata.pop("dispatch_version", None)
-                    restored.append(pg)
-                elif verdict.action == RESTORE:
-                    pg.partial = slots
-                    restored.append(pg)
-                elif verdict.action == REQUEUE:
-                    untouched += 1
-                    restored.append(pg)  # keeps the partial it was dispatched with, if any
-                else:  # incomplete: its prompt is not trained this epoch
-                    dropped_trajs += present
-                    dropped_groups += 1
-            if len(self.queue):  # only in-flight groups can have trajectories queued (put() checks)
-                raise RuntimeError(f"TrajQueue still holds {len(self.queue)} groups after the step boundary")
-            self.data.restore(restored)
-            self._in_flight.clear()
-            self._complete.clear()
+                # The groups the rollout aborted (those of an earlier update_aborts() call) are dropped whatever
+                # update_aborts() says now: a trajectory that finished in between, having waited in a server's
+                # queue, can carry a later start version and take its group out of the list.
+                back: dict = {}  # key -> the trajectories the rollout handed back
+                for t in returned:
+                    back.setdefault(t.prompt_id, []).append(t)
+                self._boundary = Counter(dict.fromkeys(("rollout/kept_in_flight_groups",
+                                                        "rollout/update_dropped_groups"), 0))
+                for key in sorted(self._in_flight):
+                    pg, trajs = self._in_flight[key], self.queue.slots(key) + back.get(key, [])
+                    self._apply(KEPT_IN_FLIGHT, key, pg, trajs,
+                                self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=frozenset(back)))
+            else:
+                for t in returned:
+                    self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
+                self._boundary = Counter(dict.fromkeys((
+                    "rollout/partial_restored_count", "rollout/update_dropped_groups", "rollout/restarted_groups",
+                    "rollout/partial_dropped_incomplete_count", "rollout/partial_dropped_incomplete_groups",
+                    "rollout/restored_groups", "rollout/requeued_unstarted_groups"), 0))
+                for key in sorted(self._in_flight):
+                    pg, trajs = self._take(key)
+                    self._apply(IN_FLIGHT, key, pg, trajs, self._verdict(IN_FLIGHT, pg, trajs))
+                if len(self.queue):  # only in-flight groups can have trajectories queued (put() checks)
+                    raise RuntimeError(f"TrajQueue still holds {len(self.queue)} groups after the step boundary")
             self._end_step_locked()
-            n_restored = len(restored) - untouched - restarted
-            self._boundary = {"rollout/partial_restored_count": n_restored * self.N,
-                              "rollout/update_dropped_groups": update_dropped,
-                              "rollout/restarted_groups": restarted,
-                              "rollout/partial_dropped_incomplete_count": dropped_trajs,
-                              "rollout/partial_dropped_incomplete_groups": dropped_groups,
-                              "rollout/restored_groups": n_restored,
-                              "rollout/requeued_unstarted_groups": untouched,
-                              "rollout/pipeline_buf_size": len(self.pbuf)}
+            self._boundary["rollout/pipeline_buf_size"] = len(self.pbuf)
             self._cond.notify_all()
             return dict(self._boundary)
 
@@ -715,9 +695,9 @@ class PipelineServer(Exchange):
             groups = self.pbuf.pop(k)
             view = self._view()
             self._consumed_step += k
-            self._counts["consumed"] += k
+            self._counts["rollout/consumed_groups"] += k
             for g in groups:
-                self.strategy.consumed(self._start_version(g.prompt, g.trajectories), view)
+                self.strategy.consumed(g, view)
                 for t in g.trajectories:
                     self._consumed_trajs.append((t.start_version, t.end_version, self.version))
             self._cond.notify_all()  # a freed slot may allow dispatch
@@ -747,26 +727,17 @@ class PipelineServer(Exchange):
             return self._update_aborts_locked()
 
     def set_weight_version(self, v: int) -> None:
-        """The rollout now generates with weights `v`; buffered groups beyond rollout.max_weight_staleness, or that
-        the strategy's consumption filter no longer keeps, go."""
+        """The rollout now generates with weights `v`; buffered groups beyond the strategy's
+        rollout.max_weight_staleness rule, or that its keep_buffered no longer keeps, go (_verdict, _apply)."""
         with self._cond:
             if v < self.version:
                 raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is "
                                  f"{self.version}")
             self.version = int(v)
-            verdicts: list = []
-
-            def drops(g: Group, view: Optional[strategies.PipelineView]) -> bool:
-                verdict = self._verdict(BUFFERED, g.prompt, g.trajectories, view)
-                verdicts.append(verdict)
-                return verdict.action == DROP
-            if self.max_staleness is not None:  # first the staleness rule alone: the strategy sees the rest
-                stale = self.pbuf.remove_if(lambda g: drops(g, None))
-                self._counts["staleness_drop"] += len(stale)
             view = self._view()
-            old = self.pbuf.remove_if(lambda g: drops(g, view))
-            self._drop_by_policy(old)
-            self._count_drops(verdicts)
+            for g in self.pbuf.groups():
+                self._apply(BUFFERED, g.prompt_id, g.prompt, g.trajectories,
+                            self._verdict(BUFFERED, g.prompt, g.trajectories, view))
             self._cond.notify_all()
 
     # ---- metrics, checkpoints ----
@@ -783,12 +754,8 @@ class PipelineServer(Exchange):
             v = self._view()
             m = {"rollout/pipeline_buf_size": len(self.pbuf)}
             m.update(self._boundary)
-            c = self._counts
-            m.update({"rollout/filter_drop": c["filter_drop"], "rollout/staleness_drop": c["staleness_drop"],
-                      "rollout/late_drop": c["late_drop"], "rollout/dispatched_groups": c["dispatched"],
-                      "rollout/policy_drop": c["policy_drop"], "rollout/discarded_tokens": c["discarded_tokens"],
-                      "rollout/collected_groups": c["collected"], "rollout/consumed_groups": c["consumed"],
-                      "rollout/in_flight_groups": v.R, "rollout/generating_groups": v.generating,
+            m.update({k: self._counts[k] for k in COUNTERS})
+            m.update({"rollout/in_flight_groups": v.R, "rollout/generating_groups": v.generating,
                       "rollout/held_groups": len(self._complete), "rollout/trajqueue_groups": len(self.queue),
                       "rollout/trajqueue_trajectories": self.queue.num_trajectories,
                       "rollout/restored_lane_size": len(self.data.lane), "rollout/weight_version": self.version,
@@ -796,7 +763,6 @@ class PipelineServer(Exchange):
                       "rollout/pipeline_buf_max": self.pbuf.max_groups,
                       "rollout/trajqueue_max_groups": self.queue.max_groups,
                       "rollout/max_generating_groups": self.C if self.max_generating is None else self.max_generating})
-            m.update({f"rollout/drop_{r}_count": c[f"drop_{r}"] for r in DROP_REASONS})
             if self._consumed_trajs:
                 m.update(consumed_metrics(self._consumed_trajs))
             m.update(self.strategy.counts)
@@ -804,7 +770,7 @@ class PipelineServer(Exchange):
             self._totals.update(self._counts)
             self._counts.clear()
             self._consumed_trajs = []
-            self._boundary = {}
+            self._boundary = Counter()
             return m
 
     def stats(self, keys: bool = False) -> dict:
@@ -873,7 +839,7 @@ class PipelineServer(Exchange):
             next_seq=self.data.next_seq, oldest_uncollected=min(seqs, default=None),
             oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None),
             version=self.version, lane=len(self.data.lane),
-            dropped=sum(self._totals[k] + self._counts[k] for k in ("filter_drop", "staleness_drop", "policy_drop")))
+            dropped=sum(self._totals[DROP_METRICS[r]] + self._counts[DROP_METRICS[r]] for r in COMPLETE_DROPS))
 
     def _end_step_locked(self) -> None:
         self.strategy.reset()
@@ -882,36 +848,35 @@ class PipelineServer(Exchange):
 
     def _verdict(self, place: str, pg: PromptGroup, trajs: list, view: Optional[strategies.PipelineView] = None,
                  returned: frozenset = frozenset()) -> Verdict:
-        """What happens to one group, and why: the one place that decides drops. Its inputs are rollout.filter,
-        rollout.max_weight_staleness and the strategy's rules ((b) keep / keep_buffered, (c) the update action:
-        abort by staleness `stale_after`, restart or resume partial), in this order of precedence:
+        """What happens to one group, and why: the one place that decides. Its inputs are rollout.filter and the
+        strategy's rules ((b) its rollout.max_weight_staleness rule, within_max_weight_staleness, and its keep /
+        keep_buffered; (c) the update action: abort by staleness `stale_after`, restart or resume partial), in this
+        order of precedence:
 
-          COLLECTED       filter -> max_weight_staleness -> strategy.keep(view) -> keep
-          BUFFERED        max_weight_staleness -> strategy.keep_buffered(view) -> keep (view None: the staleness
-                          rule alone, which set_weight_version applies to every buffered group before asking the
-                          strategy, so that the strategy sees the buffer without them)
+          COLLECTED       filter -> within_max_weight_staleness -> strategy.keep(view) -> keep
+          BUFFERED        within_max_weight_staleness -> strategy.keep_buffered(view) -> keep
           IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
                           N present) -> requeue (none present) -> drop as incomplete
           KEPT_IN_FLIGHT  stale_after (or handed back in `returned`: the rollout aborted it as stale) -> keep
 
-        `trajs` are the group's trajectories (in flight: TrajQueue's slots, None where none arrived yet). stale_after
-        counts against the next weights (version + 1): in flight at a weight update, a group runs under those."""
+        The strategy's rules are asked about the group as a Group (its trajectories with their per-token versions,
+        its start_version). `trajs` are the group's trajectories (in flight: TrajQueue's slots, None where none
+        arrived yet). stale_after counts against the next weights (version + 1): in flight at a weight update, a
+        group runs under those."""
         if place in (COLLECTED, BUFFERED):
             if place == COLLECTED:
                 reason = self._filter_reason(trajs)
                 if reason is not None:
                     return Verdict(DROP, "filter", reason)
-            if self._too_stale(trajs):
+            group = Group(pg, trajs)
+            if not self.strategy.within_max_weight_staleness(group, view):
                 return Verdict(DROP, "max_weight_staleness")
-            if view is None:
-                return Verdict(KEEP, "not stale")
             keep = self.strategy.keep if place == COLLECTED else self.strategy.keep_buffered
-            if not keep(self._start_version(pg, trajs), view):  # (b) the consumption filter
+            if not keep(group, view):  # (b) the consumption filter
                 return Verdict(DROP, "strategy")
             return Verdict(KEEP, "trainable")
         after = self.action.stale_after
-        if pg.prompt_id in returned or (after is not None
-                                        and self.version + 1 - self._start_version(pg, trajs) > after):
+        if pg.prompt_id in returned or (after is not None and self.version + 1 - start_version(pg, trajs) > after):
             return Verdict(DROP, "stale_after")  # (c) abort by staleness: too old under the next weights
         if place == KEPT_IN_FLIGHT:
             return Verdict(KEEP, "kept in flight")
@@ -924,24 +889,67 @@ class PipelineServer(Exchange):
             return Verdict(REQUEUE, "nothing generated")
         return Verdict(DROP, "incomplete", f"{len(present)} of {self.N} trajectories")
 
-    def _count_drops(self, verdicts: list) -> None:
-        """rollout/drop_<reason>_count: every drop, by its reason."""
-        for v in verdicts:
-            if v.action == DROP:
-                self._counts[f"drop_{v.reason}"] += 1
+    def _apply(self, place: str, key: Key, pg: PromptGroup, trajs: list, verdict: Verdict) -> None:
+        """Carry out one verdict of _verdict and count it: the one place that acts on a verdict.
+
+        keep: a collected group goes into PipelineBuffer, a buffered or kept-in-flight one stays where it is;
+        restore / restart / requeue: into the restored lane (restart: without its partial trajectories); drop: out of
+        where it is. Counted: every drop once, under DROP_METRICS[reason] (per step, or in the boundary's metrics),
+        with its response tokens in rollout/discarded_tokens (a restart's too); a filter drop also in the waiting
+        line's reasons and the run of filter drops that stops an untrainable run; the step boundary's own counts.
+        Collection and an aborting boundary have taken the group out of flight already (_take)."""
+        present = [t for t in trajs if t is not None]
+        tokens = sum(int(t.response_ids.numel()) for t in present)
+        boundary = self._boundary
+        if place == COLLECTED:
+            pg.partial = []  # the trajectories now live in the Group
+            if verdict.reason == "filter":
+                self._waited["reasons"][verdict.detail] += 1
+                d = self._dropped
+                d["groups"] += 1
+                d["reasons"][verdict.detail] += 1
+                d["rewards"].update(round(t.reward, 4) for t in trajs if t.status != FAILED)
+                d["last"] = Group(pg, trajs)
+            else:
+                self._dropped = self._new_drop_run()
+        if verdict.action == DROP:
+            if place == BUFFERED:
+                self.pbuf.remove(key)
+            elif place == KEPT_IN_FLIGHT:
+                self._take(key)
+            counter = boundary if place in (IN_FLIGHT, KEPT_IN_FLIGHT) else self._counts
+            counter[DROP_METRICS[verdict.reason]] += 1
+            self._counts["rollout/discarded_tokens"] += tokens
+            if verdict.reason == "incomplete":
+                boundary["rollout/partial_dropped_incomplete_count"] += len(present)
+        elif verdict.action == KEEP:
+            if place == COLLECTED:
+                self.pbuf.put(Group(pg, trajs))
+                self._counts["rollout/collected_groups"] += 1
+            elif place == KEPT_IN_FLIGHT:
+                boundary["rollout/kept_in_flight_groups"] += 1
+        else:
+            if verdict.action == RESTART:  # (c) restart from the prompt: the partial tokens are thrown away
+                self._counts["rollout/discarded_tokens"] += tokens
+                pg.partial = []
+                pg.metadata.pop("dispatch_version", None)
+                boundary["rollout/restarted_groups"] += 1
+            elif verdict.action == RESTORE:
+                pg.partial = trajs
+                boundary["rollout/restored_groups"] += 1
+                boundary["rollout/partial_restored_count"] += len(present)
+            else:  # requeue: keeps the partial it was dispatched with, if any
+                boundary["rollout/requeued_unstarted_groups"] += 1
+            self.data.restore([pg])
+
+    def _take(self, key: Key) -> tuple:
+        """Take an in-flight group out of flight: (its PromptGroup, its TrajQueue slots)."""
+        self._complete.discard(key)
+        return self._in_flight.pop(key), self.queue.pop(key)
 
     def _update_aborts_locked(self) -> list:
         return sorted(key for key, pg in self._in_flight.items()
-                      if self._verdict(IN_FLIGHT, pg, self.queue.slots(key)).reason == "stale_after")
-
-    def _start_version(self, pg: PromptGroup, trajs: list) -> int:
-        """A group's start version: its first generated token's oldest version, else the version at dispatch."""
-        started = [t.start_version for t in trajs if t is not None and t.start_version >= 0]
-        return min(started) if started else pg.metadata.get("dispatch_version", self.version)
-
-    def _drop_by_policy(self, groups: list) -> None:
-        self._counts["policy_drop"] += len(groups)
-        self._counts["discarded_tokens"] += sum(int(t.response_ids.numel()) for g in groups for t in g.trajectories)
+                      if self._verdict(KEPT_IN_FLIGHT, pg, self.queue.slots(key)).action == DROP)
 
     def _may_dispatch(self, view: strategies.PipelineView) -> bool:
         if self.max_generating is not None and view.generating >= self.max_generating:
@@ -951,7 +959,7 @@ class PipelineServer(Exchange):
     def _add_locked(self, t: Trajectory) -> None:
         key = t.prompt_id
         if key not in self._in_flight or not self.queue.add(t):
-            self._counts["late_drop"] += 1
+            self._counts["rollout/late_drop"] += 1
             return
         if self.queue.is_assembled(key):
             self._complete.add(key)
@@ -965,12 +973,8 @@ class PipelineServer(Exchange):
         return [s if s is not None else pg.partial[i] if pg.partial else
                 Trajectory(pg.epoch, pg.seq, i, pg.prompt_ids, status=ABORTED) for i, s in enumerate(slots)]
 
-    def _too_stale(self, trajs: list) -> bool:
-        return self.max_staleness is not None and any(
-            t.start_version >= 0 and self.version - t.start_version > self.max_staleness for t in trajs)
-
     def _collect_locked(self) -> None:
-        """The collector: complete groups the strategy lets through -> filter -> staleness -> PipelineBuffer."""
+        """The collector: complete groups the strategy lets through leave TrajQueue, each with its verdict."""
         view = self._view()  # updated in place below: O(R) once per pass, not once per group
         moved = True
         while moved:  # a custom strategy may let a group through only after another one moved
@@ -979,34 +983,12 @@ class PipelineServer(Exchange):
                 if not self.strategy.may_collect(key[1], view):
                     continue
                 moved = True
-                pg = self._in_flight.pop(key)
-                trajs = self.queue.pop(key)
-                self._complete.discard(key)
-                pg.partial = []  # the trajectories now live in the Group
+                pg, trajs = self._take(key)
                 view.R -= 1
                 if key[1] == view.oldest_uncollected:
                     view.oldest_uncollected = min((k[1] for k in self._in_flight), default=None)
-                verdict = self._verdict(COLLECTED, pg, trajs, view)
-                self._count_drops([verdict])
-                if verdict.reason == "filter":
-                    reason = verdict.detail
-                    self._counts["filter_drop"] += 1
-                    self._waited["reasons"][reason] += 1
-                    d = self._dropped
-                    d["groups"] += 1
-                    d["reasons"][reason] += 1
-                    d["rewards"].update(round(t.reward, 4) for t in trajs if t.status != FAILED)
-                    d["last"] = Group(pg, trajs)
-                    continue
-                self._dropped = self._new_drop_run()
-                if verdict.reason == "max_weight_staleness":
-                    self._counts["staleness_drop"] += 1
-                elif verdict.reason == "strategy":
-                    self._drop_by_policy([Group(pg, trajs)])
-                else:
-                    self.pbuf.put(Group(pg, trajs))
-                    self._counts["collected"] += 1
-                    view.Q += 1
+                self._apply(COLLECTED, key, pg, trajs, self._verdict(COLLECTED, pg, trajs, view))
+                view.Q = len(self.pbuf)
         self._cond.notify_all()
 
     def _filter_reason(self, trajs: list) -> Optional[str]:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import buffer
 import losses
+import strategies
 from buffer import BufferConfig, validate_concurrency
 from losses import LossSettings
 
@@ -218,8 +219,8 @@ class Config:
 
     @property
     def capacity(self) -> int:
-        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (spec section 1); a preset derives
-        it from fully_async.policy_param."""
+        """C = int(B * (1 + stale_steps)): in-flight plus buffered prompt groups (docs/design.md, symbols); a preset
+        derives it from fully_async.policy_param."""
         return dataclasses.replace(self.buffer_settings(), fully_async=True).capacity
 
     @property
@@ -434,7 +435,6 @@ def validate(cfg: Config) -> Config:
     fa = cfg.fully_async
     if fa.stale_steps < 0:
         raise ValueError(f"fully_async.stale_steps must be >= 0, got {fa.stale_steps}")
-    import strategies  # local import: strategies.py imports only torch/stdlib, config stays light
     load_plugins(cfg)
     if fa.sliding_window not in strategies.REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' is not registered; "
@@ -451,6 +451,10 @@ def validate(cfg: Config) -> Config:
         preset.check(fa.policy_param, B, N)
         if cfg.rollout.async_max_concurrent_samples is None:  # the peer's own concurrency cap, its companion knob
             cfg.rollout.async_max_concurrent_samples = preset.max_concurrent_samples(B, N)
+    elif fa.policy_param is not None:
+        raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
+                         f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")
+    if fa.enable:  # built here as the buffer process builds it: its interface and update action refused now
         strategy = strategies.build(fa.sliding_window, B, cfg.capacity, True, fa.policy_param, N)
         try:
             strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)
@@ -459,9 +463,6 @@ def validate(cfg: Config) -> Config:
                              f"the weight update) needs {strategy.accepted_settings()}; got rollout.partial="
                              f"{str(cfg.rollout.partial).lower()}, rollout.pause_mode={cfg.rollout.pause_mode}"
                              ) from None
-    elif fa.policy_param is not None:
-        raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
-                         f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")
     if fa.enable:
         if cfg.colocate:
             raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own GPUs")
@@ -621,7 +622,6 @@ def load_plugins(cfg: Config) -> None:
         registry[spec] = obj
 
     if plugins.is_spec(fa.sliding_window):
-        import strategies
         register(strategies.REGISTRY, fa.sliding_window, "fully_async.sliding_window", "a registered strategy name",
                  lambda c: isinstance(c, type) and issubclass(c, strategies.Strategy),
                  "a subclass of strategies.Strategy")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Optional
 
@@ -14,8 +15,8 @@ import config as config_lib
 
 
 def aggregate(records: list[dict]) -> dict:
-    """Per-call metrics -> one value per step, by name (spec section 4): timing/* summed, *_max max, *_min min,
-    everything else averaged over the calls that reported it."""
+    """Per-call metrics -> one value per step, by the specification's naming rule (docs/metrics.md): timing/*
+    summed, *_max max, *_min min, everything else averaged over the calls that reported it."""
     out: dict = {}
     for key in dict.fromkeys(k for r in records for k in r):
         vals = [float(r[key]) for r in records if key in r and isinstance(r[key], (int, float, torch.Tensor))]
@@ -76,6 +77,7 @@ class Logger:
                 f.writelines(kept)
         self.t0, self.first_step = time.time(), None
         self.start = time.time()
+        self.length_warned = False
         self.wandb = None
         if cfg.logging.wandb.enable:
             import wandb
@@ -108,6 +110,13 @@ class Logger:
         self.samples(step, metrics.pop("data/samples", None), eval_=False)
         self.samples(step, metrics.pop("data/eval_samples", None), eval_=True)
         metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        cut = metrics.get("rollout/truncation_ratio", 0.0)
+        if cut > 0.5 and not self.length_warned:  # once: most answers cut short score as wrong whatever is learned
+            self.length_warned = True
+            print(f"[train] warning: {cut:.0%} of the responses finished in step {step} ended at "
+                  f"rollout.sampling.max_new_tokens={self.cfg.rollout.sampling.max_new_tokens} tokens without "
+                  "stopping (rollout/truncation_ratio); raise it if this task's answers need more", file=sys.stderr,
+                  flush=True)
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self.wandb is not None:

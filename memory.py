@@ -92,9 +92,9 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
         shards live from the first micro-batch's backward to the step (reduce_dtype float32);
       optimizer step: AdamW's temporaries, a full float32 shard with foreach (torch's _multi_tensor_adam), none fused
         (trainer.optimizer: optimizer_impl);
-      snapshot: the old-policy copy, one shard in the compute dtype (Actor._take_snapshot; none with
+      snapshot: the old-policy copy, one shard in the compute dtype (model.OldPolicy; none with
         trainer.use_rollout_log_probs or one training call per step); the live shards kept aside while it computes
-        fit in the gradients' memory (Actor._old_log_probs);
+        fit in the gradients' memory (model.OldPolicy.log_probs);
       gathered layers: the two largest decoder layers all-gathered in the compute dtype (one computing, one
         prefetched);
       layer gradients: the unsharded gradient of one layer in the compute dtype and its float32 copy, the

@@ -1,6 +1,6 @@
 """model.py: the policy on the trainer ranks: the HF causal LM at model.path sharded by FSDP2 over its decoder layers
-(apply_fsdp, load_model), AdamW with warmup (build_optimizer), and its log-probs of a collated micro-batch
-(token_logprobs, with the lm_head fused into the chunked log-softmax)."""
+(apply_fsdp, load_model), AdamW with warmup (build_optimizer), its log-probs of a collated micro-batch
+(token_logprobs, with the lm_head fused into the chunked log-softmax) and of the step-start weights (OldPolicy)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -194,6 +194,62 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     if "pos" in b:
         logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
     return logp, ent
+
+
+class OldPolicy:
+    """log pi_old per micro-batch: the step-start weights, fixed for the whole step (docs/design.md, the step
+    boundary). At the step's first training call they are the live weights; with more calls to come, a copy of this
+    rank's shards is kept (take), and later calls copy it into the shards, compute, and put the live shards back.
+    Those wait in a clone meanwhile, in the memory this call's gradients take later (the last update's zero_grad
+    freed it), so the peak is not raised by a full copy. The copy is in the compute dtype: bfloat16 on cuda, which is
+    what FSDP2's mixed precision casts the shards to before the all-gather, so a forward from it is the step-start
+    forward exactly, at half the size of float32 master weights; on the device, or in host memory (host=True:
+    trainer.snapshot=cpu, pinned on cuda)."""
+
+    def __init__(self, model, device: torch.device, host: bool):
+        self.model, self.device, self.host = model, device, host
+        self.shards: Optional[list] = None  # the step-start local shards
+        self.step = -1  # the step they are of
+        # Nothing random in the training forward (no dropout): at a step's first call it is the old policy's forward
+        # too, so its log-probs, detached, are the old log-probs and the separate no-grad forward is skipped.
+        self.train_forward_is_old = not (getattr(model.config, "attention_dropout", 0.0) or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
+
+    @torch.no_grad()
+    def log_probs(self, batches: list[dict], step: int, more_calls: bool, forward) -> list:
+        """forward(batch) -> (log-probs, entropy) of the live model on each batch, with the step-start weights in
+        place; None for each batch of the step's first call when the training forward is the old policy's."""
+        first = step != self.step
+        reshard(self.model)  # first: the unsharded parameters of the last layer and root would be listed instead
+        params = [p.to_local() for p in self.model.parameters()]
+        live = None
+        if first and more_calls:
+            self.take(params, step)
+        elif not first:
+            live = [p.clone() for p in params]
+            for p, s in zip(params, self.shards):
+                p.copy_(s)
+        if first and self.train_forward_is_old:
+            return [None] * len(batches)
+        self.model.eval()
+        out = [forward(b)[0] for b in batches]
+        reshard(self.model)
+        for p, x in zip(params, live or []):
+            p.copy_(x)
+        return out
+
+    def take(self, params: list, step: int) -> None:
+        if self.shards is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else None
+            self.shards = [torch.empty_like(p, dtype=dtype, device="cpu" if self.host else None,
+                                            pin_memory=self.host and self.device.type == "cuda") for p in params]
+        for p, s in zip(params, self.shards):
+            s.copy_(p)
+        self.step = step
+
+    def drop(self) -> None:
+        """Free the copy (colocate: before the servers take the memory back); the next step takes a new one."""
+        self.shards = None
 
 
 def memory_now(device: torch.device) -> float:

@@ -1025,7 +1025,7 @@ def serve(cfg, rpc_init_method: str, rank: int, world_size: int, startup_timeout
     sync = SyncFleet(Fleet.from_config(cfg))
     try:
         try:
-            # The trainer waited for /health and checked versions (train.start_fleet); a colocated server has
+            # The trainer waited for /health and checked versions (services.Services.start_fleet); a colocated server has
             # released its memory since, so its /health (a generated token) would wait 20 s and fail: reachable is
             # what is asked here.
             sync.live_workers(cfg.rollout.startup_timeout_s)

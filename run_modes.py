@@ -43,10 +43,10 @@ class RolloutRecorder:
         os.makedirs(path + ".tmp")
         checkpoint.commit(path + ".tmp", path, {**run_state, "scheduler": {}, "rng": [checkpoint.rng_state()]})
 
-    def release(self):
+    def memory_to_trainer(self):
         return {}
 
-    def resume(self):
+    def memory_to_servers(self):
         return {}
 
 

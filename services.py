@@ -4,11 +4,11 @@ The inference servers (standins/engine.py on CPU, SGLang on GPUs: launched on ro
 relaunched when one dies), the buffer process (`python workers.py buffer`) and the rollout process (`python workers.py
 rollout`), RPC between them and the trainer, a watcher thread that stops the run with the root cause when a child dies,
 and the orderly stop of all of it. train.py makes one `Services(cfg)` on rank 0: `launch_servers(wait=False)` before the
-model loads, then `launch_fleet(wait=False)` (the other nodes' URLs), `spawn_rpc_workers`, `launch_servers` (the
-servers' /health), `join_rpc`, `watch` and `close`, so that the servers', the workers' and the model's start-ups
-overlap. Servers are placed per node
-(rollout.server_layout): the local rank 0 of every other trainer node launches and supervises its own
-(`serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects them; every other rank starts
+model loads, then `start_fleet(wait=False)` (the other nodes' URLs and the fleet client), `spawn_rpc_workers`,
+`wait_fleet` (the servers' /health), `join_rpc`, `watch` and `close`, so that the servers', the workers' and the
+model's start-ups overlap (colocate: `start_fleet` before the model loads, which waits). Servers are placed per node
+(rollout.server_layout): the local rank 0 of every other trainer node launches and supervises its own (`for_node`,
+`serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects them; every other rank starts
 nothing.
 """
 from __future__ import annotations
@@ -155,6 +155,7 @@ class ChildExited(RuntimeError):
 
 
 WATCH_S = 0.2  # how often rank 0's watcher looks at its children
+RANK0_EXIT_WAIT_S = 30.0  # a rank other than 0 that fails with rank 0 waits this long for torchrun to stop it
 GRACE_S = 3.0  # after a child died: how long the main thread has to fail on its own before the watcher stops the run
 
 
@@ -178,7 +179,7 @@ class Services:
         self._reported = threading.Lock()
         self.servers: dict = {}  # name -> (command, env, URL) of each server launched here: relaunched if it dies
         self.relaunching: set = set()
-        self.replaced: set = set()  # relaunched since the weight-update group last formed (Actor.sync_weights)
+        self.replaced: set = set()  # relaunched since the weight-update group last formed (weight_sync.WeightSync.sync)
         self.server_restarts = 0
         self.starting: dict = {}  # node -> {i: URL} of servers started by launch_servers(wait=False), not yet waited
         self.rpc_init = None  # spawn_rpc_workers' tcp:// address, which join_rpc joins
@@ -326,6 +327,29 @@ class Services:
             urls[i] = value
         return [urls[i] for i in range(len(layout))]
 
+    def start_fleet(self, version: int, launched: bool, wait: bool = True):
+        """Trainer rank 0: the servers of rollout.server_layout (this node's launched here, the other nodes'
+        published by their local rank 0, see for_node; or rollout.servers / rollout.router_url already running),
+        where they reach the broadcast group (weight_sync.master_address), and the SyncFleet, once every server
+        answers /health. wait=False: the SyncFleet of the URLs, the servers maybe still starting (wait_fleet)."""
+        import sglang_client
+
+        cfg = self.cfg
+        if launched:  # started (or already starting), waited for in wait_fleet
+            cfg.rollout.servers = self.launch_fleet(version, wait=False)
+        cfg.weight_sync.master_address = master_address(cfg, launched)
+        self.fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+        if wait:
+            self.wait_fleet(version, launched)
+        return self.fleet
+
+    def wait_fleet(self, version: int, launched: bool) -> None:
+        """Until this node's launched servers answer /health (their log and exit named if one dies), then every
+        server of the fleet, and their sglang versions."""
+        if launched:
+            self.launch_servers(version, 0)
+        self.fleet.wait_healthy(self.cfg.rollout.startup_timeout_s)
+
     def serve_node(self, node: int) -> None:
         """Local rank 0 of trainer node `node` > 0: launch this node's servers, publish their URLs (or why they did
         not start) in the torchrun store for rank 0, and supervise them (watch) for the rest of the run."""
@@ -366,7 +390,7 @@ class Services:
         self.replaced.clear()
         return out
 
-    def server_died(self, wait_s: float) -> bool:
+    def server_died(self, wait_s: float = GRACE_S) -> bool:
         """Whether a launched server died (and is being, or was, relaunched), waiting up to wait_s to see it."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -392,10 +416,32 @@ class Services:
                                    f"see {self.logs}/server_*.log")
             time.sleep(0.1)  # a refused connect or a one-token /health: cheap, and each launch waits less for it
 
-    def spawn_rpc_workers(self, resolved_config: str) -> None:
-        """The buffer (RPC rank 1) and rollout (rank 2) processes; join_rpc joins them as "trainer" (rank 0). They
-        wait for it in init_rpc for up to rollout.startup_timeout_s + buffer.rpc_timeout_s (workers.py), so
-        whatever rank 0 does in between (the servers' /health) is bounded by rollout.startup_timeout_s."""
+    def start_workers(self, version: int, launched: bool, wait_servers: bool) -> tuple:
+        """Trainer rank 0: the buffer and rollout processes (spawn_rpc_workers), the servers' /health meanwhile
+        (wait_servers: start_fleet(wait=False) came first), then RPC with both (join_rpc) and the watcher. Returns
+        the trainer's handles of the buffer and the rollout."""
+        import rollout as rollout_lib
+
+        self.spawn_rpc_workers()
+        if wait_servers:
+            self.wait_fleet(version, launched)
+        self.join_rpc()
+        self.watch()
+        timeout = self.cfg.buffer.rpc_timeout_s
+        return remote.RemoteBuffer("buffer", timeout), rollout_lib.RemoteRollout("rollout", timeout)
+
+    def spawn_rpc_workers(self) -> None:
+        """The buffer (RPC rank 1) and rollout (rank 2) processes, given the run's resolved config
+        (run_dir/config.yaml); join_rpc joins them as "trainer" (rank 0). They wait for it in init_rpc for up to
+        rollout.startup_timeout_s + buffer.rpc_timeout_s (workers.py), so whatever rank 0 does in between (the
+        servers' /health) is bounded by rollout.startup_timeout_s."""
+        import yaml
+
+        import config as config_lib
+
+        resolved_config = os.path.join(self.cfg.run_dir, "config.yaml")
+        with open(resolved_config, "w") as f:
+            yaml.safe_dump(config_lib.to_dict(self.cfg), f, sort_keys=False)
         self.rpc_init = f"tcp://127.0.0.1:{free_port()}"
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "workers.py"), "buffer"]),
                                             ("rollout", [os.path.join(ROOT, "workers.py"), "rollout"])], start=1):
@@ -441,3 +487,45 @@ class Services:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+
+
+def for_node(cfg, local_rank: int, launched: bool) -> Optional[Services]:
+    """Trainer ranks other than 0: local rank 0 of a node with servers in rollout.server_layout launches them,
+    publishes their URLs for rank 0 and supervises them (Services.serve_node); None elsewhere."""
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    if local_rank != 0 or not launched or not any(s.node == node for s in cfg.rollout.server_layout):
+        return None
+    services = Services(cfg)
+    services.serve_node(node)
+    return services
+
+
+def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> int:
+    """What a trainer rank's main does with the exception that ended its run: the root cause printed once, and the
+    exit code (2: the run cannot train, buffer.NothingToTrain, said as a bad input would be; 1: a failed run);
+    an exception it cannot explain is raised again."""
+    import buffer
+
+    if isinstance(e, buffer.NothingToTrain):
+        if services is not None:
+            services.print_error_once(str(e))
+        else:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
+    cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
+    if cause is None and rank != 0 and isinstance(e, RuntimeError):
+        # rank 0 failed (its own error says why: let it print first) or a collective with it broke; one line.
+        # Then wait for torchrun to stop this rank once rank 0 has exited: rank 0's teardown (its children, RPC)
+        # takes seconds after its sockets may already be closed, and a rank that exited first would be torchrun's
+        # "first observed failure" in place of rank 0's (its exit code 2 for a run that cannot train, say).
+        print(f"[train] rank {rank}: lost trainer rank 0 (it failed, exited, or did not answer within the "
+              f"control group's timeout): {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
+              file=sys.stderr, flush=True)
+        time.sleep(RANK0_EXIT_WAIT_S)
+        return 1
+    if cause is None:
+        raise  # (called from the except clause: the exception being handled)
+    services.print_error_once(cause if isinstance(e, ChildExited) else f"{cause}\n(what it made fail here: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]})")
+    return 1

@@ -13,7 +13,7 @@ Semantics of docs/design.md (window strategies), all counted in prompt groups:
 step (consumed + R + Q <= C), topped up as the filter drops groups. It is not registered, because it is chosen by
 fully_async.enable, not by fully_async.sliding_window.
 
-The strategy only answers two questions for one group at a time; buffer.PipelineServer owns the counters, applies
+The strategy only answers questions about one group at a time; buffer.PipelineServer owns the counters, applies
 rollout.async_max_concurrent_samples on top, and asks again after every change. A custom strategy is one class in
 a module of your own (examples/strict_fifo.py), selected with `fully_async.sliding_window=module:Class`; the module
 must be importable in every process of the run (e.g. on PYTHONPATH): config.validate loads it there with
@@ -28,8 +28,12 @@ plugins.load and registers it in REGISTRY under that name, so the buffer process
 
 A strategy is three parts (the split of docs/staleness.md), each a method with a default:
   (a) admission         may_dispatch(seq, view): may a group start generating now?
-  (b) consumption       keep(start_version, view): may a complete group be trained? Asked when it is collected and
-      filter            again for every buffered group at each weight update; False drops it (rollout/policy_drop).
+  (b) consumption       keep(group, view): may a complete group be trained? Asked when it is collected and again for
+      filter            every buffered group at each weight update (keep_buffered); False drops it
+                        (rollout/policy_drop). `group` carries its trajectories with their per-token weight versions,
+                        so a rule on tokens is a strategy of your own (examples/token_staleness.py). Before keep, the
+                        buffer asks within_max_weight_staleness(group, view), the rule of rollout.max_weight_staleness
+                        (rollout/staleness_drop), which every strategy has.
   (c) update-time       `actions`: the UpdateActions the strategy accepts at a weight update (abort and resume
       action            partial, abort and restart from the prompt, drain, in_place, retract, each optionally with
                         abort by staleness). Empty = any that rollout.partial / rollout.pause_mode select (the spec's
@@ -39,13 +43,15 @@ three; each takes one knob, fully_async.policy_param, in its own unit, and deriv
 declares the loss its peer trains with (`policy_loss`, `offpolicy_mask`: `peer_overrides` gives them as config
 overrides, `pairing_note` the start-up line of a run that uses another), and its docstring lists its deviations.
 
-Simplification: strategies are stateless by default (everything they need is in `PipelineView`); `reset()` and
-`at_boundary(view)` are called at every step boundary, `dispatched` and `consumed` for every group handed out, for
-strategies that keep their own state (not checkpointed). Imports only the standard library.
+Simplification: strategies are stateless by default (everything they need is in `PipelineView` and the group);
+`reset()` and `at_boundary(view)` are called at every step boundary, `dispatched` and `consumed` for every group
+handed out, for strategies that keep their own state (not checkpointed). Imports only the standard library: the
+group and its trajectories are the buffer's objects (buffer.Group, buffer.Trajectory), read by attribute.
 """
 from __future__ import annotations
 
 import bisect
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -65,7 +71,7 @@ class PipelineView:
     oldest_uncompleted: Optional[int]  # smallest seq among dispatched groups not yet complete (None: none)
     version: int = 0  # the current weight version v (the number of weight updates so far)
     lane: int = 0  # restored groups waiting to be dispatched again (dispatched before any fresh prompt)
-    dropped: int = 0  # complete groups dropped since the start (rollout.filter, max_weight_staleness, keep())
+    dropped: int = 0  # complete groups dropped since the start (rollout.filter, max_weight_staleness, keep)
 
 
 @dataclass(frozen=True)
@@ -100,14 +106,16 @@ def action_for(partial: bool, pause_mode: str) -> UpdateAction:
 
 
 class Strategy:
-    """Base strategy = the capacity rule alone (which is exactly no-window). Override any method."""
+    """Base strategy = the capacity rule alone (which is exactly no-window), with the rollout.max_weight_staleness
+    rule. Override any method; an __init__ of your own takes max_weight_staleness and passes it on."""
 
     actions: tuple = ()  # (c) the UpdateActions accepted; () = whatever rollout.partial / pause_mode select
 
-    def __init__(self, B: int, C: int):
+    def __init__(self, B: int, C: int, max_weight_staleness: Optional[int] = None):
         if B <= 0 or C < B:
             raise ValueError(f"a strategy needs B > 0 and capacity C >= B, got B={B}, C={C}")
         self.B, self.C = B, C
+        self.max_weight_staleness = max_weight_staleness  # rollout.max_weight_staleness; None: no bound
         self.counts: dict = {}  # rollout/<name> counters of the strategy's own, popped by the buffer's step_metrics
 
     def may_dispatch(self, seq: int, view: PipelineView) -> bool:
@@ -118,21 +126,36 @@ class Strategy:
         """May the complete group `seq` move from TrajQueue into PipelineBuffer now?"""
         return True
 
-    def keep(self, start_version: int, view: PipelineView) -> bool:
-        """(b) May a complete group whose generation started at weight `start_version` be trained? Asked at
-        collection and, for buffered groups, at every weight update; False drops it."""
+    def within_max_weight_staleness(self, group, view: PipelineView) -> bool:
+        """(b) The default rule, rollout.max_weight_staleness: False when a trajectory of the group started more than
+        that many versions before the current one (a trajectory with no generated token, start_version -1, has no
+        age). The buffer asks it before keep / keep_buffered, and counts its drops in rollout/staleness_drop."""
+        m = self.max_weight_staleness
+        return m is None or all(t.start_version < 0 or view.version - t.start_version <= m
+                                for t in group.trajectories)
+
+    def keep(self, group, view: PipelineView) -> bool:
+        """(b) May this complete group be trained? Asked at collection and (keep_buffered) for buffered groups at
+        every weight update; False drops it (rollout/policy_drop). `group` (a buffer.Group) may be read for
+          group.start_version   its first generated token's oldest weight version, else the version at dispatch
+          group.prompt_id       (epoch, seq)
+          group.trajectories    its N trajectories, each with start_version and end_version (-1: nothing generated),
+                                status, reward, and the 1-D tensors of the response: versions (the weight version
+                                of each token; environment tokens carry the one of the turn before them, -1 before
+                                any), loss_mask, response_ids
+        view.version is the current weight version."""
         return True
 
-    def keep_buffered(self, start_version: int, view: PipelineView) -> bool:
+    def keep_buffered(self, group, view: PipelineView) -> bool:
         """(b) for a group already in PipelineBuffer, asked at every weight update (default: as at collection)."""
-        return self.keep(start_version, view)
+        return self.keep(group, view)
 
     def dispatched(self, fresh: bool, view: PipelineView) -> None:
         """A group was dispatched; fresh=False for a restored (or replayed) one. `view` is as before this dispatch,
         so a fresh group's seq is view.next_seq."""
 
-    def consumed(self, start_version: int, view: PipelineView) -> None:
-        """A group whose generation started at weight `start_version` was handed to the trainer."""
+    def consumed(self, group, view: PipelineView) -> None:
+        """The group (as keep sees it) was handed to the trainer."""
 
     def reset(self) -> None:
         """Called at every step boundary, after TrajQueue was cleared."""
@@ -174,12 +197,12 @@ def register(name: str) -> Callable[[type], type]:
 
 @register("no-window")
 class NoWindow(Strategy):
-    """Spec 3.1: only total capacity, dispatch_count = max(0, C - R - Q); any complete group is collected."""
+    """Only total capacity, dispatch_count = max(0, C - R - Q); any complete group is collected (docs/design.md)."""
 
 
 @register("window-gated")
 class WindowGated(Strategy):
-    """Spec 3.2: also next_seq - oldest_uncollected_seq < C, so one slow group stops the window from sliding.
+    """Also next_seq - oldest_uncollected_seq < C, so one slow group stops the window from sliding (docs/design.md).
 
     A restored group keeps its old seq; it counts as uncollected from the moment it is dispatched again, which is
     why the oldest uncollected seq is taken over the group being dispatched too.
@@ -192,7 +215,7 @@ class WindowGated(Strategy):
 
 @register("windowed-fifo")
 class WindowedFifo(Strategy):
-    """Spec 3.3: dispatch as no-window; collect only seq - oldest_uncompleted_seq < B (the window is B, not C).
+    """Dispatch as no-window; collect only seq - oldest_uncompleted_seq < B (the window is B, not C; docs/design.md).
 
     Complete groups outside the window stay in TrajQueue and keep counting in R until the front slides.
     """
@@ -233,8 +256,9 @@ class Preset(Strategy):
     loss_settings: tuple = ()  # more `algorithm.*=value` overrides that give the peer's defaults (peer_overrides)
     offpolicy_mask: Optional[bool] = False  # the peer's rollout.mask_offpolicy_in_partial_rollout; None = optional
 
-    def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1):
-        super().__init__(B, C)
+    def __init__(self, B: int, C: int, param: Optional[float] = None, N: int = 1,
+                 max_weight_staleness: Optional[int] = None):
+        super().__init__(B, C, max_weight_staleness)
         self.N = N
         self.param = self.default(B, N) if param is None else float(param)
 
@@ -312,8 +336,8 @@ class Verl(Preset):
     param_name = "staleness_threshold s (in steps)"
     actions = (ABORT_RESUME, DRAIN)
 
-    def __init__(self, B, C, param=None, N=1):
-        super().__init__(B, C, param, N)
+    def __init__(self, B, C, param=None, N=1, max_weight_staleness=None):
+        super().__init__(B, C, param, N, max_weight_staleness)
         self.started = 0  # new prompts counted against this version's budget
         self.dropped_at_sync = 0  # view.dropped at the last sync
 
@@ -357,8 +381,8 @@ class PipelineRL(CumulativeBudget):
     def budget(self) -> float:
         return math.ceil(self.param / self.N) + self.B
 
-    def consumed(self, start_version: int, view: PipelineView) -> None:
-        if (view.version - start_version) * self.B * self.N > self.param:
+    def consumed(self, group, view: PipelineView) -> None:
+        if (view.version - group.start_version) * self.B * self.N > self.param:
             self.counts["rollout/samples_too_old"] = self.counts.get("rollout/samples_too_old", 0) + self.N
 
 
@@ -385,10 +409,9 @@ class PrimeRL(Preset):
     param_name = "max_off_policy_steps M"
     staleness_knob = False  # the lead is fixed at 1; M only bounds what is dropped
 
-    def __init__(self, B, C, param=None, N=1):
-        super().__init__(B, C, param, N)
+    def __init__(self, B, C, param=None, N=1, max_weight_staleness=None):
+        super().__init__(B, C, param, N, max_weight_staleness)
         self.actions = (UpdateAction("in_place", stale_after=int(self.param)),)
-
 
     @classmethod
     def check(cls, param, B, N):
@@ -406,8 +429,8 @@ class PrimeRL(Preset):
     def may_dispatch(self, seq: int, view: PipelineView) -> bool:
         return view.consumed + view.Q < 2 * self.B and view.R + view.Q < self.C
 
-    def keep(self, start_version: int, view: PipelineView) -> bool:
-        return view.version - start_version <= self.param
+    def keep(self, group, view: PipelineView) -> bool:
+        return view.version - group.start_version <= self.param
 
 
 @register("roll")
@@ -426,8 +449,8 @@ class Roll(CumulativeBudget):
     dispatching (rollout/roll_slots_lost counts them)."""
     param_name = "alpha (in steps)"
 
-    def __init__(self, B, C, param=None, N=1):
-        super().__init__(B, C, param, N)
+    def __init__(self, B, C, param=None, N=1, max_weight_staleness=None):
+        super().__init__(B, C, param, N, max_weight_staleness)
         self.lag = math.ceil(self.param)
         self.quota = math.ceil((self.param - math.floor(self.param)) * B) if self.param != self.lag else None
         self.oldest_taken = 0  # groups of the oldest allowed step accepted since the boundary (fractional alpha)
@@ -457,8 +480,8 @@ class Roll(CumulativeBudget):
     def may_collect(self, seq: int, view: PipelineView) -> bool:
         return view.oldest_uncompleted is None or self._step(view.oldest_uncompleted) >= self._step(seq)
 
-    def keep(self, start_version: int, view: PipelineView) -> bool:
-        lag = view.version - start_version
+    def keep(self, group, view: PipelineView) -> bool:
+        lag = view.version - group.start_version
         if lag < self.lag or (lag == self.lag and self.quota is None):
             return True
         if lag == self.lag and self.oldest_taken < self.quota:
@@ -539,13 +562,34 @@ def peer_overrides(name: str) -> list:
     return out
 
 
-def build(name: str, B: int, C: int, fully_async: bool, param: Optional[float] = None, N: int = 1) -> Strategy:
-    """The strategy for a run: REGISTRY[name] in fully-async mode, Synchronous otherwise. Presets also get their
-    knob `param` (fully_async.policy_param, None = one step of staleness) and N."""
+def build(name: str, B: int, C: int, fully_async: bool, param: Optional[float] = None, N: int = 1,
+          max_weight_staleness: Optional[int] = None) -> Strategy:
+    """The strategy for a run: REGISTRY[name] in fully-async mode, Synchronous otherwise, with the bound of
+    rollout.max_weight_staleness (None: none). Presets also get their knob `param` (fully_async.policy_param, None =
+    one step of staleness) and N."""
     if not fully_async:
-        return Synchronous(B, C)
+        return Synchronous(B, C, max_weight_staleness)
     if name not in REGISTRY:
         raise ValueError(f"fully_async.sliding_window '{name}' is not registered; choose one of: "
                          f"{', '.join(REGISTRY)} or module:Class (registered by config.validate)")
     cls = REGISTRY[name]
-    return cls(B, C, param, N) if issubclass(cls, Preset) else cls(B, C)
+    _check_interface(name, cls)
+    if issubclass(cls, Preset):
+        return cls(B, C, param, N, max_weight_staleness)
+    return cls(B, C, max_weight_staleness=max_weight_staleness)
+
+
+def _check_interface(name: str, cls: type) -> None:
+    """Refuse, in one sentence, a strategy of your own written for the per-group methods' earlier form
+    `(self, start_version, view)`, rather than call it with a group it would take for a number; or one whose
+    __init__ cannot take max_weight_staleness."""
+    for method in ("keep", "keep_buffered", "consumed"):
+        if list(inspect.signature(getattr(cls, method)).parameters)[1:2] == ["start_version"]:
+            raise ValueError(f"fully_async.sliding_window '{name}': {cls.__name__}.{method}(self, start_version, view) "
+                             f"has the earlier signature; write {method}(self, group, view) and read "
+                             "group.start_version (or group.trajectories: strategies.Strategy.keep lists them)")
+    init = inspect.signature(cls).parameters
+    if "max_weight_staleness" not in init and not any(p.kind == p.VAR_KEYWORD for p in init.values()):
+        raise ValueError(f"fully_async.sliding_window '{name}': {cls.__name__}.__init__ must take "
+                         "max_weight_staleness=None and pass it to strategies.Strategy.__init__ (the rule of "
+                         "rollout.max_weight_staleness)")

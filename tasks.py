@@ -443,7 +443,8 @@ def math_equal(answer: str, truth: str) -> bool:
 
 def math_reward(response_text: str, label: str, stopped: bool) -> float:
     r"""1.0 if the final answer ("Answer: X" or \boxed{X}) equals the ground truth, else 0.0. `stopped` is ignored:
-    a truncated response is scored on what it wrote (an overlong penalty is a filter's business)."""
+    a truncated response is scored on what it wrote; for an overlong penalty, wrap it in a reward of your own
+    (examples/length_penalty_reward.py)."""
     answer = extract_answer(response_text)
     return float(answer is not None and math_equal(answer, str(label)))
 

@@ -2,19 +2,15 @@
 
 main: config and start-up checks (checks.py) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group)
 -> the policy, FSDP2-sharded, and AdamW (model.py) -> rank 0 starts the inference servers (standins/engine.py on CPU,
-SGLang on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process and the rollout process through
-services.py -> resume (checkpoint.py) -> run_steps, the step loop (docs/design.md):
-  fetch (rank 0, from the buffer: fully-async each call's M // N groups; synchronous the step's B groups, then the
-  producer pauses) -> forward/backward and optimizer step ((B x N) // M calls; a scatter gives every rank its
-  share) -> pause (fully-async; rollout.pause_mode) -> checkpoint every trainer.save_freq -> weight sync (version
-  + 1) -> resume the producer. Rank 0 alone talks to the buffer, the rollout and the servers, and logs, each under
-  `if rank == 0`. Colocate (synchronous): release -> train -> leave_for_push -> resume weights -> push -> offload
-  -> resume kv cache.
+SGLang on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process and the rollout process
+(services.py) -> resume (checkpoint.py) -> run_steps, the step loop (docs/design.md): fetch -> forward/backward and
+optimizer step, (B x N) // M times -> pause -> checkpoint every trainer.save_freq -> weight sync (weight_sync.py) ->
+resume the producer. Rank 0 alone talks to the buffer, the rollout and the servers, and logs, each under
+`if rank == 0`; the other ranks get their share by a collective. Colocate: colocate.py.
 run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; logging: logger.py; plots: plot.py.
-Faults: a launched server that dies is relaunched and gets the weights at the next sync; any other child that dies
-stops the run with its report (the process, its exit code or signal, its log's last lines) as the one error line;
-bad inputs (config, dataset rows, a checkpoint given to resume) are refused before anything starts (exit code 2),
-as is a run that cannot train (buffer.NothingToTrain). While it waits for groups, fetch says what it waits for.
+Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
+child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
+(exit code 2), as is a run that cannot train (buffer.NothingToTrain).
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
@@ -24,8 +20,8 @@ Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers 
         --master_port 29400 train.py --config configs/qwen3_30b_a3b_dapo.yaml trainer.num_nodes=2
 Simplifications: data parallel only (FSDP2 over the decoder layers); GPU-only paths (nccl, bf16 compute,
 flash_attention_2, CUDA IPC weight sync, launching SGLang) are switched on by device=cuda / rollout.launch=sglang
-and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (shared with standins/engine.py and losses.py):
-log_softmax(logits / temperature) of the sampled token.
+and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (logprobs.py): log_softmax(logits / temperature) of
+the sampled token.
 """
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ import argparse
 import contextlib
 import datetime
 import faulthandler
-import gc
 import math
 import os
 import random
@@ -51,9 +46,9 @@ import torch.distributed as dist  # noqa: E402
 
 import batching  # noqa: E402
 import buffer as buffer_lib  # noqa: E402
-import remote  # noqa: E402
 import checkpoint  # noqa: E402
 import checks  # noqa: E402
+import colocate as colocate_lib  # noqa: E402
 import config as config_lib  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
@@ -63,9 +58,7 @@ import weight_sync as weight_sync_lib  # noqa: E402
 from logger import SAMPLES_PER_STEP, Logger, aggregate, sample_records, trained_group_metrics  # noqa: E402
 from memory import memory_report, optimizer_impl  # noqa: E402
 from run_modes import NoRollout, ReplayBuffer, RolloutRecorder, make_evaluator  # noqa: E402
-from services import GRACE_S, ChildExited, Services  # noqa: E402
-
-STARTUP_ERROR_WAIT_S = 30.0  # a rank other than 0 that fails with rank 0 waits this long for torchrun to stop it
+from services import RANK0_EXIT_WAIT_S, Services  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,8 +106,8 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 
     actor:    train_minibatch(groups, step) -> dict (groups: rank 0's, None elsewhere; may include
               timing/process_traj, which is not training time), sync_weights(version) -> dict | None,
-              save_checkpoint(steps_done, run_state) -> None, release() / resume() (colocate: the servers free /
-              retake their memory around training).
+              save_checkpoint(steps_done, run_state) -> None, memory_to_trainer() / memory_to_servers()
+              (colocate: the GPUs' memory goes to the trainer for training and back to the servers after it).
     buffer:   get(k, timeout) -> list[Group], wait(k, timeout) -> dict (see fetch), step_metrics() -> dict,
               state_dict(), set_weight_version(v) (buffer.PipelineServer or remote.RemoteBuffer).
     rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or RemoteRollout).
@@ -131,7 +124,6 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
     gpc, total = cfg.groups_per_call, cfg.trainer.total_steps
     if rank == 0:
         rollout.start()  # idempotent; the producer starts filling the buffer with the current weights
-    length_warned = False
     for step in range(start_step, total):
         t_step = time.perf_counter()
         m: dict = {}
@@ -148,7 +140,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 m["timing/rollout"] = time.perf_counter() - t0
                 m.update(rollout.pause())
             if cfg.colocate:
-                m.update(actor.release() or {})
+                m.update(actor.memory_to_trainer() or {})
 
         # ---- (B x N) // M training calls of M // N groups: fetch, forward/backward, optimizer step ----
         for call in range(cfg.calls_per_step):
@@ -174,7 +166,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         if rank == 0 and not sync_mode:
             m.update(rollout.pause())
         if sync_mode and cfg.colocate:
-            m.update(actor.resume() or {})
+            m.update(actor.memory_to_servers() or {})
         if rank == 0:
             m.update(buffer.step_metrics())
             m.update({k: v for k, v in rollout.step_metrics().items() if k not in m})
@@ -192,7 +184,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
         m.update(out)
 
-        # ---- resume the producer; log (wait is everything outside the training block, spec section 4) ----
+        # ---- resume the producer; log (wait is everything outside the training block: perf/wait_ratio) ----
         if rank != 0:
             continue
         buffer.set_weight_version(done)
@@ -203,13 +195,6 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         if evaluate is not None and ((cfg.trainer.eval_freq and done % cfg.trainer.eval_freq == 0) or done == total):
             m.update(evaluate(done))
         m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
-        cut = m.get("rollout/truncation_ratio", 0.0)
-        if cut > 0.5 and not length_warned:  # once: most answers cut short score as wrong whatever the model learns
-            length_warned = True
-            print(f"[train] warning: {cut:.0%} of the responses finished in step {done} ended at "
-                  f"rollout.sampling.max_new_tokens={cfg.rollout.sampling.max_new_tokens} tokens without stopping "
-                  "(rollout/truncation_ratio); raise it if this task's answers need more", file=sys.stderr,
-                  flush=True)
         logger.log(done, m)
 
 
@@ -224,10 +209,6 @@ def micro_batch_loss(cfg, logp: torch.Tensor, old_lp: torch.Tensor, b: dict, den
 # The actor: the model side of run_steps, on every rank
 # ---------------------------------------------------------------------------------------------------------------
 
-class RankZeroFailed(RuntimeError):  # on the other ranks: a step failed on rank 0, which stops the run with it
-    pass
-
-
 class Actor:
     """FSDP2 policy on every rank. Every rank calls each public method at the same point of the step loop; what
     rank 0 alone does in them (plan the mini-batch, talk to the servers) is under `if self.rank == 0`, and what
@@ -238,19 +219,12 @@ class Actor:
         self.cfg, self.model, self.opt, self.sched, self.device = cfg, model, optimizer, scheduler, device
         self.ctrl = ctrl
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.snapshot: Optional[list] = None  # step-start local shards (old policy), see _old_log_probs
-        self.snapshot_step = -1
-        # Nothing random in the training forward (no dropout): at a step's first call it is the old policy's forward
-        # too, so its log-probs, detached, are the old log-probs and the separate no-grad forward is skipped.
-        self.train_forward_is_old = not (getattr(model.config, "attention_dropout", 0.0) or any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()))
+        self.old = model_lib.OldPolicy(model, device, host=cfg.trainer.snapshot == "cpu")
         self.weights = weight_sync_lib.WeightSync(cfg, model, device, ctrl)
         self.fleet = fleet  # sglang_client.SyncFleet on rank 0 when there are servers, else None
         self.pushes = cfg.run_mode == "default"  # every rank: whether there are servers to sync (train-only: none)
-        self.group_members: Optional[list] = None  # rank 0: the server URLs the last sync went to
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
-        self.released = False  # colocate: the servers' memory is released (every rank: set by release / main)
-        self.push_s = 0.0  # seconds of the last push (perf/weight_sync_gbps)
+        self.colocate = colocate_lib.Colocate(model, optimizer, device, ctrl)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
 
     @property
@@ -374,137 +348,34 @@ class Actor:
         out["train/loss"] = out.get("train/pg_loss", 0.0)
         return out
 
-    @torch.no_grad()
-    def _old_log_probs(self, batches: list[dict], step: int) -> list[torch.Tensor]:
-        """log pi_old per micro-batch: the step-start weights (spec section 2). At the step's first call they are
-        the live weights, and a copy of this rank's shards is kept (_take_snapshot); later calls copy it into the
-        shards, compute, and put the live shards back. Those wait in a clone meanwhile, in the memory this call's
-        gradients take later (the last update's zero_grad freed it), so the peak is not raised by a full copy.
-        trainer.use_rollout_log_probs: the engine's log-probs instead (no forward, no snapshot). None for each
-        micro-batch of the first call when the training forward is the old policy's (train_forward_is_old)."""
+    def _old_log_probs(self, batches: list[dict], step: int) -> list:
+        """log pi_old per micro-batch: the step-start weights (model.OldPolicy); under
+        trainer.use_rollout_log_probs the engine's log-probs instead (no forward, no snapshot)."""
         if self.cfg.trainer.use_rollout_log_probs:
             return [b["rollout_lp"] for b in batches]
-        first = step != self.snapshot_step
-        # first: the unsharded parameters of the last layer and root would be listed instead
-        model_lib.reshard(self.model)
-        params = [p.to_local() for p in self.model.parameters()]
-        live = None
-        if first and self.cfg.calls_per_step > 1:
-            self._take_snapshot(params, step)
-        elif not first:
-            live = [p.clone() for p in params]
-            for p, s in zip(params, self.snapshot):
-                p.copy_(s)
-        if first and self.train_forward_is_old:
-            return [None] * len(batches)
-        self.model.eval()
-        out = [self._token_logprobs(b)[0] for b in batches]
-        model_lib.reshard(self.model)
-        for p, x in zip(params, live or []):
-            p.copy_(x)
-        return out
-
-    def _take_snapshot(self, params: list, step: int) -> None:
-        """Keep this rank's shards in the compute dtype: bfloat16 on cuda, which is what FSDP2's mixed precision
-        casts them to before the all-gather, so a forward from the copy is the step-start forward exactly, at half
-        the size of float32 master weights. On the device, or in host memory with trainer.snapshot=cpu (pinned)."""
-        if self.snapshot is None:
-            host = self.cfg.trainer.snapshot == "cpu"
-            dtype = torch.bfloat16 if self.device.type == "cuda" else None
-            self.snapshot = [torch.empty_like(p, dtype=dtype, device="cpu" if host else None,
-                                              pin_memory=host and self.device.type == "cuda") for p in params]
-        for p, s in zip(params, self.snapshot):
-            s.copy_(p)
-        self.snapshot_step = step
+        return self.old.log_probs(batches, step, self.cfg.calls_per_step > 1, self._token_logprobs)
 
     def _token_logprobs(self, b: dict, with_entropy: bool = False) -> tuple:
         return model_lib.token_logprobs(self.model, b, self.cfg.rollout.sampling.temperature,
                                         self.cfg.trainer.logprob_chunk_tokens, with_entropy)
 
-    # ---- weights: weight_sync.py gathers bucket by bucket and pushes ----
+    # ---- weights: weight_sync.py gathers bucket by bucket, pushes, retries ----
     def sync_weights(self, version: int) -> dict:
-        """Every rank: push the weights to every server as `version` (weight_sync.method: distributed, tensor or
-        disk; see weight_sync.py). Every call has weight_sync.timeout_s. The sync goes to the servers that answer
-        /health (rank 0 waits up to rollout.startup_timeout_s for one); the weight-update group is formed again
-        when they change or one rank 0 launched was relaunched (Services.watch), and a failed sync is retried once
-        by every rank with a new group (after the relaunch of a server that died): the push's status collective
-        tells every rank that it failed. A second failure stops the run with the server's message. Colocate: the
-        trainer then offloads its parameters and optimizer state, and the servers take back their KV cache (their
-        weights came back in `resume`, before the push)."""
+        """Every rank: the servers get the weights as `version` (weight_sync.WeightSync.sync); colocate: then the
+        trainer leaves the GPU and the servers take back their KV cache (colocate.Colocate.after_push)."""
         if not self.pushes:
             return {}
-        t0 = time.perf_counter()
-        retry = False
-        for attempt in (1, 2):
-            if self.rank == 0:
-                replaced = self.services is not None and self.services.take_replaced()
-                live = self.fleet.live_workers(self.cfg.rollout.startup_timeout_s)
-                if retry or replaced or live != self.group_members:
-                    if self.group_members is not None and live != self.group_members:
-                        print(f"[train] warning: the servers answering are now {live} (were {self.group_members}): "
-                              "the weight-update group is formed again with them", file=sys.stderr, flush=True)
-                    self.weights.drop_group()
-                self.group_members = live
-            if self.world > 1:  # the other ranks wait out rank 0's checks here, under the control group's timeout
-                dist.barrier(group=self.ctrl)
-            error = self.push_weights(version)  # on every rank or on none (rank 0's: the exception)
-            if error is None:
-                break
-            if attempt == 2:  # rank 0 stops the run with the error
-                raise error
-            # A server died (ours is relaunched: take_replaced waits for it) or restarted on its URL (no longer in
-            # the group): once more with a new group of the servers that answer.
-            retry = True
-            if self.rank == 0:
-                if self.services is not None:
-                    self.services.server_died(GRACE_S)
-                print(f"[train] warning: weight sync of version {version} failed ({str(error).splitlines()[0]}); "
-                      "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
-                      flush=True)
-        out = {"timing/update_weights": time.perf_counter() - t0}
-        out["perf/weight_sync_gbps"] = self.weights.last_bytes / 1e9 / max(self.push_s, 1e-9)
+        out = self.weights.sync(version, self.services)
         if self.cfg.colocate:
-            out["perf/memory_after_offload"] = self.push_memory
-        if self.released:  # stage 2 of colocate's resume: the KV cache, once the trainer has left the GPU
-            t1 = time.perf_counter()
-            if self.rank == 0:
-                self.fleet.resume_memory(["kv_cache", "cuda_graph"])
-            self.released = False
-            out["timing/resume_kv_cache"] = time.perf_counter() - t1
-        if self.services is not None:
-            out["rollout/server_restarts"] = self.services.server_restarts
+            self.old.drop()  # last step's old policy: not needed again
+            out.update(self.colocate.after_push(self.fleet))
         return out
-
-    def push_weights(self, version: int) -> Optional[Exception]:
-        """Every rank: the push (weight_sync.WeightSync.push), then colocate's offload. Returns None, or on every
-        rank the push's failure (rank 0's exception; on the others a RuntimeError saying so): the push's own
-        status collective and rank 0's outcome, broadcast, make every rank agree (also for the disk method, whose
-        failure only rank 0 sees), so the retry pairs up bucket for bucket."""
-        t0 = time.perf_counter()
-        error = None
-        try:
-            self.weights.push(version)
-        except Exception as e:
-            if self.rank != 0:
-                raise
-            error = e
-        if self.world > 1:
-            box = [None if error is None else f"{type(error).__name__}: {error}"]
-            dist.broadcast_object_list(box, src=0, group=self.ctrl)
-            if self.rank != 0 and box[0] is not None:
-                error = RankZeroFailed(f"weight sync of version {version} failed on trainer rank 0: {box[0]}")
-        self.push_s = time.perf_counter() - t0
-        if error is None and self.cfg.colocate:
-            self.snapshot = None  # last step's old policy: not needed again
-            self.offload("cpu")
-            self.push_memory = model_lib.memory_now(self.device)
-        return error
 
     def export_hf(self, path: str) -> None:
         """Every rank: the float32 master weights as an HF checkpoint directory in trainer.export_dtype
         (checkpoint.export_hf; not weight_sync's bf16 unshard)."""
         if self.cfg.colocate:  # the last sync offloaded the trainer
-            self.offload(self.device)
+            self.colocate.offload(self.device)
         if self.world > 1:  # rank 0 may still be asking the servers (their weight versions)
             dist.barrier(group=self.ctrl)
         checkpoint.export_hf(self.model, self.cfg.model.path, path,
@@ -518,93 +389,13 @@ class Actor:
         """Model, optimizer, scheduler and RNG from `path` on every rank; returns the run state."""
         return checkpoint.load(self.model, self.opt, self.sched, path)
 
-    # ---- colocate: trainer state off the GPU while the servers generate; the servers' memory in two stages ----
-    def offload(self, where, params: bool = True) -> None:
-        """Parameters (FSDP2 shards; unless params=False) and optimizer state to `where` ("cpu" after a sync, the
-        device before training), then the CUDA cache emptied, so the servers get the memory (slime's sleep(),
-        verl's offload_fsdp_model_to_cpu). No gradients exist between steps (zero_grad(set_to_none))."""
-        if params:
-            self.model.to(where)
-        for state in self.opt.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(where, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            # cuBLAS's per-stream workspaces (32 MiB each on Hopper) live in the caching allocator and pin the
-            # segments they were cut from: on an H200 they kept 1.16 GiB reserved after offloading (gpu_smoke)
-            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
-            torch.cuda.empty_cache()
+    # ---- colocate (colocate.py): the servers and the trainer take turns on the GPUs ----
+    def memory_to_trainer(self) -> dict:
+        return self.colocate.memory_to_trainer(self.fleet)
 
-    def release(self) -> dict:
-        """After generation: the servers release weights, KV cache and CUDA graphs (rank 0 asks them), then every
-        rank onloads."""
-        t0 = time.perf_counter()
-        if self.rank == 0:
-            self.fleet.release_memory()
-        self.released = True
-        dist.barrier(group=self.ctrl)  # no rank onloads before the servers have let go
-        t1 = time.perf_counter()
-        self.offload(self.device)
-        return {"timing/release_rollout": t1 - t0, "timing/onload_train": time.perf_counter() - t1}
-
-    def resume(self) -> dict:
-        """After training, stage 1: the servers' weights only (the push needs them and the trainer's parameters).
-        Before they come back every rank leaves what the push does not need (leave_for_push), so SGLang's
-        weights land in memory the trainer has given up, not beside its optimizer state and cached blocks (verl
-        offloads the optimizer and empties the cache before resume(tags=["weights"]), fsdp_workers.py). Stage 2,
-        the KV cache, follows the push and the parameters' offload (sync_weights)."""
-        t0 = time.perf_counter()
-        out = self.leave_for_push()
-        dist.barrier(group=self.ctrl)  # the servers' weights come back once every rank has left
-        if self.rank == 0:
-            self.fleet.resume_memory(["weights"])
-        return out | {"timing/resume_rollout": time.perf_counter() - t0}
-
-    def leave_for_push(self) -> dict:
-        """The old-policy snapshot dropped (the step is trained), the optimizer state to the host and the CUDA
-        cache emptied; perf/memory_* of this rank before and after (GiB)."""
-        before = model_lib.memory_now(self.device)
-        self.snapshot = None
-        self.offload("cpu", params=False)
-        gc.collect()
-        return {"perf/memory_train_end": before, "perf/memory_before_push": model_lib.memory_now(self.device)}
-
-
-def start_fleet(cfg, services, version: int, launched: bool, wait: bool = True):
-    """Rank 0: the servers of rollout.server_layout (this node's launched here, the other nodes' published by their
-    local rank 0, see node_services; or rollout.servers / rollout.router_url already running), where they reach the
-    broadcast group, and the SyncFleet once every server answers /health. wait=False: the SyncFleet of the URLs, the
-    servers maybe still starting (wait_fleet waits)."""
-    import sglang_client
-
-    if launched:  # started (or already starting), waited for in wait_fleet
-        cfg.rollout.servers = services.launch_fleet(version, wait=False)
-    cfg.weight_sync.master_address = services_lib.master_address(cfg, launched)
-    fleet = services.fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
-    if wait:
-        wait_fleet(cfg, services, version, launched)
-    return fleet
-
-
-def wait_fleet(cfg, services, version: int, launched: bool) -> None:
-    """Until this node's launched servers answer /health (their log and exit named if one dies), then every
-    server of the fleet, and their sglang versions."""
-    if launched:
-        services.launch_servers(version, 0)
-    services.fleet.wait_healthy(cfg.rollout.startup_timeout_s)
-
-
-def node_services(cfg, local_rank: int, launched: bool):
-    """Ranks other than 0: local rank 0 of a node with servers in rollout.server_layout launches them, publishes
-    their URLs for rank 0 and supervises them (Services.serve_node); None elsewhere."""
-    node = int(os.environ.get("GROUP_RANK", "0"))
-    if local_rank != 0 or not launched or not any(s.node == node for s in cfg.rollout.server_layout):
-        return None
-    services = Services(cfg)
-    services.serve_node(node)
-    return services
-
+    def memory_to_servers(self) -> dict:
+        self.old.drop()  # the step is trained: its old policy is not needed again
+        return self.colocate.memory_to_servers(self.fleet)
 
 # ---------------------------------------------------------------------------------------------------------------
 # main: every rank
@@ -634,7 +425,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
-            time.sleep(STARTUP_ERROR_WAIT_S)  # torchrun stops this rank once rank 0 has exited
+            time.sleep(RANK0_EXIT_WAIT_S)  # torchrun stops this rank once rank 0 has exited
         sys.exit(2)
     warning = losses.offpolicy_warning(cfg)
     if warning and rank == 0:
@@ -696,10 +487,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         if colocated:
             if rank == 0:
                 services = Services(cfg)
-                fleet = start_fleet(cfg, services, first_version, launched)
+                fleet = services.start_fleet(first_version, launched)
                 fleet.release_memory()
             else:
-                services = node_services(cfg, local_rank, launched)
+                services = services_lib.for_node(cfg, local_rank, launched)
             dist.barrier(group=ctrl)  # the other ranks load the model once the servers have let go of the GPUs
 
         # ---- model + FSDP2 + optimizer (rollout-only trains nothing: rank 0 alone records) ----
@@ -714,9 +505,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(memory_report(cfg, model, world, device, cfg.trainer.entropy_metric), flush=True)
             opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type))
             actor = Actor(cfg, model, opt, sched, device, ctrl)
-            actor.released = colocated
+            actor.colocate.released = colocated
         if rank != 0 and services is None:  # (colocate started them before the model loaded)
-            services = node_services(cfg, local_rank, launched)
+            services = services_lib.for_node(cfg, local_rank, launched)
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) ----
         run_state = None
@@ -730,7 +521,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         if rank == 0:
             from transformers import AutoTokenizer
 
-            import rollout as rollout_lib
 
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             logger = Logger(cfg, keep_until=start_step if run_state else -1, tokenizer=tokenizer)
@@ -739,21 +529,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 ro = NoRollout()
             else:
                 waiting = fleet is None
-                if waiting:  # the URLs now; /health below, once the RPC workers are starting too
+                if waiting:  # the URLs now; /health while the RPC workers start (start_workers)
                     services = services or Services(cfg)
-                    fleet = start_fleet(cfg, services, start_step, launched, wait=False)
-                resolved = os.path.join(cfg.run_dir, "config.yaml")
-                with open(resolved, "w") as f:
-                    import yaml
-
-                    yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
-                services.spawn_rpc_workers(resolved)
-                if waiting:
-                    wait_fleet(cfg, services, start_step, launched)
-                services.join_rpc()
-                services.watch()
-                buf = remote.RemoteBuffer("buffer", b.rpc_timeout_s)
-                ro = rollout_lib.RemoteRollout("rollout", b.rpc_timeout_s)
+                    fleet = services.start_fleet(start_step, launched, wait=False)
+                buf, ro = services.start_workers(start_step, launched, wait_servers=waiting)
                 if actor is None:
                     actor = RolloutRecorder(cfg, fleet)
                 else:
@@ -764,8 +543,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- the servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step ----
         t0 = time.perf_counter()
-        if getattr(actor, "released", False):
-            actor.resume()
+        if isinstance(actor, Actor) and actor.colocate.released:
+            actor.memory_to_servers()
         actor.sync_weights(start_step)
         if rank == 0:
             buf.set_weight_version(start_step)
@@ -790,31 +569,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         # every rank leaves together: another node's servers (its local rank 0 supervises them) stay up until now
         dist.barrier(group=ctrl)
         ok = True
-    except buffer_lib.NothingToTrain as e:  # the run is fine but cannot train: say why, as a bad input would
-        if services is not None:
-            services.print_error_once(str(e))
-        else:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        failed = 2
     except Exception as e:
-        # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
-        cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
-        if cause is None and rank != 0 and isinstance(e, RuntimeError):
-            # rank 0 failed (its own error says why: let it print first) or a collective with it broke; one line.
-            # Then wait for torchrun to stop this rank once rank 0 has exited: rank 0's teardown (its children, RPC)
-            # takes seconds after its sockets may already be closed, and a rank that exited first would be torchrun's
-            # "first observed failure" in place of rank 0's (its exit code 2 for a run that cannot train, say).
-            print(f"[train] rank {rank}: lost trainer rank 0 (it failed, exited, or did not answer within the "
-                  f"control group's timeout): {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
-                  file=sys.stderr, flush=True)
-            time.sleep(STARTUP_ERROR_WAIT_S)
-            failed = 1
-        elif cause is None:
-            raise
-        else:
-            services.print_error_once(cause if isinstance(e, ChildExited) else f"{cause}\n(what it made fail here: "
-                                      f"{type(e).__name__}: {str(e).splitlines()[0][:300]})")
-            failed = 1
+        failed = services_lib.failure_exit_code(e, services, rank)  # prints the root cause; raises what it cannot
     finally:
         if logger is not None:
             logger.close()

@@ -1,5 +1,8 @@
 """weight_sync.py: the trainer's weights to the inference servers, bucket by bucket (train.py's Actor drives it).
 
+WeightSync.sync(version) is a step's weight update on every rank: the push to the servers that answer, with the
+weight-update group formed again when they change, and one retry by every rank together after a failure.
+
 weight_sync.method:
   distributed: trainer rank 0 is rank 0 of a broadcast group with every server rank (SGLang
       /init_weights_update_group); each bucket is one /update_weights_from_distributed call (load_format
@@ -31,6 +34,7 @@ import contextlib
 import datetime
 import io
 import os
+import sys
 import time
 from typing import Optional
 
@@ -170,8 +174,8 @@ def gather_bucket(model, spec: list, dtype: torch.dtype, device: torch.device) -
 
 
 class WeightSync:
-    """The push of one weight version from every trainer rank (all gather; rank 0 talks to the servers). fleet and
-    services are set on rank 0 by train.main; ctrl is train.py's gloo control group."""
+    """The push of one weight version from every trainer rank (all gather; rank 0 talks to the servers). fleet is
+    set on rank 0 by train.main; ctrl is train.py's gloo control group."""
 
     def __init__(self, cfg, model, device: torch.device, ctrl):
         self.cfg, self.model, self.device, self.ctrl = cfg, model, device, ctrl
@@ -182,8 +186,70 @@ class WeightSync:
         self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
         self.store = None  # the TCPStore the group forms on, hosted here for the whole run
         self.last_bytes = 0  # bytes pushed by the last sync (perf/weight_sync_gbps)
+        self.members: Optional[list] = None  # rank 0: the server URLs the last sync went to
 
-    # ---- one sync ----
+    # ---- one sync: the push, retried once with a new group ----
+    def sync(self, version: int, services=None) -> dict:
+        """Every rank: push the weights to every server as `version`. The sync goes to the servers that answer
+        /health (rank 0 waits up to rollout.startup_timeout_s for one); the weight-update group is formed again when
+        they change or one that rank 0 launched was relaunched (`services`: rank 0's services.Services, which
+        relaunches them; None elsewhere). A failed push is retried once by every rank with a new group (after the
+        relaunch of a server that died): _push_agreed makes every rank see the failure, so the retry pairs up bucket
+        for bucket. A second failure raises (rank 0: the server's message). Returns this sync's metrics."""
+        t0 = time.perf_counter()
+        retry, push_s = False, 0.0
+        for attempt in (1, 2):
+            if self.rank == 0:
+                replaced = services is not None and services.take_replaced()
+                live = self.fleet.live_workers(self.cfg.rollout.startup_timeout_s)
+                if retry or replaced or live != self.members:
+                    if self.members is not None and live != self.members:
+                        print(f"[train] warning: the servers answering are now {live} (were {self.members}): the "
+                              "weight-update group is formed again with them", file=sys.stderr, flush=True)
+                    self.drop_group()
+                self.members = live
+            if self.world > 1:  # the other ranks wait out rank 0's checks here, under the control group's timeout
+                dist.barrier(group=self.ctrl)
+            t1 = time.perf_counter()
+            error = self._push_agreed(version)
+            push_s = time.perf_counter() - t1
+            if error is None:
+                break
+            if attempt == 2:  # rank 0 stops the run with the error
+                raise error
+            # A server died (ours is relaunched: take_replaced waits for it) or restarted on its URL (no longer in
+            # the group): once more with a new group of the servers that answer.
+            retry = True
+            if self.rank == 0:
+                if services is not None:
+                    services.server_died()
+                print(f"[train] warning: weight sync of version {version} failed ({str(error).splitlines()[0]}); "
+                      "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
+                      flush=True)
+        out = {"timing/update_weights": time.perf_counter() - t0,
+               "perf/weight_sync_gbps": self.last_bytes / 1e9 / max(push_s, 1e-9)}
+        if services is not None:
+            out["rollout/server_restarts"] = services.server_restarts
+        return out
+
+    def _push_agreed(self, version: int) -> Optional[Exception]:
+        """Every rank: push(version); None, or on every rank the push's failure (rank 0's exception; on the others
+        a RuntimeError saying so). push's own status collective and rank 0's outcome, broadcast, make every rank
+        agree, also for the disk method, whose failure only rank 0 sees."""
+        error = None
+        try:
+            self.push(version)
+        except Exception as e:
+            if self.rank != 0:
+                raise
+            error = e
+        if self.world > 1:
+            box = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(box, src=0, group=self.ctrl)
+            if self.rank != 0 and box[0] is not None:
+                error = RuntimeError(f"weight sync of version {version} failed on trainer rank 0: {box[0]}")
+        return error
+
     def push(self, version: int) -> None:
         """Every rank gathers; rank 0 pushes. A failure on one rank (a broadcast on a group a dead server left, a
         payload that does not serialize) stops its pushing, never its collectives: every rank runs every bucket's

@@ -299,7 +299,7 @@ def _restore(actor, s: dict) -> None:
             for k, v in actor.opt.state[p].items():
                 _local(v).copy_(st[k])
     actor.sched.load_state_dict(s["sched"])
-    actor.snapshot, actor.snapshot_step = None, -1
+    actor.old.shards, actor.old.step = None, -1
 
 
 def stage_single_rank(ctx) -> dict:
@@ -344,18 +344,19 @@ def stage_single_rank(ctx) -> dict:
     est_dev = f["estimate"].get("device")
     f["peak_over_estimate"] = f["peak_allocated_gib"] / est_dev if est_dev else None
     ref_params = [_local(p).detach().cpu().clone() for p in model.parameters()]
-    f.update(actor.leave_for_push())  # colocate's order before SGLang's weights come back: optimizer off
+    actor.old.drop()
+    f.update(actor.colocate.leave_for_push())  # colocate's order before SGLang's weights come back: optimizer off
     _restore(actor, start)
-    # the offload round trip of colocate (Actor.push_weights' offload, release's onload) with the same start state
-    actor.snapshot = None
-    actor.offload("cpu")
+    # the offload round trip of colocate (Colocate.after_push's offload, memory_to_trainer's onload) with the same
+    # start state
+    actor.colocate.offload("cpu")
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         f["offloaded_reserved_gib"] = torch.cuda.memory_reserved(device) / GIB
         f["offloaded_allocated_gib"] = torch.cuda.memory_allocated(device) / GIB
         f["offloaded_live_tensors"] = _live_cuda_tensors()  # what still holds device memory, if anything
-    actor.offload(device)
+    actor.colocate.offload(device)
     again = actor.train_plan(plan_b, 1, denom_b)
     rt = [_local(p).detach().cpu() for p in model.parameters()]
     upd = sum(float((r - s0).abs().sum()) for r, s0 in zip(ref_params, start["params"]))

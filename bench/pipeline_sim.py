@@ -88,7 +88,8 @@ SIMULATION_NOTE = ("Simulated: the inference fleet (bench/sim_server.py) and the
                    "pause/abort/restore, train.run_steps) is the project's own code. The workload numbers are a "
                    "model calibrated to the spec (docs/results/pipeline_sim.md), not a measurement.")
 TOTAL_GPUS = 16
-# The spec's measured avg step excluding step 0 (section 5), for the side-by-side column.
+# The spec's measured avg step excluding step 0 (docs/design.md, the reference experiment), for the
+# side-by-side column.
 SPEC_EXCL0 = {"colocate": 578.63, "colocate+partial": 486.34, "nowin-s1": 451.74, "fifo-s1": 424.30,
               "fifo-s2": 414.58}
 
@@ -410,12 +411,12 @@ class SimActor:
     def save_checkpoint(self, step: int, run_state) -> None:
         return None  # checkpoints are not part of the spec's workload model
 
-    def release(self) -> None:
+    def memory_to_trainer(self) -> None:
         t0 = time.monotonic()
         self.fleet.release_memory()
         self._spend("release_resume", self.wl.release_s, t0)
 
-    def resume(self) -> None:
+    def memory_to_servers(self) -> None:
         t0 = time.monotonic()
         self.fleet.resume_memory()
         self._spend("release_resume", self.wl.resume_s, t0)

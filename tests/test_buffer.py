@@ -189,7 +189,8 @@ def test_filters_drop_failed_and_equal_reward_groups_and_count_them():
 
 def test_every_drop_has_one_reason_and_is_counted_by_it():
     """PipelineServer._verdict decides every drop (filter, max_weight_staleness, strategy, stale_after, incomplete);
-    rollout/drop_<reason>_count counts each, beside the spec's counters of the same drops."""
+    PipelineServer._apply counts each once, under its one name (buffer.DROP_METRICS)."""
+    assert set(buffer.DROP_METRICS) == {"filter", "max_weight_staleness", "strategy", "stale_after", "incomplete"}
     srv = make_server(B=4, N=2, stale=1.0, overrides=["rollout.max_weight_staleness=1"])
     gs = srv.dispatch()
     srv.set_weight_version(2)
@@ -197,17 +198,18 @@ def test_every_drop_has_one_reason_and_is_counted_by_it():
     srv.put([traj(gs[1], 0, start=0, end=2), traj(gs[1], 1, start=2)])  # 2 - 0 > 1: max_weight_staleness
     srv.put([traj(gs[2], 0, start=2)])  # 1 of 2 arrived: incomplete at the step boundary
     m = srv.step_metrics()
-    assert m["rollout/drop_filter_count"] == m["rollout/filter_drop"] == 1
-    assert m["rollout/drop_max_weight_staleness_count"] == m["rollout/staleness_drop"] == 1
+    assert m["rollout/filter_drop"] == 1
+    assert m["rollout/staleness_drop"] == 1
+    assert not [k for k in m if k.startswith("rollout/drop_")]  # the one name per reason, no second one
     m = srv.step_boundary([aborted(gs[2], 1, start=2, end=2)] + [aborted(gs[k], i) for k in (3,) for i in range(2)])
     assert m["rollout/restored_groups"] == 2  # gs[2] is complete with the returned one, gs[3] too
     m = srv.step_metrics()
-    assert m["rollout/drop_incomplete_count"] == m["rollout/partial_dropped_incomplete_groups"] == 0
+    assert m["rollout/partial_dropped_incomplete_groups"] == 0
     gs = srv.dispatch()
     srv.put([traj(gs[0], 0, start=2)])
     m = srv.step_boundary([])
     assert m["rollout/partial_dropped_incomplete_groups"] == 1
-    assert srv.step_metrics()["rollout/drop_incomplete_count"] == 1
+    assert srv.step_metrics()["rollout/partial_dropped_incomplete_groups"] == 1
     pg, slots = gs[0], [None, None]
     assert srv._verdict(buffer.IN_FLIGHT, pg, slots) == buffer.Verdict(buffer.REQUEUE, "nothing generated")
     assert srv._verdict(buffer.KEPT_IN_FLIGHT, pg, slots, returned=frozenset([pg.prompt_id])).reason == "stale_after"

@@ -30,7 +30,8 @@ EXAMPLES = os.path.join(ROOT, "examples")
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 ALL_FIVE = ["algorithm.policy_loss=clipped_loss:symmetric_ppo", "data_source.reward=length_penalty_reward:reward",
             "rollout.function=rollout_fn:one_tool_call", "rollout.env=echo_env:EchoEnv"]
-EXAMPLES_ALL = ["strict_fifo", "clipped_loss", "length_penalty_reward", "rollout_fn", "echo_env", "slow_flaky_env"]
+EXAMPLES_ALL = ["strict_fifo", "token_staleness", "clipped_loss", "length_penalty_reward", "rollout_fn", "echo_env",
+                "slow_flaky_env"]
 
 
 

@@ -113,10 +113,10 @@ class _Actor:
     def save_checkpoint(self, steps_done, run_state):
         pass
 
-    def release(self):
+    def memory_to_trainer(self):
         return {}
 
-    def resume(self):
+    def memory_to_servers(self):
         return {}
 
 

@@ -508,8 +508,8 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
 
 
 def test_a_push_that_fails_on_rank_0_only_is_agreed_on_and_retried(actor_checks):
-    """weight_sync.WeightSync.push's status collective and Actor.push_weights: rank 0's injected error is returned
-    on both ranks, and the retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
+    """weight_sync.WeightSync.push's status collective and WeightSync._push_agreed: rank 0's injected error is
+    returned on both ranks, and the retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
     for method, r in actor_checks["sync"]["fault"].items():
         assert r["faults"] >= 1 and r["error"] is not None and "injected fault on rank 0" in r["error"], (method, r)
         assert r["agreed"] == [True, True], (method, r)
@@ -575,7 +575,7 @@ def _snapshot_checks(args) -> list:
         results.append({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
                         "live_vs_step_start": float((live - step_start).abs().max()),
                         "live_after_vs_before": float((after - live).abs().max()),
-                        "first_call_kl": first_call["train/approx_kl"], "reused": actor.train_forward_is_old,
+                        "first_call_kl": first_call["train/approx_kl"], "reused": actor.old.train_forward_is_old,
                         "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
                         ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu})
     return results
@@ -620,7 +620,7 @@ def _sync_checks(args) -> dict:
                 return float(((ours - b["rollout_lp"]) * b["mask"]).abs().max()), msg[0]
 
             before, _ = engine_vs_trainer()
-            assert actor.push_weights(version) is None  # lockstep on both ranks, as in train.py's loop
+            assert actor.weights._push_agreed(version) is None  # lockstep on both ranks, as in train.py's loop
             after, msg = engine_vs_trainer()
             results[method] = {"before_sync": before, "after_sync": after, "tokens": len(msg["ids"]),
                                "weight_version": msg["version"], "version": str(version)}
@@ -687,15 +687,15 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
         if rank == 0:
             setattr(owner, name, faulty)
         try:
-            error = actor.push_weights(version)  # every rank learns that it failed (rank 0's error)
+            error = actor.weights._push_agreed(version)  # every rank learns that it failed (rank 0's error)
         finally:
             setattr(owner, name, real)
         agreed = [None, None]
         dist.all_gather_object(agreed, error is not None, group=_CTRL)
         error = None if error is None else str(error)
         if rank == 0 and method == "distributed":
-            actor.weights.drop_group()  # what sync_weights' retry does (the tensor path has no group)
-        assert actor.push_weights(version) is None
+            actor.weights.drop_group()  # what WeightSync.sync's retry does (the tensor path has no group)
+        assert actor.weights._push_agreed(version) is None
         after, msg = engine_vs_trainer()
         out[method] = {"error": error, "agreed": agreed, "faults": calls[0], "after_retry": after,
                        "weight_version": msg["version"], "version": str(version)}
