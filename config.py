@@ -31,7 +31,6 @@ PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what serve
 # model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa,
 # flex_attention: tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2")
-POLICY_LOSSES = tuple(losses.POLICY_LOSSES)  # algorithm.policy_loss: losses.py's names
 
 
 @dataclass
@@ -554,20 +553,8 @@ def validate(cfg: Config) -> Config:
     if a.loss_agg_mode not in losses.LOSS_AGG:
         raise ValueError(f"algorithm.loss_agg_mode must be one of {', '.join(losses.LOSS_AGG)}, "
                          f"got '{a.loss_agg_mode}'")
-    if a.policy_loss not in POLICY_LOSSES and ":" not in a.policy_loss:  # module:function: load_plugins
-        raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got '{a.policy_loss}'")
-    if a.policy_loss == "truncated_is" and a.loss_agg_mode == "seq-mean-token-mean":
-        raise ValueError("algorithm.policy_loss=truncated_is sums its tokens (PipelineRL's normalisation); use "
-                         "algorithm.loss_agg_mode=token-mean or seq-mean-token-sum-norm")
-    if (a.policy_loss in ("recompute", "loglinear") and a.is_correction.enable
-            and a.is_correction.level != "token"):  # off, the level is never read
-        raise ValueError(f"algorithm.policy_loss={a.policy_loss} weights each token by pi_prox / mu (AReaL's decoupled "
-                         "PPO, with algorithm.is_correction's clip and mask bounds); set "
-                         "algorithm.is_correction.level=token")
-    if a.policy_loss == "recompute" and cfg.trainer.use_rollout_log_probs:
-        raise ValueError("algorithm.policy_loss=recompute takes its proximal policy from the step-start forward, "
-                         "which trainer.use_rollout_log_probs=true skips; set it to false, or use "
-                         "algorithm.policy_loss=loglinear, which needs no forward")
+    # a registered name (load_plugins registered a module:function above), and what that loss declares of the settings
+    losses.check_policy_loss(a, cfg.trainer.use_rollout_log_probs)
     isc = a.is_correction
     if isc.level not in losses.IS_LEVELS:
         raise ValueError(f"algorithm.is_correction.level must be one of {', '.join(losses.IS_LEVELS)}, "
@@ -638,10 +625,11 @@ def load_plugins(cfg: Config) -> None:
         register(strategies.REGISTRY, fa.sliding_window, "fully_async.sliding_window", "a registered strategy name",
                  lambda c: isinstance(c, type) and issubclass(c, strategies.Strategy),
                  "a subclass of strategies.Strategy")
-    if plugins.is_spec(a.policy_loss):
-        import losses  # torch: imported only for a loss of your own
-        register(losses.POLICY_LOSSES, a.policy_loss, "algorithm.policy_loss", f"one of {', '.join(POLICY_LOSSES)}",
-                 callable, "a function with the signature of losses.POLICY_LOSSES' values")
+    if plugins.is_spec(a.policy_loss):  # its @losses.register declaration travels with the function
+        register(losses.POLICY_LOSSES, a.policy_loss, "algorithm.policy_loss",
+                 f"one of {_builtin(losses.POLICY_LOSSES)}", lambda fn: _takes(fn, 3),
+                 "a function (batch: losses.TokenBatch, settings, denominator) -> (loss, metrics), the signature of "
+                 "every policy loss")
     for i, ds in enumerate(cfg.data_sources):
         if plugins.is_spec(ds.reward):
             import tasks
@@ -655,7 +643,7 @@ def load_plugins(cfg: Config) -> None:
     if r.env is not None:
         import tasks
         if plugins.is_spec(r.env):
-            register(tasks.ENVS, r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}", _takes_label_metadata,
+            register(tasks.ENVS, r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}", lambda env: _takes(env, 2),
                      "a class or factory that builds one tool environment from (label, metadata) (max_turns, "
                      "step(text), optional restore(turns))")
         elif r.env not in tasks.ENVS:
@@ -670,14 +658,15 @@ def load_plugins(cfg: Config) -> None:
                  "an async function (ctx, traj) -> None")
 
 
-def _takes_label_metadata(obj) -> bool:
-    """Whether obj can be called as obj(label, metadata): how tasks.make_env builds a tool environment."""
+def _takes(obj, n: int) -> bool:
+    """Whether obj can be called with n positional arguments: a policy loss with (batch, settings, denominator),
+    a tool environment with (label, metadata) as tasks.make_env builds one."""
     import inspect
 
     if not callable(obj):
         return False
     try:
-        inspect.signature(obj).bind(None, None)
+        inspect.signature(obj).bind(*[None] * n)
     except TypeError:
         return False
     except ValueError:  # no signature (a builtin): cannot tell, let the first call say
@@ -688,6 +677,12 @@ def _takes_label_metadata(obj) -> bool:
 def _builtin(registry) -> str:
     """The names of a role's registry without the `module:attr` entries load_plugins added (for error messages)."""
     return ", ".join(name for name in registry if ":" not in name)
+
+
+def __getattr__(name: str):
+    if name == "POLICY_LOSSES":  # this file's copy of the names is gone: refused naming the one registry
+        raise AttributeError("config.POLICY_LOSSES is now losses.POLICY_LOSSES (the registry of policy losses)")
+    raise AttributeError(f"module 'config' has no attribute '{name}'")
 
 
 def validate_server_layout(cfg: Config) -> None:

@@ -107,7 +107,7 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
       recomputed layer: with activation checkpointing, the one layer recomputed in the backward, at its peak
         (layer_activation_bytes: a MoE's grouped_mm experts hold ~8x a dense layer's);
       log-probs: one chunk's logits in the compute dtype and float32, one more float32 chunk with the entropy
-        (losses.linear_token_logprobs: the [tokens, vocab] logits are never built), and the lm_head gradient's
+        (logprobs.linear_token_logprobs: the [tokens, vocab] logits are never built), and the lm_head gradient's
         float32 accumulator;
       cuda runtime: the CUDA context and NCCL (a constant, CUDA_RUNTIME_GIB; none on CPU).
     "device" sums them, except that with activation checkpointing the log-probs (the head's forward and backward)

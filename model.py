@@ -158,12 +158,12 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them).
 
     The [tokens, vocab] logits are never built: for the run of model(...) its output layer's forward is swapped
-    for losses.linear_token_logprobs on the last hidden states (lm_head fused into the chunked log-softmax), so
+    for logprobs.linear_token_logprobs on the last hidden states (lm_head fused into the chunked log-softmax), so
     .logits comes back as the log-probs. The swap sits inside model(...) because FSDP2 gathers the root unit's
     parameters (lm_head, embeddings, final norm) in the root's forward and again for its backward. A head that is
     not a bias-free Linear, or logits that the model post-processes (final_logit_softcapping), take the unfused
-    path (losses.token_logprobs on the logits)."""
-    import losses
+    path (logprobs.token_logprobs on the logits)."""
+    import logprobs
     import moe
 
     if "pos" in b and model.config._attn_implementation == "flex_attention":
@@ -178,8 +178,8 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
              and not getattr(model.config, "final_logit_softcapping", None))
     if fused:
         def head_forward(hidden):  # the model's output: FSDP2's pre-backward hook is registered on it
-            logp, ent = losses.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature, chunk_tokens,
-                                                     with_entropy)
+            logp, ent = logprobs.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature,
+                                                       chunk_tokens, with_entropy)
             return torch.stack([logp, ent], -1) if with_entropy else logp
 
         head.forward = head_forward
@@ -190,7 +190,7 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
         logp, ent = (out[..., 0], out[..., 1]) if with_entropy else (out, None)
     else:
         logits = model(input_ids=b["ids"], **kwargs).logits[:, :-1]
-        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy=with_entropy)
+        logp, ent = logprobs.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy=with_entropy)
     if "pos" in b:
         logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
     return logp, ent

@@ -3,7 +3,7 @@
 Every extension point takes a built-in name or `module:attr` (a dotted attribute is fine: `module:Class.method`):
 
     fully_async.sliding_window   a strategies.Strategy subclass           examples/strict_fifo.py, token_staleness.py
-    algorithm.policy_loss        a function like losses.POLICY_LOSSES'    examples/clipped_loss.py
+    algorithm.policy_loss        fn(batch, settings, denominator)         examples/clipped_loss.py
     data_source.reward           fn(response_text, label, stopped)        examples/length_penalty_reward.py
     rollout.function             async fn(ctx, traj) -> None              examples/rollout_fn.py
     rollout.env                  a tool environment class or factory      examples/echo_env.py

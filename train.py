@@ -202,9 +202,8 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 def micro_batch_loss(cfg, logp: torch.Tensor, old_lp: torch.Tensor, b: dict, denom: float, entropy, step: int):
     """algorithm.policy_loss on one collated micro-batch (losses.POLICY_LOSSES): the step-start weights are version
     `step`, so the update being computed produces version step + 1 (loglinear's current version)."""
-    fn = losses.chosen_policy_loss(cfg.algorithm.policy_loss)
-    return fn(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], b["versions"], step + 1, cfg.algorithm, denom,
-              entropy)
+    batch = losses.TokenBatch(logp, old_lp, b["rollout_lp"], b["adv"], b["mask"], b["versions"], step + 1, entropy)
+    return losses.POLICY_LOSSES[cfg.algorithm.policy_loss](batch, cfg.algorithm, denom)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -479,7 +479,7 @@ def stage_moe(ctx) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
 
-    import losses
+    import logprobs
     import model as model_lib
     import moe as moe_lib
     from standins import scheduler
@@ -543,7 +543,7 @@ def stage_moe(ctx) -> dict:
     def gap() -> float:
         with torch.no_grad():
             logits = served(input_ids=ids, use_cache=False).logits.float()[:, :-1]
-            lp, _ = losses.token_logprobs(logits, ids[:, 1:], 1.0)
+            lp, _ = logprobs.token_logprobs(logits, ids[:, 1:], 1.0)
         return float((lp - trainer_lp).abs().max())
 
     f = {"train_loss": step["train/loss"], "grad_norm": step["train/grad_norm"], "dtype": str(dtype),

@@ -13,7 +13,7 @@ What is real: `buffer.PipelineServer` (collection run inside put(), collector_th
 deterministic) with the rule of `strategies.REGISTRY`, called as rollout.py and train.run_steps call it: dispatch,
 put, update_aborts + step_boundary at the pause (abort / in_place / drain, the rule's update-time action),
 set_weight_version after the update, get by training call. The loss is algorithm.policy_loss's choice
-(`losses.chosen_policy_loss`, called as train.micro_batch_loss calls it, with the run's config: each preset with its
+(`losses.POLICY_LOSSES`, called as train.micro_batch_loss calls it, with the run's config: each preset with its
 peer's loss and off-policy mask from `strategies.peer_overrides`, the spec's rules and sync with tiny.yaml's), and
 `losses.offpolicy_token_mask` where the config masks.
 What is simulated:
@@ -243,7 +243,7 @@ class Sim:
         self.action = self.buf.action
         self.fa = self.cfg.fully_async.enable
         self.mask = self.cfg.rollout.mask_offpolicy_in_partial_rollout
-        self.loss_fn = losses.chosen_policy_loss(self.cfg.algorithm.policy_loss)
+        self.loss_fn = losses.POLICY_LOSSES[self.cfg.algorithm.policy_loss]
         self.now, self.version = 0.0, 0
         self.reqs: dict = {}  # (key, index) -> Req of groups in flight that are still generating
         self.generated_tokens = 0
@@ -404,7 +404,7 @@ class Sim:
         # as train.micro_batch_loss calls it: old_log_probs are the step-start snapshot's (mu under
         # trainer.use_rollout_log_probs), current_version the version this step's update produces
         pi_old = mu if self.cfg.trainer.use_rollout_log_probs else old
-        loss, m = self.loss_fn(lp, pi_old, mu, adv, mask, vers, self.version + 1, algo, denom)
+        loss, m = self.loss_fn(losses.TokenBatch(lp, pi_old, mu, adv, mask, vers, self.version + 1), algo, denom)
         if "train/approx_kl" in m:
             self.kl_train.append(float(m["train/approx_kl"]))
         self.learner.opt.zero_grad()

@@ -1,7 +1,7 @@
 """bench/logprob_memory.py: peak memory of token log-probs from the last hidden states, forward + backward, three ways.
 
-  fused    losses.linear_token_logprobs: lm_head and log-softmax per chunk; the [tokens x vocab] logits never exist
-  chunked  logits = hidden @ lm_head.T in bf16, then losses.token_logprobs (float32 one chunk at a time); the logits
+  fused    logprobs.linear_token_logprobs: lm_head and log-softmax per chunk; the [tokens x vocab] logits never exist
+  chunked  logits = hidden @ lm_head.T in bf16, then logprobs.token_logprobs (float32 one chunk at a time); the logits
            and their gradient are two bf16 [tokens x vocab] tensors
   naive    log_softmax(logits.float() / T).gather(...): several float32 [tokens x vocab] tensors besides those
 
@@ -51,7 +51,7 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, e
           temperature: float = 0.8) -> dict:
     import torch
 
-    import losses
+    import logprobs
 
     torch.manual_seed(0)
     hidden = (torch.randn(tokens, hidden_size) / hidden_size ** 0.5).to(torch.bfloat16).requires_grad_()
@@ -65,10 +65,10 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, e
         return logp, (-(logp_all.exp() * logp_all).sum(-1) if entropy else None)
 
     def chunked():
-        return losses.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size=chunk, with_entropy=entropy)
+        return logprobs.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size=chunk, with_entropy=entropy)
 
     def fused():
-        return losses.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size=chunk,
+        return logprobs.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size=chunk,
                                             with_entropy=entropy)
 
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM: the peak below is this computation's only

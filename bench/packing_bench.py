@@ -10,7 +10,7 @@ the number of forwards per rank. A model of the workload, not a measurement of i
 
 Part 2, CPU time: the same length distribution scaled down by --scale (so a step runs in seconds here), one
 forward + backward of one training call on a random Qwen3 (--hidden, --layers) with model.token_logprobs and
-losses.policy_loss, padded vs packed, median of --repeats, per budget / --scale. CPU sdpa has no varlen kernel:
+losses.ppo, padded vs packed, median of --repeats, per budget / --scale. CPU sdpa has no varlen kernel:
 a packed row attends over its whole length under a block-diagonal mask (n^2 per row instead of sum of L_i^2), so
 on CPU packing saves the padding's linear-layer work but pays more attention; on GPU flash_attention_2 runs varlen
 (cu_seqlens from the position_ids) and pays neither. The machine is shared and loaded: read the ratios.
@@ -72,7 +72,7 @@ def time_call(model, seqs: list, budget: int, packing: bool, algo) -> float:
     t0 = time.perf_counter()
     for b in mbs:
         logp, _ = model_lib.token_logprobs(model, b, 1.0, 1024)
-        loss, _ = losses.policy_loss(logp, logp.detach(), b["rollout_lp"], b["adv"], b["mask"], algo, denom)
+        loss, _ = losses.ppo(losses.TokenBatch(logp, logp.detach(), b["rollout_lp"], b["adv"], b["mask"]), algo, denom)
         loss.backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """bench/staleness_experiment.py: does staleness hurt a real (tiny) transformer, and which loss protects it?
 
 A controlled experiment, not the pipeline: one process trains the tiny Qwen3 of tiny_model.make_tiny_model with this
-project's losses (losses.chosen_policy_loss, losses.compute_advantages), and imposes staleness exactly instead of
+project's losses (losses.POLICY_LOSSES, losses.compute_advantages), and imposes staleness exactly instead of
 letting a fleet produce it:
   - step t's batch is sampled with the snapshot of step t - eta (version max(0, t - eta));
   - with eta > 0, half of the trajectories switch snapshot mid-sequence, as a generation interrupted at a step
@@ -306,7 +306,7 @@ def run(s: Setup, base: str, log=print) -> dict:
     model.eval()  # no dropout: the forward that trains is the forward that scored
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)
     algo, name, against_mu = _algo(s)
-    loss_fn = losses.chosen_policy_loss(name)
+    loss_fn = losses.POLICY_LOSSES[name]
     train_prompts = prompts(s, "train", 4096, seed=s.seed)
     held = prompts(s, "eval", s.eval_prompts, seed=20_000)
     snaps = {0: copy.deepcopy(model.state_dict())}  # version -> weights, the last eta + 1 kept
@@ -346,8 +346,8 @@ def run(s: Setup, base: str, log=print) -> dict:
         for idx in torch.randperm(R, generator=gen).chunk(s.mini_batches):
             lp = _seq_logprobs(model, out["ids"][idx], out["attn"][idx], out["pos"][idx], start)
             ref = out["mu"][idx] if against_mu else old[idx]
-            loss, metrics = loss_fn(lp, ref, out["mu"][idx], adv[idx], mask[idx].float(), versions[idx], v + 1,
-                                    algo, float(mask[idx].sum()))
+            batch = losses.TokenBatch(lp, ref, out["mu"][idx], adv[idx], mask[idx].float(), versions[idx], v + 1)
+            loss, metrics = loss_fn(batch, algo, float(mask[idx].sum()))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))

@@ -2,7 +2,7 @@
 
 The plain loop is the least a step can cost on this machine: one process, the HF model, `model.generate` for the
 B x N samples of a step (left-padded, KV cache, temperature and max_new_tokens of the config), the config's reward,
-`losses.compute_advantages` and `losses.policy_loss` with the config's algorithm, (B x N) // M AdamW updates, and
+`losses.compute_advantages` and `losses.ppo` with the config's algorithm, (B x N) // M AdamW updates, and
 a greedy eval every trainer.eval_freq steps on the same held-out prompts. No HTTP, no RPC, no FSDP, no pause, no
 weight sync, no overlap of generation with training.
 
@@ -113,6 +113,7 @@ def plain_loop(cfg, steps: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import batching
+    import logprobs
     import losses
     import tasks
 
@@ -160,15 +161,15 @@ def plain_loop(cfg, steps: int) -> dict:
                 for i, r in enumerate(resps)]
         batches = [batching.collate(seqs[c * M:(c + 1) * M]) for c in range(B * N // M)]
         with torch.no_grad():  # the old policy: the weights at the step's start, for every update of the step
-            olds = [losses.token_logprobs(model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1],
+            olds = [logprobs.token_logprobs(model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1],
                                           b["ids"][:, 1:], temp, t.logprob_chunk_tokens)[0] for b in batches]
         model.train()
         for b, old in zip(batches, olds):
             logits = model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1]
-            logp, _ = losses.token_logprobs(logits, b["ids"][:, 1:], temp, t.logprob_chunk_tokens)
+            logp, _ = logprobs.token_logprobs(logits, b["ids"][:, 1:], temp, t.logprob_chunk_tokens)
             denom = losses.loss_denominator(b["mask"], cfg.algorithm.loss_agg_mode, s.max_new_tokens)
             # the sampling policy is the old policy here (rollout log-probs = old: IS weights of 1)
-            loss, _ = losses.policy_loss(logp, old, old, b["adv"], b["mask"], cfg.algorithm, denom)
+            loss, _ = losses.ppo(losses.TokenBatch(logp, old, old, b["adv"], b["mask"]), cfg.algorithm, denom)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if t.grad_clip:

@@ -12,7 +12,7 @@ Trainer side of the weight-update group: `pg = scheduler.init_weight_update_grou
 group_name, backend)` then `scheduler.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
 colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
-Log-prob convention (the one losses.token_logprobs uses): `output_token_logprobs` holds, per sampled token,
+Log-prob convention (the one logprobs.token_logprobs uses): `output_token_logprobs` holds, per sampled token,
 log_softmax(logits / temperature)[token] in float32, with temperature 1 for greedy requests (temperature < 1e-6, as
 SGLang, which turns greedy into temperature 1 + top_k 1). top_p / top_k / min_p and the min_new_tokens ban change
 which token is drawn, never the reported log-prob: RL runs sample with top_p=1, top_k=-1 so that it is the

@@ -21,6 +21,7 @@ ROLE_FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f not i
 # piece -> (the files it needs, modules that must not be loaded by importing it)
 PIECES = {
     "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "logprobs": (["logprobs.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "strategies": (["strategies.py"], ["torch", "yaml", "transformers", "aiohttp", "orjson", "config"]),
     "buffer": (["buffer.py", "strategies.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "sglang_client": (["sglang_client.py"], ["torch", "yaml", "transformers", "config"]),

@@ -101,3 +101,12 @@ def test_no_file_points_outside_the_repository():
     outside = [p for p in _tracked_text_files() if os.path.exists(os.path.join(ROOT, p))
                and any(o in _read(p) for o in OUTSIDE)]
     assert not outside, f"these files point outside the repository ({OUTSIDE[0]}; the text is in docs/): {outside}"
+
+
+def test_readme_lists_every_built_in_policy_loss():
+    """The extension-point table's row for a policy loss names exactly losses.POLICY_LOSSES' built-ins, in order."""
+    import losses
+
+    row = re.search(r"^\| a policy loss \| `algorithm.policy_loss` \| ([^|]*) \|", _read("README.md"), re.M)
+    assert row, "README.md's extension-point table has no row for a policy loss"
+    assert re.findall(r"`([^`]+)`", row.group(1)) == [n for n in losses.POLICY_LOSSES if ":" not in n]

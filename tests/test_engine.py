@@ -1,6 +1,6 @@
 """Contract tests of standins/engine.py over HTTP: every endpoint's fields and shapes (docs/sglang.md), aborts, pause
 modes, weight updates (disk and a gloo group) with weight_versions spans, and the numbers: greedy == transformers
-generate, log-probs == the trainer's (losses.token_logprobs), sampling_seed reproduces; plus a 200-request stress
+generate, log-probs == the trainer's (logprobs.token_logprobs), sampling_seed reproduces; plus a 200-request stress
 run with random aborts and pauses and 400s naming the field for malformed input.
 
 One engine subprocess (tiny Qwen3, max 8 running requests) serves the whole module; tests that change its weights
@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from standins import engine
-import losses
+import logprobs
 import sglang_client
 from standins import scheduler
 from standins import tiny_model
@@ -243,7 +243,7 @@ def test_a_prompt_sent_n_times_in_one_batch_samples_as_n_separate_requests(url, 
         assert o["output_ids"] == alone["output_ids"], (p, seed)
         ids = torch.tensor([p + o["output_ids"]])
         with torch.no_grad():
-            want, _ = losses.token_logprobs(ref(ids).logits.float()[:, len(p) - 1:-1], ids[:, len(p):], 1.0)
+            want, _ = logprobs.token_logprobs(ref(ids).logits.float()[:, len(p) - 1:-1], ids[:, len(p):], 1.0)
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]])
         assert (got - want).abs().max() < 1e-4
     assert outs[0]["output_ids"] == outs[3]["output_ids"] and len({tuple(o["output_ids"]) for o in outs[:3]}) == 3
@@ -262,7 +262,7 @@ def test_logprobs_equal_trainer_logprobs(url, models, temperature):
         with torch.no_grad():
             logits = ref(ids).logits.float()[:, len(p) - 1:-1]
         target = ids[:, len(p):]
-        trainer, _ = losses.token_logprobs(logits, target, t)
+        trainer, _ = logprobs.token_logprobs(logits, target, t)
         plain = torch.log_softmax(logits / t, -1).gather(-1, target[..., None])[..., 0]
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]])
         assert (got - trainer).abs().max() < 1e-4 and (got - plain).abs().max() < 1e-4

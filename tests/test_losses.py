@@ -1,16 +1,20 @@
 """losses.py against hand-computed values and against plain-Python-loop references written here (many seeds).
 
-Also: exact-zero gradients for masked tokens and sequences, dual-clip bound, detached IS weights, chunked == naive
-log-probs (values and gradients), and micro-batch / data-parallel splits summing to the mini-batch loss.
+Also: exact-zero gradients for masked tokens and sequences, dual-clip bound, detached IS weights, NaN logits kept
+out of the gradient, and micro-batch / data-parallel splits summing to the mini-batch loss. The log-prob kernels:
+tests/test_logprobs.py.
 Run: .venv/bin/python -m pytest -q tests/test_losses.py
 """
+import inspect
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import config
+import logprobs
 import losses
 
 SEEDS = range(40)
@@ -26,196 +30,6 @@ def algo(**kw):
             obj = getattr(obj, p)
         setattr(obj, last, value)
     return a
-
-
-# ---------------------------------------------------------------------------------------------------------
-# token_logprobs
-# ---------------------------------------------------------------------------------------------------------
-
-def naive_logprobs(logits, targets, temperature):
-    """Full float32 log_softmax: the memory-hungry reference."""
-    t = losses.effective_temperature(temperature)
-    logp_all = torch.log_softmax(logits.float() / t, dim=-1)
-    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-
-
-def loop_logprobs(logits, targets, temperature):
-    """Plain-Python reference: one token at a time, math.exp / math.log on floats."""
-    t = 1.0 if temperature < 1e-6 else temperature
-    rows = logits.reshape(-1, logits.shape[-1]).tolist()
-    logp, ent = [], []
-    for row, y in zip(rows, targets.reshape(-1).tolist()):
-        s = [v / t for v in row]
-        m = max(s)
-        lse = m + math.log(sum(math.exp(v - m) for v in s))
-        logp.append(s[y] - lse)
-        ent.append(-sum(math.exp(v - lse) * (v - lse) for v in s))
-    return (torch.tensor(logp, dtype=torch.float64).view(targets.shape),
-            torch.tensor(ent, dtype=torch.float64).view(targets.shape))
-
-
-def test_token_logprobs_hand_computed():
-    # probs [1/4, 1/4, 1/2]: log p(2) = -log 2, H = 1.5 log 2; temperature 2 gives probs [1, 1, sqrt 2] / (2 + sqrt 2)
-    logits = torch.tensor([[0.0, 0.0, math.log(2)], [0.0, 0.0, math.log(2)]])
-    targets = torch.tensor([2, 0])
-    logp, ent = losses.token_logprobs(logits, targets, 1.0, with_entropy=True)
-    assert torch.allclose(logp, torch.tensor([-math.log(2), -math.log(4)]), atol=1e-6)
-    assert torch.allclose(ent, torch.tensor([1.5 * math.log(2)] * 2), atol=1e-6)
-    z = 2 + math.sqrt(2)
-    logp, ent = losses.token_logprobs(logits, targets, 2.0, with_entropy=True)
-    assert torch.allclose(logp, torch.tensor([math.log(math.sqrt(2) / z), math.log(1 / z)]), atol=1e-6)
-    h = -(2 / z * math.log(1 / z) + math.sqrt(2) / z * math.log(math.sqrt(2) / z))
-    assert torch.allclose(ent, torch.tensor([h, h]), atol=1e-6)
-    # greedy (temperature < 1e-6) reports temperature-1 log-probs, as the engine does
-    assert torch.equal(losses.token_logprobs(logits, targets, 0.0)[0], losses.token_logprobs(logits, targets, 1.0)[0])
-    assert losses.token_logprobs(logits, targets, 1.0)[1] is None
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
-def test_token_logprobs_match_loop_reference(temperature):
-    for seed in SEEDS:
-        g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(2, 5, 11, generator=g) * 3
-        targets = torch.randint(0, 11, (2, 5), generator=g)
-        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_size=1 + seed % 7, with_entropy=True)
-        ref_logp, ref_ent = loop_logprobs(logits.double(), targets, temperature)
-        assert torch.allclose(logp.double(), ref_logp, atol=2e-5, rtol=1e-5)
-        assert torch.allclose(ent.double(), ref_ent, atol=2e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 2, 7)])
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 10, 64])
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_chunked_equals_naive_values_and_gradients(shape, chunk_size, with_entropy):
-    for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        V, temperature = 13, 0.7
-        logits = (torch.randn(*shape, V, generator=g) * 2).requires_grad_()
-        targets = torch.randint(0, V, shape, generator=g)
-        w_logp, w_ent = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        logp, ent = losses.token_logprobs(logits, targets, temperature, chunk_size, with_entropy)
-        ((logp * w_logp).sum() + ((ent * w_ent).sum() if with_entropy else 0)).backward()
-        grad = logits.grad.clone()
-        logits.grad = None
-        ref_logp, ref_ent = naive_logprobs(logits, targets, temperature)
-        ((ref_logp * w_logp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0)).backward()
-        assert logp.dtype == torch.float32 and logp.shape == shape
-        assert torch.allclose(logp, ref_logp, atol=1e-5)
-        if with_entropy:
-            assert torch.allclose(ent, ref_ent, atol=1e-5)
-        assert torch.allclose(grad, logits.grad, atol=1e-5)
-
-
-@pytest.mark.parametrize("shape", [(7,), (2, 7)])
-@pytest.mark.parametrize("chunk_size", [1, 3, 64])
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_linear_token_logprobs_equal_the_logits_path_with_gradients(shape, chunk_size, with_entropy):
-    """lm_head fused into the chunked log-softmax: log-probs, entropy and the gradients of the hidden states and of
-    the lm_head weight equal token_logprobs(hidden @ weight.T) within 1e-5 in float32."""
-    for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
-        H, V, temperature = 6, 13, 0.7
-        hidden = torch.randn(*shape, H, generator=g).requires_grad_()
-        weight = torch.randn(V, H, generator=g).requires_grad_()
-        targets = torch.randint(0, V, shape, generator=g)
-        w_logp, w_ent = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        results = []
-        for fused in (True, False):
-            if fused:
-                logp, ent = losses.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size, with_entropy)
-            else:
-                logp, ent = losses.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size, with_entropy)
-            ((logp * w_logp).sum() + ((ent * w_ent).sum() if with_entropy else 0)).backward()
-            results.append((logp, ent, hidden.grad.clone(), weight.grad.clone()))
-            hidden.grad = weight.grad = None
-        (logp, ent, gh, gw), (ref_logp, ref_ent, ref_gh, ref_gw) = results
-        assert logp.shape == shape and logp.dtype == torch.float32
-        assert torch.allclose(logp, ref_logp, atol=1e-5)
-        assert (ent is None) == (not with_entropy) and (ent is None or torch.allclose(ent, ref_ent, atol=1e-5))
-        assert torch.allclose(gh, ref_gh, atol=1e-5) and torch.allclose(gw, ref_gw, atol=1e-5)
-        assert gw.abs().sum() > 0
-
-
-def test_linear_token_logprobs_rejects_mismatched_shapes():
-    with pytest.raises(ValueError, match="hidden size of weight"):
-        losses.linear_token_logprobs(torch.zeros(3, 4), torch.zeros(9, 5), torch.zeros(3, dtype=torch.long), 1.0)
-    with pytest.raises(ValueError, match="logprob_chunk_tokens"):
-        losses.linear_token_logprobs(torch.zeros(3, 4), torch.zeros(9, 4), torch.zeros(3, dtype=torch.long), 1.0, 0)
-
-
-def test_chunked_bf16_and_noncontiguous_slice():
-    g = torch.Generator().manual_seed(0)
-    full = (torch.randn(2, 9, 50, generator=g) * 2).to(torch.bfloat16).requires_grad_()
-    logits = full[:, :-1]  # the usual shift: not contiguous
-    targets = torch.randint(0, 50, (2, 8), generator=g)
-    logp, ent = losses.token_logprobs(logits, targets, 0.9, chunk_size=3, with_entropy=True)
-    (logp.sum() + 0.5 * ent.sum()).backward()
-    grad = full.grad.clone()
-    full.grad = None
-    ref_logp, ref_ent = naive_logprobs(full[:, :-1], targets, 0.9)
-    (ref_logp.sum() + 0.5 * ref_ent.sum()).backward()
-    assert logp.dtype == torch.float32
-    assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
-    assert grad.dtype == torch.bfloat16 and torch.all(grad[:, -1] == 0)
-    assert torch.allclose(grad.float(), full.grad.float(), atol=1e-2, rtol=1e-2)
-
-
-def test_token_logprobs_leave_float32_logits_untouched_and_nan_rows_get_zero_grad():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 6, generator=g)
-    logits[2, 3] = float("nan")
-    before = logits.clone()
-    logits.requires_grad_()
-    targets = torch.tensor([0, 1, 2, 3])
-    logp, ent = losses.token_logprobs(logits, targets, 0.5, chunk_size=2, with_entropy=True)
-    assert torch.isnan(logp[2]) and torch.isfinite(logp[[0, 1, 3]]).all()
-    weights = torch.tensor([1.0, 1.0, 0.0, 1.0])  # the loss excludes the NaN token: zero upstream gradient
-    ((logp * weights).sum() + (torch.where(weights > 0, ent, 0.0)).sum()).backward()
-    assert torch.isfinite(logits.grad).all() and torch.all(logits.grad[2] == 0)
-    assert torch.equal(logits.detach()[~before.isnan()], before[~before.isnan()])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_chunked_logprobs_cuda_memory_and_values():
-    T, V, chunk = 4096, 32000, 512
-    g = torch.Generator(device="cuda").manual_seed(0)
-    logits = (torch.randn(T, V, generator=g, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
-    targets = torch.randint(0, V, (T,), generator=g, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    logp, _ = losses.token_logprobs(logits, targets, 0.8, chunk_size=chunk)
-    logp.sum().backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
-    grad_bytes, chunk_f32 = T * V * 2, chunk * V * 4
-    assert peak < grad_bytes + 2 * chunk_f32 + (64 << 20), peak  # a full float32 copy alone would be 2 * grad_bytes
-    grad = logits.grad.clone()
-    logits.grad = None
-    ref, _ = naive_logprobs(logits, targets, 0.8)
-    ref.sum().backward()
-    assert torch.allclose(logp, ref, atol=1e-4)
-    assert torch.allclose(grad.float(), logits.grad.float(), atol=1e-2, rtol=1e-2)
-
-
-def test_entropy_is_exact_at_large_logits():
-    """The entropy is computed from logits shifted by the row max: at logits ~3e4 in float32 the unshifted
-    lse - sum p s subtracts two numbers ~3e4 apart by ~1 and loses ~1e-3 (float32 spacing there is 2e-3)."""
-    g = torch.Generator().manual_seed(0)
-    logits = 3e4 + torch.randn(2, 5, 50, generator=g) * 3
-    targets = torch.randint(0, 50, (2, 5), generator=g)
-    ref_lp, ref_h = naive_logprobs(logits.double(), targets, 1.0)
-    lp, h = losses.token_logprobs(logits, targets, 1.0, chunk_size=4, with_entropy=True)
-    assert (h.double() - ref_h).abs().max() < 1e-5
-    assert (lp.double() - ref_lp).abs().max() < 1e-5
-
-
-def test_token_logprobs_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="logprob_chunk_tokens"):
-        losses.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 1.0, chunk_size=0)
-    with pytest.raises(ValueError, match="targets shape"):
-        losses.token_logprobs(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,7 +243,7 @@ def test_policy_loss_matches_loop_reference(name, mode):
         entropy = torch.rand(5, 7, generator=torch.Generator().manual_seed(seed))
         denom = losses.loss_denominator(mask, mode, norm_len=12)
         x = lp.clone().requires_grad_()
-        loss, metrics = losses.policy_loss(x, old, ro, adv, mask, a, denom, entropy=entropy)
+        loss, metrics = losses.ppo(losses.TokenBatch(x, old, ro, adv, mask, entropy=entropy), a, denom)
         loss.backward()
         x_ref = lp.double().requires_grad_()
         ref_loss, ref_m, ref_denom = ref_policy_loss(x_ref, old.double().tolist(), ro.double().tolist(),
@@ -452,16 +266,17 @@ def test_policy_loss_matches_loop_reference(name, mode):
 def test_policy_loss_hand_computed_clip_and_dual_clip():
     # one sequence, A = +1: r = 1.5 clips at 1.28 (loss -1.28), r = 1 gives -1 -> token-mean -1.14
     lp = torch.tensor([[math.log(1.5), 0.0]]).requires_grad_()
-    loss, m = losses.policy_loss(lp, torch.zeros(1, 2), None, torch.tensor([1.0]), torch.ones(1, 2), algo(), 2)
+    loss, m = losses.ppo(losses.TokenBatch(lp, torch.zeros(1, 2), None, torch.tensor([1.0]), torch.ones(1, 2)), algo(),
+                         2)
     assert loss.item() == pytest.approx(-1.14) and m["train/clip_ratio"].item() == 0.5
     loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1].item() == pytest.approx(-0.5)  # d(-r/2)/dlp = -r/2 at r = 1
     # A = -1, r = 5: PPO loss = -min(-5, -1.28) = 5; dual-clip with c = 3 caps it at -cA = 3, gradient 0
     lp = torch.tensor([[math.log(5.0), 0.0]]).requires_grad_()
-    loss, m = losses.policy_loss(lp, torch.zeros(1, 2), None, torch.tensor([-1.0]), torch.ones(1, 2), algo(), 2)
+    batch = losses.TokenBatch(lp, torch.zeros(1, 2), None, torch.tensor([-1.0]), torch.ones(1, 2))
+    loss, m = losses.ppo(batch, algo(), 2)
     assert loss.item() == pytest.approx((5 + 1) / 2)
-    loss, m = losses.policy_loss(lp, torch.zeros(1, 2), None, torch.tensor([-1.0]), torch.ones(1, 2),
-                                 algo(dual_clip_c=3.0), 2)
+    loss, m = losses.ppo(batch, algo(dual_clip_c=3.0), 2)
     assert loss.item() == pytest.approx((3 + 1) / 2) and m["train/dual_clip_ratio"].item() == 0.5
     loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1].item() == pytest.approx(0.5)
@@ -473,13 +288,11 @@ def test_dual_clip_bounds_every_token_loss_at_minus_c_times_a():
     lp = (torch.randn(n, 1, generator=g) * 3).requires_grad_()  # ratios from e^-9 to e^9
     adv = -torch.rand(n, generator=g) * 2 - 0.01
     a = algo(dual_clip_c=c, loss_agg_mode="seq-mean-token-mean")
-    per_seq = [losses.policy_loss(lp[i:i + 1], torch.zeros(1, 1), None, adv[i:i + 1], torch.ones(1, 1), a, 1)[0]
-               for i in range(n)]
-    per_seq = torch.stack(per_seq)
+    seqs = [losses.TokenBatch(lp[i:i + 1], torch.zeros(1, 1), None, adv[i:i + 1], torch.ones(1, 1)) for i in range(n)]
+    per_seq = torch.stack([losses.ppo(b, a, 1)[0] for b in seqs])
     assert torch.all(per_seq <= -c * adv + 1e-6)
     assert torch.any(per_seq == -c * adv)  # the bound is reached (dual-clip active)
-    off = torch.stack([losses.policy_loss(lp[i:i + 1], torch.zeros(1, 1), None, adv[i:i + 1], torch.ones(1, 1),
-                                          algo(), 1)[0] for i in range(n)])
+    off = torch.stack([losses.ppo(b, algo(), 1)[0] for b in seqs])
     assert torch.any(off > -c * adv)  # without dual-clip the same tokens exceed it
 
 
@@ -489,20 +302,20 @@ def test_is_correction_hand_computed():
     ro = -torch.log(torch.tensor([[3.0, 0.5, 1.2]]))
     lp = torch.zeros(1, 3, requires_grad=True)
     a = algo(**{"is_correction.enable": True})
-    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3), a, 3)
+    loss, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3)), a, 3)
     assert loss.item() == pytest.approx(-(2 + 0.5 + 1.2) / 3, rel=1e-6)
     assert m["train/is_max"].item() == pytest.approx(2) and m["train/is_min"].item() == pytest.approx(0.5)
     assert m["train/is_mean"].item() == pytest.approx(3.7 / 3, rel=1e-6)
     assert m["train/is_truncated_frac"].item() == pytest.approx(1 / 3)
     # MIS: keep only rho in [0.6, 2.5] -> the 3 and the 0.5 tokens drop out, zero gradient
     a = algo(**{"is_correction.enable": True, "is_correction.mask_low": 0.6, "is_correction.mask_high": 2.5})
-    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3), a, 3)
+    loss, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3)), a, 3)
     loss.backward()
     assert loss.item() == pytest.approx(-1.2 / 3, rel=1e-6) and m["train/is_masked_frac"].item() == pytest.approx(2 / 3)
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == 0 and lp.grad[0, 2].item() == pytest.approx(-1.2 / 3)
     # sequence level: rho = 3 * 0.5 * 1.2 = 1.8 for every token
     a = algo(**{"is_correction.enable": True, "is_correction.level": "sequence"})
-    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3), a, 3)
+    loss, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 3)), a, 3)
     assert loss.item() == pytest.approx(-1.8, rel=1e-6) and m["train/is_mean"].item() == pytest.approx(1.8)
 
 
@@ -511,12 +324,12 @@ def test_is_weights_carry_no_gradient():
     old, ro = old.clone().requires_grad_(), ro.clone().requires_grad_()
     a_is = algo(**{"is_correction.enable": True, "is_correction.clip": 1.5})
     x = lp.clone().requires_grad_()
-    loss, _ = losses.policy_loss(x, old, ro, adv, mask, a_is, mask.sum())
+    loss, _ = losses.ppo(losses.TokenBatch(x, old, ro, adv, mask), a_is, mask.sum())
     loss.backward()
     assert old.grad is None and ro.grad is None
     # the weighted gradient is the unweighted one times the (constant) weight min(rho, C)
     y = lp.clone().requires_grad_()
-    plain, _ = losses.policy_loss(y, old.detach(), None, adv, mask, algo(), mask.sum())
+    plain, _ = losses.ppo(losses.TokenBatch(y, old.detach(), None, adv, mask), algo(), mask.sum())
     plain.backward()
     w = torch.exp(old.detach() - ro.detach()).clamp(max=1.5)
     assert torch.allclose(x.grad, y.grad * w, atol=1e-7)
@@ -528,13 +341,13 @@ def test_m2po_hand_computed():
     ro = torch.zeros(1, 4)
     lp = old.clone().requires_grad_()
     a = algo(**{"m2po.enable": True, "m2po.tau": 0.04})
-    loss, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4), a, 4)
+    loss, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4)), a, 4)
     loss.backward()
     assert m["train/m2po_masked_frac"].item() == 0.25
     assert loss.item() == pytest.approx(-3 / 4) and lp.grad[0, 0] == 0 and torch.all(lp.grad[0, 1:] != 0)
     # tau above the full mean: nothing masked
-    _, m = losses.policy_loss(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4), algo(**{"m2po.enable": True,
-                              "m2po.tau": 0.3}), 4)
+    _, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4)),
+                      algo(**{"m2po.enable": True, "m2po.tau": 0.3}), 4)
     assert m["train/m2po_masked_frac"].item() == 0.0
 
 
@@ -543,12 +356,12 @@ def test_opsm_hand_computed():
     lp = torch.full((2, 2), -1.0, requires_grad=True)
     ro = torch.tensor([[-0.5, -0.5], [-0.5, -0.5]])
     a = algo(**{"opsm.enable": True, "opsm.delta": 0.1})
-    loss, m = losses.policy_loss(lp, lp.detach(), ro, torch.tensor([1.0, -1.0]), torch.ones(2, 2), a, 4)
+    loss, m = losses.ppo(losses.TokenBatch(lp, lp.detach(), ro, torch.tensor([1.0, -1.0]), torch.ones(2, 2)), a, 4)
     loss.backward()
     assert m["train/opsm_masked_frac"].item() == 0.5 and loss.item() == pytest.approx(-0.5)
     assert torch.all(lp.grad[1] == 0) and torch.all(lp.grad[0] != 0)
     a = algo(**{"opsm.enable": True, "opsm.delta": 0.6})  # KL below delta: nothing masked
-    _, m = losses.policy_loss(lp, lp.detach(), ro, torch.tensor([1.0, -1.0]), torch.ones(2, 2), a, 4)
+    _, m = losses.ppo(losses.TokenBatch(lp, lp.detach(), ro, torch.tensor([1.0, -1.0]), torch.ones(2, 2)), a, 4)
     assert m["train/opsm_masked_frac"].item() == 0.0
 
 
@@ -559,7 +372,7 @@ def test_masked_tokens_and_sequences_get_exactly_zero_gradient():
     for seed in SEEDS:
         lp, old, ro, adv, mask = random_batch(seed, nonfinite=True)
         x = lp.clone().requires_grad_()
-        loss, m = losses.policy_loss(x, old, ro, adv, mask, a, losses.loss_denominator(mask, "token-mean"))
+        loss, m = losses.ppo(losses.TokenBatch(x, old, ro, adv, mask), a, losses.loss_denominator(mask, "token-mean"))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
         assert torch.all(x.grad[~mask] == 0)
@@ -573,10 +386,10 @@ def test_nan_logits_never_reach_the_gradient():
     logits[1, 2, 5] = float("nan")
     logits.requires_grad_()
     targets = torch.randint(0, 9, (2, 4), generator=g)
-    logp, ent = losses.token_logprobs(logits, targets, 1.0, chunk_size=3, with_entropy=True)
+    logp, ent = logprobs.token_logprobs(logits, targets, 1.0, chunk_size=3, with_entropy=True)
     mask = torch.ones(2, 4, dtype=torch.bool)
-    loss, m = losses.policy_loss(logp, logp.detach() + 0.1, None, torch.tensor([1.0, -1.0]), mask, algo(), 8,
-                                 entropy=ent)
+    batch = losses.TokenBatch(logp, logp.detach() + 0.1, None, torch.tensor([1.0, -1.0]), mask, entropy=ent)
+    loss, m = losses.ppo(batch, algo(), 8)
     loss.backward()
     assert m["train/nan_ratio"].item() == pytest.approx(1 / 8) and torch.isfinite(m["train/entropy"])
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all() and torch.all(logits.grad[1, 2] == 0)
@@ -586,8 +399,19 @@ def test_corrections_need_rollout_log_probs():
     lp, old, _, adv, mask = random_batch(0)
     for key in ("is_correction", "m2po"):
         with pytest.raises(ValueError, match=f"algorithm.{key}.enable=true needs rollout_log_probs"):
-            losses.policy_loss(lp, old, None, adv, mask, algo(**{f"{key}.enable": True}), 10)
-    losses.policy_loss(lp, old, None, adv, mask, algo(**{"opsm.enable": True}), 10)  # OPSM falls back to old
+            losses.ppo(losses.TokenBatch(lp, old, None, adv, mask), algo(**{f"{key}.enable": True}), 10)
+    losses.ppo(losses.TokenBatch(lp, old, None, adv, mask), algo(**{"opsm.enable": True}), 10)  # OPSM falls back to old
+
+
+def test_a_loss_missing_a_batch_field_it_reads_names_it_in_one_sentence():
+    lp, old, ro, adv, mask = random_batch(0)
+    with pytest.raises(ValueError, match="^algorithm.policy_loss=gspo needs old_log_probs in the TokenBatch$"):
+        losses.gspo(losses.TokenBatch(lp, None, ro, adv, mask), algo(), 10)
+    with pytest.raises(ValueError, match="^algorithm.policy_loss=loglinear needs versions in the TokenBatch$"):
+        losses.loglinear(losses.TokenBatch(lp, None, ro, adv, mask), algo(), 10)
+    versions = torch.zeros(lp.shape, dtype=torch.long)
+    loss, _ = losses.loglinear(losses.TokenBatch(lp, None, ro, adv, mask, versions, 1), algo(), 10)  # reads no old
+    assert torch.isfinite(loss)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -605,10 +429,11 @@ def test_split_microbatches_sum_to_minibatch_loss(mode):
         D = sum(losses.loss_denominator(mask[s:e], mode, norm_len=16) for s, e in splits)  # the all-reduced sum
         assert D == losses.loss_denominator(mask, mode, norm_len=16)
         full_x = lp.clone().requires_grad_()
-        full, _ = losses.policy_loss(full_x, old, ro, adv, mask, a, D)
+        full, _ = losses.ppo(losses.TokenBatch(full_x, old, ro, adv, mask), a, D)
         full.backward()
         x = lp.clone().requires_grad_()
-        total = sum(losses.policy_loss(x[s:e], old[s:e], ro[s:e], adv[s:e], mask[s:e], a, D)[0] for s, e in splits)
+        total = sum(losses.ppo(losses.TokenBatch(x[s:e], old[s:e], ro[s:e], adv[s:e], mask[s:e]), a, D)[0]
+                    for s, e in splits)
         total.backward()
         assert total.item() == pytest.approx(full.item(), rel=1e-6, abs=1e-7)
         assert torch.allclose(x.grad, full_x.grad, atol=1e-7)
@@ -628,7 +453,7 @@ def test_loss_denominator_values_and_errors():
 def test_empty_minibatch_gives_zero_loss_and_metrics():
     lp = torch.zeros(2, 3, requires_grad=True)
     a = algo(**{"is_correction.enable": True, "m2po.enable": True, "opsm.enable": True})
-    loss, m = losses.policy_loss(lp, lp.detach(), lp.detach(), torch.ones(2), torch.zeros(2, 3), a, 0)
+    loss, m = losses.ppo(losses.TokenBatch(lp, lp.detach(), lp.detach(), torch.ones(2), torch.zeros(2, 3)), a, 0)
     loss.backward()
     assert loss.item() == 0 and torch.all(lp.grad == 0)
     assert all(torch.isfinite(torch.as_tensor(v)) and float(v) == 0 for v in m.values())
@@ -669,9 +494,13 @@ def test_loglinear_proximal_hand_computed():
     prox = losses.loglinear_proximal_log_probs(mu, theta, versions, 4)
     # alpha = 0, (3 - 2) / (4 - 2) = 1/2, 3 / 4, 0 (v - v_t = 0), 0 (not generated)
     assert prox[0].tolist() == pytest.approx([-1.0, -2.0, -2.0 + 0.75 * 1.0, -0.5, 0.0])
-    assert losses.proximal_log_probs("recompute", theta, mu, theta, versions, 4) is not None
-    with pytest.raises(ValueError, match="accepted: recompute, loglinear"):
-        losses.proximal_log_probs("linear", None, mu, theta, versions, 4)
+
+
+def proximal(method, old, behav, lp, versions, current_version):
+    """pi_prox as each decoupled loss takes it: recompute's is old_log_probs, loglinear's is interpolated."""
+    if method == "recompute":
+        return old
+    return losses.loglinear_proximal_log_probs(behav, lp, versions, current_version)
 
 
 def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
@@ -707,9 +536,10 @@ def test_decoupled_ppo_is_policy_loss_around_the_proximal_policy_with_a_capped_b
         versions = torch.randint(0, 5, (B, T), generator=g)
         adv = torch.randn(B, generator=g)
         mask = torch.rand(B, T, generator=g) > 0.2
-        prox = losses.proximal_log_probs(method, old, behav, lp, versions, 5)
+        prox = proximal(method, old, behav, lp, versions, 5)
         a = algo(**{"is_correction.enable": True, "is_correction.clip": 1e9, "is_correction.mask_high": cap})
-        loss, m = losses.policy_loss(lp, prox, behav, adv, mask, a, losses.loss_denominator(mask, "token-mean"))
+        loss, m = losses.POLICY_LOSSES[method](losses.TokenBatch(lp, old, behav, adv, mask, versions, 5), a,
+                                               losses.loss_denominator(mask, "token-mean"))
         ref = areal_decoupled_loss(lp.detach().double(), prox.double(), behav.double(), adv.double(), mask,
                                    a.clip_low, a.clip_high, cap)
         assert float(loss.detach()) == pytest.approx(ref, rel=1e-5, abs=1e-6), seed
@@ -730,8 +560,8 @@ def test_decoupled_ppo_without_is_correction_has_no_behaviour_weight_as_areal_by
     versions, adv = torch.randint(0, 5, (4, 6), generator=g), torch.randn(4, generator=g)
     mask = torch.rand(4, 6, generator=g) > 0.2
     D = losses.loss_denominator(mask, "token-mean")
-    prox = losses.proximal_log_probs(method, old, behav, lp, versions, 5)
-    loss, m = losses.POLICY_LOSSES[method](lp, old, behav, adv, mask, versions, 5, algo(), D)
+    prox = proximal(method, old, behav, lp, versions, 5)
+    loss, m = losses.POLICY_LOSSES[method](losses.TokenBatch(lp, old, behav, adv, mask, versions, 5), algo(), D)
     ref = areal_decoupled_loss(lp.double(), prox.double(), behav.double(), adv.double(), mask, 0.2, 0.28, None)
     assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-7) and "train/is_mean" not in m
     weighted = areal_decoupled_loss(lp.double(), prox.double(), behav.double(), adv.double(), mask, 0.2, 0.28, 1e9)
@@ -743,23 +573,23 @@ def test_truncated_is_loss_value_and_gradient_hand_computed():
     mu = torch.tensor([[math.log(0.25), math.log(0.9), math.log(0.4)]])  # pi / mu = 2, 1, 0.5
     adv = torch.tensor([2.0])
     mask = torch.tensor([[1, 1, 0]])
-    loss, m = losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.5, loss_denominator=2.0)
+    loss, m = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), algo(clip_high=0.5), 2.0)
     w = [1.5, 1.0]  # 2 truncated at 1 + eps_high; the masked token is out
     assert float(loss) == pytest.approx(-(w[0] * 2 * math.log(0.5) + w[1] * 2 * math.log(0.9)) / 2)
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 2, -1.0 * 2 / 2, 0.0])  # d/dlp = -w A / D, w detached
     assert float(m["train/tis_mean"]) == pytest.approx(1.25) and float(m["train/tis_truncated_frac"]) == 0.5
-    with pytest.raises(ValueError, match="eps_high must be > 0"):
-        losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.0, loss_denominator=2.0)
+    with pytest.raises(ValueError, match=r"truncates its weight at 1 \+ algorithm.clip_high, which must be > 0"):
+        losses.check_policy_loss(algo(policy_loss="truncated_is", clip_high=0.0), False)
 
 
-def test_truncated_is_loss_leaves_non_finite_tokens_out_as_policy_loss_does():
+def test_truncated_is_leaves_non_finite_tokens_out_as_ppo_does():
     """A NaN log-prob (trainer side) or an inf behaviour log-prob (a server's -inf) must not poison the loss or the
     gradient of the other tokens; it leaves the loss and is counted in train/nan_ratio, D unchanged."""
     lp = torch.tensor([[math.log(0.5), float("nan"), math.log(0.2)]], requires_grad=True)
     mu = torch.tensor([[math.log(0.25), math.log(0.9), -float("inf")]])
     adv, mask = torch.tensor([2.0]), torch.tensor([[1, 1, 1]])
-    loss, m = losses.truncated_is_loss(lp, mu, adv, mask, eps_high=0.5, loss_denominator=3.0)
+    loss, m = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), algo(clip_high=0.5), 3.0)
     assert float(loss) == pytest.approx(-(1.5 * 2 * math.log(0.5)) / 3)  # only the finite token, over D = 3
     loss.backward()
     assert torch.isfinite(lp.grad).all() and lp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 3, 0.0, 0.0])
@@ -772,27 +602,59 @@ def test_truncated_is_loss_matches_loop_reference():
         lp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_()
         mu = lp.detach() + torch.randn(3, 5, generator=g)
         adv, mask = torch.randn(3, generator=g), torch.rand(3, 5, generator=g) > 0.3
-        loss, _ = losses.truncated_is_loss(lp, mu, adv, mask, 0.2, float(mask.sum()))
+        loss, _ = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), algo(clip_high=0.2),
+                                      float(mask.sum()))
         ref = sum(-min(max(math.exp(lp[i, t].item() - mu[i, t].item()), 0.0), 1.2) * adv[i].item() * lp[i, t].item()
                   for i in range(3) for t in range(5) if mask[i, t]) / max(1, int(mask.sum()))
         assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# algorithm.policy_loss through train.py's call (train.micro_batch_loss), against each function's reference
+# algorithm.policy_loss: the registry, what each loss declares, and train.py's call (train.micro_batch_loss)
 # ---------------------------------------------------------------------------------------------------------
 
-def test_policy_loss_names_in_config_are_the_losses_table():
-    assert config.POLICY_LOSSES == tuple(losses.POLICY_LOSSES)
-    with pytest.raises(ValueError, match="algorithm.policy_loss 'grpo' is unknown; accepted: ppo, truncated_is"):
-        losses.chosen_policy_loss("grpo")
+def test_every_policy_loss_is_registered_with_one_signature_and_declares_whether_it_reads_old_log_probs():
+    assert list(losses.POLICY_LOSSES) == ["ppo", "truncated_is", "recompute", "loglinear", "gspo", "cispo"]
+    for name, fn in losses.POLICY_LOSSES.items():
+        assert fn is getattr(losses, name) and list(inspect.signature(fn).parameters) == [
+            "batch", "settings", "denominator"], name
+    quiet = {name for name, fn in losses.POLICY_LOSSES.items() if not losses.declaration(fn).reads_old_log_probs}
+    assert quiet == {"truncated_is", "loglinear"}
+    assert losses.declaration(lambda batch, settings, denominator: None) == (True, None)  # declared nothing
+
+
+def test_register_refuses_a_taken_name_and_a_non_function_in_one_sentence():
+    with pytest.raises(ValueError, match="^policy loss 'ppo' is already registered by ppo$"):
+        losses.register("ppo")(lambda batch, settings, denominator: None)
+    with pytest.raises(TypeError, match=r"^@losses.register\('mine'\) must decorate a function \(batch, settings, "):
+        losses.register("mine")(3)
+    with pytest.raises(TypeError, match="check=3"):
+        losses.register("mine", check=3)(losses.ppo)
+    assert "mine" not in losses.POLICY_LOSSES and losses.register("ppo")(losses.ppo) is losses.ppo  # again: fine
+
+
+@pytest.mark.parametrize("old,new", [
+    ("chosen_policy_loss", "losses.POLICY_LOSSES[name]"), ("ppo_choice", "losses.ppo"),
+    ("loglinear_choice", "losses.loglinear"), ("policy_loss", "losses.ppo, losses.gspo or losses.cispo"),
+    ("truncated_is_loss", "losses.truncated_is"), ("proximal_log_probs", "inside losses.recompute"),
+    ("token_logprobs", "logprobs.token_logprobs"), ("GREEDY_TEMPERATURE", "logprobs.GREEDY_TEMPERATURE"),
+])
+def test_a_name_losses_no_longer_has_is_refused_naming_the_new_one(old, new):
+    with pytest.raises(AttributeError, match=f"^losses.{old} is now {re.escape(new)}"):
+        getattr(losses, old)
+    with pytest.raises(AttributeError, match="module 'losses' has no attribute 'no_such_name'"):
+        losses.no_such_name
+    with pytest.raises(AttributeError, match=r"^config.POLICY_LOSSES is now losses.POLICY_LOSSES"):
+        config.POLICY_LOSSES
 
 
 @pytest.mark.parametrize("overrides,fragment", [
     (["algorithm.policy_loss=reinforce"], "algorithm.policy_loss must be one of ppo, truncated_is, recompute, "
-                                          "loglinear, gspo, cispo, got 'reinforce'"),
+                                          "loglinear, gspo, cispo or module:function, got 'reinforce'"),
     (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-mean"],
      "algorithm.policy_loss=truncated_is sums its tokens"),
+    (["algorithm.policy_loss=truncated_is", "algorithm.clip_high=0"],
+     r"algorithm.policy_loss=truncated_is truncates its weight at 1 \+ algorithm.clip_high, which must be > 0, got 0"),
     (["algorithm.policy_loss=loglinear", "algorithm.is_correction.enable=true",
       "algorithm.is_correction.level=sequence"], "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
     (["algorithm.policy_loss=recompute", "trainer.use_rollout_log_probs=true"],
@@ -844,15 +706,16 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
         D = losses.loss_denominator(mask, "token-mean")
         prox = losses.loglinear_proximal_log_probs(rlp, lp, b["versions"], step + 1)
         refs = {
-            "ppo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D)[0].detach()),
-            "truncated_is": float(losses.truncated_is_loss(lp, rlp, adv, mask, algo().clip_high, D)[0].detach()),
+            "ppo": float(losses.ppo(losses.TokenBatch(lp, old, rlp, adv, mask), algo(), D)[0].detach()),
+            "truncated_is": float(losses.truncated_is(losses.TokenBatch(lp, None, rlp, adv, mask), algo(),
+                                                      D)[0].detach()),
             # AReaL's formula with the behaviour weight (is_correction on: AReaL's rejection_sampling, mask above cap)
             "recompute": areal_decoupled_loss(lp.detach().double(), old.double(), rlp.double(), adv.double(), mask,
                                               0.2, 0.28, cap),
             "loglinear": areal_decoupled_loss(lp.detach().double(), prox.double(), rlp.double(), adv.double(),
                                               mask, 0.2, 0.28, cap),
-            "gspo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D, objective="gspo")[0].detach()),
-            "cispo": float(losses.policy_loss(lp, old, rlp, adv, mask, algo(), D, objective="cispo")[0].detach()),
+            "gspo": float(losses.gspo(losses.TokenBatch(lp, old, rlp, adv, mask), algo(), D)[0].detach()),
+            "cispo": float(losses.cispo(losses.TokenBatch(lp, old, rlp, adv, mask), algo(), D)[0].detach()),
         }
         got = {}
         for name in losses.POLICY_LOSSES:
@@ -876,10 +739,14 @@ def test_decoupled_choices_leave_the_run_config_as_it_was():
     assert cfg.algorithm.is_correction.enable is False and cfg.algorithm.is_correction.level == "token"
 
 
-def test_offpolicy_warning_is_quiet_for_losses_that_do_not_use_old_log_probs():
+def test_offpolicy_warning_is_quiet_for_losses_that_do_not_use_old_log_probs(monkeypatch):
     for name in ("truncated_is", "loglinear"):
         assert losses.offpolicy_warning(run_cfg(policy_loss=name)) is None
     assert losses.offpolicy_warning(run_cfg(policy_loss="ppo")) is not None
+    # what is read is the loss's declaration, so a loss of your own is heard the same way
+    quiet = losses.register(reads_old_log_probs=False)(lambda batch, settings, denominator: None)
+    monkeypatch.setitem(losses.POLICY_LOSSES, "mine:quiet", quiet)
+    assert losses.offpolicy_warning(run_cfg(policy_loss="mine:quiet")) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -971,7 +838,7 @@ def test_gspo_equals_the_paper_and_verl_in_value_and_gradient():
         eps = (0.0003, 0.0004) if seed % 2 else (0.2, 0.28)  # the paper's range, and the PPO defaults
         a = algo(clip_low=eps[0], clip_high=eps[1], loss_agg_mode="seq-mean-token-mean")
         D = losses.loss_denominator(mask, a.loss_agg_mode)
-        loss, m = losses.policy_loss(lp, old, None, adv, mask, a, D, objective="gspo")
+        loss, m = losses.gspo(losses.TokenBatch(lp, old, None, adv, mask), a, D)
         grad, = torch.autograd.grad(loss, lp)
         for ref_fn in (gspo_paper_loss, gspo_verl_loss):
             x = lp.detach().clone().requires_grad_()
@@ -987,8 +854,8 @@ def test_gspo_clips_whole_sequences():
     and gets zero gradient, even the token whose own ratio is below 1 (a token-level clip would keep it)."""
     old = torch.zeros(1, 3)
     lp = torch.tensor([[math.log(0.9), math.log(2.5), math.log(1.5 ** 3 / (0.9 * 2.5))]]).requires_grad_()
-    loss, m = losses.policy_loss(lp, old, None, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), algo(), 3.0,
-                                 objective="gspo")
+    loss, m = losses.gspo(losses.TokenBatch(lp, old, None, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool)),
+                          algo(), 3.0)
     assert float(loss.detach()) == pytest.approx(-1.28)  # token-mean of -clip(s) A over its 3 tokens
     loss.backward()
     assert (lp.grad == 0).all() and float(m["train/clip_ratio"]) == 1.0
@@ -1016,8 +883,8 @@ def test_cispo_equals_the_paper_in_value_and_gradient():
         adv, mask = torch.randn(4, generator=g), torch.rand(4, 6, generator=g) > 0.2
         eps = (0.99, 0.28) if seed % 2 else (0.2, 0.28)  # the paper's practice (no lower bound), and symmetric
         a = algo(clip_low=eps[0], clip_high=eps[1], dual_clip_c=3.0)  # dual-clip does not touch CISPO
-        loss, m = losses.policy_loss(lp, old, None, adv, mask, a, losses.loss_denominator(mask, "token-mean"),
-                                     objective="cispo")
+        loss, m = losses.cispo(losses.TokenBatch(lp, old, None, adv, mask), a,
+                               losses.loss_denominator(mask, "token-mean"))
         ref, ref_grad = cispo_paper_loss(lp.detach(), old, adv, mask, *eps)
         assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6), seed
         loss.backward()
@@ -1025,9 +892,3 @@ def test_cispo_equals_the_paper_in_value_and_gradient():
         r = (lp.detach() - old).exp()
         clipped = (r < 1 - eps[0]) | (r > 1 + eps[1])
         assert float(m["train/clip_ratio"]) == pytest.approx(float(clipped[mask].float().mean()))
-
-
-def test_unknown_objective_is_one_sentence():
-    with pytest.raises(ValueError, match="policy_loss objective 'sapo' is unknown; accepted: ppo, gspo, cispo"):
-        losses.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2), algo(), 2.0,
-                           objective="sapo")

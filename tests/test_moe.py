@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3
 import buffer
 import config
 from standins import engine
-import losses
+import logprobs
 import moe as moe_lib  # (the fixture `moe` is the engine)
 import rollout
 import sglang_client
@@ -96,7 +96,7 @@ def gap(url, ref) -> float:
         ids = torch.tensor([p + o["output_ids"]])
         with torch.no_grad():
             logits = ref(ids).logits.float()[:, len(p) - 1:-1]
-        trainer, _ = losses.token_logprobs(logits, ids[:, len(p):], 1.0)
+        trainer, _ = logprobs.token_logprobs(logits, ids[:, len(p):], 1.0)
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]])
         worst = max(worst, (got - trainer).abs().max().item())
     return worst

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import config  # noqa: E402
+import logprobs  # noqa: E402
 import losses  # noqa: E402
 from standins import tiny_model  # noqa: E402
 import batching  # noqa: E402
@@ -75,8 +76,8 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
         logp, ent = model_lib.token_logprobs(model, b, 1.0, 16, with_entropy=True)  # chunks smaller than a row
         denom = losses.loss_denominator(b["mask"], agg)
         old = logp.detach() + 0.05 * torch.linspace(-1, 1, logp.numel()).view_as(logp)  # ratios away from 1
-        loss, _ = losses.policy_loss(logp, old, b["rollout_lp"], b["adv"], b["mask"], cfg.algorithm, denom,
-                                     entropy=ent)
+        loss, _ = losses.ppo(losses.TokenBatch(logp, old, b["rollout_lp"], b["adv"], b["mask"], entropy=ent),
+                             cfg.algorithm, denom)
         loss.backward()
         results[packing] = (logp.detach() * b["mask"], ent.detach() * b["mask"], loss.detach(),
                             {n: p.grad.clone() for n, p in model.named_parameters()})
@@ -94,9 +95,10 @@ def test_packed_log_probs_losses_and_gradients_equal_padded(tiny_path, agg, leve
 
 
 def test_fused_lm_head_log_probs_entropy_and_gradients_equal_the_logits_path(tiny_path):
-    """model_lib.token_logprobs swaps the model's lm_head for losses.linear_token_logprobs inside model(...): log-probs,
-    entropy and every parameter's gradient (the lm_head / tied embedding included) equal those of the model's own
-    logits through losses.token_logprobs, within 1e-5 in float32; the model's lm_head is itself again after."""
+    """model_lib.token_logprobs swaps the model's lm_head for logprobs.linear_token_logprobs inside model(...):
+    log-probs, entropy and every parameter's gradient (the lm_head / tied embedding included) equal those of the
+    model's own logits through logprobs.token_logprobs, within 1e-5 in float32; the model's lm_head is itself again
+    after."""
     seqs = _seqs([(5, 9), (3, 2), (7, 14)])
     b = batching.collate(seqs, packing=False)
     results = []
@@ -107,7 +109,7 @@ def test_fused_lm_head_log_probs_entropy_and_gradients_equal_the_logits_path(tin
             assert "forward" not in vars(model.get_output_embeddings())
         else:
             logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
-            logp, ent = losses.token_logprobs(logits, b["ids"][:, 1:], 0.7, 5, with_entropy=True)
+            logp, ent = logprobs.token_logprobs(logits, b["ids"][:, 1:], 0.7, 5, with_entropy=True)
         ((logp * b["mask"]).sum() + 0.3 * (ent * b["mask"]).sum()).backward()
         results.append((logp.detach() * b["mask"], ent.detach() * b["mask"],
                         {n: p.grad.clone() for n, p in model.named_parameters()}))

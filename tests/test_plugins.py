@@ -104,6 +104,9 @@ def on_path(tmp_path, monkeypatch):
 
     (tmp_path / "broken_dep.py").write_text("import no_such_dependency_xyz\n")
     (tmp_path / "raising.py").write_text("raise RuntimeError('bad setting in raising.py\\nsecond line')\n")
+    (tmp_path / "ten_argument_loss.py").write_text(  # a policy loss written for the 10-argument call of before
+        "def loss(log_probs, old_log_probs, rollout_log_probs, advantages, loss_mask, versions, current_version, algo,"
+        " loss_denominator, entropy=None):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(EXAMPLES)
     registries = [strategies.REGISTRY, losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout.ROLLOUT_FUNCTIONS]
@@ -112,7 +115,7 @@ def on_path(tmp_path, monkeypatch):
     for registry, before in zip(registries, saved):
         registry.clear()
         registry.update(before)
-    for name in ("broken_dep", "raising"):
+    for name in ("broken_dep", "raising", "ten_argument_loss"):
         sys.modules.pop(name, None)
 
 
@@ -149,8 +152,10 @@ def test_an_error_inside_the_users_module_is_named_with_its_first_line_and_kept(
 
 @pytest.mark.parametrize("override,fragment", [
     ("fully_async.sliding_window=echo_env:EchoEnv", "must name a subclass of strategies.Strategy"),
-    ("algorithm.policy_loss=length_penalty_reward:PENALTY", "must name a function with the signature of "
-                                                            "losses.POLICY_LOSSES"),
+    ("algorithm.policy_loss=length_penalty_reward:PENALTY", "must name a function (batch: losses.TokenBatch, "
+                                                            "settings, denominator) -> (loss, metrics)"),
+    ("algorithm.policy_loss=ten_argument_loss:loss", "algorithm.policy_loss 'ten_argument_loss:loss' must name a "
+                                                     "function (batch: losses.TokenBatch, settings, denominator)"),
     ("rollout.function=length_penalty_reward:reward", "must name an async function (ctx, traj) -> None"),
     ("rollout.env=length_penalty_reward:PENALTY rollout.function=multi_turn_tool", "must name a class or factory"),
     ("rollout.env=calculator rollout.function=multi_turn_tool", "rollout.env 'calculator' is unknown; accepted: "
@@ -173,12 +178,26 @@ def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     specs = {"fully_async.sliding_window": "strict_fifo:StrictFifo", **dict(o.split("=") for o in ALL_FIVE)}
     cfg = config.load_config(TINY, [f"{k}={v}" for k, v in specs.items()])
     assert strategies.REGISTRY[cfg.fully_async.sliding_window].__name__ == "StrictFifo"
-    assert losses.chosen_policy_loss(cfg.algorithm.policy_loss).__name__ == "symmetric_ppo"
+    assert losses.POLICY_LOSSES[cfg.algorithm.policy_loss].__name__ == "symmetric_ppo"
     assert tasks.get_reward_fn(cfg.data_source.reward)("321", "321", True) == 1.0
     assert rollout.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
     env = tasks.make_env(cfg.data_source.task, "321", {}, cfg.rollout.env)
     assert env.step(" 123 ") == "=123\n" and env.step("321") is None
     assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment
+
+
+def test_a_declared_constraint_of_a_plugin_loss_is_enforced_by_config_validation(on_path):
+    """examples/clipped_loss.py declares with @losses.register that its symmetric clip range must not be empty:
+    validation, which every process of a run does, refuses a config that breaks it, in one sentence naming the
+    setting; the same config with the built-in ppo loads."""
+    import losses
+
+    e = _error(["algorithm.policy_loss=clipped_loss:symmetric_ppo", "algorithm.clip_low=0"])
+    assert str(e) == ("algorithm.policy_loss=clipped_loss:symmetric_ppo clips the ratio to [1 - algorithm.clip_low, "
+                      "1 + algorithm.clip_low], which needs algorithm.clip_low > 0, got 0.0")
+    assert config.load_config(TINY, ["algorithm.clip_low=0"]).algorithm.clip_low == 0.0
+    cfg = config.load_config(TINY, ["algorithm.policy_loss=clipped_loss:symmetric_ppo", "algorithm.clip_low=0.1"])
+    assert losses.declaration(losses.POLICY_LOSSES[cfg.algorithm.policy_loss]).check is not None
 
 
 @pytest.mark.parametrize("name", EXAMPLES_ALL)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 import buffer
 import config
 from standins import engine
-import losses
+import logprobs
 import rollout
 import sglang_client
 from standins import scheduler
@@ -69,11 +69,11 @@ def lps(out):
 
 
 def reference_lps(model, prompt, output, temperature=1.0):
-    """The trainer's log-probs (losses.token_logprobs) of `output` after `prompt` under `model`."""
+    """The trainer's log-probs (logprobs.token_logprobs) of `output` after `prompt` under `model`."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         logits = model(ids).logits.float()[:, len(prompt) - 1:-1]
-    return losses.token_logprobs(logits, ids[:, len(prompt):], temperature)[0][0].tolist()
+    return logprobs.token_logprobs(logits, ids[:, len(prompt):], temperature)[0][0].tolist()
 
 
 def running(url):

@@ -738,7 +738,7 @@ def test_spec_strategies_take_any_update_action_and_presets_cite_their_source():
 
 def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it():
     import batching
-    import config
+    import losses
 
     want = {"areal": ("recompute", False), "verl": ("ppo", False), "pipelinerl": ("truncated_is", False),
             "prime-rl": ("ppo", False), "roll": ("ppo", False), "slime-async": ("ppo", None)}
@@ -746,7 +746,7 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
     for name in strategies.PRESETS:
         cls = strategies.REGISTRY[name]
         assert (cls.policy_loss, cls.offpolicy_mask) == want[name], name
-        assert cls.policy_loss in config.POLICY_LOSSES
+        assert cls.policy_loss in losses.POLICY_LOSSES
         action = (cls.actions or cls(4, 8, None, 2).actions)[0]
         partial, mode = action.rollout_settings
         cfg = make_cfg(B=4, N=2, stale=0.0, window=name, overrides=[

@@ -540,11 +540,11 @@ def _script_setup(args, overrides=()):
 
 @torch.no_grad()
 def _log_probs(actor, batch, temperature=1.0):
-    import losses
+    import logprobs
 
     logits = actor.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
     model_lib.reshard(actor.model)
-    return losses.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
+    return logprobs.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
 
 
 def _actor_script(args):
