@@ -1,9 +1,11 @@
-"""The docs stay true: the parameter table is the code's, every relative link resolves, CI runs the README's test
-command, and no file points outside the repository."""
+"""The docs stay true: the parameter table is the code's, the README's lists are the registries and the files,
+every relative link resolves, CI runs the README's test command, and no file points outside the repository."""
 import glob
 import os
 import re
 import subprocess
+
+import pytest
 
 import config
 
@@ -103,10 +105,31 @@ def test_no_file_points_outside_the_repository():
     assert not outside, f"these files point outside the repository ({OUTSIDE[0]}; the text is in docs/): {outside}"
 
 
-def test_readme_lists_every_built_in_policy_loss():
-    """The extension-point table's row for a policy loss names exactly losses.POLICY_LOSSES' built-ins, in order."""
-    import losses
+EXTENSION_ROWS = {  # the README's extension-point rows -> the registry whose built-ins each lists, in order
+    "a window strategy": ("strategies", "REGISTRY"),
+    "a policy loss": ("losses", "POLICY_LOSSES"),
+    "a reward": ("tasks", "REWARDS"),
+    "a rollout function": ("rollout", "ROLLOUT_FUNCTIONS"),
+    "a tool environment": ("tasks", "ENVS"),
+}
 
-    row = re.search(r"^\| a policy loss \| `algorithm.policy_loss` \| ([^|]*) \|", _read("README.md"), re.M)
-    assert row, "README.md's extension-point table has no row for a policy loss"
-    assert re.findall(r"`([^`]+)`", row.group(1)) == [n for n in losses.POLICY_LOSSES if ":" not in n]
+
+@pytest.mark.parametrize("row", EXTENSION_ROWS)
+def test_readme_lists_every_built_in_of_each_extension_point(row):
+    """Each extension-point row's "built in" column names exactly its registry's built-ins (a plugin another test
+    registered, `module:attr`, is not one), in the registry's order."""
+    module, name = EXTENSION_ROWS[row]
+    registry = getattr(__import__(module), name)
+    found = re.search(rf"^\| {row} \| `[^`]+` \| ([^|]*) \|", _read("README.md"), re.M)
+    assert found, f"README.md's extension-point table has no row for {row}"
+    assert re.findall(r"`([^`]+)`", found.group(1)) == [n for n in registry if ":" not in n]
+
+
+def test_readme_layout_names_every_file_of_the_root_and_standins():
+    """A file added at the root (or in standins/) is placed in the README's layout table, roles before support."""
+    table = _read("README.md").split("## Layout", 1)[1].split("\n## ", 1)[0]
+    roles, support = table.split("| **support** |")
+    named = lambda text: set(re.findall(r"`([\w/]+\.py)`", text))  # noqa: E731
+    assert named(roles) == {f for f in os.listdir(ROOT) if f.endswith(".py")}
+    assert named(support) == {f"standins/{f}" for f in os.listdir(os.path.join(ROOT, "standins"))
+                              if f.endswith(".py") and f != "__init__.py"}

@@ -426,13 +426,23 @@ def test_weight_versions_come_with_the_final_output_and_an_unstarted_abort_has_a
     compute_weight_version_spans gives a request aborted before its first token [{"version": v, "start": 0,
     "end": 0}]. The client's parser (sglang_client.parse_generate_response) takes both."""
     v = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
-    body = {"input_ids": P, "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "stream_interval": 1}}
+    # A long request, ended by an abort once a chunk has come: a short one's tokens can all be decoded before the
+    # handler writes its first chunk, which then is the last (the handler sends the latest output, as SGLang's
+    # _wait_one_response takes out_list[-1]), and the check of the chunks before the last would test nothing.
+    body = {"input_ids": P, "stream": True, "return_logprob": True, "rid": "stream-spans.",
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, "stream_interval": 1}}
+    chunks = []
     with requests.post(url + "/generate", json=body, stream=True, timeout=60) as r:
-        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != b"data: [DONE]"]
+        for ln in r.iter_lines():
+            if ln and ln != b"data: [DONE]":
+                chunks.append(json.loads(ln[6:]))
+                if len(chunks) == 1:
+                    assert post(url, "/abort_request", {"rid": "stream-spans."}).status_code == 200
     assert len(chunks) > 1 and all("weight_versions" not in c["meta_info"] for c in chunks[:-1])
     assert all(c["meta_info"]["weight_version"] == v for c in chunks)
-    assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": v, "start": 0, "end": 4}]
+    n = len(chunks[-1]["output_ids"])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < n < LONG
+    assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": v, "start": 0, "end": n}]
     full = {"input_ids": [P] * 8, "rid": [f"full-{i}." for i in range(8)],
             "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     with cf.ThreadPoolExecutor(2) as ex:
