@@ -12,7 +12,7 @@ Simplifications: one lock guards all state (every operation is O(groups in fligh
 PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
 
 Settings: `BufferSettings` (defaults included), so a PipelineServer runs with one's own producer and consumer
-without the run's config (README, "Copy a piece"). The buffer process is started by workers.py (train.py does this):
+without the run's config (docs/copy_a_piece.md). The buffer process is started by workers.py (train.py does this):
 python workers.py buffer --config RESOLVED.yaml --rpc-init tcp://host:port --rank R --world-size W.
 Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
 Imports only the standard library, torch and strategies.py (itself stdlib-only).

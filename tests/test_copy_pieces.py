@@ -1,5 +1,5 @@
 """Role files that copy alone: each imports in an empty folder that holds only it (and what it names), loads none
-of yaml / transformers / config.py, and every block of the README's "Copy a piece" section runs there.
+of yaml / transformers / config.py, and every block of docs/copy_a_piece.md (the README's "Copy a piece") runs there.
 
 No role file imports config.py: config.py composes their settings (losses.LossSettings, buffer.BufferSettings),
 train.py, workers.py, services.py and logger.py read the config (CONFIG_READERS; every other file at the root and
@@ -76,25 +76,26 @@ def test_piece_imports_alone(piece, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def _readme_blocks() -> list:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    m = re.search(r"^## [^\n]*Copy a piece[^\n]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
-    assert m, "README.md has no section whose title contains 'Copy a piece'"
-    return re.findall(r"^```python\n(.*?)^```", m.group(1), re.S | re.M)
+COPY_A_PIECE = "docs/copy_a_piece.md"  # the README's "Copy a piece" points here
+
+
+def _copy_a_piece_blocks() -> list:
+    text = open(os.path.join(ROOT, COPY_A_PIECE)).read()
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
 
 
 def test_copy_a_piece_section_covers_every_piece():
-    needs = [block.splitlines()[0] for block in _readme_blocks()]
+    needs = [block.splitlines()[0] for block in _copy_a_piece_blocks()]
     assert all(line.startswith("# needs: ") for line in needs), needs
     named = {f for line in needs for f in line.split(":", 1)[1].split()}
     assert {"losses.py", "strategies.py", "buffer.py", "sglang_client.py"} <= named, named
 
 
-@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+@pytest.mark.parametrize("index", range(len(_copy_a_piece_blocks())))
 def test_copy_a_piece_block_runs_in_an_empty_folder(index, tmp_path):
-    block = _readme_blocks()[index]
+    block = _copy_a_piece_blocks()[index]
     for f in block.splitlines()[0].split(":", 1)[1].split():
         shutil.copy(os.path.join(ROOT, f), tmp_path)
     (tmp_path / "demo.py").write_text(block)
     r = _run("demo.py", tmp_path)
-    assert r.returncode == 0, f"README 'Copy a piece' block {index} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"{COPY_A_PIECE} block {index} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
