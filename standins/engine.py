@@ -4,9 +4,10 @@ It serves the subset of SGLang's HTTP API that RL post-training uses (docs/sglan
 pause/continue, weight updates from disk, over a torch.distributed group or from shared tensors (colocate), weight
 versions, memory release, loads), so rollout.py and train.py run one code path against real SGLang or this engine.
 
-Run:   python engine.py --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version default]
-                        [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
-                        [--max-queued-requests N]   (SGLANG_REQ_WAITING_TIMEOUT / _RUNNING_TIMEOUT: 503 aborts)
+Run (from the repository root):
+       python -m standins.engine --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version default]
+           [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
+           [--max-queued-requests N]   (SGLANG_REQ_WAITING_TIMEOUT / _RUNNING_TIMEOUT: 503 aborts)
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = scheduler.init_weight_update_group(addr, port, 0, world_size,
 group_name, backend)` then `scheduler.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
@@ -1042,7 +1043,7 @@ class EngineProcess:
 
 def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1", timeout: float = 180.0,
            log_path: Optional[str] = None, env: Optional[dict] = None, **kw) -> tuple[str, EngineProcess]:
-    """Start `python engine.py` on a free port (or `port`), wait until /health answers 200 and return (url, handle).
+    """Start `python -m standins.engine` on a free port (or `port`), wait until /health answers 200 and return (url, handle).
     Keyword arguments become flags (max_running_requests=8 -> --max-running-requests 8); `env` adds environment
     variables (e.g. SGLANG_HEALTH_CHECK_TIMEOUT); the log goes to log_path (default: a temporary file)."""
     if not port:
