@@ -7,7 +7,8 @@ Formulas and sources: docs/algorithms.md; the log-probs they take: logprobs.py. 
   - `loss_denominator`: the local part of the aggregation's denominator (the trainer sums it over the mini-batch).
   - `POLICY_LOSSES`: algorithm.policy_loss, the loss a run trains with. Every loss has one signature,
     fn(batch: TokenBatch, settings: LossSettings, denominator) -> (loss, metrics), and is registered where it is
-    defined with `@register(name, reads_old_log_probs=..., check=...)`, declaring what config.validate checks:
+    defined with `@register(name, reads_old_log_probs=..., check=...)` (a loss of your own, chosen as module:function,
+    with `@register(reads_old_log_probs=..., check=...)`: no name), declaring what config.validate checks:
       ppo            PPO clip (asymmetric, DAPO) + dual-clip, with the off-policy corrections chosen in
                      `algorithm.*`: IS correction (token / sequence, truncated, optionally masked), M2PO, OPSM; three
                      loss aggregation modes; NaN/inf tokens counted and excluded
