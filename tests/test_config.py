@@ -174,7 +174,7 @@ def test_spec_capacity_and_derived_values():
     assert (cfg.B, cfg.N, cfg.M) == (64, 8, 128)
     assert cfg.capacity == 128  # the capacity rule: int(64 * (1 + 1.0))
     assert cfg.calls_per_step == 4 and cfg.groups_per_call == 16  # (B*N)//M calls of M//N groups
-    assert _cfg("fully_async.stale_steps=2.0").capacity == 192  # spec 5.4
+    assert _cfg("fully_async.stale_steps=2.0").capacity == 192  # the reference experiment (docs/design.md)
     assert _cfg("data_source.num_prompts_per_step=3", "fully_async.stale_steps=0.5").capacity == 4  # floor of 4.5
     assert _cfg().capacity == 64  # stale_steps defaults to 0
 

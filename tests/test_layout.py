@@ -1,5 +1,5 @@
 """The root's layout: no import cycle among its modules (imports inside functions included), no file over 1,100
-lines, and a name that moved between them is refused naming where it went."""
+lines and train.py within 600, and a name that moved between them is refused naming where it went."""
 import ast
 import importlib
 import os
@@ -58,10 +58,12 @@ def test_no_import_cycle_among_root_modules():
 
 
 @pytest.mark.parametrize("module", ROOT_MODULES)
-def test_no_root_file_exceeds_1100_lines(module):
+def test_no_root_file_exceeds_1100_lines_and_train_py_600(module):
+    """train.py is the loop and its start-up; what grows beside them belongs to a role of its own."""
     with open(os.path.join(ROOT, module + ".py")) as f:
         lines = sum(1 for _ in f)
-    assert lines <= 1100, f"{module}.py has {lines} lines, over 1,100: split a role out"
+    limit = 600 if module == "train" else 1100
+    assert lines <= limit, f"{module}.py has {lines} lines, over {limit:,}: split a role out"
 
 
 @pytest.mark.parametrize("module, name, new", [

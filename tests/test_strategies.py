@@ -277,7 +277,7 @@ class Driver:
         oldest = before["oldest_uncollected"]
         for g in gs:
             assert g.prompt_id not in self.todo, "a group in flight was dispatched again"
-            if self.window == "window-gated":  # spec 3.2, checked at the moment of each dispatch
+            if self.window == "window-gated":  # its dispatch rule (docs/design.md), checked at each dispatch
                 assert g.seq - (g.seq if oldest is None else min(oldest, g.seq)) < self.C
                 oldest = g.seq if oldest is None else min(oldest, g.seq)
             self.groups[g.prompt_id] = g
@@ -303,7 +303,7 @@ class Driver:
         before = set(self.srv.stats(keys=True)["buffered_keys"])
         self.srv.put(trajs)
         st = self.srv.stats(keys=True)
-        if self.window == "windowed-fifo":  # spec 3.3: collected only inside the window, held only outside
+        if self.window == "windowed-fifo":  # collected only inside the window, held only outside
             front = st["oldest_uncompleted"]
             for k in set(st["buffered_keys"]) - before:
                 assert front is None or k[1] - front < self.B
