@@ -3,7 +3,7 @@ of yaml / transformers / config.py, and every block of docs/copy_a_piece.md (the
 
 No role file imports config.py: config.py composes their settings (losses.LossSettings, buffer.BufferSettings),
 train.py, workers.py, services.py and logger.py read the config (CONFIG_READERS; every other file at the root and
-in standins/ is checked).
+in standins/ and models/ is checked).
 """
 import ast
 import os
@@ -17,7 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_READERS = {"config.py", "train.py", "workers.py", "services.py", "logger.py"}  # they read the config
 ROLE_FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f not in CONFIG_READERS) + [
-    "standins/" + f for f in sorted(os.listdir(os.path.join(ROOT, "standins"))) if f.endswith(".py")]
+    f"{d}/{f}" for d in ("standins", "models") for f in sorted(os.listdir(os.path.join(ROOT, d))) if f.endswith(".py")]
 # piece -> (the files it needs, modules that must not be loaded by importing it)
 PIECES = {
     "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),

@@ -125,11 +125,12 @@ def test_readme_lists_every_built_in_of_each_extension_point(row):
     assert re.findall(r"`([^`]+)`", found.group(1)) == [n for n in registry if ":" not in n]
 
 
-def test_readme_layout_names_every_file_of_the_root_and_standins():
-    """A file added at the root (or in standins/) is placed in the README's layout table, roles before support."""
+def test_readme_layout_names_every_file_of_the_root_and_the_support_folders():
+    """A file added at the root (or in standins/, models/) is placed in the README's layout table, roles before
+    support."""
     table = _read("README.md").split("## Layout", 1)[1].split("\n## ", 1)[0]
     roles, support = table.split("| **support** |")
     named = lambda text: set(re.findall(r"`([\w/]+\.py)`", text))  # noqa: E731
     assert named(roles) == {f for f in os.listdir(ROOT) if f.endswith(".py")}
-    assert named(support) == {f"standins/{f}" for f in os.listdir(os.path.join(ROOT, "standins"))
+    assert named(support) == {f"{d}/{f}" for d in ("standins", "models") for f in os.listdir(os.path.join(ROOT, d))
                               if f.endswith(".py") and f != "__init__.py"}
