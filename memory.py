@@ -29,15 +29,16 @@ ALLOCATOR_SLACK = 0.05  # of the device: reserved-but-unallocated blocks of the 
 
 def model_shape(model) -> dict:
     """What the activation and log-prob terms of memory_estimate need from an HF causal LM (sharded or on the meta
-    device): the config's widths, and the parameters outside the decoder layers (the root unit of FSDP2:
-    embeddings, final norm, lm_head)."""
+    device): the config's widths, whether its attention normalises q and k (Qwen3 does, Llama does not), and the
+    parameters outside the decoder layers (the root unit of FSDP2: embeddings, final norm, lm_head)."""
     c = model.config.get_text_config()
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     layers = sum(p.numel() for layer in model.model.layers for p in layer.parameters())
     shape = {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
              "q_dim": heads * head_dim, "kv_dim": kv * head_dim, "intermediate_size": c.intermediate_size,
-             "root_params": sum(p.numel() for p in model.parameters()) - layers}
+             "root_params": sum(p.numel() for p in model.parameters()) - layers,
+             "qk_norm": hasattr(model.model.layers[0].self_attn, "q_norm")}
     if getattr(c, "num_experts_per_tok", None):
         shape.update(num_experts=getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None),
                      num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size)
@@ -48,8 +49,8 @@ def layer_activation_bytes(shape: dict, tokens: int, compute_b: int) -> dict:
     """Bytes one decoder layer holds at its backward's peak, as transformers 5 computes it ("saved": what autograd
     keeps from the forward; "transient": what the backward adds at its peak), per token, from the tensors autograd
     saves (tests/test_memory.py counts them on a small layer, bf16 and float32):
-      attention and norms: the four RMSNorms (input, post-attention, q_norm, k_norm: 2 x hidden + q_dim + kv_dim)
-        keep their input upcast to float32 (the input norm's is the layer's own input in float32, already counted)
+      attention and norms: the RMSNorms (input and post-attention, 2 x hidden; with q_norm and k_norm, as Qwen3
+        has and Llama has not, + q_dim + kv_dim) keep their input upcast to float32 (the input norm's is the layer's own input in float32, already counted)
         and their output; then q and k rotated, v, the attention's output (q_dim), the MLP's input and the
         attention's projected output (2 x hidden);
       dense MLP: 4 x intermediate saved (gate, its SiLU, up, their product), 3 x intermediate transient;
@@ -61,7 +62,7 @@ def layer_activation_bytes(shape: dict, tokens: int, compute_b: int) -> dict:
       the gradients into and out of the layer, 2 x hidden."""
     h = shape["hidden_size"]
     q, kv = shape.get("q_dim", h), shape.get("kv_dim", h)
-    normed = 2 * h + q + kv
+    normed = 2 * h + (q + kv if shape["qk_norm"] else 0)
     upcast = 4 * (normed - (h if compute_b == 4 else 0))  # float32 copies of the norms' inputs
     saved = upcast + compute_b * (normed + (q + kv) + kv + q + 2 * h)
     transient, k = 2 * h, shape.get("num_experts_per_tok")

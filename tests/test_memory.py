@@ -136,11 +136,12 @@ def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(q
 
 
 def _layer_measured(kind: str, dtype: torch.dtype, peak: bool, tokens: int = 512) -> tuple:
-    """One small Qwen3 (dense) or Qwen3-MoE (grouped_mm experts, 16 of them, top-4) decoder layer on CPU, run
-    forward and backward: (bytes of the tensors autograd saved, bytes at the peak besides parameters and
+    """One small Qwen3 (dense), Qwen3-MoE (grouped_mm experts, 16 of them, top-4) or Llama (dense, no q/k norms)
+    decoder layer on CPU, run forward and backward: (bytes of the tensors autograd saved, bytes at the peak besides parameters and
     gradients: torch's MemTracker, when `peak` and where it exists, else None) and memory.layer_activation_bytes
     of its shape."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=128, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                   num_hidden_layers=1)
@@ -149,10 +150,10 @@ def _layer_measured(kind: str, dtype: torch.dtype, peak: bool, tokens: int = 512
                             **common)
         hf._experts_implementation = "grouped_mm"
     else:
-        hf = Qwen3Config(intermediate_size=768, **common)
+        hf = (LlamaConfig if kind == "llama" else Qwen3Config)(intermediate_size=768, **common)
     hf._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = (Qwen3MoeForCausalLM if kind == "moe" else Qwen3ForCausalLM)(hf).to(dtype)
+    model = {"moe": Qwen3MoeForCausalLM, "llama": LlamaForCausalLM}.get(kind, Qwen3ForCausalLM)(hf).to(dtype)
     layer = model.model.layers[0]
     x = torch.randn(1, tokens, 256, dtype=dtype, requires_grad=True)
     pos = torch.arange(tokens)[None]
@@ -186,10 +187,12 @@ def _layer_measured(kind: str, dtype: torch.dtype, peak: bool, tokens: int = 512
 
 
 @pytest.mark.parametrize("kind,dtype,peak", [("moe", torch.bfloat16, False), ("moe", torch.float32, True),
-                                             ("dense", torch.bfloat16, False), ("dense", torch.float32, False)])
+                                             ("dense", torch.bfloat16, False), ("dense", torch.float32, False),
+                                             ("llama", torch.float32, False)])
 def test_a_layers_activations_are_what_autograd_saves(kind, dtype, peak):
     """memory.layer_activation_bytes against one decoder layer run on CPU: the bytes autograd saves (bf16: the
-    RMSNorms' float32 upcasts; MoE: the grouped_mm experts' per token x top-k rows) to 1%, and for a MoE (float32:
+    RMSNorms' float32 upcasts; MoE: the grouped_mm experts' per token x top-k rows; Llama: no q_norm / k_norm, whose
+    inputs and outputs, counted for it, were 14% of SmolLM2's layer) to 1%, and for a MoE (float32:
     bf16 is slow on CPU) the backward's peak besides parameters and gradients to 6% (its transients: 3 [tokens x
     top-k, hidden]; measured 1.035x in float32, 1.03x in bf16; a dense layer 0.96-0.97x)."""
     saved, peak, est = _layer_measured(kind, dtype, peak)
