@@ -50,9 +50,9 @@ def layer_activation_bytes(shape: dict, tokens: int, compute_b: int) -> dict:
     keeps from the forward; "transient": what the backward adds at its peak), per token, from the tensors autograd
     saves (tests/test_memory.py counts them on a small layer, bf16 and float32):
       attention and norms: the RMSNorms (input and post-attention, 2 x hidden; with q_norm and k_norm, as Qwen3
-        has and Llama has not, + q_dim + kv_dim) keep their input upcast to float32 (the input norm's is the layer's own input in float32, already counted)
-        and their output; then q and k rotated, v, the attention's output (q_dim), the MLP's input and the
-        attention's projected output (2 x hidden);
+        has and Llama has not, + q_dim + kv_dim) keep their input upcast to float32 (the input norm's is the
+        layer's own input in float32, already counted) and their output; then q and k rotated, v, the
+        attention's output (q_dim), the MLP's input and the attention's projected output (2 x hidden);
       dense MLP: 4 x intermediate saved (gate, its SiLU, up, their product), 3 x intermediate transient;
       MoE (integrations/moe.py grouped_mm_experts_forward, the cuda default): per token x top-k (S rows) its hidden
         state gathered and the down projection's output (2 x hidden), gate_up's output (2 x moe_intermediate), the

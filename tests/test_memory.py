@@ -137,9 +137,9 @@ def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(q
 
 def _layer_measured(kind: str, dtype: torch.dtype, peak: bool, tokens: int = 512) -> tuple:
     """One small Qwen3 (dense), Qwen3-MoE (grouped_mm experts, 16 of them, top-4) or Llama (dense, no q/k norms)
-    decoder layer on CPU, run forward and backward: (bytes of the tensors autograd saved, bytes at the peak besides parameters and
-    gradients: torch's MemTracker, when `peak` and where it exists, else None) and memory.layer_activation_bytes
-    of its shape."""
+    decoder layer on CPU, run forward and backward: (bytes of the tensors autograd saved, bytes at the peak besides
+    parameters and gradients: torch's MemTracker, when `peak` and where it exists, else None) and
+    memory.layer_activation_bytes of its shape."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
