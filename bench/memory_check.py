@@ -1,7 +1,7 @@
 """bench/memory_check.py: memory.memory_estimate against the measured peak of real training steps, on CPU.
 
-One process (a one-rank gloo group, FSDP2 over it): a random Qwen3 of the given size is written as an HF checkpoint,
-loaded by model.load_model (FSDP2-wrapped, activation checkpointing as configured), and trained for a few steps on
+One process (a one-rank gloo group, FSDP2 over it): a random Qwen3 of the given size is written as an HF checkpoint
+(or --model-path names one, e.g. the SmolLM2 directory of `python -m models.smollm2`), loaded by model.load_model (FSDP2-wrapped, activation checkpointing as configured), and trained for a few steps on
 packed micro-batches of `--tokens` tokens through model.token_logprobs (the fused lm_head log-probs) and AdamW
 (model.build_optimizer). The figure is the process's peak RSS minus its RSS before the model was built (Linux
 VmHWM, reset after start-up), next to the estimate's device total for the same config (device=cpu: float32 and no
@@ -14,8 +14,11 @@ checkpointing on, foreach AdamW): estimated 1.522 GiB (params 0.169 + grads 0.16
 + log-probs 0.427, the larger of the last two counted), measured peak 1.478 GiB (0.97x). The estimate before issue
 36 read 1.518 with an old-policy snapshot (0.169) this script never makes and no root unit.
 
-Run: .venv/bin/python bench/memory_check.py [--hidden 512] [--layers 4] [--vocab 32000] [--tokens 4096]
-     [--no-checkpointing] [--optimizer foreach|for_loop]
+SmolLM2-135M (Llama: 30 layers, hidden 576, tied embeddings, vocab 49,152; docs/results/smollm2_system.md has the
+figures): `--model-path runs/smollm2 --tokens 1024 --no-checkpointing`.
+
+Run: .venv/bin/python bench/memory_check.py [--hidden 512] [--layers 4] [--vocab 32000] [--model-path DIR]
+     [--tokens 4096] [--no-checkpointing] [--optimizer foreach|for_loop]
 """
 import argparse
 import os
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--model-path", help="an HF checkpoint directory to measure instead of a random Qwen3")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-checkpointing", action="store_true")
@@ -53,11 +57,14 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     ctrl = dist.new_group(backend="gloo")
-    path = tempfile.mkdtemp(prefix="memory_check-")
-    hf = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
-                     num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
-                     head_dim=a.hidden // 8, max_position_embeddings=max(8192, a.tokens), tie_word_embeddings=False)
-    AutoModelForCausalLM.from_config(hf).save_pretrained(path)
+    path = a.model_path
+    if path is None:
+        path = tempfile.mkdtemp(prefix="memory_check-")
+        hf = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
+                         num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=a.hidden // 8, max_position_embeddings=max(8192, a.tokens),
+                         tie_word_embeddings=False)
+        AutoModelForCausalLM.from_config(hf).save_pretrained(path)
     cfg = config.load_config(None, [f"model.path={path}", f"trainer.micro_batch_tokens={a.tokens}",
                                     f"model.activation_checkpointing={not a.no_checkpointing}",
                                     f"trainer.optimizer_impl={a.optimizer}", "trainer.packing=true"])
@@ -69,8 +76,9 @@ def main() -> None:
     opt, _ = model_lib.build_optimizer(model, cfg.trainer, a.optimizer)
     g = torch.Generator().manual_seed(0)
     lengths = [a.tokens // 8] * 8
-    seqs = [{"prompt": torch.randint(3, a.vocab, (16,), generator=g).tolist(),
-             "response": torch.randint(3, a.vocab, (n - 16,), generator=g).tolist(), "mask": [1] * (n - 16),
+    vocab = model.config.vocab_size
+    seqs = [{"prompt": torch.randint(3, vocab, (16,), generator=g).tolist(),
+             "response": torch.randint(3, vocab, (n - 16,), generator=g).tolist(), "mask": [1] * (n - 16),
              "rollout_lp": [-1.0] * (n - 16), "versions": [0] * (n - 16), "adv": 1.0} for n in lengths]
     b = batching.collate(seqs, packing=True)
     for _ in range(a.steps):
