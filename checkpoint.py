@@ -22,7 +22,6 @@ def save(model, opt, sched, root: str, steps_done: int, run_state: Optional[dict
     the directory with run_state (given on rank 0: step, weight_version, buffer) plus the scheduler and the RNGs.
     group: the gloo group for the barriers and the RNG gather."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.join(root, f"step_{steps_done:06d}")
@@ -31,8 +30,7 @@ def save(model, opt, sched, root: str, steps_done: int, run_state: Optional[dict
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=group)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dcp.save(_state(model, opt)[0], checkpoint_id=tmp)
     rng: list = [None] * world
     dist.all_gather_object(rng, rng_state(), group=group)
     if rank == 0:
@@ -44,17 +42,40 @@ def load(model, opt, sched, path: str) -> dict:
     """Every rank: model, optimizer, scheduler and this rank's RNG state from the checkpoint `path` (a run with
     more ranks than the checkpoint's takes rank 0's RNG); returns the run state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    state, aliases = _state(model, opt)
     dcp.load(state, checkpoint_id=path)
+    state["model"].update({alias: state["model"][name] for alias, name in aliases.items()})
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     run_state = load_run_state(path)
     sched.load_state_dict(run_state["scheduler"])
     rank = dist.get_rank()
     set_rng_state(run_state["rng"][rank] if rank < len(run_state["rng"]) else run_state["rng"][0])
     return run_state
+
+
+def _state(model, opt) -> tuple[dict, dict]:
+    """({"model", "optim"}: this rank's shards as DCP saves and loads them, a tied parameter under its first name
+    only; the tied aliases)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    aliases = tied_aliases(model)
+    return {"model": {k: v for k, v in model_sd.items() if k not in aliases}, "optim": optim_sd}, aliases
+
+
+def tied_aliases(model) -> dict:
+    """{name: the name it was first listed under} for a parameter the model lists under a second name: a tied
+    lm_head is the input embedding (SmolLM2, the tiny model). get_state_dict lists it under both names, so a
+    checkpoint would hold the embedding twice (SmolLM2-135M: 621 MiB instead of 513); it is saved once and
+    loaded into both names."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return out
 
 
 def rng_state() -> dict:
