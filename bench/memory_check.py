@@ -3,10 +3,11 @@
 One process (a one-rank gloo group, FSDP2 over it): a random Qwen3 of the given size is written as an HF checkpoint
 (or --model-path names one, e.g. the SmolLM2 directory of `python -m models.smollm2`), loaded by model.load_model
 (FSDP2-wrapped, activation checkpointing as configured), and trained for a few steps on packed micro-batches of
-`--tokens` tokens through model.token_logprobs (the fused lm_head log-probs) and AdamW (model.build_optimizer). The figure is the process's peak RSS minus its RSS before the model was built (Linux
-VmHWM, reset after start-up), next to the estimate's device total for the same config (device=cpu: float32 and no
-mixed precision, so the compute dtype is float32 and the CUDA terms are 0). CPU allocator caching and Python
-overheads are in the measurement, not in the estimate.
+`--tokens` tokens through model.token_logprobs (the fused lm_head log-probs) and AdamW (model.build_optimizer). The
+figure is the process's peak RSS minus its RSS before the model was built (Linux VmHWM, reset after start-up), next to
+the estimate's device total for the same config (device=cpu: float32 and no mixed precision, so the compute dtype is
+float32 and the CUDA terms are 0). CPU allocator caching and Python overheads are in the measurement, not in the
+estimate.
 
 Measured on the 2-core CPU machine (45.4M parameters: hidden 512, 4 layers, vocab 32000; 4096 tokens, 3 steps,
 checkpointing on, foreach AdamW): estimated 1.522 GiB (params 0.169 + grads 0.169 + optimizer 0.338 + optimizer step
