@@ -116,20 +116,8 @@ def checks(run, smollm2) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The run
-
-def test_after_each_sync_the_engines_log_probs_are_the_trainers(run, checks):
-    rows = [r for r in run["rows"] if r["step"] > 0]
-    assert [r["step"] for r in rows] == [1, 2] and [r["rollout/weight_version"] for r in rows] == [0, 1]
-    for r in rows:  # step 1: the start-up sync (version 0); step 2: the first trained weights (version 1)
-        assert r["train/rollout_logprob_diff_max"] < TOL, r
-        assert r["train/grad_norm"] > 0 and r["train/loss_tokens"] > 0, r  # the rewards differed: a real update
-    # between the two syncs the step moved the trained tokens' log-probs by >= 10 x TOL: had the sync of version 1
-    # sent nothing, step 2's gap would be that movement
-    assert checks["movement"] >= 10 * TOL, checks["movement"]
-    ends = re.search(r"weight versions on the servers at the end: (\{.*\})", run["out"])
-    assert ends and set(ast.literal_eval(ends[1]).values()) == {"2"}, run["out"][-2000:]
-
+# The run (the first test's setup converts the model and runs it; the next one's runs the checks: pytest.ini's
+# timeout bounds each)
 
 def test_eos_is_im_end_the_engine_stops_there_and_the_loss_mask_keeps_it(run, smollm2):
     from transformers import AutoTokenizer
@@ -148,6 +136,19 @@ def test_eos_is_im_end_the_engine_stops_there_and_the_loss_mask_keeps_it(run, sm
         else:
             assert s["status"] == "truncated" and len(ids) == MAX_NEW_TOKENS, s
     assert stopped >= 1, run["samples"]
+
+
+def test_after_each_sync_the_engines_log_probs_are_the_trainers(run, checks):
+    rows = [r for r in run["rows"] if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2] and [r["rollout/weight_version"] for r in rows] == [0, 1]
+    for r in rows:  # step 1: the start-up sync (version 0); step 2: the first trained weights (version 1)
+        assert r["train/rollout_logprob_diff_max"] < TOL, r
+        assert r["train/grad_norm"] > 0 and r["train/loss_tokens"] > 0, r  # the rewards differed: a real update
+    # between the two syncs the step moved the trained tokens' log-probs by >= 10 x TOL: had the sync of version 1
+    # sent nothing, step 2's gap would be that movement
+    assert checks["movement"] >= 10 * TOL, checks["movement"]
+    ends = re.search(r"weight versions on the servers at the end: (\{.*\})", run["out"])
+    assert ends and set(ast.literal_eval(ends[1]).values()) == {"2"}, run["out"][-2000:]
 
 
 def test_the_lm_head_stays_tied_and_no_file_or_push_duplicates_it(run, checks, smollm2):
