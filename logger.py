@@ -91,10 +91,12 @@ class Logger:
         """Decoded records -> samples/step_NNNNNN.jsonl (eval_) or one line each in samples/train.jsonl."""
         if not records or self.tokenizer is None:
             return
+        # a trained trajectory's per-token fields come with its tokens: a BPE tokenizer's text does not say where
+        # one token ends, and re-encoding it need not give back the sampled ones
         rows = [{"step": step, "prompt": self.tokenizer.decode(r["prompt_ids"]),
                  "response": self.tokenizer.decode(r["response_ids"]), "reward": r["reward"], "label": r["label"],
-                 **({} if eval_ else {"versions": r["versions"], "loss_mask": r["loss_mask"],
-                                      "status": r["status"]})} for r in records]
+                 **({} if eval_ else {"response_ids": r["response_ids"], "versions": r["versions"],
+                                      "loss_mask": r["loss_mask"], "status": r["status"]})} for r in records]
         path = os.path.join(self.samples_dir, f"step_{step:06d}.jsonl") if eval_ else self.train_samples
         with open(path, "w" if eval_ else "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
