@@ -51,8 +51,8 @@ TOL = 1e-4
 LR = 1e-5  # one step moves the log-probs of the tokens the next step trains by 0.2-0.4 (max): >= 2,000 x TOL
 MAX_NEW_TOKENS = 8  # the few-shot answers are 1-4 tokens and eos
 # live tensors' peak / the estimate in a training call: the estimate is an upper bound, which adds the gradients'
-# shards and AdamW's temporaries (live after the backward) to the activations' peak (in the forward's last layers):
-# SmolLM2 0.72 at 512 tokens, 0.85 at 2,048 (2 ranks); the process's peak RSS, which keeps freed memory, 1.01-1.05
+# shards and AdamW's temporaries (live after the backward) to the activations' peak: SmolLM2 0.72 here, 0.70-0.77 on
+# one rank at 1,024-2,048 tokens; the process's peak RSS, which keeps freed memory, 0.98-1.05 (bench/memory_check.py)
 MEMORY_RATIO = (0.6, 1.0)
 MEMORY_TOKENS = 512  # tokens of the micro-batch whose peak is measured
 SHOTS = [("2 + 3", "5"), ("10 + 4", "14")]  # SmolLM2 answers with a number and <|im_end|> after these
