@@ -20,7 +20,8 @@ packed against padded log-probs, the memory estimate against a measured peak. Ch
 - memory.memory_estimate against the live tensors' peak of a training call (FSDPMemTracker), within MEMORY_RATIO.
 The figures and the commands that measure them over more tokens: docs/results/smollm2_system.md.
 
-Cost on a 2-core machine (docs/results/smollm2_system.md): ~2 minutes, of which the conversion ~45 s.
+Cost on the 2-core machine (docs/results/smollm2_system.md): 1 min 48 s at a load average of ~2 (the conversion 25 s,
+the run 38 s, the checks 44 s); up to ~4 min 50 s with three other jobs on it.
 Run: .venv/bin/python -m pytest -q -n 0 tests/test_smollm2.py
 """
 import ast
