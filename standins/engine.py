@@ -13,11 +13,13 @@ Trainer side of the weight-update group: `pg = scheduler.init_weight_update_grou
 group_name, backend)` then `scheduler.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
 colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
-Log-prob convention (the one logprobs.token_logprobs uses): `output_token_logprobs` holds, per sampled token,
-log_softmax(logits / temperature)[token] in float32, with temperature 1 for greedy requests (temperature < 1e-6, as
-SGLang, which turns greedy into temperature 1 + top_k 1). top_p / top_k / min_p and the min_new_tokens ban change
-which token is drawn, never the reported log-prob: RL runs sample with top_p=1, top_k=-1 so that it is the
-probability the token was drawn with.
+Log-prob convention (0.5.23's, layers/sampler.py: Sampler.forward; the one logprobs.token_logprobs uses):
+`output_token_logprobs` holds, per sampled token, log_softmax(logits / temperature)[token] in float32 over the whole
+vocabulary, with temperature 1 for greedy requests (temperature < 1e-6, as SGLang, which turns greedy into
+temperature 1 + top_k 1) and for every request under SGLANG_RETURN_ORIGINAL_LOGPROB=true. top_p / top_k / min_p and
+the min_new_tokens ban change which token is drawn, never the reported log-prob: with top_p < 1 or top_k > 0 it is
+not the probability the token was drawn with (the trainer replays the kept set: logprobs.Support). Prompt log-probs
+(`input_token_logprobs`) are at temperature 1 always.
 
 How it works: this file is the HTTP front (aiohttp; the part of SGLang that its tokenizer manager plays): it only
 parses, validates and formats, refuses oversized bodies (413, before reading) and texts (before tokenizing), and
