@@ -31,8 +31,11 @@ GREEDY_TEMPERATURE = 1e-6  # below this a request is greedy (SGLang's _SAMPLING_
 # The scaled logit given to tokens outside a Support: exp() of it is exactly 0, and so is 0 times it (0 * -inf would
 # be NaN in the entropy and in its gradient); far below any real logit / temperature (temperature >= 1e-6)
 OUTSIDE = -1e30
-SUPPORT_SORT_PARTS = 5  # the kept set of a chunk is found a fifth of its rows at a time: the sort's values, indices
-# and cumulative sums (20 bytes an entry) then take about as much memory as the float32 chunk itself
+SUPPORT_PARTS = 5  # a chunk's supports are found a fifth of its rows at a time (the log-sum-exp's temporary, and a
+# full sort where one is needed, then take at most about the float32 chunk's memory)
+SUPPORT_FIRST_K = 128  # a top_p cut is looked for among the 128 most likely tokens first (torch.topk: on CPU at a
+# vocabulary of 151,936, 0.07 s for 205 rows against 3.4 s to sort them), then 8x as many for the rows whose cut lies
+# further, then all
 
 
 @dataclass(frozen=True)
@@ -79,21 +82,29 @@ def _support_bounds(s: Tensor, support: Support) -> tuple[Tensor, Tensor]:
     top_p), so one value per row describes it, and backward finds the same set again from it."""
     rows = s.reshape(-1, s.shape[-1])
     lowest, lse = rows.new_empty(rows.shape[0]), rows.new_empty(rows.shape[0])
-    step = max(1, -(-rows.shape[0] // SUPPORT_SORT_PARTS))
+    step = max(1, -(-rows.shape[0] // SUPPORT_PARTS))
     for i in range(0, rows.shape[0], step):
-        x = rows[i:i + step]
-        lse[i:i + step] = torch.logsumexp(x, -1)
-        if support.top_p < 1:
-            ranked = x.sort(-1, descending=True).values
-            p = ranked.sub(lse[i:i + step, None]).exp_()
-            kept = (p.cumsum(-1).sub_(p) <= support.top_p).sum(-1)  # >= 1: nothing is ranked above the first
-            if support.top_k > 0:
-                kept.clamp_(max=support.top_k)
-            lowest[i:i + step] = ranked.gather(-1, kept.sub_(1).unsqueeze(-1)).squeeze(-1)
-            del ranked, p
-        else:
-            lowest[i:i + step] = x.topk(min(support.top_k, x.shape[-1]), -1).values[:, -1]
+        lse[i:i + step] = torch.logsumexp(rows[i:i + step], -1)
+        lowest[i:i + step] = _lowest_kept(rows[i:i + step], lse[i:i + step], support)
     return lowest.view(s.shape[:-1]), lse.view(s.shape[:-1])
+
+
+def _lowest_kept(x: Tensor, lse: Tensor, support: Support) -> Tensor:
+    """The lowest value the support keeps in each row of x [r, V] (log-sum-exp lse [r]), found among the row's k most
+    likely values: top_k's, or for top_p SUPPORT_FIRST_K growing 8x (up to V) for the rows whose cut lies further."""
+    cap = support.top_k if 0 < support.top_k < x.shape[-1] else x.shape[-1]
+    k = min(cap, SUPPORT_FIRST_K) if support.top_p < 1 else cap
+    out, todo = x.new_empty(x.shape[0]), torch.arange(x.shape[0], device=x.device)
+    while todo.numel():
+        ranked = (x if todo.numel() == x.shape[0] else x[todo]).topk(k, -1).values  # most likely first
+        kept = torch.full_like(todo, k)
+        if support.top_p < 1:
+            p = ranked.sub(lse[todo, None]).exp_()
+            kept = (p.cumsum(-1).sub_(p) <= support.top_p).sum(-1)  # >= 1: nothing is ranked above the first
+        done = (kept < k) | (k == cap)  # the cut is among these k, or top_k's cap is
+        out[todo[done]] = ranked[done].gather(-1, kept[done, None] - 1).squeeze(-1)
+        todo, k = todo[~done], cap if 32 * k > cap else 8 * k  # (topk of all V costs less than sorting them)
+    return out
 
 
 def _restrict_(s: Tensor, targets: Tensor, lowest: Tensor) -> Tensor:
@@ -148,8 +159,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
     Backward recomputes each chunk's softmax from the logits in float32 (and the same support from the saved lowest
     values) and writes d/dlogits analytically (_chunk_grad), so the peak extra memory is one float32 chunk (two with
-    entropy; about two with a support, whose sort runs on a fifth of the chunk at a time) plus the gradient in the
-    logits' dtype. This is the per-chunk checkpointing idea without autograd's saved intermediates.
+    entropy; with a support, a boolean mask of the chunk and the log-sum-exp of a fifth of it at a time besides) plus
+    the gradient in the logits' dtype. This is the per-chunk checkpointing idea without autograd's saved intermediates.
     """
 
     @staticmethod

@@ -358,3 +358,18 @@ def test_support_keeps_float32_to_one_chunk(fused):
             lp, ent, _ = logprobs.token_logprobs(logits, targets, 0.8, chunk, True, support)
         (lp.sum() + ent.sum()).backward()
     assert 0 < seen.numel <= chunk * V, seen.numel
+
+
+def test_a_top_p_cut_far_down_a_flat_distribution_is_found():
+    """logprobs.SUPPORT_FIRST_K: the cut is looked for among the 128 most likely tokens first, then 1,024, then all
+    5,000. top_p 0.9 keeps ~50 tokens of a peaked row (one round), ~600 of a flatter one (two) and ~4,400 of a flat
+    one (three): every row equals the plain reference."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(2, 5000, generator=g) * scale for scale in (4.0, 2.5, 0.1)])
+    targets = torch.randint(0, 5000, (6,), generator=g)
+    lp, _, mass = logprobs.token_logprobs(logits, targets, 1.0, chunk_size=4, support=logprobs.Support(top_p=0.9))
+    ref_lp, _, ref_mass = support_reference(logits, targets, 1.0, -1, 0.9)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(mass, ref_mass, atol=1e-5)
+    kept = (logits.softmax(-1).sort(-1, descending=True).values.cumsum(-1) < 0.9).sum(-1)
+    first = logprobs.SUPPORT_FIRST_K
+    assert kept[:2].max() < first < kept[2:4].min() <= kept[2:4].max() < 8 * first < kept[4:].min()
