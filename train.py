@@ -21,7 +21,7 @@ Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers 
 Simplifications: data parallel only (FSDP2 over the decoder layers); GPU-only paths (nccl, bf16 compute,
 flash_attention_2, CUDA IPC weight sync, launching SGLang) are switched on by device=cuda / rollout.launch=sglang
 and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (logprobs.py): log_softmax(logits / temperature) of
-the sampled token.
+the sampled token, renormalised over the tokens the sampler could draw under rollout.sampling.top_k / top_p.
 """
 from __future__ import annotations
 

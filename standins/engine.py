@@ -55,7 +55,8 @@ Outside the subset (HTTP 400 naming the field, so a test here proves nothing abo
 grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
 only: each reshapes the logits before sampling, and RL rollouts here sample from the plain distribution);
 `custom_logit_processor` (SGLang runs pickled Python from the request; nothing here calls it); `input_embeds` and
-image/video/audio data (text-only decoders, token-id prompts); LoRA, sessions, hidden states, entropy; streaming of
+image/video/audio data (text-only decoders, token-id prompts); LoRA, sessions, hidden states, entropy, sampling
+masks (`return_sampling_mask`: each output token's kept set; the trainer replays it instead); streaming of
 batches and of n > 1 (the client sends list requests unstreamed: one reply in input order, as 0.5.23 gives it).
 """
 from __future__ import annotations
@@ -227,7 +228,7 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
 # GenerateReqInput fields outside engine.py's subset (see the module docstring): HTTP 400 naming the field unless
 # null or false, so that a request that relies on one fails instead of being answered without it.
 UNSERVED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor", "lora_path",
-            "session_params", "return_hidden_states", "return_entropy")
+            "session_params", "return_hidden_states", "return_entropy", "return_sampling_mask")
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 
