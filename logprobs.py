@@ -31,8 +31,8 @@ GREEDY_TEMPERATURE = 1e-6  # below this a request is greedy (SGLang's _SAMPLING_
 # The scaled logit given to tokens outside a Support: exp() of it is exactly 0, and so is 0 times it (0 * -inf would
 # be NaN in the entropy and in its gradient); far below any real logit / temperature (temperature >= 1e-6)
 OUTSIDE = -1e30
-SUPPORT_PARTS = 5  # a chunk's supports are found a fifth of its rows at a time (the log-sum-exp's temporary, and a
-# full sort where one is needed, then take at most about the float32 chunk's memory)
+SUPPORT_PARTS = 5  # a chunk's supports are found a fifth of its rows at a time (the log-sum-exp's temporary, and the
+# top values of whole rows where a cut lies far down, then take at most about the float32 chunk's memory)
 SUPPORT_FIRST_K = 128  # a top_p cut is looked for among the 128 most likely tokens first (torch.topk: on CPU at a
 # vocabulary of 151,936, 0.07 s for 205 rows against 3.4 s to sort them), then 8x as many for the rows whose cut lies
 # further, then all
