@@ -21,7 +21,7 @@ Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers 
 Simplifications: data parallel only (FSDP2 over the decoder layers); GPU-only paths (nccl, bf16 compute,
 flash_attention_2, CUDA IPC weight sync, launching SGLang) are switched on by device=cuda / rollout.launch=sglang
 and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (logprobs.py): log_softmax(logits / temperature) of
-the sampled token.
+the sampled token, renormalised over the tokens the sampler could draw under rollout.sampling.top_k / top_p.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ import checks  # noqa: E402
 import colocate as colocate_lib  # noqa: E402
 import config as config_lib  # noqa: E402
 import hf_export  # noqa: E402
+import logprobs  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import services as services_lib  # noqa: E402
@@ -290,12 +291,20 @@ class Actor:
         old = self._old_log_probs(batches, step)
         self.model.train()
         sums, weights, extremes = {}, {}, {}
-        for b, old_lp in zip(batches, old):
+        for b, old_out in zip(batches, old):
             # entropy only for train/entropy: no loss term here uses it, and it costs a float32 [chunk, vocab]
             # buffer and the softmax's work again, in the forward and in the backward
-            logp, ent = self._token_logprobs(b, with_entropy=t.entropy_metric)
-            if old_lp is None:  # the step's first call: these weights are the old policy
-                old_lp = logp.detach()
+            logp, ent, mass = self._token_logprobs(b, with_entropy=t.entropy_metric)
+            # pi_old and the log of the mass its support holds (None: no top_k / top_p); None from _old_log_probs:
+            # these weights are the old policy (the step's first call), or there is no old forward
+            old_lp, _, old_mass = old_out or (logp.detach(), None, mass)
+            if old_mass is not None:
+                # The engine reports mu over the whole vocabulary; the token was drawn from mu renormalised over the
+                # support, whose mass the engine's logits hold and the trainer's step-start forward estimates
+                # (docs/algorithms.md, "Top-k and top-p sampling"): pi_old / mu is then the whole vocabulary's ratio
+                b = dict(b, rollout_lp=b["rollout_lp"] - old_mass)
+            if t.use_rollout_log_probs:
+                old_lp = b["rollout_lp"]
             loss, met = micro_batch_loss(self.cfg, logp, old_lp, b, denom, ent, step)
             pi_lp = logp.detach() if t.use_rollout_log_probs else old_lp  # pi_old (old_lp would be mu there)
             for k, v in losses.offpolicy_diagnostic_sums(pi_lp, b["rollout_lp"], b["adv"], b["mask"],
@@ -305,6 +314,9 @@ class Actor:
                 gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
                 met = {**met, "train/rollout_logprob_diff_max": gap.max(),
                        "train/rollout_logprob_diff_mean": gap.sum() / b["mask"].sum().clamp(min=1)}
+            if old_mass is not None:
+                met["train/sampling_mass_outside"] = (((1 - old_mass.exp()) * b["mask"]).sum()
+                                                      / b["mask"].sum().clamp(min=1))
             # FSDP averages gradients over ranks; the losses already sum to the mini-batch loss, so undo the mean.
             (loss * self.world).backward()
             n = float(b["mask"].sum())
@@ -350,15 +362,19 @@ class Actor:
         return out
 
     def _old_log_probs(self, batches: list[dict], step: int) -> list:
-        """log pi_old per micro-batch: the step-start weights (model.OldPolicy); under
-        trainer.use_rollout_log_probs the engine's log-probs instead (no forward, no snapshot)."""
+        """(log pi_old, None, log-mass) per micro-batch: the step-start weights (model.OldPolicy), or None where the
+        training forward stands in: at the step's first call, and under trainer.use_rollout_log_probs, whose pi_old
+        is the engine's log-probs (no forward, no snapshot; the training forward's log-mass renormalises them)."""
         if self.cfg.trainer.use_rollout_log_probs:
-            return [b["rollout_lp"] for b in batches]
+            return [None] * len(batches)
         return self.old.log_probs(batches, step, self.cfg.calls_per_step > 1, self._token_logprobs)
 
     def _token_logprobs(self, b: dict, with_entropy: bool = False) -> tuple:
-        return model_lib.token_logprobs(self.model, b, self.cfg.rollout.sampling.temperature,
-                                        self.cfg.trainer.logprob_chunk_tokens, with_entropy)
+        """(log-probs, entropy, log-mass): over the tokens the engine's sampler can draw (rollout.sampling.top_k /
+        top_p), renormalised (docs/algorithms.md, "Top-k and top-p sampling")."""
+        s = self.cfg.rollout.sampling
+        return model_lib.token_logprobs(self.model, b, s.temperature, self.cfg.trainer.logprob_chunk_tokens,
+                                        with_entropy, logprobs.Support(top_k=s.top_k, top_p=s.top_p))
 
     # ---- weights: weight_sync.py gathers bucket by bucket, pushes, retries ----
     def sync_weights(self, version: int) -> dict:

@@ -82,6 +82,7 @@ RULES = [
     (["rollout.sampling.temperature=0"], None, ["rollout.sampling.temperature"]),
     (["rollout.sampling.top_p=0"], None, ["rollout.sampling.top_p"]),
     (["rollout.sampling.top_p=1.5"], None, ["rollout.sampling.top_p"]),
+    (["rollout.sampling.top_k=0"], None, ["rollout.sampling.top_k must be -1 (off) or at least 1", "got 0"]),
     (["rollout.trajectory_timeout_s=0"], None, ["rollout.trajectory_timeout_s"]),
     (["rollout.request_timeout_s=0"], None, ["rollout.request_timeout_s"]),
     (["rollout.startup_timeout_s=0"], None, ["rollout.startup_timeout_s"]),

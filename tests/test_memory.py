@@ -95,6 +95,11 @@ def test_the_30b_config_fits_8_gpus_of_80gb_by_its_own_estimate(qwen3_30b):
     assert USABLE_80GB < est["device"] < memory.GPU_80GB_GIB  # 76.9: on the edge, does not fit with margin
     without = memory.memory_estimate(cfg, n, largest, 8, "cuda", shape, with_entropy=False)
     assert without["parts"]["log-probs"] == pytest.approx(p["log-probs"] - 1024 * v * 4 / GIB)
+    # a top_p support: its boolean mask and the top values of a fifth of a chunk, 2 bytes a chunk entry
+    nucleus = memory.memory_estimate(config.load_config(CONFIG_30B, ["trainer.cpu_offload=false",
+                                                                    "rollout.sampling.top_p=0.9"]),
+                                     n, largest, 8, "cuda", shape)
+    assert nucleus["parts"]["log-probs"] == pytest.approx(p["log-probs"] + 1024 * v * 2 / GIB)
     # foreach AdamW: its temporaries are a full float32 shard more
     foreach = memory.memory_estimate(config.load_config(CONFIG_30B, ["trainer.cpu_offload=false",
                                                                     "trainer.optimizer_impl=foreach"]),
