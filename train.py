@@ -57,7 +57,8 @@ import model as model_lib  # noqa: E402
 import services as services_lib  # noqa: E402
 import strategies  # noqa: E402
 import weight_sync as weight_sync_lib  # noqa: E402
-from logger import SAMPLES_PER_STEP, Logger, aggregate, sample_records, trained_group_metrics  # noqa: E402
+from logger import (SAMPLES_PER_STEP, Logger, TrainMetrics, aggregate, sample_records,  # noqa: E402
+                    trained_group_metrics)
 from memory import memory_report, optimizer_impl  # noqa: E402
 from run_modes import NoRollout, ReplayBuffer, RolloutRecorder, make_evaluator  # noqa: E402
 from services import RANK0_EXIT_WAIT_S, Services  # noqa: E402
@@ -280,17 +281,16 @@ class Actor:
         batches = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in plan]
         local = self.forward_backward(batches, step, denom)
         out = self.optimizer_step()
-        out.update(self.reduce_metrics(*local))
+        out.update(self.reduce_metrics(local))
         out.update(model_lib.memory_metrics(self.device))
         return out
 
-    def forward_backward(self, batches: list[dict], step: int, denom: float) -> tuple:
-        """Gradients of this rank's share of the mini-batch loss; returns its metrics as (sums, weights, extremes)
-        for reduce_metrics."""
+    def forward_backward(self, batches: list[dict], step: int, denom: float) -> TrainMetrics:
+        """Gradients of this rank's share of the mini-batch loss; returns its metrics, for reduce_metrics."""
         t = self.cfg.trainer
         old = self._old_log_probs(batches, step)
         self.model.train()
-        sums, weights, extremes = {}, {}, {}
+        acc = TrainMetrics()
         for b, old_out in zip(batches, old):
             # entropy only for train/entropy: no loss term here uses it, and it costs a float32 [chunk, vocab]
             # buffer and the softmax's work again, in the forward and in the backward
@@ -307,9 +307,8 @@ class Actor:
                 old_lp = b["rollout_lp"]
             loss, met = micro_batch_loss(self.cfg, logp, old_lp, b, denom, ent, step)
             pi_lp = logp.detach() if t.use_rollout_log_probs else old_lp  # pi_old (old_lp would be mu there)
-            for k, v in losses.offpolicy_diagnostic_sums(pi_lp, b["rollout_lp"], b["adv"], b["mask"],
-                                                         self.cfg.algorithm.clip_high).items():
-                sums["offpolicy/" + k], weights["offpolicy/" + k] = sums.get("offpolicy/" + k, 0.0) + v, 1.0
+            acc.add_sums({"offpolicy/" + k: v for k, v in losses.offpolicy_diagnostic_sums(
+                pi_lp, b["rollout_lp"], b["adv"], b["mask"], self.cfg.algorithm.clip_high).items()})
             if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
                 gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
                 met = {**met, "train/rollout_logprob_diff_max": gap.max(),
@@ -319,17 +318,8 @@ class Actor:
                                                       / b["mask"].sum().clamp(min=1))
             # FSDP averages gradients over ranks; the losses already sum to the mini-batch loss, so undo the mean.
             (loss * self.world).backward()
-            n = float(b["mask"].sum())
-            for k, v in met.items():
-                v = float(v)
-                if k.endswith("_max") or k.endswith("_min"):
-                    if n > 0:
-                        extremes.setdefault(k, []).append(v)
-                elif k == "train/pg_loss":  # this micro-batch's share of the mini-batch loss: summed
-                    sums[k], weights[k] = sums.get(k, 0.0) + v, 1.0
-                elif n > 0:  # means over this micro-batch's tokens: token-weighted mean
-                    sums[k], weights[k] = sums.get(k, 0.0) + v * n, weights.get(k, 0.0) + n
-        return sums, weights, extremes
+            acc.add(met, float(b["mask"].sum()))
+        return acc
 
     def optimizer_step(self) -> dict:
         """Clip, step (skipped when the gradient is not finite: it would poison the weights), zero, schedule."""
@@ -343,21 +333,13 @@ class Actor:
         return {"train/grad_norm": grad_norm, "train/lr": self.sched.get_last_lr()[0],
                 "train/skipped_update": float(not math.isfinite(grad_norm))}
 
-    def reduce_metrics(self, sums: dict, weights: dict, extremes: dict) -> dict:
-        """Every rank's forward_backward metrics -> the call's: train/pg_loss summed, means token-weighted,
-        *_max / *_min over every micro-batch with loss tokens; train/loss = train/pg_loss (GRPO: no KL or
-        entropy term); the off-policy diagnostics from their sums (losses.offpolicy_diagnostics)."""
+    def reduce_metrics(self, acc: TrainMetrics) -> dict:
+        """Every rank's forward_backward metrics -> the call's (TrainMetrics.reduce); train/loss = train/pg_loss
+        (GRPO: no KL or entropy term); the off-policy diagnostics from their sums (losses.offpolicy_diagnostics)."""
         parts: list = [None] * self.world
-        dist.all_gather_object(parts, (sums, weights, extremes), group=self.ctrl)
-        out = {}
-        for k in dict.fromkeys(k for s, _, _ in parts for k in s):
-            tot = sum(s.get(k, 0.0) for s, _, _ in parts)
-            w = sum(wt.get(k, 0.0) for _, wt, _ in parts)
-            out[k] = tot if k == "train/pg_loss" or k.startswith("offpolicy/") else tot / max(w, 1e-9)
+        dist.all_gather_object(parts, acc.state(), group=self.ctrl)
+        out = TrainMetrics.reduce(parts)
         out.update(losses.offpolicy_diagnostics({k[10:]: out.pop(k) for k in list(out) if k[:10] == "offpolicy/"}))
-        for k in dict.fromkeys(k for _, _, e in parts for k in e):
-            vals = [v for _, _, e in parts for v in e.get(k, [])]
-            out[k] = max(vals) if k.endswith("_max") else min(vals)
         out["train/loss"] = out.get("train/pg_loss", 0.0)
         return out
 

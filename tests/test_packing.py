@@ -203,7 +203,7 @@ def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_pa
         actor = object.__new__(train.Actor)
         actor.cfg = config.load_config(None, ["trainer.use_rollout_log_probs=true", f"trainer.entropy_metric={on}"])
         actor.model, actor.world = _model(tiny_path, "sdpa"), 1
-        sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum()))
+        sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum())).state()
         runs.append((sums, {n: p.grad.clone() for n, p in actor.model.named_parameters()}))
     (s1, g1), (s0, g0) = runs
     assert s1["train/entropy"] > 0 and "train/entropy" not in s0
@@ -228,7 +228,7 @@ def test_top_p_renormalises_mu_over_the_support_the_trainer_replays(tiny_path):
         full, _ = model_lib.token_logprobs(actor.model, b, 0.7, 1024)
         _, _, mass = model_lib.token_logprobs(actor.model, b, 0.7, 1024, support=logprobs.Support(20, 0.8))
     b["rollout_lp"] = full * b["mask"]
-    sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum()))
+    sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum())).state()
     met = {k: sums[k] / weights[k] for k in sums}
     assert abs(met["train/approx_kl"]) < 1e-6 and met["train/clip_ratio"] == 0.0
     outside = float(((1 - mass.exp()) * b["mask"]).sum() / b["mask"].sum())
