@@ -122,8 +122,8 @@ class ServerLayout:
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0  # sampling temperature; the trainer scales logits by the same value
-    top_p: float = 1.0  # nucleus sampling (1.0 keeps log-probs exact for training)
-    top_k: int = -1  # top-k sampling (-1 = off)
+    top_p: float = 1.0  # nucleus sampling (1 = off; below 1 the trainer renormalises its log-probs over the kept set)
+    top_k: int = -1  # top-k sampling (-1 = off; the trainer renormalises over the kept set too)
     max_new_tokens: int = 16  # response length limit per trajectory (summed over turns in multi-turn)
 
 
@@ -511,6 +511,8 @@ def validate(cfg: Config) -> Config:
     _positive(r.sampling.temperature, "rollout.sampling.temperature")
     if not 0 < r.sampling.top_p <= 1:
         raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {r.sampling.top_p}")
+    if r.sampling.top_k != -1 and r.sampling.top_k < 1:  # SGLang's own rule (sampling_params.py: verify)
+        raise ValueError(f"rollout.sampling.top_k must be -1 (off) or at least 1, got {r.sampling.top_k}")
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
                 "retry_backoff_s", "reward_workers", "env_max_concurrent", "env_step_timeout_s"):
         _positive(getattr(r, key), f"rollout.{key}")

@@ -1,6 +1,7 @@
-"""logger.py: rank 0's metrics and logging of a run: the spec's per-step aggregation of the training calls'
-metrics (aggregate), and Logger: the stdout line per step, metrics.jsonl, samples/*.jsonl, the waiting line
-(waiting.jsonl) and wandb when logging.wandb.enable. train.py's step loop calls Logger.log once per step."""
+"""logger.py: the metrics and logging of a run: a training call's metrics over micro-batches and ranks (TrainMetrics,
+every rank), the spec's per-step aggregation of the training calls' metrics (aggregate), and rank 0's Logger: the
+stdout line per step, metrics.jsonl, samples/*.jsonl, the waiting line (waiting.jsonl) and wandb when
+logging.wandb.enable. train.py's step loop calls Logger.log once per step."""
 from __future__ import annotations
 
 import json
@@ -49,6 +50,48 @@ def sample_records(groups: list, per_group: Optional[int] = None) -> list[dict]:
     return [{"prompt_ids": t.prompt_ids.tolist(), "response_ids": t.response_ids.tolist(), "reward": t.reward,
              "label": g.prompt.label, "versions": t.versions.tolist(), "loss_mask": t.loss_mask.tolist(),
              "status": t.status} for g in groups for t in g.trajectories[:per_group]]
+
+
+class TrainMetrics:
+    """One training call's metrics on one rank, over its micro-batches, and their reduction over the ranks:
+    train/pg_loss summed (each micro-batch's share of the mini-batch loss), other means token-weighted, *_max / *_min
+    over every micro-batch with loss tokens, and sums (add_sums: offpolicy/*) summed."""
+
+    def __init__(self):
+        self.sums, self.weights, self.extremes = {}, {}, {}
+
+    def add_sums(self, sums: dict) -> None:
+        for k, v in sums.items():
+            self.sums[k], self.weights[k] = self.sums.get(k, 0.0) + float(v), 1.0
+
+    def add(self, metrics: dict, n_tokens: float) -> None:
+        """One micro-batch's metrics, of n_tokens loss tokens."""
+        for k, v in metrics.items():
+            v = float(v)
+            if k.endswith("_max") or k.endswith("_min"):
+                if n_tokens > 0:
+                    self.extremes.setdefault(k, []).append(v)
+            elif k == "train/pg_loss":
+                self.add_sums({k: v})
+            elif n_tokens > 0:
+                self.sums[k] = self.sums.get(k, 0.0) + v * n_tokens
+                self.weights[k] = self.weights.get(k, 0.0) + n_tokens
+
+    def state(self) -> tuple:
+        return self.sums, self.weights, self.extremes
+
+    @staticmethod
+    def reduce(parts: list) -> dict:
+        """Every rank's state() -> one value per metric."""
+        out = {}
+        for k in dict.fromkeys(k for s, _, _ in parts for k in s):
+            tot = sum(s.get(k, 0.0) for s, _, _ in parts)
+            w = sum(wt.get(k, 0.0) for _, wt, _ in parts)
+            out[k] = tot if k == "train/pg_loss" or k.startswith("offpolicy/") else tot / max(w, 1e-9)
+        for k in dict.fromkeys(k for _, _, e in parts for k in e):
+            vals = [v for _, _, e in parts for v in e.get(k, [])]
+            out[k] = max(vals) if k.endswith("_max") else min(vals)
+        return out
 
 
 class Logger:

@@ -10,6 +10,10 @@ quantity, which the losses compare (losses.py) and train/rollout_logprob_diff_ma
   - `linear_token_logprobs`: from the last hidden states and the lm_head weight, the lm_head fused into the chunked
     log-softmax, so the [T, V] logits never exist (model.token_logprobs uses it inside the model's forward).
 Both are torch.autograd.Functions whose backward recomputes each chunk and writes d/dlogits analytically.
+
+With a `Support` (rollout.sampling.top_k > 0 or top_p < 1) both take the log-prob over the tokens the sampler could
+draw instead of the whole vocabulary: each position's kept set is replayed from these logits by SGLang's rule, the
+distribution renormalised over it (docs/algorithms.md, "Top-k and top-p sampling").
 Only torch is imported, so this file can be copied into another repo.
 
 Run the tests:      .venv/bin/python -m pytest -q tests/test_logprobs.py
@@ -17,19 +21,45 @@ Memory benchmark:   .venv/bin/python bench/logprob_memory.py
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 GREEDY_TEMPERATURE = 1e-6  # below this a request is greedy (SGLang's _SAMPLING_EPS); reported as log_softmax(logits)
+# The scaled logit given to tokens outside a Support: exp() of it is exactly 0, and so is 0 times it (0 * -inf would
+# be NaN in the entropy and in its gradient); far below any real logit / temperature (temperature >= 1e-6)
+OUTSIDE = -1e30
+SUPPORT_PARTS = 5  # a chunk's supports are found a fifth of its rows at a time (the log-sum-exp's temporary, and the
+# top values of whole rows where a cut lies far down, then take at most about the float32 chunk's memory)
+SUPPORT_FIRST_K = 128  # a top_p cut is looked for among the 128 most likely tokens first (torch.topk: on CPU at a
+# vocabulary of 151,936, 0.07 s for 205 rows against 3.4 s to sort them), then 8x as many for the rows whose cut lies
+# further, then all
+
+
+@dataclass(frozen=True)
+class Support:
+    """The tokens SGLang 0.5.23's sampler can draw at a position: of p = softmax(logits / temperature), the top_k most
+    likely ones that are also within top_p, where a token is within top_p when the probability ranked above it is at
+    most top_p (so the token crossing top_p stays), both measured on the whole distribution (layers/sampler.py:
+    top_k_top_p_min_p_sampling_from_probs_torch, and flashinfer's top_k_top_p_sampling_from_probs with
+    filter_apply_order="joint", its default CUDA path). Ties at the cut are all kept here, where SGLang keeps those
+    its sort puts first. A greedy request (temperature < 1e-6) draws the argmax and reports the whole vocabulary's
+    log-prob: no support applies to it."""
+    top_k: int = -1  # keep the top_k most likely tokens (-1 or >= vocabulary: all)
+    top_p: float = 1.0  # keep the tokens whose higher-ranked probability is <= top_p (1: all)
+
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1
 
 
 def effective_temperature(temperature: float) -> float:
     """The temperature the engine's reported log-probs use (contract, docs/sglang.md).
 
     Sampling requests (temperature >= 1e-6) report log_softmax(logits / temperature) of the sampled token; greedy
-    requests report log_softmax(logits), i.e. temperature 1. top_p / top_k never change the reported log-prob.
+    requests report log_softmax(logits), i.e. temperature 1. top_p / top_k never change the reported log-prob (the
+    whole vocabulary's: layers/sampler.py Sampler.forward takes log(probs) before it filters them).
     """
     return 1.0 if temperature < GREEDY_TEMPERATURE else float(temperature)
 
@@ -44,6 +74,46 @@ def _chunks(rows: int, T: int, chunk_size: int):
         per = chunk_size // T
         for i in range(0, rows, per):
             yield slice(i, i + per), slice(None)
+
+
+def _support_bounds(s: Tensor, support: Support) -> tuple[Tensor, Tensor]:
+    """Per row of scaled logits s [..., V] float32: (the lowest value the support keeps, the row's log-sum-exp).
+    The support is a prefix of the row sorted by value (top_k: its first k; top_p: as long as the mass before is <=
+    top_p), so one value per row describes it, and backward finds the same set again from it."""
+    rows = s.reshape(-1, s.shape[-1])
+    lowest, lse = rows.new_empty(rows.shape[0]), rows.new_empty(rows.shape[0])
+    step = max(1, -(-rows.shape[0] // SUPPORT_PARTS))
+    for i in range(0, rows.shape[0], step):
+        lse[i:i + step] = torch.logsumexp(rows[i:i + step], -1)
+        lowest[i:i + step] = _lowest_kept(rows[i:i + step], lse[i:i + step], support)
+    return lowest.view(s.shape[:-1]), lse.view(s.shape[:-1])
+
+
+def _lowest_kept(x: Tensor, lse: Tensor, support: Support) -> Tensor:
+    """The lowest value the support keeps in each row of x [r, V] (log-sum-exp lse [r]), found among the row's k most
+    likely values: top_k's, or for top_p SUPPORT_FIRST_K growing 8x (up to V) for the rows whose cut lies further."""
+    cap = support.top_k if 0 < support.top_k < x.shape[-1] else x.shape[-1]
+    k = min(cap, SUPPORT_FIRST_K) if support.top_p < 1 else cap
+    out, todo = x.new_empty(x.shape[0]), torch.arange(x.shape[0], device=x.device)
+    while todo.numel():
+        ranked = (x if todo.numel() == x.shape[0] else x[todo]).topk(k, -1).values  # most likely first
+        kept = torch.full_like(todo, k)
+        if support.top_p < 1:
+            p = ranked.sub(lse[todo, None]).exp_()
+            kept = (p.cumsum(-1).sub_(p) <= support.top_p).sum(-1)  # >= 1: nothing is ranked above the first
+        done = (kept < k) | (k == cap)  # the cut is among these k, or top_k's cap is
+        out[todo[done]] = ranked[done].gather(-1, kept[done, None] - 1).squeeze(-1)
+        todo, k = todo[~done], cap if 32 * k > cap else 8 * k  # (topk of all V costs less than sorting them)
+    return out
+
+
+def _restrict_(s: Tensor, targets: Tensor, lowest: Tensor) -> Tensor:
+    """s [..., V] scaled logits, in place: OUTSIDE on the tokens below `lowest` except the target, which keeps its
+    own value. A sampled token was in the sampler's support even where these logits (not the sampler's) put it just
+    outside, and its log-prob must stay finite."""
+    target_s = s.gather(-1, targets.unsqueeze(-1))
+    s.masked_fill_(s < lowest.unsqueeze(-1), OUTSIDE)
+    return s.scatter_(-1, targets.unsqueeze(-1), target_s)
 
 
 def _chunk_stats(s: Tensor, targets: Tensor, with_entropy: bool) -> tuple:
@@ -84,46 +154,70 @@ def _chunk_grad(s: Tensor, targets: Tensor, lse: Tensor, entropy: Optional[Tenso
 
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """Forward and backward chunk by chunk; saves only the logits (no copy), lse and entropy ([rows, T] float32).
+    """Forward and backward chunk by chunk; saves only the logits (no copy), lse and entropy ([rows, T] float32), and
+    with a support the lowest kept value per token ([rows, T] float32).
 
-    Backward recomputes each chunk's softmax from the logits in float32 and writes d/dlogits analytically
-    (_chunk_grad), so the peak extra memory is one float32 chunk (two with entropy) plus the gradient in the
-    logits' dtype. This is the per-chunk checkpointing idea without autograd's saved intermediates.
+    Backward recomputes each chunk's softmax from the logits in float32 (and the same support from the saved lowest
+    values) and writes d/dlogits analytically (_chunk_grad), so the peak extra memory is one float32 chunk (two with
+    entropy; with a support, a boolean mask of the chunk and the log-sum-exp of a fifth of it at a time besides) plus
+    the gradient in the logits' dtype. This is the per-chunk checkpointing idea without autograd's saved intermediates.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool):
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool,
+                support: Optional[Support]):
         rows, T, _ = logits.shape
         logp = logits.new_empty((rows, T), dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
+        lowest, log_mass = (torch.empty_like(logp), torch.empty_like(logp)) if support else (None, None)
         for rs, ts in _chunks(rows, T, chunk_size):
             s = logits[rs, ts].to(torch.float32, copy=True).div_(temperature)  # one new float32 chunk
+            if support:
+                lowest[rs, ts], full = _support_bounds(s, support)
+                _restrict_(s, targets[rs, ts], lowest[rs, ts])
             lse[rs, ts], logp[rs, ts], ent = _chunk_stats(s, targets[rs, ts], with_entropy)
             if with_entropy:
                 entropy[rs, ts] = ent
+            if support:
+                log_mass[rs, ts] = lse[rs, ts] - full
             del s  # free this chunk before the next one is allocated
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.save_for_backward(logits, targets, lse, *([entropy] if with_entropy else []))
-        return (logp, entropy) if with_entropy else logp
+        ctx.save_for_backward(logits, targets, lse, entropy, lowest)
+        if support:
+            ctx.mark_non_differentiable(log_mass)
+        return logp, entropy, log_mass
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Optional[Tensor] = None):
-        logits, targets, lse, *ent = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Optional[Tensor], _grad_log_mass):
+        logits, targets, lse, entropy, lowest = ctx.saved_tensors
         rows, T, _ = logits.shape
         grad = torch.empty_like(logits)
         for rs, ts in _chunks(rows, T, ctx.chunk_size):
             s = logits[rs, ts].to(torch.float32, copy=True).div_(ctx.temperature)
-            grad[rs, ts] = _chunk_grad(s, targets[rs, ts], lse[rs, ts], ent[0][rs, ts] if ent else None,
+            if lowest is not None:
+                _restrict_(s, targets[rs, ts], lowest[rs, ts])
+            grad[rs, ts] = _chunk_grad(s, targets[rs, ts], lse[rs, ts], None if entropy is None else entropy[rs, ts],
                                        grad_logp[rs, ts], grad_entropy[rs, ts] if ctx.with_entropy else None,
                                        ctx.temperature)
             del s  # free this chunk before the next one is allocated
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _replayed(support: Optional[Support], temperature: float) -> Optional[Support]:
+    """The support the kernels restrict to: none without truncation, and none for a greedy request (the engine draws
+    its argmax and reports the whole vocabulary's log-prob at temperature 1)."""
+    return support if support is not None and support.truncates() and temperature >= GREEDY_TEMPERATURE else None
+
+
+def _outputs(logp: Tensor, entropy: Optional[Tensor], log_mass: Optional[Tensor], shape, support) -> tuple:
+    out = (logp.reshape(shape), None if entropy is None else entropy.reshape(shape))
+    return out if support is None else out + (None if log_mass is None else log_mass.reshape(shape),)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, chunk_size: int = 1024,
-                   with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                   with_entropy: bool = False, support: Optional[Support] = None) -> tuple:
     """Log-prob of each target token, and optionally the entropy, under softmax(logits / temperature).
 
     logits [..., T, V] (any float dtype, e.g. bf16), targets [..., T] (valid token ids; put any id, e.g. 0, at
@@ -133,6 +227,12 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, chunk_si
     besides the gradient, not a full float32 [T, V] copy (20K tokens x 150K vocab would be 12 GB; see
     bench/logprob_memory.py). Differentiable once with respect to logits. The logits themselves (and their
     gradient) are still [T, V]: `linear_token_logprobs` never builds them.
+
+    With `support` a third output: log_mass [..., T] float32, the log of the probability the whole-vocabulary
+    distribution puts on the support (None when it does not truncate, or the temperature is greedy), and logp and
+    entropy are those of the distribution renormalised over the support (plus the target, always): logp = full
+    log-prob - log_mass. The support is found from these logits and held fixed in the gradient (it changes only
+    where a logit crosses the cut), so the gradient is that of the renormalised log-prob, exactly.
     """
     if chunk_size <= 0:
         raise ValueError(f"token_logprobs chunk_size (trainer.logprob_chunk_tokens) must be > 0, got {chunk_size}")
@@ -141,58 +241,72 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, chunk_si
                          f"vocabulary dimension {tuple(logits.shape[:-1])}")
     lead, (T, V) = logits.shape[:-2], logits.shape[-2:]
     out = _ChunkedTokenLogProbs.apply(logits.reshape(-1, T, V), targets.reshape(-1, T).long(),
-                                      effective_temperature(temperature), chunk_size, with_entropy)
-    logp, entropy = out if with_entropy else (out, None)
-    return logp.reshape(*lead, T), (entropy.reshape(*lead, T) if with_entropy else None)
+                                      effective_temperature(temperature), chunk_size, with_entropy,
+                                      _replayed(support, temperature))
+    return _outputs(*out, (*lead, T), support)
 
 
 class _LinearTokenLogProbs(torch.autograd.Function):
     """lm_head and log-softmax fused per chunk of tokens: logits = hidden @ weight.T exist one chunk at a time, in
     forward and in backward (recomputed there: one more [chunk, H] x [H, V] matmul per chunk, the price of never
-    holding [T, V]). Saves hidden, weight (no copies), lse and entropy. Backward per chunk: d = dL/dlogits
-    (_chunk_grad), grad_hidden = d @ weight, grad_weight += d.T @ hidden (accumulated in float32). verl's
-    linear_cross_entropy kernel (verl/utils/kernel/linear_cross_entropy.py) is the same idea as a Triton kernel."""
+    holding [T, V]). Saves hidden, weight (no copies), lse and entropy (and a support's lowest kept values). Backward
+    per chunk: d = dL/dlogits (_chunk_grad), grad_hidden = d @ weight, grad_weight += d.T @ hidden (accumulated in
+    float32). verl's linear_cross_entropy kernel (verl/utils/kernel/linear_cross_entropy.py) is the same idea as a
+    Triton kernel."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int,
-                with_entropy: bool):
+                with_entropy: bool, support: Optional[Support]):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
+        lowest, log_mass = (torch.empty_like(logp), torch.empty_like(logp)) if support else (None, None)
         for t0 in range(0, n, chunk_size):
             c = slice(t0, t0 + chunk_size)
             s = (hidden[c] @ weight.T).float().div_(temperature)
+            if support:
+                lowest[c], full = _support_bounds(s, support)
+                _restrict_(s, targets[c], lowest[c])
             lse[c], logp[c], ent = _chunk_stats(s, targets[c], with_entropy)
             if with_entropy:
                 entropy[c] = ent
+            if support:
+                log_mass[c] = lse[c] - full
             del s
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.save_for_backward(hidden, weight, targets, lse, *([entropy] if with_entropy else []))
-        return (logp, entropy) if with_entropy else logp
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, lowest)
+        if support:
+            ctx.mark_non_differentiable(log_mass)
+        return logp, entropy, log_mass
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Optional[Tensor] = None):
-        hidden, weight, targets, lse, *ent = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Optional[Tensor], _grad_log_mass):
+        hidden, weight, targets, lse, entropy, lowest = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for t0 in range(0, hidden.shape[0], ctx.chunk_size):
             c = slice(t0, t0 + ctx.chunk_size)
             s = (hidden[c] @ weight.T).float().div_(ctx.temperature)
-            d = _chunk_grad(s, targets[c], lse[c], ent[0][c] if ent else None, grad_logp[c],
+            if lowest is not None:
+                _restrict_(s, targets[c], lowest[c])
+            d = _chunk_grad(s, targets[c], lse[c], None if entropy is None else entropy[c], grad_logp[c],
                             grad_entropy[c] if ctx.with_entropy else None, ctx.temperature)
             grad_hidden[c] = d.to(hidden.dtype) @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(d.T, hidden[c].float())
             del s, d
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,
+                None)
 
 
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                          chunk_size: int = 1024, with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                          chunk_size: int = 1024, with_entropy: bool = False,
+                          support: Optional[Support] = None) -> tuple:
     """`token_logprobs(hidden @ weight.T, ...)` without the [T, V] logits: hidden [..., T, H] (the last hidden
-    states), weight [V, H] (the lm_head's), targets [..., T] -> (logp [..., T] float32, entropy or None).
+    states), weight [V, H] (the lm_head's), targets [..., T] -> (logp [..., T] float32, entropy or None), and with
+    `support` log_mass as token_logprobs gives it.
 
     Peak extra memory, forward or backward: one chunk's logits in hidden's dtype and float32 (plus the float32
     weight gradient, [V, H]), where the unfused path holds [T, V] logits and their gradient (2 x 6.95 GiB in bf16 at
@@ -204,8 +318,7 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, tempe
     if hidden.shape[:-1] != targets.shape or hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear_token_logprobs: hidden {tuple(hidden.shape)} must be targets' shape "
                          f"{tuple(targets.shape)} plus the hidden size of weight {tuple(weight.shape)}")
-    lead = hidden.shape[:-1]
     out = _LinearTokenLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(),
-                                     effective_temperature(temperature), chunk_size, with_entropy)
-    logp, entropy = out if with_entropy else (out, None)
-    return logp.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
+                                     effective_temperature(temperature), chunk_size, with_entropy,
+                                     _replayed(support, temperature))
+    return _outputs(*out, hidden.shape[:-1], support)

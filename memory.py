@@ -108,8 +108,10 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
       recomputed layer: with activation checkpointing, the one layer recomputed in the backward, at its peak
         (layer_activation_bytes: a MoE's grouped_mm experts hold ~8x a dense layer's);
       log-probs: one chunk's logits in the compute dtype and float32, one more float32 chunk with the entropy
-        (logprobs.linear_token_logprobs: the [tokens, vocab] logits are never built), and the lm_head gradient's
-        float32 accumulator;
+        (logprobs.linear_token_logprobs: the [tokens, vocab] logits are never built), 2 bytes a chunk entry more
+        with a rollout.sampling.top_k / top_p support (its boolean mask, and the top values of a fifth of the chunk
+        at a time: +0.19 GiB measured at 1024 x 151936, bench/logprob_memory.py --top-p 0.9), and the lm_head
+        gradient's float32 accumulator;
       cuda runtime: the CUDA context and NCCL (a constant, CUDA_RUNTIME_GIB; none on CPU).
     "device" sums them, except that with activation checkpointing the log-probs (the head's forward and backward)
     and the recomputed layer (a layer's backward) are never live together: the larger of the two counts.
@@ -137,7 +139,8 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
         else:
             parts["activations"] = (n_layers * layer["saved"] + layer["transient"]) / GIB
         chunk = min(t.logprob_chunk_tokens, tokens)
-        parts["log-probs"] = (chunk * v * (compute_b + 4 + (4 if with_entropy else 0)) + v * h * 4) / GIB
+        support = 2 if cfg.rollout.sampling.top_p < 1 or cfg.rollout.sampling.top_k > 0 else 0
+        parts["log-probs"] = (chunk * v * (compute_b + 4 + (4 if with_entropy else 0) + support) + v * h * 4) / GIB
         if cfg.model.activation_checkpointing:
             apart = min(parts["log-probs"], parts["recomputed layer"])
     parts["cuda runtime"] = CUDA_RUNTIME_GIB if device_type == "cuda" else 0.0

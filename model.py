@@ -152,10 +152,14 @@ def pad_packed(b: dict, min_tokens: int) -> dict:
     return out
 
 
-def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False) -> tuple:
+def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False,
+                   support=None) -> tuple:
     """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
     as one row with restarting position_ids and no attention mask (use_cache=False: transformers derives the
     per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from them).
+    With a logprobs.Support (the sampler's top_k / top_p), log-probs and entropy over the kept tokens and a third
+    output, the log of the probability mass they hold (None when the support does not truncate), as
+    logprobs.token_logprobs gives them.
 
     The [tokens, vocab] logits are never built: for the run of model(...) its output layer's forward is swapped
     for logprobs.linear_token_logprobs on the last hidden states (lm_head fused into the chunked log-softmax), so
@@ -176,24 +180,29 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     head, targets = model.get_output_embeddings(), b["ids"][:, 1:]
     fused = (isinstance(head, torch.nn.Linear) and head.bias is None
              and not getattr(model.config, "final_logit_softcapping", None))
+    extra = {} if support is None else {"support": support}
     if fused:
         def head_forward(hidden):  # the model's output: FSDP2's pre-backward hook is registered on it
-            logp, ent = logprobs.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature,
-                                                       chunk_tokens, with_entropy)
-            return torch.stack([logp, ent], -1) if with_entropy else logp
+            logp, *rest = logprobs.linear_token_logprobs(hidden[:, :-1], head.weight, targets, temperature,
+                                                         chunk_tokens, with_entropy, **extra)
+            rest = [t for t in rest if t is not None]  # entropy, log-mass
+            return torch.stack([logp, *rest], -1) if rest else logp
 
         head.forward = head_forward
         try:
             out = model(input_ids=b["ids"], **kwargs).logits
         finally:
             del head.forward
-        logp, ent = (out[..., 0], out[..., 1]) if with_entropy else (out, None)
+        parts = out.unbind(-1) if out.dim() > targets.dim() else (out,)
+        logp, ent = parts[0], parts[1] if with_entropy else None
+        mass = parts[-1].detach() if len(parts) > 1 + with_entropy else None  # (a slice of the model's output)
     else:
         logits = model(input_ids=b["ids"], **kwargs).logits[:, :-1]
-        logp, ent = logprobs.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy=with_entropy)
+        logp, ent, *mass = logprobs.token_logprobs(logits, targets, temperature, chunk_tokens, with_entropy, **extra)
+        mass = mass[0] if mass else None
     if "pos" in b:
-        logp, ent = unpack(logp, b["index"]), None if ent is None else unpack(ent, b["index"])
-    return logp, ent
+        logp, ent, mass = (None if t is None else unpack(t, b["index"]) for t in (logp, ent, mass))
+    return (logp, ent) if support is None else (logp, ent, mass)
 
 
 class OldPolicy:
@@ -217,8 +226,9 @@ class OldPolicy:
 
     @torch.no_grad()
     def log_probs(self, batches: list[dict], step: int, more_calls: bool, forward) -> list:
-        """forward(batch) -> (log-probs, entropy) of the live model on each batch, with the step-start weights in
-        place; None for each batch of the step's first call when the training forward is the old policy's."""
+        """forward(batch) -> (log-probs, entropy[, log-mass]) of the live model on each batch, with the step-start
+        weights in place; None for each batch of the step's first call when the training forward is the old
+        policy's."""
         first = step != self.step
         reshard(self.model)  # first: the unsharded parameters of the last layer and root would be listed instead
         params = [p.to_local() for p in self.model.parameters()]
@@ -232,7 +242,7 @@ class OldPolicy:
         if first and self.train_forward_is_old:
             return [None] * len(batches)
         self.model.eval()
-        out = [forward(b)[0] for b in batches]
+        out = [forward(b) for b in batches]
         reshard(self.model)
         for p, x in zip(params, live or []):
             p.copy_(x)

@@ -21,7 +21,7 @@ Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers 
 Simplifications: data parallel only (FSDP2 over the decoder layers); GPU-only paths (nccl, bf16 compute,
 flash_attention_2, CUDA IPC weight sync, launching SGLang) are switched on by device=cuda / rollout.launch=sglang
 and run by bench/gpu_smoke.sh, not on CPU. Log-prob convention (logprobs.py): log_softmax(logits / temperature) of
-the sampled token.
+the sampled token, renormalised over the tokens the sampler could draw under rollout.sampling.top_k / top_p.
 """
 from __future__ import annotations
 
@@ -51,12 +51,14 @@ import checks  # noqa: E402
 import colocate as colocate_lib  # noqa: E402
 import config as config_lib  # noqa: E402
 import hf_export  # noqa: E402
+import logprobs  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import services as services_lib  # noqa: E402
 import strategies  # noqa: E402
 import weight_sync as weight_sync_lib  # noqa: E402
-from logger import SAMPLES_PER_STEP, Logger, aggregate, sample_records, trained_group_metrics  # noqa: E402
+from logger import (SAMPLES_PER_STEP, Logger, TrainMetrics, aggregate, sample_records,  # noqa: E402
+                    trained_group_metrics)
 from memory import memory_report, optimizer_impl  # noqa: E402
 from run_modes import NoRollout, ReplayBuffer, RolloutRecorder, make_evaluator  # noqa: E402
 from services import RANK0_EXIT_WAIT_S, Services  # noqa: E402
@@ -279,45 +281,45 @@ class Actor:
         batches = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in plan]
         local = self.forward_backward(batches, step, denom)
         out = self.optimizer_step()
-        out.update(self.reduce_metrics(*local))
+        out.update(self.reduce_metrics(local))
         out.update(model_lib.memory_metrics(self.device))
         return out
 
-    def forward_backward(self, batches: list[dict], step: int, denom: float) -> tuple:
-        """Gradients of this rank's share of the mini-batch loss; returns its metrics as (sums, weights, extremes)
-        for reduce_metrics."""
+    def forward_backward(self, batches: list[dict], step: int, denom: float) -> TrainMetrics:
+        """Gradients of this rank's share of the mini-batch loss; returns its metrics, for reduce_metrics."""
         t = self.cfg.trainer
         old = self._old_log_probs(batches, step)
         self.model.train()
-        sums, weights, extremes = {}, {}, {}
-        for b, old_lp in zip(batches, old):
+        acc = TrainMetrics()
+        for b, old_out in zip(batches, old):
             # entropy only for train/entropy: no loss term here uses it, and it costs a float32 [chunk, vocab]
             # buffer and the softmax's work again, in the forward and in the backward
-            logp, ent = self._token_logprobs(b, with_entropy=t.entropy_metric)
-            if old_lp is None:  # the step's first call: these weights are the old policy
-                old_lp = logp.detach()
+            logp, ent, mass = self._token_logprobs(b, with_entropy=t.entropy_metric)
+            # pi_old and the log of the mass its support holds (None: no top_k / top_p); None from _old_log_probs:
+            # these weights are the old policy (the step's first call), or there is no old forward
+            old_lp, _, old_mass = old_out or (logp.detach(), None, mass)
+            if old_mass is not None:
+                # The engine reports mu over the whole vocabulary; the token was drawn from mu renormalised over the
+                # support, whose mass the engine's logits hold and the trainer's step-start forward estimates
+                # (docs/algorithms.md, "Top-k and top-p sampling"): pi_old / mu is then the whole vocabulary's ratio
+                b = dict(b, rollout_lp=b["rollout_lp"] - old_mass)
+            if t.use_rollout_log_probs:
+                old_lp = b["rollout_lp"]
             loss, met = micro_batch_loss(self.cfg, logp, old_lp, b, denom, ent, step)
             pi_lp = logp.detach() if t.use_rollout_log_probs else old_lp  # pi_old (old_lp would be mu there)
-            for k, v in losses.offpolicy_diagnostic_sums(pi_lp, b["rollout_lp"], b["adv"], b["mask"],
-                                                         self.cfg.algorithm.clip_high).items():
-                sums["offpolicy/" + k], weights["offpolicy/" + k] = sums.get("offpolicy/" + k, 0.0) + v, 1.0
+            acc.add_sums({"offpolicy/" + k: v for k, v in losses.offpolicy_diagnostic_sums(
+                pi_lp, b["rollout_lp"], b["adv"], b["mask"], self.cfg.algorithm.clip_high).items()})
             if not t.use_rollout_log_probs:  # trainer vs engine on the same tokens: the weight sync's fidelity
                 gap = (old_lp - b["rollout_lp"]).abs() * b["mask"]
                 met = {**met, "train/rollout_logprob_diff_max": gap.max(),
                        "train/rollout_logprob_diff_mean": gap.sum() / b["mask"].sum().clamp(min=1)}
+            if old_mass is not None:
+                met["train/sampling_mass_outside"] = (((1 - old_mass.exp()) * b["mask"]).sum()
+                                                      / b["mask"].sum().clamp(min=1))
             # FSDP averages gradients over ranks; the losses already sum to the mini-batch loss, so undo the mean.
             (loss * self.world).backward()
-            n = float(b["mask"].sum())
-            for k, v in met.items():
-                v = float(v)
-                if k.endswith("_max") or k.endswith("_min"):
-                    if n > 0:
-                        extremes.setdefault(k, []).append(v)
-                elif k == "train/pg_loss":  # this micro-batch's share of the mini-batch loss: summed
-                    sums[k], weights[k] = sums.get(k, 0.0) + v, 1.0
-                elif n > 0:  # means over this micro-batch's tokens: token-weighted mean
-                    sums[k], weights[k] = sums.get(k, 0.0) + v * n, weights.get(k, 0.0) + n
-        return sums, weights, extremes
+            acc.add(met, float(b["mask"].sum()))
+        return acc
 
     def optimizer_step(self) -> dict:
         """Clip, step (skipped when the gradient is not finite: it would poison the weights), zero, schedule."""
@@ -331,34 +333,30 @@ class Actor:
         return {"train/grad_norm": grad_norm, "train/lr": self.sched.get_last_lr()[0],
                 "train/skipped_update": float(not math.isfinite(grad_norm))}
 
-    def reduce_metrics(self, sums: dict, weights: dict, extremes: dict) -> dict:
-        """Every rank's forward_backward metrics -> the call's: train/pg_loss summed, means token-weighted,
-        *_max / *_min over every micro-batch with loss tokens; train/loss = train/pg_loss (GRPO: no KL or
-        entropy term); the off-policy diagnostics from their sums (losses.offpolicy_diagnostics)."""
+    def reduce_metrics(self, acc: TrainMetrics) -> dict:
+        """Every rank's forward_backward metrics -> the call's (TrainMetrics.reduce); train/loss = train/pg_loss
+        (GRPO: no KL or entropy term); the off-policy diagnostics from their sums (losses.offpolicy_diagnostics)."""
         parts: list = [None] * self.world
-        dist.all_gather_object(parts, (sums, weights, extremes), group=self.ctrl)
-        out = {}
-        for k in dict.fromkeys(k for s, _, _ in parts for k in s):
-            tot = sum(s.get(k, 0.0) for s, _, _ in parts)
-            w = sum(wt.get(k, 0.0) for _, wt, _ in parts)
-            out[k] = tot if k == "train/pg_loss" or k.startswith("offpolicy/") else tot / max(w, 1e-9)
+        dist.all_gather_object(parts, acc.state(), group=self.ctrl)
+        out = TrainMetrics.reduce(parts)
         out.update(losses.offpolicy_diagnostics({k[10:]: out.pop(k) for k in list(out) if k[:10] == "offpolicy/"}))
-        for k in dict.fromkeys(k for _, _, e in parts for k in e):
-            vals = [v for _, _, e in parts for v in e.get(k, [])]
-            out[k] = max(vals) if k.endswith("_max") else min(vals)
         out["train/loss"] = out.get("train/pg_loss", 0.0)
         return out
 
     def _old_log_probs(self, batches: list[dict], step: int) -> list:
-        """log pi_old per micro-batch: the step-start weights (model.OldPolicy); under
-        trainer.use_rollout_log_probs the engine's log-probs instead (no forward, no snapshot)."""
+        """(log pi_old, None, log-mass) per micro-batch: the step-start weights (model.OldPolicy), or None where the
+        training forward stands in: at the step's first call, and under trainer.use_rollout_log_probs, whose pi_old
+        is the engine's log-probs (no forward, no snapshot; the training forward's log-mass renormalises them)."""
         if self.cfg.trainer.use_rollout_log_probs:
-            return [b["rollout_lp"] for b in batches]
+            return [None] * len(batches)
         return self.old.log_probs(batches, step, self.cfg.calls_per_step > 1, self._token_logprobs)
 
     def _token_logprobs(self, b: dict, with_entropy: bool = False) -> tuple:
-        return model_lib.token_logprobs(self.model, b, self.cfg.rollout.sampling.temperature,
-                                        self.cfg.trainer.logprob_chunk_tokens, with_entropy)
+        """(log-probs, entropy, log-mass): over the tokens the engine's sampler can draw (rollout.sampling.top_k /
+        top_p), renormalised (docs/algorithms.md, "Top-k and top-p sampling")."""
+        s = self.cfg.rollout.sampling
+        return model_lib.token_logprobs(self.model, b, s.temperature, self.cfg.trainer.logprob_chunk_tokens,
+                                        with_entropy, logprobs.Support(top_k=s.top_k, top_p=s.top_p))
 
     # ---- weights: weight_sync.py gathers bucket by bucket, pushes, retries ----
     def sync_weights(self, version: int) -> dict:

@@ -19,7 +19,9 @@ Measured on the 2-core CPU machine (vocab 151936, chunk 1024, --hidden 64):
 The fused peak is one chunk's logits in bf16 and float32 (1024 x 151936: 0.87 GiB) whatever the token count.
 
 Run: .venv/bin/python bench/logprob_memory.py [--tokens 4096] [--vocab 151936] [--hidden 64] [--chunk 1024]
-     [--entropy] [--variants fused,chunked,naive]
+     [--entropy] [--variants fused,chunked,naive] [--top-p 1] [--top-k -1]
+With --top-p < 1 or --top-k > 0, fused and chunked over that support (logprobs.Support), measured on the same machine
+(--tokens 4096 --vocab 151936 --chunk 1024 --variants fused,chunked): see docs/results/sampling_support.md.
 """
 import argparse
 import json
@@ -47,8 +49,8 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, entropy: bool,
-          temperature: float = 0.8) -> dict:
+def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, entropy: bool, top_p: float,
+          top_k: int, temperature: float = 0.8) -> dict:
     import torch
 
     import logprobs
@@ -64,12 +66,16 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, e
         logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return logp, (-(logp_all.exp() * logp_all).sum(-1) if entropy else None)
 
+    # with a support (top_p < 1 or top_k > 0): the renormalised log-probs (and entropy), not the log-mass
+    support = {"support": logprobs.Support(top_k, top_p)} if top_p < 1 or top_k > 0 else {}
+
     def chunked():
-        return logprobs.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size=chunk, with_entropy=entropy)
+        return logprobs.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size=chunk, with_entropy=entropy,
+                                       **support)[:2]
 
     def fused():
         return logprobs.linear_token_logprobs(hidden, weight, targets, temperature, chunk_size=chunk,
-                                            with_entropy=entropy)
+                                            with_entropy=entropy, **support)[:2]
 
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM: the peak below is this computation's only
         f.write("5")
@@ -91,18 +97,25 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--entropy", action="store_true", help="also compute the entropy (and its gradient)")
     ap.add_argument("--variants", default="fused,chunked,naive")
+    ap.add_argument("--top-p", type=float, default=1.0, help="< 1: fused and chunked over this top-p support")
+    ap.add_argument("--top-k", type=int, default=-1, help="> 0: fused and chunked over this top-k support")
     ap.add_argument("--child", choices=["naive", "chunked", "fused"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.chunk, args.entropy)))
+        print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.chunk, args.entropy,
+                               args.top_p, args.top_k)))
         return
+    if (args.top_p < 1 or args.top_k > 0) and "naive" in args.variants.split(","):
+        raise SystemExit("--top-p / --top-k run the fused and chunked variants only: pass --variants fused,chunked")
     logits_gb = args.tokens * args.vocab * 2 / GB
     print(f"token log-probs + backward, CPU, [{args.tokens} tokens x {args.hidden}] @ [{args.hidden} x {args.vocab}] "
-          f"in bf16: logits would be {logits_gb:.2f} GiB; chunk {args.chunk} tokens, entropy {args.entropy}")
+          f"in bf16: logits would be {logits_gb:.2f} GiB; chunk {args.chunk} tokens, entropy {args.entropy}, "
+          f"top_p {args.top_p}, top_k {args.top_k}")
     results = {}
     for variant in args.variants.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--tokens", str(args.tokens),
-               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(args.chunk)]
+               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(args.chunk),
+               "--top-p", str(args.top_p), "--top-k", str(args.top_k)]
         out = subprocess.run(cmd + (["--entropy"] if args.entropy else []), capture_output=True, text=True,
                              timeout=1800)
         if out.returncode != 0:

@@ -13,11 +13,13 @@ Trainer side of the weight-update group: `pg = scheduler.init_weight_update_grou
 group_name, backend)` then `scheduler.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
 colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
 
-Log-prob convention (the one logprobs.token_logprobs uses): `output_token_logprobs` holds, per sampled token,
-log_softmax(logits / temperature)[token] in float32, with temperature 1 for greedy requests (temperature < 1e-6, as
-SGLang, which turns greedy into temperature 1 + top_k 1). top_p / top_k / min_p and the min_new_tokens ban change
-which token is drawn, never the reported log-prob: RL runs sample with top_p=1, top_k=-1 so that it is the
-probability the token was drawn with.
+Log-prob convention (0.5.23's, layers/sampler.py: Sampler.forward; the one logprobs.token_logprobs uses):
+`output_token_logprobs` holds, per sampled token, log_softmax(logits / temperature)[token] in float32 over the whole
+vocabulary, with temperature 1 for greedy requests (temperature < 1e-6, as SGLang, which turns greedy into
+temperature 1 + top_k 1) and for every request under SGLANG_RETURN_ORIGINAL_LOGPROB=true. top_p / top_k / min_p and
+the min_new_tokens ban change which token is drawn, never the reported log-prob: with top_p < 1 or top_k > 0 it is
+not the probability the token was drawn with (the trainer replays the kept set: logprobs.Support). Prompt log-probs
+(`input_token_logprobs`) are at temperature 1 always.
 
 How it works: this file is the HTTP front (aiohttp; the part of SGLang that its tokenizer manager plays): it only
 parses, validates and formats, refuses oversized bodies (413, before reading) and texts (before tokenizing), and
@@ -53,7 +55,8 @@ Outside the subset (HTTP 400 naming the field, so a test here proves nothing abo
 grammars (json_schema, regex, ebnf, structural_tag) and `custom_params` (sampling_params accepted at their defaults
 only: each reshapes the logits before sampling, and RL rollouts here sample from the plain distribution);
 `custom_logit_processor` (SGLang runs pickled Python from the request; nothing here calls it); `input_embeds` and
-image/video/audio data (text-only decoders, token-id prompts); LoRA, sessions, hidden states, entropy; streaming of
+image/video/audio data (text-only decoders, token-id prompts); LoRA, sessions, hidden states, entropy, sampling
+masks (`return_sampling_mask`: each output token's kept set; the trainer replays it instead); streaming of
 batches and of n > 1 (the client sends list requests unstreamed: one reply in input order, as 0.5.23 gives it).
 """
 from __future__ import annotations
@@ -225,7 +228,7 @@ GENERATE_SCHEMA: dict[str, Callable[[Any], bool]] = {
 # GenerateReqInput fields outside engine.py's subset (see the module docstring): HTTP 400 naming the field unless
 # null or false, so that a request that relies on one fails instead of being answered without it.
 UNSERVED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor", "lora_path",
-            "session_params", "return_hidden_states", "return_entropy")
+            "session_params", "return_hidden_states", "return_entropy", "return_sampling_mask")
 PER_ITEM = ("rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "extra_key",
             "cache_salt")  # fields a batch gives either once for every item or as a list, one per item
 

@@ -79,6 +79,15 @@ def env_float(name: str, default: float) -> float:
     return _env(name, default, float, "float")
 
 
+def bool_env_var(name: str) -> bool:
+    """utils/common.py: get_bool_env_var (the older reader, not environ.py's EnvBool): true or 1 in any case is
+    true, anything else false (a value other than true/1/false/0 warns)."""
+    value = os.environ.get(name, "false").lower()
+    if value not in ("true", "1", "false", "0"):
+        log.warning("get_bool_env_var(%s) encountered unrecognized value=%s and will treat as false", name, value)
+    return value in ("true", "1")
+
+
 # KV-pool admission and retraction (0.5.23 environ.py; managers/scheduler_components/new_token_ratio_tracker.py):
 # a running request is expected to decode min(its remaining max_new_tokens, CLIP) x new_token_ratio more tokens,
 # the ratio starting at INIT, decaying per decode step to INIT x MIN_FACTOR over DECAY_STEPS, re-estimated after
@@ -94,6 +103,9 @@ OOM_LAST = ("Out of memory even after retracting all other requests in the decod
 REQ_WAITING_TIMEOUT_S = env_float("SGLANG_REQ_WAITING_TIMEOUT", -1.0)
 REQ_RUNNING_TIMEOUT_S = env_float("SGLANG_REQ_RUNNING_TIMEOUT", -1.0)
 QUEUE_FULL = "The request queue is full."  # 0.5.23's message (managers/scheduler.py _abort_on_queued_limit)
+# Reported log-probs of sampled tokens at temperature 1 (log_softmax of the logits before the temperature divides
+# them) instead of the sampling temperature: layers/sampler.py reads it once at import, with get_bool_env_var
+RETURN_ORIGINAL_LOGPROB = bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB")
 
 
 class BadRequest(ValueError):
@@ -415,7 +427,9 @@ def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -
     """One token per row of logits [B, V] under params[i] (banned[i]: ids it may not draw; generators[i]: its seed or
     None). Returns (logp [B, V], tokens [B]); logp = log_softmax((logits + logit_bias) / temperature) in float32 is
     what's reported (0.5.23 adds the bias to the logits both are taken from: model_runner.py sample ->
-    SamplingBatchInfo.apply_logits_bias)."""
+    SamplingBatchInfo.apply_logits_bias): the full vocabulary's, whatever top_k / top_p / min_p keep, and at
+    temperature 1 under SGLANG_RETURN_ORIGINAL_LOGPROB (layers/sampler.py: Sampler.forward, which takes
+    log(probs) before it filters them, or the log_softmax of the logits before it divides them)."""
     logits = logits.float()
     dev = logits.device
     if any(p.logit_bias for p in params):  # sampling_batch_info.py: logits.add_(logit_bias), before temperature
@@ -433,8 +447,9 @@ def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -
         for i, ids in enumerate(banned):
             scores[i, ids] = float("-inf")
             raw[i, ids] = float("-inf")
+    reported = torch.log_softmax(logits, dim=-1) if RETURN_ORIGINAL_LOGPROB else logp
     if all(p.greedy for p in params):
-        return logp, raw.argmax(-1)
+        return reported, raw.argmax(-1)
     if any(not p.greedy and (p.top_p < 1 or p.top_k > 0 or p.min_p > 0) for p in params):
         scores = filter_scores(scores, params)
     # inverse-CDF sampling: one uniform per row (on CPU far cheaper than a Gumbel draw per vocabulary entry)
@@ -445,7 +460,7 @@ def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -
             u[i] = torch.rand((), generator=g, device=dev)
     # right=True: the first entry whose cdf exceeds u, so a token of probability 0 is never drawn
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
-    return logp, torch.where(greedy, raw.argmax(-1), drawn)
+    return reported, torch.where(greedy, raw.argmax(-1), drawn)
 
 
 def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
@@ -1074,7 +1089,9 @@ class Scheduler:
         under the prefix before it, with None at logprob_start_len itself, as 0.5.23 lays out input_token_logprobs,
         input_top_logprobs and input_token_ids_logprobs (logprob_result_processor.py: [None] + values[:-1])."""
         start = r.logprob_start_len
-        lp = torch.log_softmax(logits[start - c:len(seq) - 1 - c].float() / r.sp.temperature, -1)
+        # at temperature 1 whatever the request's: 0.5.23 takes the prompt's log-probs from the logits as they come out
+        # of the lm_head (layers/logprob_processor.py: LogprobProcessor._forward_by_chunk divides by no temperature)
+        lp = torch.log_softmax(logits[start - c:len(seq) - 1 - c].float(), -1)
         tgt = torch.tensor(seq[start + 1:], device=lp.device, dtype=torch.long)
         vals = [None] + lp.gather(1, tgt[:, None])[:, 0].cpu().tolist()
         r.input_logprobs = list(zip(vals, seq[start:]))

@@ -82,6 +82,7 @@ RULES = [
     (["rollout.sampling.temperature=0"], None, ["rollout.sampling.temperature"]),
     (["rollout.sampling.top_p=0"], None, ["rollout.sampling.top_p"]),
     (["rollout.sampling.top_p=1.5"], None, ["rollout.sampling.top_p"]),
+    (["rollout.sampling.top_k=0"], None, ["rollout.sampling.top_k must be -1 (off) or at least 1", "got 0"]),
     (["rollout.trajectory_timeout_s=0"], None, ["rollout.trajectory_timeout_s"]),
     (["rollout.request_timeout_s=0"], None, ["rollout.request_timeout_s"]),
     (["rollout.startup_timeout_s=0"], None, ["rollout.startup_timeout_s"]),
@@ -283,6 +284,40 @@ def test_the_30b_configs_replay_routes_and_give_servers_15_minutes_to_start(name
     cfg = config.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", name))
     assert cfg.algorithm.routing_replay is True
     assert cfg.rollout.startup_timeout_s >= 900
+
+
+def test_the_4b_config_splits_one_node_and_reads_a_math_jsonl(tmp_path):
+    """configs/qwen3_4b_math_8gpu.yaml validates; trainer rank 0 would launch its four TP=1 servers on GPUs 4-7,
+    none of the trainer's (services.check_gpu_overlap, as at start-up, with the header's CUDA_VISIBLE_DEVICES and
+    without it); the rows its header describes load; the math reward reads a thinking response's final answer."""
+    import json
+    import os
+
+    import services
+    import tasks
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3_4b_math_8gpu.yaml")
+    cfg = config.load_config(path)
+    assert cfg.trainer.num_nodes * cfg.trainer.num_gpus_per_node == 4 and not cfg.colocate
+    assert sorted(g for s in cfg.rollout.server_layout for g in s.gpus) == [4, 5, 6, 7]
+    for visible in ("0,1,2,3", None):
+        services.check_gpu_overlap(cfg, 0, True, visible)
+    with pytest.raises(ValueError, match=r"rollout\.server_layout\[0\] uses GPU 4 of node 0"):
+        services.check_gpu_overlap(cfg, 0, True, "4,5,6,7")  # torchrun started on the servers' GPUs
+    assert cfg.algorithm.routing_replay is False  # dense: no experts to route
+    s = cfg.rollout.sampling  # the full distribution the trainer's log-probs are over
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, -1)
+    rows = tmp_path / "math.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "reward_model": {"ground_truth": "5"}},
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
+        {"problem": "Simplify 6/8.", "solution": "It is $\\boxed{\\frac{3}{4}}$."}]) + "\n")
+    cfg = config.load_config(path, [f"data_source.path={rows}", "data_source.num_eval_prompts=1"])
+    assert tasks.check_data_source(cfg.data_source) == 3
+    assert sorted(label for _, label, _ in tasks.read_rows("jsonl", str(rows))) == ["5", "7", "\\frac{3}{4}"]
+    reward = tasks.get_reward_fn(cfg.data_source.reward)
+    response = "<think>Maybe \\boxed{6}? No: 3 + 4 = 7.</think>\n\nTom has \\boxed{7} apples."
+    assert reward(response, "7", True) == 1.0 and reward(response.split("</think>")[0], "7", False) == 0.0
 
 
 def _flash_attn_on_path(root, monkeypatch, dist_version=None):

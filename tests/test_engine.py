@@ -626,6 +626,7 @@ def test_lost_abort_is_not_repeated_and_pause_abort_still_stops_everything(model
     ("/generate", {"input_ids": [1], "sampling_params": {"regex": "a+"}}, "regex"),
     ("/generate", {"input_ids": [1], "custom_logit_processor": "{}"}, "custom_logit_processor"),
     ("/generate", {"input_embeds": [[0.5, 0.5]]}, "input_embeds"),
+    ("/generate", {"input_ids": [1], "return_sampling_mask": True}, "return_sampling_mask"),
     ("/generate", {"input_ids": [[1], [2]], "rid": ["a.", "a."]},
      "Duplicate request IDs detected within the request: ['a.']"),
     ("/pause_generation", b"", "JSON object"),

@@ -1,7 +1,7 @@
 """train.py's memory estimate (params, grads, optimizer, snapshot, the root unit, the recomputed layer per rank),
-a layer's activations against what autograd saves, the 30B configs' fit on 80 GB GPUs, and the warning that names
-what to change. The 30B model is never loaded: its HF config builds it on the meta
-device, which gives the parameter count without allocating a byte.
+a layer's activations against what autograd saves, the 30B and 4B configs' fit on 80 GB GPUs, and the warning that
+names what to change. No model is loaded: its HF config builds it on the meta device, which gives the parameter
+count without allocating a byte.
 Run: .venv/bin/python -m pytest -q tests/test_memory.py
 """
 import os
@@ -34,7 +34,21 @@ def qwen3_30b():
         return AutoModelForCausalLM.from_config(hf)
 
 
+@pytest.fixture(scope="module")
+def qwen3_4b():
+    """Qwen/Qwen3-4B's config.json values (transformers' Qwen3Config defaults are no published size), the model on
+    the meta device."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    hf = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                     max_position_embeddings=40960)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf)
+
+
 CONFIG_30B_8GPU = os.path.join(ROOT, "configs", "qwen3_30b_a3b_dapo_8gpu.yaml")
+CONFIG_4B = os.path.join(ROOT, "configs", "qwen3_4b_math_8gpu.yaml")
 GPU_80GB = memory.GPU_80GB_GIB * GIB  # what torch reports for an "80 GB" H100 (79.11 GiB)
 USABLE_80GB = (1 - memory.ALLOCATOR_SLACK) * memory.GPU_80GB_GIB  # GiB: less the caching allocator's fragmentation
 
@@ -81,6 +95,11 @@ def test_the_30b_config_fits_8_gpus_of_80gb_by_its_own_estimate(qwen3_30b):
     assert USABLE_80GB < est["device"] < memory.GPU_80GB_GIB  # 76.9: on the edge, does not fit with margin
     without = memory.memory_estimate(cfg, n, largest, 8, "cuda", shape, with_entropy=False)
     assert without["parts"]["log-probs"] == pytest.approx(p["log-probs"] - 1024 * v * 4 / GIB)
+    # a top_p support: its boolean mask and the top values of a fifth of a chunk, 2 bytes a chunk entry
+    nucleus = memory.memory_estimate(config.load_config(CONFIG_30B, ["trainer.cpu_offload=false",
+                                                                    "rollout.sampling.top_p=0.9"]),
+                                     n, largest, 8, "cuda", shape)
+    assert nucleus["parts"]["log-probs"] == pytest.approx(p["log-probs"] + 1024 * v * 2 / GIB)
     # foreach AdamW: its temporaries are a full float32 shard more
     foreach = memory.memory_estimate(config.load_config(CONFIG_30B, ["trainer.cpu_offload=false",
                                                                     "trainer.optimizer_impl=foreach"]),
@@ -115,6 +134,51 @@ def test_the_30b_8_gpu_node_layout_fits_by_the_estimate(qwen3_30b):
           f"{4 * est['host']:.0f} GiB for 4")
 
 
+def test_the_4b_config_fits_4_gpus_of_80gb_with_its_state_on_them(qwen3_4b):
+    """configs/qwen3_4b_math_8gpu.yaml: 4 trainer ranks with every term on the GPU (no offload, fused AdamW), the
+    figures its header states; tied embeddings count once (lm_head is embed_tokens)."""
+    n, largest = memory.param_counts(qwen3_4b)
+    assert n == 4_022_468_096  # "4.0B" on the model card
+    shape = memory.model_shape(qwen3_4b)
+    assert shape["root_params"] == 151936 * 2560 + 2560  # embeddings (= lm_head) and the final norm
+    cfg = config.load_config(CONFIG_4B)
+    assert memory.micro_batch_tokens(cfg) == cfg.trainer.micro_batch_tokens == 16384 > 2048 + 8192
+    assert memory.optimizer_impl(cfg, "cuda") == "fused" and cfg.trainer.snapshot == "device"
+    est = memory.memory_estimate(cfg, n, largest, 4, "cuda", shape)
+    p, shard = est["parts"], n / 4 * 4 / GIB
+    assert p["params"] == pytest.approx(shard) == pytest.approx(3.746, abs=1e-3)
+    assert p["optimizer"] == pytest.approx(2 * shard) and p["snapshot"] == pytest.approx(shard / 2)
+    assert p["recomputed layer"] > p["log-probs"]  # so the log-probs are the term left out
+    assert est["host"] == 0
+    assert est["device"] == pytest.approx(sum(p.values()) - p["log-probs"])
+    header = {"params": 3.75, "grads": 3.75, "optimizer": 7.49, "snapshot": 1.87, "gathered layers": 0.38,
+              "layer gradients": 0.56, "root unit": 1.45, "activations": 2.81, "recomputed layer": 3.64,
+              "log-probs": 2.90, "cuda runtime": 2.00}
+    assert {k: round(p[k], 2) for k in header} == header
+    assert round(est["device"], 1) == 27.7 and est["device"] < 0.4 * USABLE_80GB
+    longer = memory.memory_estimate(config.load_config(CONFIG_4B, ["rollout.sampling.max_new_tokens=16384"]),
+                                    n, largest, 4, "cuda", shape)
+    assert round(longer["device"] - est["device"], 1) == 0.8  # 18,432-token micro-batches
+    print(f"\n4B, 4 trainer ranks: on the device {est['device']:.2f} GiB: "
+          + " + ".join(f"{k} {v:.2f}" for k, v in p.items()))
+
+
+def test_the_4b_servers_one_gpu_each_hold_their_weights_and_a_kv_cache(qwen3_4b):
+    """The header's server figures (SGLang's memory, not memory_estimate): bf16 weights within mem_fraction_static
+    of an 80 GB GPU, and the KV cache the rest holds, in tokens, against max_running_requests."""
+    cfg = config.load_config(CONFIG_4B)
+    n, _ = memory.param_counts(qwen3_4b)
+    c = qwen3_4b.config
+    weights = n * 2 / GIB
+    kv_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    kv = cfg.rollout.sglang_args.mem_fraction_static * memory.GPU_80GB_GIB - weights
+    tokens = kv * GIB / kv_token
+    assert all(s.tp == 1 and len(s.gpus) == 1 for s in cfg.rollout.server_layout)
+    assert round(weights, 1) == 7.5 and kv_token == 144 * 1024 and round(kv, 1) == 59.8
+    assert round(tokens, -3) == 435_000 and int(tokens // (2048 + 8192)) == 42
+    assert round(tokens / cfg.rollout.sglang_args.max_running_requests, -2) == 3400
+
+
 def test_no_snapshot_without_a_second_training_call_or_with_rollout_log_probs(qwen3_30b):
     n, largest = memory.param_counts(qwen3_30b)
     one_call = config.load_config(CONFIG_30B, ["trainer.mini_batch_size=512"])  # B x N = 512: one call per step
@@ -123,7 +187,7 @@ def test_no_snapshot_without_a_second_training_call_or_with_rollout_log_probs(qw
         assert memory.memory_estimate(cfg, n, largest, 8, "cuda")["parts"]["snapshot"] == 0.0
 
 
-def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(qwen3_30b, monkeypatch):
+def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(qwen3_30b, qwen3_4b, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=GPU_80GB))
     cuda = torch.device("cuda", 0)
     line = memory.memory_report(config.load_config(CONFIG_30B), qwen3_30b, 8, cuda)
@@ -133,6 +197,10 @@ def test_the_start_up_line_warns_and_names_what_to_change_when_it_does_not_fit(q
     line = memory.memory_report(config.load_config(CONFIG_30B, ["trainer.cpu_offload=false"]), qwen3_30b, 8, cuda)
     assert "[train] warning: that is more than 95% of the device's 79.1 GiB; set trainer.micro_batch_tokens" in line
     assert "trainer.cpu_offload=true" in line and "trainer.snapshot=cpu" in line and "model.dtype=bfloat16" in line
+    line = memory.memory_report(config.load_config(CONFIG_4B), qwen3_4b, 4, cuda)
+    assert line.startswith("[train] memory per rank, estimated at a step's peak (4.02B parameters over 4 ranks, "
+                           "micro-batches up to 16384 tokens)")
+    assert "on the device 27.70 GiB, in host memory 0.00 GiB" in line and "warning" not in line
 
 
 def _layer_measured(kind: str, dtype: torch.dtype, peak: bool, tokens: int = 512) -> tuple:

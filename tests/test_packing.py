@@ -121,6 +121,32 @@ def test_fused_lm_head_log_probs_entropy_and_gradients_equal_the_logits_path(tin
     assert max(float(g.abs().max()) for g in g0.values()) > 1e-3
 
 
+def test_a_support_gives_the_same_log_probs_mass_and_gradients_padded_packed_and_from_the_logits(tiny_path):
+    """rollout.sampling.top_k / top_p (logprobs.Support) through model_lib.token_logprobs, padded and packed (the
+    fused lm_head), against the model's own logits through logprobs.token_logprobs: the renormalised log-probs, the
+    entropy, the log of the support's mass and every parameter's gradient agree within 1e-5 in float32 (relative,
+    for gradients up to ~40)."""
+    seqs = _seqs([(5, 9), (3, 2), (7, 14)])
+    support = logprobs.Support(top_k=20, top_p=0.8)
+    results = []
+    for way in ("logits", "padded", "packed"):
+        model = _model(tiny_path, "sdpa")
+        b = batching.collate(seqs, packing=way == "packed")
+        if way == "logits":
+            logits = model(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False).logits[:, :-1]
+            logp, ent, mass = logprobs.token_logprobs(logits, b["ids"][:, 1:], 0.7, 5, True, support)
+        else:
+            logp, ent, mass = model_lib.token_logprobs(model, b, 0.7, 5, True, support)
+        ((logp * b["mask"]).sum() + 0.3 * (ent * b["mask"]).sum()).backward()
+        results.append([t.detach() * b["mask"] for t in (logp, ent, mass)]
+                       + [{n: p.grad.clone() for n, p in model.named_parameters()}])
+    (*ref, ref_grads), *others = results
+    assert ref[2].min() < -1e-2  # the support truncates
+    for *values, grads in others:
+        assert all((a - b).abs().max() < 1e-5 for a, b in zip(values, ref))
+        assert all(torch.allclose(grads[n], ref_grads[n], rtol=1e-5, atol=1e-5) for n in ref_grads)
+
+
 def test_packed_micro_batches_hold_at_most_the_token_budget():
     seqs = _seqs([(4, n) for n in (30, 2, 2, 2, 10, 9, 8, 7, 25, 3)])
     packed = batching.plan_micro_batches(seqs, 40, packing=True)
@@ -177,12 +203,36 @@ def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_pa
         actor = object.__new__(train.Actor)
         actor.cfg = config.load_config(None, ["trainer.use_rollout_log_probs=true", f"trainer.entropy_metric={on}"])
         actor.model, actor.world = _model(tiny_path, "sdpa"), 1
-        sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum()))
+        sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum())).state()
         runs.append((sums, {n: p.grad.clone() for n, p in actor.model.named_parameters()}))
     (s1, g1), (s0, g0) = runs
     assert s1["train/entropy"] > 0 and "train/entropy" not in s0
     assert {k: v for k, v in s1.items() if k != "train/entropy"} == pytest.approx(s0, abs=1e-6)
     assert all(torch.allclose(g1[n], g0[n], atol=1e-6) for n in g1) and any(g.abs().max() > 0 for g in g1.values())
+
+
+def test_top_p_renormalises_mu_over_the_support_the_trainer_replays(tiny_path):
+    """train.Actor.forward_backward with rollout.sampling.top_p=0.8, top_k=20 (the in-process actor of the test
+    above, trainer.use_rollout_log_probs=true): rollout_lp is what an engine on these weights reports, the whole
+    vocabulary's log-probs. Renormalised by the support's mass the trainer finds, pi_old = mu equals pi_theta over
+    the support: the ratio is 1 (approx_kl 0, nothing clipped), where the whole vocabulary's mu would put it at
+    1 / mass (up to 1 / 0.8 here) for every token; train/sampling_mass_outside is the mass outside."""
+    import train
+
+    b = batching.collate(_seqs([(5, 9), (3, 2), (7, 14)]), packing=True)
+    actor = object.__new__(train.Actor)
+    actor.cfg = config.load_config(None, ["trainer.use_rollout_log_probs=true", "rollout.sampling.top_p=0.8",
+                                          "rollout.sampling.top_k=20", "rollout.sampling.temperature=0.7"])
+    actor.model, actor.world = _model(tiny_path, "sdpa"), 1
+    with torch.no_grad():
+        full, _ = model_lib.token_logprobs(actor.model, b, 0.7, 1024)
+        _, _, mass = model_lib.token_logprobs(actor.model, b, 0.7, 1024, support=logprobs.Support(20, 0.8))
+    b["rollout_lp"] = full * b["mask"]
+    sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum())).state()
+    met = {k: sums[k] / weights[k] for k in sums}
+    assert abs(met["train/approx_kl"]) < 1e-6 and met["train/clip_ratio"] == 0.0
+    outside = float(((1 - mass.exp()) * b["mask"]).sum() / b["mask"].sum())
+    assert outside > 0.02 and met["train/sampling_mass_outside"] == pytest.approx(outside, abs=1e-6)
 
 
 def test_a_short_packed_row_is_padded_for_flex_attention_with_the_same_log_probs(tiny_path, monkeypatch):

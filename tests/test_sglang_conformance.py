@@ -147,6 +147,12 @@ def test_environment_switches_are_read_as_environ_py_reads_them(monkeypatch):
     for value, want in (("2.5", 2.5), ("3", 3.0), ("soon", -1.0)):  # EnvFloat: SGLANG_REQ_*_TIMEOUT
         monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", value)
         assert scheduler.env_float("SGLANG_REQ_WAITING_TIMEOUT", -1.0) == want, value
+    # utils/common.py: get_bool_env_var, which layers/sampler.py reads SGLANG_RETURN_ORIGINAL_LOGPROB with: true/1 only
+    for value, want in (("True", True), ("1", True), ("yes", False), ("False", False), ("maybe", False)):
+        monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", value)
+        assert scheduler.bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB") is want, value
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB")
+    assert scheduler.bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB") is False
 
 
 def test_an_abort_with_status_400_or_above_is_that_http_error_in_sglangs_body():
@@ -707,3 +713,43 @@ def test_top_logprobs_match_hf_in_value_and_order(url, models):
         w = top(scores[0])
         assert [t for _, t, _ in row] == w.indices.tolist()
         assert max(abs(a - b) for (a, _, _), b in zip(row, w.values.tolist())) < 1e-4
+
+
+def test_reported_logprobs_are_the_whole_vocabularys_at_the_temperature_or_at_1_under_return_original_logprob(
+        url, models):
+    """test/registered/sampling/test_original_logprobs.py: TestOriginalLogprob.test_logprob_match (temperature 0.5,
+    top_k 10, one new token, 50 top log-probs and 10 random token ids, with SGLANG_RETURN_ORIGINAL_LOGPROB True and
+    False) as layers/sampler.py: Sampler.forward answers it: output_token_logprobs, output_top_logprobs and
+    output_token_ids_logprobs are log_softmax(logits / 0.5) over the whole vocabulary (it takes log(probs) before
+    top_k / top_p / min_p filter the probabilities), and log_softmax(logits) under the switch (the logits before the
+    temperature divides them). Also with top_p 0.3: the reported log-prob is not the one the token was drawn with.
+    Prompt log-probs are at temperature 1 either way (layers/logprob_processor.py: LogprobProcessor._forward_by_chunk
+    divides by no temperature). standins/engine.py failed the switch's half: it reported temperature 0.5's."""
+    ref = models[1]["A"]
+    with torch.no_grad():
+        logits = ref(torch.tensor([P])).logits[0].float()
+    vocab = logits.shape[-1]
+    ids = sorted(torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:10].tolist())
+    prompt_lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(P[1:])[:, None])[:, 0].tolist()
+    original, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"})
+    try:
+        for server, temperature in ((url, 0.5), (original, 1.0)):
+            want = torch.log_softmax(logits[-1] / temperature, -1)
+            for top_p in (1.0, 0.3):
+                body = {"input_ids": P, "return_logprob": True, "top_logprobs_num": 50, "token_ids_logprob": ids,
+                        "logprob_start_len": 0, "sampling_params": {"temperature": 0.5, "top_p": top_p, "top_k": 10,
+                                                                    "max_new_tokens": 1}}
+                r = post(server, "/generate", body)
+                assert r.status_code == 200, r.text
+                m = r.json()["meta_info"]
+                (lp, tok, _), = m["output_token_logprobs"]
+                assert abs(lp - want[tok].item()) < 1e-4, (server, top_p)
+                top = want.topk(min(50, vocab))
+                assert [t for _, t, _ in m["output_top_logprobs"][0]] == top.indices.tolist()
+                assert max(abs(a - b) for (a, _, _), b in zip(m["output_top_logprobs"][0], top.values.tolist())) < 1e-4
+                assert [t for _, t, _ in m["output_token_ids_logprobs"][0]] == ids
+                assert max(abs(a - want[t].item()) for a, t, _ in m["output_token_ids_logprobs"][0]) < 1e-4
+                got = [a for a, _, _ in m["input_token_logprobs"][1:]]
+                assert max(abs(a - b) for a, b in zip(got, prompt_lp)) < 1e-4
+    finally:
+        handle.stop()

@@ -478,14 +478,15 @@ def actor_checks(tmp_path_factory, tiny_model) -> dict:
     """One torchrun (one start-up) for the snapshot and weight-sync checks, each on a fresh model from model.path."""
     return _torchrun_self("actor", {"model": tiny_model, "run_dir": str(tmp_path_factory.mktemp("actor")),
                                     "port": services_lib.free_port(), "master_port": services_lib.free_port(),
-                                    "variants": [[], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"]]})
+                                    "variants": [[], ["trainer.cpu_offload=true", "trainer.snapshot=cpu"],
+                                                 ["rollout.sampling.top_p=0.8", "rollout.sampling.top_k=30"]]})
 
 
 def test_old_policy_snapshot_gives_step_start_log_probs(actor_checks):
     """First call of a step: the training forward's log-probs are the old ones. Second call: old log-probs equal the
     step-start weights' (not the updated ones); after it the live weights are back. The same with the snapshot in host memory and FSDP2's CPU offload (CPUOffloadPolicy
     without pinning, which needs an accelerator), whose update is the same as the plain one's."""
-    plain, offload = actor_checks["snapshot"]
+    plain, offload, _ = actor_checks["snapshot"]
     for r in (plain, offload):
         # the first call's old log-probs are its training forward's, detached (no dropout): the ratio is exactly 1
         assert r["reused"] and r["first_call_kl"] == 0.0
@@ -494,6 +495,17 @@ def test_old_policy_snapshot_gives_step_start_log_probs(actor_checks):
         assert r["live_after_vs_before"] < 1e-6
     assert offload["offloaded"] and not plain["offloaded"]
     assert offload["live"] == pytest.approx(plain["live"], abs=1e-5)  # the same training step
+
+
+def test_top_p_snapshot_and_mu_are_renormalised_over_the_same_support(actor_checks):
+    """rollout.sampling.top_p=0.8, top_k=30: the snapshot's log-probs are the step-start weights' over the support
+    (logprobs.Support), and the whole vocabulary's log-probs of the step-start weights (what an engine on them
+    reports as mu), renormalised by pi_old's support mass, equal pi_old: train/rollout_logprob_diff_max ~0 at the
+    first call, where without the renormalisation it would be the largest |log mass| (> 0.01 here)."""
+    r = actor_checks["snapshot"][2]
+    assert r["reused"] and r["first_call_kl"] == 0.0
+    assert r["old_vs_step_start"] < 1e-6 and r["live_vs_step_start"] > 1e-3
+    assert r["first_call_diff"] < 1e-5 and r["mass_outside"] > 1e-2
 
 
 def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
@@ -539,12 +551,12 @@ def _script_setup(args, overrides=()):
 
 
 @torch.no_grad()
-def _log_probs(actor, batch, temperature=1.0):
+def _log_probs(actor, batch, temperature=1.0, support=None):
     import logprobs
 
     logits = actor.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1]
     model_lib.reshard(actor.model)
-    return logprobs.token_logprobs(logits, batch["ids"][:, 1:], temperature)[0] * batch["mask"]
+    return logprobs.token_logprobs(logits, batch["ids"][:, 1:], temperature, support=support)[0] * batch["mask"]
 
 
 def _actor_script(args):
@@ -560,22 +572,29 @@ def _actor_script(args):
 
 def _snapshot_checks(args) -> list:
     results = []
+    import logprobs
+
     for overrides in args["variants"]:  # each from model.path's weights, with a new optimizer
         cfg, rank, actor = _script_setup(args, overrides)
+        support = logprobs.Support(cfg.rollout.sampling.top_k, cfg.rollout.sampling.top_p)
         g = torch.Generator().manual_seed(0)  # the same data on both ranks and in every variant
         seqs = [{"prompt": torch.randint(3, 90, (5,), generator=g).tolist(),
                  "response": torch.randint(3, 90, (6,), generator=g).tolist(), "mask": [1] * 6,
                  "rollout_lp": [-2.0] * 6, "versions": [0] * 6, "adv": 1.0 if i % 2 else -1.0} for i in range(8)]
         first, second = batching.collate(seqs[4:]), batching.collate(seqs[:4])
-        step_start = _log_probs(actor, first)
+        if support.truncates():  # what an engine on the step-start weights reports: the whole vocabulary's
+            second["rollout_lp"] = _log_probs(actor, second)
+        step_start = _log_probs(actor, first, support=support)
         first_call = actor.train_plan([second], step=0, denom=24.0)  # first call of step 0: snapshot, then an update
-        live = _log_probs(actor, first)
-        old = actor._old_log_probs([first], step=0)[0]  # a later call of step 0
-        after = _log_probs(actor, first)
+        live = _log_probs(actor, first, support=support)
+        old = actor._old_log_probs([first], step=0)[0][0]  # a later call of step 0: its log-probs
+        after = _log_probs(actor, first, support=support)
         results.append({"old_vs_step_start": float((old * first["mask"] - step_start).abs().max()),
                         "live_vs_step_start": float((live - step_start).abs().max()),
                         "live_after_vs_before": float((after - live).abs().max()),
                         "first_call_kl": first_call["train/approx_kl"], "reused": actor.old.train_forward_is_old,
+                        "first_call_diff": first_call["train/rollout_logprob_diff_max"],
+                        "mass_outside": first_call.get("train/sampling_mass_outside"),
                         "live": live.flatten().tolist(), "offloaded": actor.model.model.layers[0]
                         ._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu})
     return results
