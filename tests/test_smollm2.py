@@ -128,7 +128,9 @@ def test_eos_is_im_end_the_engine_stops_there_and_the_loss_mask_keeps_it(run, sm
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    assert tasks.stop_token_ids(tok, smollm2) == [eos] and tok.eos_token_id == eos
+    with open(os.path.join(smollm2, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == tok.eos_token_id == eos  # the two places stop_token_ids reads
+    assert tasks.stop_token_ids(tok, smollm2) == [eos]
     stopped = 0
     for s in run["samples"]:
         ids = s["response_ids"]
