@@ -72,7 +72,11 @@ def test_add_prompts_go_through_the_chat_template_and_are_held_out(tok):
             assert 1 <= a <= tasks.ADD_MAX and 1 <= b <= tasks.ADD_MAX and p["label"] == str(a + b)
             sums[split].add((a, b))
     assert not sums["train"] & sums["eval"]
-    assert len(sums["eval"]) >= 230  # 256 draws from the ~1/8 of the operand pairs held out: few repeats
+    assert len(sums["eval"]) == 256  # each held-out prompt once (reverse_digits' eval repeats its short prompts)
+    held_out = sum(tasks._is_eval(f"What is {a} + {b}? Answer with the number only.", 0)
+                   for a in range(1, tasks.ADD_MAX + 1) for b in range(1, tasks.ADD_MAX + 1))
+    with pytest.raises(ValueError, match=f"num_eval_prompts=400 is more than the {held_out} distinct held-out"):
+        tasks.load_prompts(DataSourceConfig(task="add", num_eval_prompts=400), tok, "eval")
 
 
 def test_unknown_task_and_split_are_named(tok):
