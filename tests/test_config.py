@@ -320,6 +320,26 @@ def test_the_4b_config_splits_one_node_and_reads_a_math_jsonl(tmp_path):
     assert reward(response, "7", True) == 1.0 and reward(response.split("</think>")[0], "7", False) == 0.0
 
 
+def test_the_smollm2_config_is_valid_and_a_run_before_its_model_exists_names_the_command(tmp_path, monkeypatch):
+    """configs/smollm2.yaml, the real model on the CPU: the add task, fully-async, 256 held-out prompts; its model.path
+    is where `python -m models.smollm2` writes by default, and a run before that command says how to make it."""
+    import os
+
+    import checks
+    from models import smollm2
+
+    cfg = config.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "smollm2.yaml"))
+    assert (cfg.model.path, cfg.model.make_tiny, cfg.data_source.task) == (smollm2.DEFAULT_OUT, False, "add")
+    assert cfg.fully_async.enable and cfg.data_source.num_eval_prompts >= 256 and cfg.trainer.eval_freq > 0
+    monkeypatch.chdir(tmp_path)  # no runs/smollm2 here
+    with pytest.raises(ValueError, match="not a directory yet; make it with `python -m models.smollm2 --out "
+                                         "runs/smollm2`"):
+        checks.check_launch(cfg, 2)
+    cfg.model.path = "my_model"  # any other path: the general sentence
+    with pytest.raises(ValueError, match="'my_model' is not a directory; point it at an HF checkpoint"):
+        checks.check_launch(cfg, 2)
+
+
 def _flash_attn_on_path(root, monkeypatch, dist_version=None):
     """A `flash_attn` on sys.path: the namespace package flash-attn-4's wheel leaves (flash_attn/cute/, no
     flash_attn/__init__.py), or with dist_version a package of the `flash-attn` distribution (its dist-info)."""

@@ -57,6 +57,28 @@ def test_calc_tool_prompts_are_held_out(tok):
         assert p["label"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
 
 
+def test_add_prompts_go_through_the_chat_template_and_are_held_out(tok):
+    cfg = DataSourceConfig(task="add", num_prompts=2000, num_eval_prompts=256)
+    train, evals = tasks.load_prompts(cfg, tok, "train"), tasks.load_prompts(cfg, tok, "eval")
+    assert len(train) == 2000 and len(evals) == 256
+    question = re.compile(r"What is (\d+) \+ (\d+)\? Answer with the number only\.")
+    sums = {"train": set(), "eval": set()}
+    for split, prompts in (("train", train), ("eval", evals)):
+        for p in prompts:
+            text = tok.decode(p["prompt_ids"])
+            a, b = map(int, question.search(text).groups())
+            assert text == tok.apply_chat_template([{"role": "user", "content": question.search(text)[0]}],
+                                                   add_generation_prompt=True, tokenize=False)
+            assert 1 <= a <= tasks.ADD_MAX and 1 <= b <= tasks.ADD_MAX and p["label"] == str(a + b)
+            sums[split].add((a, b))
+    assert not sums["train"] & sums["eval"]
+    assert len(sums["eval"]) == 256  # each held-out prompt once (reverse_digits' eval repeats its short prompts)
+    held_out = sum(tasks._is_eval(f"What is {a} + {b}? Answer with the number only.", 0)
+                   for a in range(1, tasks.ADD_MAX + 1) for b in range(1, tasks.ADD_MAX + 1))
+    with pytest.raises(ValueError, match=f"num_eval_prompts=400 is more than the {held_out} distinct held-out"):
+        tasks.load_prompts(DataSourceConfig(task="add", num_eval_prompts=400), tok, "eval")
+
+
 def test_unknown_task_and_split_are_named(tok):
     with pytest.raises(ValueError, match="data_source.task 'sort'.*reverse_digits"):
         tasks.load_prompts(DataSourceConfig(task="sort"), tok)
@@ -97,6 +119,28 @@ def test_math_reward(response, label, expected):
     assert tasks.get_reward_fn("math")(response, label, True) == expected
 
 
+# Responses of SmolLM2-135M-Instruct to "What is A + B? Answer with the number only." (runs/smollm2, greedy and
+# sampled at temperature 1): the last number is the answer, whatever the text around it.
+@pytest.mark.parametrize("response,label,stopped,expected", [
+    ("28 + 26 = 54", "54", True, 1.0),
+    ("16 + 25 = 41.", "41", True, 1.0),  # the sentence's period is not a decimal point
+    ("To solve this problem, we need to find the sum of 9 and 4.\n\nThe answer is 13.", "13", True, 1.0),
+    ("1 + 19 = 20", "20", True, 1.0),
+    ("The sum is 1,234.", "1234", True, 1.0),  # thousands separators
+    ("42.0", "42", True, 1.0),
+    ("1 + 29 = 29", "30", True, 0.0),  # wrong arithmetic
+    ("25 + 3 = 5\n\nThis is a classic example of how math can be used to solve seemingly complex problems. In this "
+     "case, the answer is not just 25 + 3, but 5.", "28", True, 0.0),  # the right sum is not the last number
+    ("This is a fun math problem. Can we add just eleven to nineteen?", "30", True, 0.0),  # no number
+    ("", "30", True, 0.0),
+    # cut by max_new_tokens: 0 even when the last number would match ("1" of "18"; a "20" it may go on to correct)
+    ("We can do this by adding them together: 4 + 16 = 18.\n\nSo, the answer is 1", "18", False, 0.0),
+    ("4 + 16 = 20", "20", False, 0.0),
+])
+def test_last_number_reward(response, label, stopped, expected):
+    assert tasks.get_reward_fn("last_number")(response, label, stopped) == expected
+
+
 def test_math_reward_works_off_the_main_thread():
     # math-verify's timeouts need the main thread; rollouts may score in a worker thread.
     result = []
@@ -107,8 +151,8 @@ def test_math_reward_works_off_the_main_thread():
 
 
 def test_reward_lookup_and_pickling():
-    for task, name in (("reverse_digits", "reverse_digits"), ("calc_tool", "calc_tool"), ("jsonl", "math"),
-                       ("parquet", "math")):
+    for task, name in (("reverse_digits", "reverse_digits"), ("calc_tool", "calc_tool"), ("add", "last_number"),
+                       ("jsonl", "math"), ("parquet", "math")):
         fn = tasks.get_reward_fn(tasks.default_reward(task))
         assert tasks.default_reward(task) == name and pickle.loads(pickle.dumps(fn)) is fn
     # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
