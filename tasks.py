@@ -198,7 +198,7 @@ def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
 # Dataset files (jsonl / parquet)
 
 PROMPT_FIELDS = ("prompt", "problem", "question")
-LABEL_FIELDS = ("reward_model.ground_truth", "answer", "ground_truth", "solution")
+LABEL_FIELDS = ("reward_model.ground_truth", "answer", "ground_truth", "solution", "label")  # label: slime's files
 _MISSING = object()
 
 

@@ -256,6 +256,15 @@ def test_jsonl_dataset(tok, tmp_path):
     assert first["metadata"]["row"] in (1, 2)  # 1-based line numbers, file order
 
 
+def test_slimes_prompt_label_rows_read_as_they_are():
+    """slime's math files (its dapo-math-17k.jsonl: `--input-key prompt --label-key label`) give the answer as
+    `label`; a row holds one answer field, read in LABEL_FIELDS' order, reduced as the others are."""
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "label": "\\boxed{5}"}
+    assert tasks._parse_row(row, "x line 1") == ([{"role": "user", "content": "What is 2 + 3?"}], "5")
+    with pytest.raises(ValueError, match="x line 2: no ground-truth field; accepted: .*solution, label$"):
+        tasks._parse_row({"prompt": "hi", "target": "5"}, "x line 2")
+
+
 def test_parquet_dataset(tok, tmp_path):
     path = str(tmp_path / "math.parquet")
     # One schema for all rows: each row's missing columns are null, which counts as absent.
