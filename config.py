@@ -73,6 +73,8 @@ class TrainerConfig:
     use_rollout_log_probs: bool = False  # use the engine's log-probs as old_log_probs (skips a forward)
     lr: float = 1e-6  # AdamW learning rate
     warmup_steps: int = 0  # linear warmup of the learning rate, in optimizer updates
+    lr_decay: str = "constant"  # after the warmup: constant | linear | cosine, to lr x min_lr_ratio at the last update
+    min_lr_ratio: float = 0.0  # the decay's floor, a fraction of lr in [0, 1]
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple = (0.9, 0.999)  # AdamW betas
     optimizer_impl: str = "auto"  # AdamW kernel: auto (fused on cuda, foreach on cpu) | fused | foreach | for_loop
@@ -588,6 +590,10 @@ def validate(cfg: Config) -> Config:
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:
             raise ValueError(f"trainer.{key} must be >= 0, got {getattr(t, key)}")
+    if t.lr_decay not in ("constant", "linear", "cosine"):
+        raise ValueError(f"trainer.lr_decay must be constant, linear or cosine, got '{t.lr_decay}'")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError(f"trainer.min_lr_ratio must be in [0, 1] (a fraction of trainer.lr), got {t.min_lr_ratio}")
     if t.resume not in ("none", "auto") and not os.path.isdir(t.resume):
         raise ValueError(f"trainer.resume must be none, auto or an existing checkpoint directory, got '{t.resume}'")
     ws = cfg.weight_sync

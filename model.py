@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
 import os
 
 import torch
@@ -112,13 +113,28 @@ def flash_attn_2_available() -> bool:
     return bool(is_flash_attn_2_available())
 
 
-def build_optimizer(model, t, impl: str = "foreach"):
-    """AdamW (impl: fused / foreach / for_loop, see optimizer_impl) with linear warmup over trainer.warmup_steps
-    optimizer updates, constant after."""
+def lr_factor(u: int, t, updates: int) -> float:
+    """The learning rate of optimizer update u (0-based) as a fraction of trainer.lr: linear warmup over
+    trainer.warmup_steps updates, then trainer.lr_decay (constant, or linear / cosine from 1 at the warmup's end to
+    trainer.min_lr_ratio at the run's last update, `updates` = total_steps x calls_per_step; held there after)."""
+    warm = t.warmup_steps
+    if u < warm:
+        return (u + 1) / warm
+    if t.lr_decay == "constant" or updates <= warm + 1:
+        return 1.0
+    x = min(1.0, (u - warm) / (updates - 1 - warm))  # 0 at the first update after the warmup, 1 at the last
+    shape = 1 - x if t.lr_decay == "linear" else 0.5 * (1 + math.cos(math.pi * x))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
+
+
+def build_optimizer(model, t, impl: str = "foreach", updates: int = 0):
+    """AdamW (impl: fused / foreach / for_loop, see optimizer_impl) and its learning-rate schedule (lr_factor) over
+    the run's `updates` optimizer updates; the scheduler steps once an update and is checkpointed."""
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                             fused=impl == "fused", foreach=impl == "foreach")
-    warm = t.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / warm) if warm else 1.0)
+    if t.lr_decay != "constant" and updates <= 0:
+        raise ValueError(f"trainer.lr_decay={t.lr_decay} needs the run's number of optimizer updates, got {updates}")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: lr_factor(u, t, updates))
     return opt, sched
 
 

@@ -502,7 +502,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             model, _ = model_lib.load_model(cfg, mesh, device, rank, ctrl)
             if rank == 0:
                 print(memory_report(cfg, model, world, device, cfg.trainer.entropy_metric), flush=True)
-            opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type))
+            opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type),
+                                                      cfg.trainer.total_steps * cfg.calls_per_step)
             actor = Actor(cfg, model, opt, sched, device, ctrl)
             actor.colocate.released = colocated
         if rank != 0 and services is None:  # (colocate started them before the model loaded)

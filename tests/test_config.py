@@ -110,6 +110,8 @@ RULES = [
     (["trainer.save_freq=-1"], None, ["trainer.save_freq"]),
     (["trainer.eval_freq=-1"], None, ["trainer.eval_freq"]),
     (["trainer.warmup_steps=-1"], None, ["trainer.warmup_steps"]),
+    (["trainer.lr_decay=exponential"], None, ["trainer.lr_decay", "constant, linear or cosine"]),
+    (["trainer.min_lr_ratio=1.5"], None, ["trainer.min_lr_ratio", "[0, 1]"]),
     (["trainer.resume=/nonexistent/checkpoint"], None, ["trainer.resume"]),
     (["weight_sync.method=nfs"], None, ["weight_sync.method"]),
     # a config rule, before any device check: refused on a machine without a GPU too

@@ -856,3 +856,45 @@ def test_plot_writes_a_png(resumed_run, tmp_path):
 
 if __name__ == "__main__":
     {"actor": _actor_script}[sys.argv[1]](json.loads(sys.argv[2]))
+
+
+@pytest.mark.parametrize("decay, warmup, ratio", [("constant", 3, 0.0), ("linear", 0, 0.1), ("cosine", 3, 0.1),
+                                                  ("cosine", 0, 0.0)])
+def test_the_learning_rate_warms_up_then_decays_to_its_floor_at_the_last_update(decay, warmup, ratio):
+    """model.build_optimizer's schedule, read from AdamW's param group after each scheduler step as train.py steps
+    it (once an optimizer update): warmup (u + 1) / W x lr, then lr at the first update after it, lr x min_lr_ratio at
+    the run's last update (cosine: half way between at the middle), held after; a resumed scheduler (its state_dict,
+    as checkpoint.py saves it) continues where it was."""
+    lr, updates = 0.5, 23
+    t = config.TrainerConfig(lr=lr, warmup_steps=warmup, lr_decay=decay, min_lr_ratio=ratio)
+    opt, sched = model_lib.build_optimizer(torch.nn.Linear(2, 2), t, "for_loop", updates)
+    seen = []
+    for _ in range(updates + 2):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen[:warmup] == pytest.approx([lr * (u + 1) / warmup for u in range(warmup)])
+    assert seen[warmup] == pytest.approx(lr)
+    floor = lr if decay == "constant" else lr * ratio
+    assert seen[updates - 1] == pytest.approx(floor) and seen[updates:] == pytest.approx([floor] * 2)
+    if decay != "constant":
+        assert all(a > b for a, b in zip(seen[warmup:updates - 1], seen[warmup + 1:updates]))  # strictly down
+    if (updates - 1 - warmup) % 2 == 0 and decay == "cosine":
+        assert seen[warmup + (updates - 1 - warmup) // 2] == pytest.approx(lr * (1 + ratio) / 2)
+    if decay == "linear":
+        assert seen[warmup + 11] == pytest.approx(lr * (ratio + (1 - ratio) * (1 - 11 / 22)))
+    opt, sched = model_lib.build_optimizer(torch.nn.Linear(2, 2), t, "for_loop", updates)
+    for _ in range(warmup + 5):
+        opt.step()
+        sched.step()
+    opt2, sched2 = model_lib.build_optimizer(torch.nn.Linear(2, 2), t, "for_loop", updates)
+    sched2.load_state_dict(sched.state_dict())
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(seen[warmup + 6])
+
+
+def test_a_decay_without_the_runs_length_is_refused():
+    t = config.TrainerConfig(lr_decay="cosine")
+    with pytest.raises(ValueError, match="trainer.lr_decay=cosine needs the run's number of optimizer updates"):
+        model_lib.build_optimizer(torch.nn.Linear(2, 2), t)
