@@ -16,7 +16,7 @@ every seed met the target (the gain within --minutes, and held). The figure: eve
 --base measures the gate before any run: the base model's pass rate on the held-out prompts of --seeds' first seed,
 greedy and sampled at the config's temperature, and the lengths of its answers (what max_new_tokens cuts).
 
-Run (from the repository root, after `python -m models.smollm2 --out runs/smollm2`; ~12-16 min a seed on 2 cores):
+Run (from the repository root, after `python -m models.smollm2 --out runs/smollm2`; ~12.5 min a seed on 2 cores):
     python bench/smollm2_seeds.py [--seeds 0 1 2] [--runs runs/smollm2_seeds] [--png docs/results/smollm2.png]
                                   [--summarise] [KEY=VALUE ...]   # config overrides for every seed
     python bench/smollm2_seeds.py --base [--seeds 0] [--samples 2] [--budget 64] [KEY=VALUE ...]   # ~10-20 min
