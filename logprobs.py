@@ -130,6 +130,28 @@ def _chunk_stats(s: Tensor, targets: Tensor, with_entropy: bool) -> tuple:
     return m.squeeze(-1) + log_z, target_s - m.squeeze(-1) - log_z, entropy
 
 
+def _forward_buffers(logp: Tensor, with_entropy: bool, support: Optional[Support]) -> tuple:
+    """(logp, lse, entropy, lowest, log_mass): the forward's per-token float32 outputs, all shaped as logp, the last
+    three None when not asked for (entropy) or without a support."""
+    lowest, log_mass = (torch.empty_like(logp), torch.empty_like(logp)) if support else (None, None)
+    return logp, torch.empty_like(logp), torch.empty_like(logp) if with_entropy else None, lowest, log_mass
+
+
+def _chunk_forward(s: Tensor, targets: Tensor, bufs: tuple, at, with_entropy: bool,
+                   support: Optional[Support]) -> None:
+    """One chunk's scaled logits s [..., V] float32 (consumed) -> its tokens' entries `at` of _forward_buffers'
+    outputs; with a support, restricted to it first (its lowest kept value saved for the backward)."""
+    logp, lse, entropy, lowest, log_mass = bufs
+    if support:
+        lowest[at], full = _support_bounds(s, support)
+        _restrict_(s, targets, lowest[at])
+    lse[at], logp[at], ent = _chunk_stats(s, targets, with_entropy)
+    if with_entropy:
+        entropy[at] = ent
+    if support:
+        log_mass[at] = lse[at] - full
+
+
 def _chunk_grad(s: Tensor, targets: Tensor, lse: Tensor, entropy: Optional[Tensor], g: Tensor,
                 ge: Optional[Tensor], temperature: float) -> Tensor:
     """d loss / d logits of one chunk from its scaled logits s [..., V] float32 (consumed, the result reuses it):
@@ -167,21 +189,12 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool,
                 support: Optional[Support]):
         rows, T, _ = logits.shape
-        logp = logits.new_empty((rows, T), dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else None
-        lowest, log_mass = (torch.empty_like(logp), torch.empty_like(logp)) if support else (None, None)
+        bufs = _forward_buffers(logits.new_empty((rows, T), dtype=torch.float32), with_entropy, support)
         for rs, ts in _chunks(rows, T, chunk_size):
             s = logits[rs, ts].to(torch.float32, copy=True).div_(temperature)  # one new float32 chunk
-            if support:
-                lowest[rs, ts], full = _support_bounds(s, support)
-                _restrict_(s, targets[rs, ts], lowest[rs, ts])
-            lse[rs, ts], logp[rs, ts], ent = _chunk_stats(s, targets[rs, ts], with_entropy)
-            if with_entropy:
-                entropy[rs, ts] = ent
-            if support:
-                log_mass[rs, ts] = lse[rs, ts] - full
+            _chunk_forward(s, targets[rs, ts], bufs, (rs, ts), with_entropy, support)
             del s  # free this chunk before the next one is allocated
+        logp, lse, entropy, lowest, log_mass = bufs
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.save_for_backward(logits, targets, lse, entropy, lowest)
         if support:
@@ -258,22 +271,13 @@ class _LinearTokenLogProbs(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int,
                 with_entropy: bool, support: Optional[Support]):
         n = hidden.shape[0]
-        logp = hidden.new_empty(n, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else None
-        lowest, log_mass = (torch.empty_like(logp), torch.empty_like(logp)) if support else (None, None)
+        bufs = _forward_buffers(hidden.new_empty(n, dtype=torch.float32), with_entropy, support)
         for t0 in range(0, n, chunk_size):
             c = slice(t0, t0 + chunk_size)
             s = (hidden[c] @ weight.T).float().div_(temperature)
-            if support:
-                lowest[c], full = _support_bounds(s, support)
-                _restrict_(s, targets[c], lowest[c])
-            lse[c], logp[c], ent = _chunk_stats(s, targets[c], with_entropy)
-            if with_entropy:
-                entropy[c] = ent
-            if support:
-                log_mass[c] = lse[c] - full
+            _chunk_forward(s, targets[c], bufs, c, with_entropy, support)
             del s
+        logp, lse, entropy, lowest, log_mass = bufs
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.save_for_backward(hidden, weight, targets, lse, entropy, lowest)
         if support:
