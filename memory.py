@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+import logprobs
+
 GIB = 2 ** 30
 
 
@@ -139,7 +141,8 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
         else:
             parts["activations"] = (n_layers * layer["saved"] + layer["transient"]) / GIB
         chunk = min(t.logprob_chunk_tokens, tokens)
-        support = 2 if cfg.rollout.sampling.top_p < 1 or cfg.rollout.sampling.top_k > 0 else 0
+        sampling = cfg.rollout.sampling
+        support = 2 if logprobs.Support(sampling.top_k, sampling.top_p).truncates() else 0
         parts["log-probs"] = (chunk * v * (compute_b + 4 + (4 if with_entropy else 0) + support) + v * h * 4) / GIB
         if cfg.model.activation_checkpointing:
             apart = min(parts["log-probs"], parts["recomputed layer"])

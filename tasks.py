@@ -13,7 +13,8 @@ r"""tasks.py: the prompts, the rewards and the tool environments of a run.
     jsonl, parquet  math-RL rows as dapo-math-17k: the prompt from the first field present of `prompt` (a list of
                     {"role", "content"} messages, or a string), `problem`, `question` (strings, sent as one user
                     message); the ground truth from `reward_model.ground_truth`, `answer`, `ground_truth`,
-                    `solution` (a string or number; a \boxed{X} in it is reduced to X, a GSM8K "#### X" to X).
+                    `solution`, `label` (a string or number; a \boxed{X} in it is reduced to X, a GSM8K "#### X"
+                    to X).
                     The tokenizer's chat template is applied with add_generation_prompt=True.
 - `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math",
   "last_number", or any

@@ -67,7 +67,7 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk: int, e
         return logp, (-(logp_all.exp() * logp_all).sum(-1) if entropy else None)
 
     # with a support (top_p < 1 or top_k > 0): the renormalised log-probs (and entropy), not the log-mass
-    support = {"support": logprobs.Support(top_k, top_p)} if top_p < 1 or top_k > 0 else {}
+    support = {"support": logprobs.Support(top_k, top_p)} if logprobs.Support(top_k, top_p).truncates() else {}
 
     def chunked():
         return logprobs.token_logprobs(hidden @ weight.T, targets, temperature, chunk_size=chunk, with_entropy=entropy,
@@ -105,7 +105,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.chunk, args.entropy,
                                args.top_p, args.top_k)))
         return
-    if (args.top_p < 1 or args.top_k > 0) and "naive" in args.variants.split(","):
+    if (args.top_p < 1 or args.top_k > 0) and "naive" in args.variants.split(","):  # (the parent imports no torch)
         raise SystemExit("--top-p / --top-k run the fused and chunked variants only: pass --variants fused,chunked")
     logits_gb = args.tokens * args.vocab * 2 / GB
     print(f"token log-probs + backward, CPU, [{args.tokens} tokens x {args.hidden}] @ [{args.hidden} x {args.vocab}] "
