@@ -1,6 +1,6 @@
 """colocate.py: the trainer and the inference servers taking turns on the same GPUs (colocate=true, synchronous mode).
 
-Every trainer rank calls each method at the same point of the step (train.run_steps, train.Actor.sync_weights);
+Every trainer rank calls each method at the same point of the step (train.run_steps, actor.Actor.sync_weights);
 rank 0 alone talks to the servers (`fleet`, None on the other ranks). The memory moves in these stages:
 
   memory_to_trainer   after generation: the servers release their weights, KV cache and CUDA graphs

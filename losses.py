@@ -321,7 +321,7 @@ CORRECTIONS: dict[str, Callable[[TokenBatch, object], Correction]] = {  # key = 
 # A policy loss is fn(batch: TokenBatch, settings: LossSettings, denominator) -> (loss, metrics): settings is the run
 # config's `algorithm` section, denominator is D for the whole mini-batch (see the aggregation table), loss [] with
 # grad is this call's share of the mini-batch loss, metrics are 0-dim detached tensors named train/<name> (logging
-# them costs no device sync until the trainer reads them). The trainer has one call site (train.micro_batch_loss).
+# them costs no device sync until the trainer reads them). The trainer has one call site (actor.micro_batch_loss).
 # What a loss needs of the rest of the config it declares with @register; config.validate reads it at start-up.
 
 PolicyLoss = Callable[[TokenBatch, LossSettings, Union[float, Tensor]], tuple[Tensor, dict[str, Tensor]]]

@@ -1,4 +1,4 @@
-"""weight_sync.py: the trainer's weights to the inference servers, bucket by bucket (train.py's Actor drives it).
+"""weight_sync.py: the trainer's weights to the inference servers, bucket by bucket (actor.py's Actor drives it).
 
 WeightSync.sync(version) is a step's weight update on every rank: the push to the servers that answer, with the
 weight-update group formed again when they change, and one retry by every rank together after a failure.

@@ -13,7 +13,7 @@ What is real: `buffer.PipelineServer` (collection run inside put(), collector_th
 deterministic) with the rule of `strategies.REGISTRY`, called as rollout.py and train.run_steps call it: dispatch,
 put, update_aborts + step_boundary at the pause (abort / in_place / drain, the rule's update-time action),
 set_weight_version after the update, get by training call. The loss is algorithm.policy_loss's choice
-(`losses.POLICY_LOSSES`, called as train.micro_batch_loss calls it, with the run's config: each preset with its
+(`losses.POLICY_LOSSES`, called as actor.micro_batch_loss calls it, with the run's config: each preset with its
 peer's loss and off-policy mask from `strategies.peer_overrides`, the spec's rules and sync with tiny.yaml's), and
 `losses.offpolicy_token_mask` where the config masks.
 What is simulated:
@@ -87,7 +87,7 @@ SIMULATION_NOTE = ("Simulated: the clock, the fleet (the workload model of docs/
 V, F = 4, 8  # tokens, prompt features
 B, N, M = 16, 8, 32  # groups per step, trajectories per group, trajectories per training call
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")
-# The losses: algorithm.policy_loss's choices (losses.POLICY_LOSSES, as train.micro_batch_loss calls them) and two
+# The losses: algorithm.policy_loss's choices (losses.POLICY_LOSSES, as actor.micro_batch_loss calls them) and two
 # baselines of ppo: naive PPO (the ratio against the behaviour policy mu) and PPO without the IS weight.
 LOSS_OVERRIDES = {
     "naive": ["algorithm.policy_loss=ppo", "trainer.use_rollout_log_probs=true", "algorithm.is_correction.enable=false"],
@@ -401,7 +401,7 @@ class Sim:
         self.ess.append(float(w.sum() ** 2 / (live.sum().clamp(min=1) * (w ** 2).sum()).clamp(min=1e-12)))
         algo = self.cfg.algorithm
         denom = losses.loss_denominator(mask, algo.loss_agg_mode)
-        # as train.micro_batch_loss calls it: old_log_probs are the step-start snapshot's (mu under
+        # as actor.micro_batch_loss calls it: old_log_probs are the step-start snapshot's (mu under
         # trainer.use_rollout_log_probs), current_version the version this step's update produces
         pi_old = mu if self.cfg.trainer.use_rollout_log_probs else old
         loss, m = self.loss_fn(losses.TokenBatch(lp, pi_old, mu, adv, mask, vers, self.version + 1), algo, denom)

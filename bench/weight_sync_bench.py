@@ -62,7 +62,7 @@ def worker(a) -> None:
     import config as config_lib
     import model as model_lib
     import sglang_client
-    import train
+    import actor as actor_lib
 
     dist.init_process_group("gloo")
     ctrl = dist.new_group(backend="gloo")
@@ -74,7 +74,7 @@ def worker(a) -> None:
                                         f"trainer.num_gpus_per_node={world}"])
     model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (world,)), torch.device("cpu"), rank, ctrl)
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
-    actor = train.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
+    actor = actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
     if rank == 0:
         actor.fleet = sglang_client.SyncFleet(sglang_client.Fleet([a.url]))
     nbytes = sum(p.numel() for p in model.parameters()) * 4

@@ -79,6 +79,7 @@ def test_no_root_file_exceeds_1100_lines_and_train_py_600(module):
     ("weight_sync", "SHARD_BYTES", "hf_export.SHARD_BYTES"),
     ("tasks", "make_tiny_model", "standins.tiny_model.make_tiny_model"),
     ("tasks", "build_tokenizer", "standins.tiny_model.build_tokenizer"),
+    ("train", "micro_batch_loss", "actor.micro_batch_loss"),
 ])
 def test_a_moved_name_is_refused_naming_where_it_went(module, name, new):
     mod = importlib.import_module(module)

@@ -610,7 +610,7 @@ def test_truncated_is_loss_matches_loop_reference():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# algorithm.policy_loss: the registry, what each loss declares, and train.py's call (train.micro_batch_loss)
+# algorithm.policy_loss: the registry, what each loss declares, and train.py's call (actor.micro_batch_loss)
 # ---------------------------------------------------------------------------------------------------------
 
 def test_every_policy_loss_is_registered_with_one_signature_and_declares_whether_it_reads_old_log_probs():
@@ -694,10 +694,10 @@ def collated_batch(seed, step):
 
 
 def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
-    """train.micro_batch_loss is the one call in Actor.forward_backward: each algorithm.policy_loss reaches its
+    """actor.micro_batch_loss is the one call in Actor.forward_backward: each algorithm.policy_loss reaches its
     function, and they all give different losses on the same batch (so a trainer that ignored the choice would fail
     here)."""
-    import train
+    import actor as actor_lib
 
     step, cap = 3, 1.6
     for seed in range(5):
@@ -722,7 +722,7 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
             on = name in ("recompute", "loglinear")  # the behaviour weight of decoupled PPO
             cfg = config.from_dict({"algorithm": {"policy_loss": name, "is_correction": {
                 "enable": on, "clip": 1e9, "mask_high": cap}}})
-            loss, metrics = train.micro_batch_loss(cfg, lp, old, b, D, ent, step)
+            loss, metrics = actor_lib.micro_batch_loss(cfg, lp, old, b, D, ent, step)
             got[name] = float(loss.detach())
             assert got[name] == pytest.approx(refs[name], rel=1e-5, abs=1e-6), (seed, name)
             assert float(metrics["train/pg_loss"]) == pytest.approx(got[name], rel=1e-6)
@@ -731,11 +731,11 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
 
 
 def test_decoupled_choices_leave_the_run_config_as_it_was():
-    import train
+    import actor as actor_lib
 
     b, lp, old, ent = collated_batch(0, 2)
     cfg = config.from_dict({"algorithm": {"policy_loss": "loglinear"}})
-    train.micro_batch_loss(cfg, lp, old, b, 10.0, ent, 2)
+    actor_lib.micro_batch_loss(cfg, lp, old, b, 10.0, ent, 2)
     assert cfg.algorithm.is_correction.enable is False and cfg.algorithm.is_correction.level == "token"
 
 

@@ -195,12 +195,12 @@ def test_routes_stay_in_their_dtype_with_a_mask_of_the_positions_the_server_ran(
 def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_path):
     """trainer.entropy_metric: no loss term uses the entropy, so the training forward computes it only for
     train/entropy; without it the metric is absent and the loss, every gradient and the other metrics are the same."""
-    import train
+    import actor as actor_lib
 
     b = batching.collate(_seqs([(5, 9), (3, 2), (7, 14)]), packing=True)
     runs = []
     for on in (True, False):
-        actor = object.__new__(train.Actor)
+        actor = object.__new__(actor_lib.Actor)
         actor.cfg = config.load_config(None, ["trainer.use_rollout_log_probs=true", f"trainer.entropy_metric={on}"])
         actor.model, actor.world = _model(tiny_path, "sdpa"), 1
         sums, weights, _ = actor.forward_backward([b], 0, float(b["mask"].sum())).state()
@@ -212,15 +212,15 @@ def test_entropy_is_computed_only_for_the_metric_and_changes_no_gradient(tiny_pa
 
 
 def test_top_p_renormalises_mu_over_the_support_the_trainer_replays(tiny_path):
-    """train.Actor.forward_backward with rollout.sampling.top_p=0.8, top_k=20 (the in-process actor of the test
+    """actor.Actor.forward_backward with rollout.sampling.top_p=0.8, top_k=20 (the in-process actor of the test
     above, trainer.use_rollout_log_probs=true): rollout_lp is what an engine on these weights reports, the whole
     vocabulary's log-probs. Renormalised by the support's mass the trainer finds, pi_old = mu equals pi_theta over
     the support: the ratio is 1 (approx_kl 0, nothing clipped), where the whole vocabulary's mu would put it at
     1 / mass (up to 1 / 0.8 here) for every token; train/sampling_mass_outside is the mass outside."""
-    import train
+    import actor as actor_lib
 
     b = batching.collate(_seqs([(5, 9), (3, 2), (7, 14)]), packing=True)
-    actor = object.__new__(train.Actor)
+    actor = object.__new__(actor_lib.Actor)
     actor.cfg = config.load_config(None, ["trainer.use_rollout_log_probs=true", "rollout.sampling.top_p=0.8",
                                           "rollout.sampling.top_k=20", "rollout.sampling.temperature=0.7"])
     actor.model, actor.world = _model(tiny_path, "sdpa"), 1

@@ -203,7 +203,7 @@ def _checks(args: dict) -> dict:
     import config
     import memory
     import model as model_lib
-    import train
+    import actor as actor_lib
     import weight_sync
     from standins import scheduler
 
@@ -217,7 +217,7 @@ def _checks(args: dict) -> dict:
                                     f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}"])
     model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (world,)), torch.device("cpu"), rank, ctrl)
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
-    actor = train.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
+    actor = actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
 
     def tied() -> bool:
         return model.get_output_embeddings().weight is model.get_input_embeddings().weight

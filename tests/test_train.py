@@ -32,6 +32,7 @@ import model as model_lib  # noqa: E402
 import plot  # noqa: E402
 import run_modes  # noqa: E402
 import services as services_lib  # noqa: E402
+import actor as actor_lib  # noqa: E402
 import train  # noqa: E402
 
 PY = sys.executable
@@ -547,7 +548,7 @@ def _script_setup(args, overrides=()):
                                     "weight_sync.master_address=127.0.0.1", *overrides])
     model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (2,)), torch.device("cpu"), rank, _CTRL)
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
-    return cfg, rank, train.Actor(cfg, model, opt, sched, torch.device("cpu"), _CTRL)
+    return cfg, rank, actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), _CTRL)
 
 
 @torch.no_grad()
