@@ -10,7 +10,9 @@ import torch
 
 
 def make_sequences(groups: list, cfg) -> list[dict]:
-    """Groups -> one dict per trajectory (plain lists: cheap to sort, split and collate) with its GRPO advantage."""
+    """Groups -> one dict per trajectory (plain lists: cheap to sort, split and collate) with its GRPO advantage,
+    taken over the trajectories the group holds: all N, or the survivors of failures (buffer.Group), whose mean and
+    std are then the baseline and the scale."""
     import losses
 
     out = []

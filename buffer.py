@@ -131,10 +131,12 @@ class PromptGroup(_WireState):
 
 @dataclass
 class Group:
-    """N trajectories of one prompt, as the collector writes them into PipelineBuffer; also what a strategy's keep,
-    keep_buffered and consumed are asked about (strategies.Strategy.keep lists what they read)."""
+    """The trajectories of one prompt, as the collector writes them into PipelineBuffer; also what a strategy's keep,
+    keep_buffered and consumed are asked about (strategies.Strategy.keep lists what they read). All N of them, or
+    fewer: with rollout.filter `failed`, a failed trajectory leaves its group, which is trained on the at least
+    rollout.min_group_size that survive (PipelineServer._trained)."""
     prompt: PromptGroup
-    trajectories: list  # list[Trajectory], len N, sorted by index
+    trajectories: list  # list[Trajectory], N of them or the survivors, sorted by index
 
     @property
     def prompt_id(self) -> tuple[int, int]:
@@ -221,6 +223,7 @@ class BufferSettings:
     async_max_concurrent_samples: Optional[int] = None  # rollout.async_max_concurrent_samples: groups = value // N
     filter: tuple = ("failed",)  # rollout.filter: failed | all_equal_reward
     filter_stop_groups: Optional[int] = None  # rollout.filter_stop_groups (None: 4 x B, >= 64; 0: off)
+    min_group_size: Optional[int] = None  # rollout.min_group_size (None: N // 2, at least 2; 1 when N = 1)
     max_weight_staleness: Optional[int] = None  # rollout.max_weight_staleness
     partial: bool = False  # rollout.partial: the update action's
     pause_mode: str = "abort"  # rollout.pause_mode: the update action's
@@ -246,6 +249,22 @@ class BufferSettings:
         4 x B, at least 64: a filter that drops 70% of the groups makes 64 in a row once in ~10^10."""
         n = self.filter_stop_groups
         return max(4 * self.num_prompts_per_step, 64) if n is None else n
+
+    @property
+    def group_floor(self) -> int:
+        """rollout.min_group_size as it applies (rollout.filter failed): the default N // 2, at least 2, 1 when N = 1."""
+        n, value = self.num_trajectories_per_prompt, self.min_group_size
+        validate_min_group_size(value, n)
+        return value if value is not None else 1 if n == 1 else max(2, n // 2)
+
+
+def validate_min_group_size(value: Optional[int], n: int) -> None:
+    """rollout.min_group_size: unset, or 2 <= value <= N (1 when N = 1): a group is never trained on one trajectory
+    whose GRPO advantage is 0 by construction, nor asked for more trajectories than it has."""
+    if value is None or (value == 1 if n == 1 else 2 <= value <= n):
+        return
+    accepted = "1" if n == 1 else f"from 2 to data_source.num_trajectories_per_prompt ({n})"
+    raise ValueError(f"rollout.min_group_size must be {accepted} or null (N // 2, at least 2), got {value}")
 
 
 def validate_concurrency(value: Optional[int], n: int) -> None:
@@ -457,9 +476,12 @@ DROP_METRICS = {"filter": "rollout/filter_drop", "max_weight_staleness": "rollou
 COMPLETE_DROPS = ("filter", "max_weight_staleness", "strategy")  # why a complete group is dropped (view.dropped)
 # the counters of one step (PipelineServer._counts, popped by step_metrics): the drops of COMPLETE_DROPS; trajectories
 # that arrived for a group no longer in flight (dropped or restored at a step boundary, or duplicates: not a verdict);
-# the group flow; response tokens thrown away by every drop and restart
+# the group flow; response tokens thrown away by every drop, restart and failed trajectory taken out of its group;
+# the `failed` filter's work: failed trajectories taken out of their groups at collection, the groups it dropped
+# with fewer than rollout.min_group_size survivors (of rollout/filter_drop), groups handed to the trainer short
 COUNTERS = (*(DROP_METRICS[r] for r in COMPLETE_DROPS), "rollout/late_drop", "rollout/dispatched_groups",
-            "rollout/collected_groups", "rollout/consumed_groups", "rollout/discarded_tokens")
+            "rollout/collected_groups", "rollout/consumed_groups", "rollout/discarded_tokens",
+            "rollout/failed_removed_count", "rollout/min_group_size_drop", "rollout/trained_short_groups")
 
 
 @dataclass(frozen=True)
@@ -537,6 +559,7 @@ class PipelineServer(Exchange):
         cap = s.async_max_concurrent_samples
         self.max_generating = None if cap is None else cap // self.N  # groups still generating (spec: value // N)
         self.filters = tuple(s.filter)
+        self.min_group_size = s.group_floor  # with the failed filter: the fewest survivors a group is trained on
         self.stop_groups = s.stop_groups  # dropped by the filter in a row: the run cannot train (0: off)
         self.sources = [(d.task, d.reward) for d in s.sources]
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
@@ -696,6 +719,7 @@ class PipelineServer(Exchange):
             view = self._view()
             self._consumed_step += k
             self._counts["rollout/consumed_groups"] += k
+            self._counts["rollout/trained_short_groups"] += sum(len(g.trajectories) < self.N for g in groups)
             for g in groups:
                 self.strategy.consumed(g, view)
                 for t in g.trajectories:
@@ -853,7 +877,8 @@ class PipelineServer(Exchange):
         keep_buffered; (c) the update action: abort by staleness `stale_after`, restart or resume partial), in this
         order of precedence:
 
-          COLLECTED       filter -> within_max_weight_staleness -> strategy.keep(view) -> keep
+          COLLECTED       filter -> within_max_weight_staleness -> strategy.keep(view) -> keep (of the group's
+                          survivors, _trained: the failed filter takes failed trajectories out)
           BUFFERED        within_max_weight_staleness -> strategy.keep_buffered(view) -> keep
           IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
                           N present) -> requeue (none present) -> drop as incomplete
@@ -868,7 +893,7 @@ class PipelineServer(Exchange):
                 reason = self._filter_reason(trajs)
                 if reason is not None:
                     return Verdict(DROP, "filter", reason)
-            group = Group(pg, trajs)
+            group = Group(pg, self._trained(trajs) if place == COLLECTED else trajs)
             if not self.strategy.within_max_weight_staleness(group, view):
                 return Verdict(DROP, "max_weight_staleness")
             keep = self.strategy.keep if place == COLLECTED else self.strategy.keep_buffered
@@ -897,13 +922,17 @@ class PipelineServer(Exchange):
         where it is. Counted: every drop once, under DROP_METRICS[reason] (per step, or in the boundary's metrics),
         with its response tokens in rollout/discarded_tokens (a restart's too); a filter drop also in the waiting
         line's reasons and the run of filter drops that stops an untrainable run; the step boundary's own counts.
-        Collection and an aborting boundary have taken the group out of flight already (_take)."""
+        A collected group keeps its survivors (_trained): the failed trajectories taken out are counted, their tokens
+        discarded. Collection and an aborting boundary have taken the group out of flight already (_take)."""
         present = [t for t in trajs if t is not None]
         tokens = sum(int(t.response_ids.numel()) for t in present)
         boundary = self._boundary
         if place == COLLECTED:
             pg.partial = []  # the trajectories now live in the Group
+            kept = self._trained(trajs)
+            self._counts["rollout/failed_removed_count"] += len(trajs) - len(kept)
             if verdict.reason == "filter":
+                self._counts["rollout/min_group_size_drop"] += len(kept) < self.min_group_size
                 self._waited["reasons"][verdict.detail] += 1
                 d = self._dropped
                 d["groups"] += 1
@@ -924,8 +953,9 @@ class PipelineServer(Exchange):
                 boundary["rollout/partial_dropped_incomplete_count"] += len(present)
         elif verdict.action == KEEP:
             if place == COLLECTED:
-                self.pbuf.put(Group(pg, trajs))
+                self.pbuf.put(Group(pg, kept))
                 self._counts["rollout/collected_groups"] += 1
+                self._counts["rollout/discarded_tokens"] += tokens - sum(int(t.response_ids.numel()) for t in kept)
             elif place == KEPT_IN_FLIGHT:
                 boundary["rollout/kept_in_flight_groups"] += 1
         else:
@@ -991,14 +1021,21 @@ class PipelineServer(Exchange):
                 view.Q = len(self.pbuf)
         self._cond.notify_all()
 
+    def _trained(self, trajs: list) -> list:
+        """The trajectories of a collected group that it is trained on: with rollout.filter `failed`, those that did
+        not fail (a tool error or timeout, a server error, a reward function that raised); otherwise all of them."""
+        return [t for t in trajs if t.status != FAILED] if "failed" in self.filters else trajs
+
     def _filter_reason(self, trajs: list) -> Optional[str]:
-        """Why rollout.filter drops this group ("all 8 rewards 0.0", "2 of 8 failed"), None if it lets it through."""
-        failed = sum(t.status == FAILED for t in trajs)
-        if "failed" in self.filters and failed:
-            return f"{failed} of {self.N} failed"
-        rewards = [t.reward for t in trajs]
+        """Why rollout.filter drops this group, None if it lets it through: `failed` when fewer than
+        rollout.min_group_size trajectories survive ("5 of 8 failed"), `all_equal_reward` when the survivors'
+        rewards are all equal ("all 6 rewards 0.0": a failure does not make a group of equal rewards trainable)."""
+        kept = self._trained(trajs)
+        if len(kept) < self.min_group_size:
+            return f"{len(trajs) - len(kept)} of {self.N} failed"
+        rewards = [t.reward for t in kept]
         if "all_equal_reward" in self.filters and max(rewards) == min(rewards):
-            return f"all {self.N} rewards {round(rewards[0], 4)}"
+            return f"all {len(kept)} rewards {round(rewards[0], 4)}"
         return None
 
     @staticmethod

@@ -144,11 +144,13 @@ class RolloutConfig:
     env_max_concurrent: int = 64  # environment steps in progress at once (a sync step: on as many threads)
     env_step_timeout_s: float = 60.0  # one environment step longer than this fails its trajectory
     env_fail_stop_steps: int = 64  # stop the run when this many environment steps in a row failed (0: never)
+    env_retries: int = 0  # times a step that raised or timed out is run again (idempotent tools only)
     partial: bool = False  # keep in-flight work across the step boundary (how: pause_mode) instead of waiting for it
     pause_mode: str = "abort"  # abort (restore complete groups, re-send) | retract | in_place (servers keep requests)
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
     filter: list = field(default_factory=lambda: ["failed"])  # collector filters: failed | all_equal_reward
     filter_stop_groups: Optional[int] = None  # stop when the filter drops this many in a row (null: 4 x B, >= 64; 0: off)
+    min_group_size: Optional[int] = None  # filter failed: train on >= this many survivors (null: N // 2, >= 2)
     async_max_concurrent_samples: Optional[int] = None  # cap on generating trajectories (groups = value // N)
     max_weight_staleness: Optional[int] = None  # drop a group with a trajectory whose current - start version exceeds this
     max_prompt_tokens: Optional[int] = None  # longer prompts stop the run at start-up, counted (null = no limit)
@@ -238,7 +240,7 @@ class Config:
             num_prompts_per_step=self.B, num_trajectories_per_prompt=self.N, fully_async=fa.enable,
             sliding_window=fa.sliding_window, stale_steps=fa.stale_steps, policy_param=fa.policy_param,
             num_oversample=r.sampler.num_oversample, async_max_concurrent_samples=r.async_max_concurrent_samples,
-            filter=tuple(r.filter), filter_stop_groups=r.filter_stop_groups,
+            filter=tuple(r.filter), filter_stop_groups=r.filter_stop_groups, min_group_size=r.min_group_size,
             max_weight_staleness=r.max_weight_staleness, partial=r.partial, pause_mode=r.pause_mode,
             get_timeout_s=self.buffer.get_timeout_s, rpc_timeout_s=self.buffer.rpc_timeout_s,
             sources=[buffer.SourceSettings(d.task, d.reward, d.weight, d.seed, d.shuffle) for d in self.data_sources])
@@ -501,6 +503,7 @@ def validate(cfg: Config) -> Config:
     if r.filter_stop_groups is not None and r.filter_stop_groups < 0:
         raise ValueError(f"rollout.filter_stop_groups must be >= 0 (0: never stop) or null (4 x B, at least 64), "
                          f"got {r.filter_stop_groups}")
+    buffer.validate_min_group_size(r.min_group_size, N)
     if "all_equal_reward" in r.filter and N == 1:
         raise ValueError("rollout.filter all_equal_reward needs data_source.num_trajectories_per_prompt > 1: with "
                          "one trajectory per prompt every group has equal rewards and would be dropped")
@@ -524,6 +527,8 @@ def validate(cfg: Config) -> Config:
                          "in progress, which are never cut short (their side effects would be half done)")
     if r.env_fail_stop_steps < 0:
         raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got {r.env_fail_stop_steps}")
+    if r.env_retries < 0:
+        raise ValueError(f"rollout.env_retries must be >= 0 (0: a failed step is not run again), got {r.env_retries}")
     _positive(r.router_request_timeout_s, "rollout.router_request_timeout_s")
     if r.router_url and r.request_timeout_s >= r.router_request_timeout_s:
         raise ValueError(f"rollout.request_timeout_s ({r.request_timeout_s:g}) must be below "

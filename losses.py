@@ -92,7 +92,8 @@ class LossSettings:
 # ---------------------------------------------------------------------------------------------------------
 
 def compute_advantages(rewards: Tensor, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: rewards [G, N] (G groups of N responses to one prompt) -> [G, N] float32.
+    """GRPO advantages: rewards [G, N] (G groups of N responses to one prompt) -> [G, N] float32; a group of another
+    size (one whose failed trajectories were taken out) is a call of its own, [1, n], normalised over its n.
 
     A_i = (R_i - mean_group R) / (std_group R + eps)  (DeepSeekMath, https://arxiv.org/abs/2402.03300);
     std_normalize=False drops the std (Dr. GRPO, https://arxiv.org/abs/2503.20783): A_i = R_i - mean_group R.

@@ -48,10 +48,11 @@ A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> No
 `await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
 (environment tokens, loss mask 0); a tool environment is `ctx.make_env()` (tasks.make_env), stepped with
 `await ctx.env_step(env, traj, text)`: at most rollout.env_max_concurrent steps at once (a sync step on as many
-threads, off the event loop), each within rollout.env_step_timeout_s; a step that raises or times out fails its
-trajectory (counted, the first of each kind logged), and rollout.env_fail_stop_steps failures in a row stop the run
-(a trajectory's metadata["stop"], which the buffer hands to the trainer). Built in: `single_turn`, `multi_turn_tool`.
-Or rollout.function=module:function. docs/agents.md.
+threads, off the event loop), each within rollout.env_step_timeout_s; a step that raises or times out is run again up
+to rollout.env_retries times (default 0), then fails its trajectory (counted, the first of each kind logged; the
+buffer trains its group on the survivors, rollout.min_group_size), and rollout.env_fail_stop_steps failures in a row
+stop the run (a trajectory's metadata["stop"], which the buffer hands to the trainer). Built in: `single_turn`,
+`multi_turn_tool`. Or rollout.function=module:function. docs/agents.md.
 
 Simplifications: one request per trajectory at a time (turns are sequential; `sampling_params.n` is never used, since
 SGLang gives its samples random rids, which no abort could name); the response budget
@@ -228,8 +229,8 @@ class RolloutContext:
     async def env_step(self, env, traj: Trajectory, turn_text: str) -> Optional[str]:
         """env.step(turn_text), sync (in a thread) or async, once one of rollout.env_max_concurrent slots is free,
         within rollout.env_step_timeout_s. Returns the observation (None: the episode ends) and records
-        [turn_text, observation] in traj.metadata["env_turns"]. A step that raises, times out or returns neither a
-        str nor None marks traj failed (the reason in metadata["error"] and ["env_error"]) and raises
+        [turn_text, observation] in traj.metadata["env_turns"]. A step that raises or times out is run again up to
+        rollout.env_retries times; one that still does, or returns neither a str nor None, marks traj failed (the reason in metadata["error"] and ["env_error"]) and raises
         EnvStepFailed, which ends the rollout function; the run goes on."""
         return await self.rollout._env_step(self, env, traj, turn_text)
 
@@ -309,7 +310,7 @@ def _new_stats() -> dict:
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
             "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0,
             "aborts_without_routes": 0, "env_steps": 0, "env_wait_s": 0.0, "env_step_s": 0.0, "env_in_use_max": 0,
-            "env_errors": 0, "env_timeouts": 0}
+            "env_errors": 0, "env_timeouts": 0, "env_retries": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -682,8 +683,9 @@ class Rollout:
                 self._emit(traj)
 
     async def _env_step(self, ctx: RolloutContext, env, traj: Trajectory, text: str) -> Optional[str]:
-        """RolloutContext.env_step: one step within a slot and the timeout; failures counted, the first of each kind
-        logged, and after rollout.env_fail_stop_steps failures in a row the run is stopped through the buffer."""
+        """RolloutContext.env_step: one step within a slot and the timeout, run again up to rollout.env_retries times
+        (in the same slot) when it raises or times out; failures counted, the first of each kind logged, and after
+        rollout.env_fail_stop_steps failures in a row the run is stopped through the buffer."""
         r, s = self.cfg.rollout, self.stats
         turn = len(traj.metadata.get("env_spans", [])) + 1
         t0 = time.monotonic()
@@ -693,15 +695,23 @@ class Rollout:
             s["env_wait_s"] += t1 - t0
             self._env_in_use += 1
             s["env_in_use_max"] = max(s["env_in_use_max"], self._env_in_use)
-            kind = None
             try:
-                observation = await asyncio.wait_for(self._call_step(env, text), r.env_step_timeout_s)
-                if observation is not None and not isinstance(observation, str):
-                    kind, why = "error", f"returned {type(observation).__name__}, not a str or None"
-            except asyncio.TimeoutError:
-                kind, why = "timeout", f"did not return within rollout.env_step_timeout_s={r.env_step_timeout_s:g} s"
-            except Exception as e:
-                kind, why = "error", f"raised {e!r}"
+                for attempt in range(r.env_retries + 1):
+                    kind = None
+                    try:
+                        observation = await asyncio.wait_for(self._call_step(env, text), r.env_step_timeout_s)
+                        if observation is not None and not isinstance(observation, str):  # not retried: a bug
+                            kind, why = "error", f"returned {type(observation).__name__}, not a str or None"
+                        break
+                    except asyncio.TimeoutError:
+                        kind, why = "timeout", (f"did not return within rollout.env_step_timeout_s="
+                                                f"{r.env_step_timeout_s:g} s")
+                    except Exception as e:
+                        kind, why = "error", f"raised {e!r}"
+                    if attempt < r.env_retries:
+                        s["env_retries"] += 1
+                if kind is not None and attempt:
+                    why += f" (the last of {attempt + 1} attempts, rollout.env_retries={r.env_retries})"
             finally:
                 self._env_in_use -= 1
                 s["env_step_s"] += time.monotonic() - t1
@@ -938,7 +948,7 @@ class Rollout:
             out.update({"rollout/env_steps": s["env_steps"], "rollout/env_wait_s_mean": s["env_wait_s"] / steps,
                         "rollout/env_step_s_mean": s["env_step_s"] / steps,
                         "rollout/env_in_use_max": s["env_in_use_max"], "rollout/env_error_count": s["env_errors"],
-                        "rollout/env_timeout_count": s["env_timeouts"]})
+                        "rollout/env_timeout_count": s["env_timeouts"], "rollout/env_retry_count": s["env_retries"]})
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out

@@ -139,7 +139,8 @@ class Strategy:
         every weight update; False drops it (rollout/policy_drop). `group` (a buffer.Group) may be read for
           group.start_version   its first generated token's oldest weight version, else the version at dispatch
           group.prompt_id       (epoch, seq)
-          group.trajectories    its N trajectories, each with start_version and end_version (-1: nothing generated),
+          group.trajectories    its N trajectories (fewer: the survivors of failures, rollout.min_group_size),
+                                each with start_version and end_version (-1: nothing generated),
                                 status, reward, and the 1-D tensors of the response: versions (the weight version
                                 of each token; environment tokens carry the one of the turn before them, -1 before
                                 any), loss_mask, response_ids
@@ -361,10 +362,10 @@ class PipelineRL(CumulativeBudget):
     """PipelineRL (pipelinerl/actor.py, finetune_loop.py, vllm1.py): (a) submitted groups < ceil(L / G) + (u + 1)
     ceil(U / G), L = max_lag in samples, G = N, U = B N samples per update; (b) counted, not dropped: at training
     (finetune_loop.py: last_broadcasted_version - batch.model_version > max_lag, model_version = the version at
-    the rollout's start), a group older than L samples adds N to rollout/samples_too_old; (c) nothing aborted:
-    pause mode keep, the running sequences continue on the old KV cache with the new weights (in_place). Its loss:
-    truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is), no off-policy mask: the
-    pre-update tokens of an in-place trajectory are trained.
+    the rollout's start), a group older than L samples adds its trajectories (N) to rollout/samples_too_old; (c)
+    nothing aborted: pause mode keep, the running sequences continue on the old KV cache with the new weights
+    (in_place). Its loss: truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is), no
+    off-policy mask: the pre-update tokens of an in-place trajectory are trained.
     Deviations: a group dropped by rollout.filter gives its admission slot back (PipelineRL's submitted_groups
     only grows); PipelineRL's default mode sets no max_lag, so nothing bounds admission and the preprocessor's
     bounded queues pop the oldest data (preprocess.py, pop_old_data), where here param=None means L = B N (one
@@ -383,7 +384,8 @@ class PipelineRL(CumulativeBudget):
 
     def consumed(self, group, view: PipelineView) -> None:
         if (view.version - group.start_version) * self.B * self.N > self.param:
-            self.counts["rollout/samples_too_old"] = self.counts.get("rollout/samples_too_old", 0) + self.N
+            self.counts["rollout/samples_too_old"] = (self.counts.get("rollout/samples_too_old", 0)
+                                                      + len(group.trajectories))  # N, or a short group's survivors
 
 
 PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orchestrator config); at its spec scale

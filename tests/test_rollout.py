@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import copy
 import json
+import random
 import re
 import threading
 import time
 import warnings
+from collections import Counter
 
 import pytest
 import requests
@@ -540,11 +542,66 @@ def test_a_sync_step_runs_off_the_event_loop_and_a_failing_env_stops_the_run(mon
                                        "a pause waits for the environment steps in progress, which are never cut "
                                        "short (their side effects would be half done)"),
     ("rollout.env_fail_stop_steps=-1", "rollout.env_fail_stop_steps must be >= 0 (0: never stop), got -1"),
+    ("rollout.env_retries=-1", "rollout.env_retries must be >= 0 (0: a failed step is not run again), got -1"),
 ])
 def test_env_settings_are_validated_in_one_sentence(override, sentence):
     with pytest.raises(ValueError) as e:
         config.load_config(None, override.split())
     assert str(e.value) == sentence
+
+
+class _FlakyToolEnv(tasks.CalcToolEnv):
+    """The calculator whose every step fails its first k attempts, k drawn per prompt (label) by the test from a
+    seeded RNG: odd attempts raise, even ones hang past rollout.env_step_timeout_s. Each attempt is recorded."""
+    k: dict = {}  # label -> failing attempts before each step succeeds
+    attempts: list = []  # the label of every attempt
+
+    def __init__(self, label, metadata):
+        super().__init__(label, metadata)
+        self.label, self.tries = label, 0
+
+    async def step(self, turn_text):
+        _FlakyToolEnv.attempts.append(self.label)
+        self.tries += 1
+        if self.tries <= _FlakyToolEnv.k[self.label]:
+            if self.tries % 2 == 0:
+                await asyncio.sleep(30)
+            raise ConnectionError(f"dropped attempt {self.tries}")
+        self.tries = 0
+        return super().step(turn_text)
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_env_retries_recover_a_flaky_step_and_never_retry_past_the_limit(monkeypatch, retries):
+    """rollout.env_retries = R runs a step that raised or timed out again, up to R times: a step whose first k
+    attempts fail succeeds when k <= R (its trajectory completes, 2 steps of k + 1 attempts), otherwise it fails
+    after exactly R + 1 attempts, with the last one's reason; the default 0 runs every step once."""
+    rng = random.Random(5)
+    pairs = [(a, 10 * i) for i, a in enumerate([1, 2, 3, 4, 5, 6, 7, 8])]  # distinct sums: one label each
+    _FlakyToolEnv.k = {str(a + b): rng.choice([0, 0, 1, 2, 3]) for a, b in pairs}
+    _FlakyToolEnv.attempts = []
+    assert set(_FlakyToolEnv.k.values()) == {0, 1, 2, 3}
+    overrides = ["rollout.env_step_timeout_s=0.3"] + ([f"rollout.env_retries={retries}"] if retries else [])
+    results, m = _run_calc(monkeypatch, _FlakyToolEnv, pairs, *overrides)
+    want_attempts, steps, failed = Counter(), 0, Counter()
+    for label, k in _FlakyToolEnv.k.items():  # N = 2 trajectories of each prompt, each its own environment
+        ok = k <= retries
+        want_attempts[label] = 2 * (2 * (k + 1) if ok else retries + 1)
+        steps += 2 * (2 if ok else 1)
+        if not ok:
+            failed["timeout" if (retries + 1) % 2 == 0 else "error"] += 2
+    assert Counter(_FlakyToolEnv.attempts) == want_attempts
+    assert m["rollout/env_retry_count"] == sum(want_attempts.values()) - steps
+    assert m["rollout/env_steps"] == steps and m["rollout/failed_count"] == sum(failed.values())
+    assert (m["rollout/env_error_count"], m["rollout/env_timeout_count"]) == (failed["error"], failed["timeout"])
+    for seq, (a, b) in enumerate(pairs):
+        for t in results[seq]:
+            if _FlakyToolEnv.k[str(a + b)] <= retries:
+                assert t.status == COMPLETED and t.reward == 1.0
+            else:
+                assert t.status == FAILED and t.metadata["env_error"]["turn"] == 1
+                assert t.metadata["error"].endswith(f" (the last of 3 attempts, rollout.env_retries=2)"
+                                                    if retries else "raised ConnectionError('dropped attempt 1')")
 
 
 class _PauseBuffer(rollout.DatasetBuffer):

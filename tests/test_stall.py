@@ -66,8 +66,9 @@ def test_wait_reports_drops_and_stops_after_a_span_dropped_in_a_row():
     _drop(srv, 5, rewards=(0.5,) * 4)
     [g] = srv.dispatch(max_groups=1)
     trajs = finish(g, srv.N, rewards=[0.5] * 4)
-    trajs[2].status, trajs[2].metadata = FAILED, {"error": "reward function failed: KeyError('answer')"}
-    srv.put(trajs)  # 6 in a row now, the last one for a failed trajectory
+    for t in trajs[1:]:  # one survivor, fewer than rollout.min_group_size (2 of N = 4)
+        t.status, t.metadata = FAILED, {"error": "reward function failed: KeyError('answer')"}
+    srv.put(trajs)  # 6 in a row now, the last one for failed trajectories
     w = srv.wait(1, timeout=0.0)
     assert w["stop"] is None and w["ready"] == 1  # a group to train is still there: not stopped yet
     assert len(srv.get(1)) == 1
@@ -76,11 +77,11 @@ def test_wait_reports_drops_and_stops_after_a_span_dropped_in_a_row():
     assert time.monotonic() - t0 < 1.0  # the stop does not wait for the timeout
     msg = w["stop"]
     assert msg.startswith("nothing can be trained: rollout.filter=['failed', 'all_equal_reward'] dropped each of "
-                          "the last 6 groups (all 4 rewards 0.5: 5, 1 of 4 failed: 1; trajectory rewards seen: "
-                          "0.5 (23)); the last one, of data_sources[0] (task reverse_digits, reward the "
+                          "the last 6 groups (all 4 rewards 0.5: 5, 3 of 4 failed: 1; trajectory rewards seen: "
+                          "0.5 (21)); the last one, of data_sources[0] (task reverse_digits, reward the "
                           "task's default): prompt "), msg
     p = g.prompt_ids.tolist()
-    assert f"prompt {_decode(p)!r}, response {_decode(trajs[2].response_ids.tolist())!r} (failed, error " \
+    assert f"prompt {_decode(p)!r}, response {_decode(trajs[1].response_ids.tolist())!r} (failed, error " \
            "\"reward function failed: KeyError('answer')\"), label '0-" in msg
     for hint in ("data_source.reward", "base model that solves some prompts", "change rollout.filter",
                  "rollout.filter_stop_groups=6; 0 turns this stop off"):

@@ -320,10 +320,12 @@ class Driver:
         groups = self.srv.get(k, timeout=0)
         assert [g.prompt_id for g in groups] == st["buffered_keys"][:k]  # oldest (epoch, seq) first
         for g in groups:
-            assert [t.index for t in g.trajectories] == list(range(self.N))
+            index = [t.index for t in g.trajectories]
+            assert index == sorted(set(index)) and set(index) <= set(range(self.N))
             assert all(t.prompt_id == g.prompt_id for t in g.trajectories)
-            if "failed" in self.filters:
+            if "failed" in self.filters:  # a failed trajectory leaves its group; rollout.min_group_size (null) stay
                 assert all(t.status != FAILED for t in g.trajectories)
+                assert len(index) >= (1 if self.N == 1 else max(2, self.N // 2))
             if "all_equal_reward" in self.filters:
                 assert len({t.reward for t in g.trajectories}) > 1
             if self.max_staleness is not None:
