@@ -19,8 +19,9 @@ The failure injection is a tool environment of its own, usable in any run as rol
 PYTHONPATH=bench: FlakyPyToolEnv (calc_py, configs/tiny_agent.yaml's own tool, tasks.PyToolEnv) and
 FlakyCalcToolEnv (calc_tool, tasks.CalcToolEnv) raise ConnectionError on each call with probability
 $FAILURE_BENCH_RATE (default 0.05), drawn from random.Random($FAILURE_BENCH_SEED, default 0) in call order, after
-sleeping a uniform $FAILURE_BENCH_LATENCY ("lo,hi" seconds; default none); the rest is the task's own tool. E.g. the
-eval comparison of docs/results/failures.md:
+sleeping a uniform $FAILURE_BENCH_LATENCY ("lo,hi" seconds; default none); the rest is the task's own tool. They fail
+in the rollout process only: the greedy eval (trainer rank 0) gets the tool as it is. E.g. the eval comparison of
+docs/results/failures.md:
 
     FAILURE_BENCH_RATE=0.05 PYTHONPATH=bench .venv/bin/torchrun --standalone --nproc_per_node 2 train.py \\
         --config configs/tiny_agent.yaml rollout.env=failure_bench:FlakyPyToolEnv rollout.min_group_size=4
@@ -47,7 +48,11 @@ sys.path.insert(0, ROOT)
 
 import tasks  # noqa: E402
 
-RATE = float(os.environ.get("FAILURE_BENCH_RATE", "0.05"))
+# Failures are injected where the trajectories to train on are made, the rollout process (workers.py rollout); the
+# greedy eval runs in trainer rank 0 with the same environment and sees the tool as it is, so eval/reward_mean
+# measures the policy, not the injected failures.
+TRAINING_ROLLOUT = os.path.basename(sys.argv[0]) == "workers.py" and sys.argv[1:2] == ["rollout"]
+RATE = float(os.environ.get("FAILURE_BENCH_RATE", "0.05")) if TRAINING_ROLLOUT else 0.0
 LATENCY = [float(x) for x in os.environ.get("FAILURE_BENCH_LATENCY", "0,0").split(",")]
 _rng = random.Random(int(os.environ.get("FAILURE_BENCH_SEED", "0")))
 _latency_rng = random.Random(int(os.environ.get("FAILURE_BENCH_SEED", "0")) + 1)
