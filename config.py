@@ -521,14 +521,17 @@ def validate(cfg: Config) -> Config:
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
                 "retry_backoff_s", "reward_workers", "env_max_concurrent", "env_step_timeout_s"):
         _positive(getattr(r, key), f"rollout.{key}")
-    if r.function != "single_turn" and r.env_step_timeout_s >= r.pause_timeout_s:
-        raise ValueError(f"rollout.env_step_timeout_s ({r.env_step_timeout_s:g}) must be below "
-                         f"rollout.pause_timeout_s ({r.pause_timeout_s:g}): a pause waits for the environment steps "
-                         "in progress, which are never cut short (their side effects would be half done)")
-    if r.env_fail_stop_steps < 0:
-        raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got {r.env_fail_stop_steps}")
     if r.env_retries < 0:
         raise ValueError(f"rollout.env_retries must be >= 0 (0: a failed step is not run again), got {r.env_retries}")
+    if r.function != "single_turn" and (r.env_retries + 1) * r.env_step_timeout_s >= r.pause_timeout_s:
+        step = (f"rollout.env_step_timeout_s ({r.env_step_timeout_s:g})" if not r.env_retries else
+                f"rollout.env_step_timeout_s x (rollout.env_retries + 1) ({r.env_step_timeout_s:g} x "
+                f"{r.env_retries + 1}, a step and its retries)")
+        raise ValueError(f"{step} must be below rollout.pause_timeout_s ({r.pause_timeout_s:g}): a pause waits for the "
+                         "environment steps in progress, which are never cut short (their side effects would be half "
+                         "done)")
+    if r.env_fail_stop_steps < 0:
+        raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got {r.env_fail_stop_steps}")
     _positive(r.router_request_timeout_s, "rollout.router_request_timeout_s")
     if r.router_url and r.request_timeout_s >= r.router_request_timeout_s:
         raise ValueError(f"rollout.request_timeout_s ({r.request_timeout_s:g}) must be below "

@@ -543,6 +543,10 @@ def test_a_sync_step_runs_off_the_event_loop_and_a_failing_env_stops_the_run(mon
                                        "short (their side effects would be half done)"),
     ("rollout.env_fail_stop_steps=-1", "rollout.env_fail_stop_steps must be >= 0 (0: never stop), got -1"),
     ("rollout.env_retries=-1", "rollout.env_retries must be >= 0 (0: a failed step is not run again), got -1"),
+    ("rollout.env_step_timeout_s=300 rollout.env_retries=1 rollout.function=multi_turn_tool",
+     "rollout.env_step_timeout_s x (rollout.env_retries + 1) (300 x 2, a step and its retries) must be below "
+     "rollout.pause_timeout_s (600): a pause waits for the environment steps in progress, which are never cut short "
+     "(their side effects would be half done)"),
 ])
 def test_env_settings_are_validated_in_one_sentence(override, sentence):
     with pytest.raises(ValueError) as e:
