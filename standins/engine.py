@@ -376,7 +376,12 @@ def _parse_dtype(name: str) -> torch.dtype:
 
 class Gate:
     """Who may start a /generate: SGLang's pause flag (new requests wait while paused) and its model-update lock
-    (every /generate reads for its lifetime; an update while not paused writes: it waits for readers, new ones wait)."""
+    (every /generate reads for its lifetime; an update while not paused writes: it waits for readers, new ones wait).
+
+    As in SGLang's RWLock (utils/aio_rwlock.py), the lock is held across no suspension but the condition's own wait,
+    which releases it: so taking it never waits, and a handler cancelled on its way out (its client left, /health's
+    request done) still gives its count back. (A wait_for around the wait held it for a loop iteration, during which
+    a cancelled leave() kept its reader for good, and every later abort pause waited out --wait-timeout.)"""
 
     def __init__(self):
         self.cond = asyncio.Condition()
@@ -384,8 +389,9 @@ class Gate:
 
     async def _wait(self, pred, timeout: float, what: str):
         try:
-            await asyncio.wait_for(self.cond.wait_for(pred), timeout)
-        except asyncio.TimeoutError:  # (an alias of TimeoutError only from Python 3.11)
+            async with asyncio.timeout(timeout):  # in this task: asyncio.wait_for would wait in another, lock held
+                await self.cond.wait_for(pred)
+        except TimeoutError:
             raise TimeoutError(f"{what} did not happen within {timeout}s (--wait-timeout)") from None
 
     async def enter(self, timeout: float):
