@@ -104,6 +104,9 @@ HEALTH_GENERATES = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)  #
 REQUEST_STATE_WAIT_TIMEOUT_S = env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
+# Test-only fault, no SGLang behaviour (docs/engine.md): the paths listed here (comma-separated) take the request and
+# never answer, as a server that stopped answering them; e.g. STANDIN_TEST_HANG=/pause_generation.
+TEST_HANG = frozenset(p for p in os.environ.get("STANDIN_TEST_HANG", "").split(",") if p)
 
 # SGLang's sampling_params fields and defaults (srt/sampling/sampling_params.py). Every key is validated below.
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -494,7 +497,7 @@ class Server:
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
         self.tasks: set = set()  # handlers of abandoned requests (see _gated)
         max_body = int(args.max_request_mb * 2 ** 20)
-        self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
+        self.app = web.Application(client_max_size=max_body, middlewares=[self._test_hang, self._auth, self._errors])
         self.app["max_body"] = max_body
         # the most characters a token stands for (a byte-level token's string has one per byte): a longer text than
         # context_len times this cannot fit the context (for normalizers that delete no characters: BPE, SentencePiece)
@@ -525,6 +528,13 @@ class Server:
     async def _on_shutdown(self, app):
         self.ready = False
         await asyncio.get_running_loop().run_in_executor(None, self.sched.stop)
+
+    @web.middleware
+    async def _test_hang(self, request, handler):
+        """STANDIN_TEST_HANG (tests only): a listed path is never answered; the client's timeout or a stop ends it."""
+        if request.path in TEST_HANG:
+            await asyncio.Event().wait()
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request, handler):
