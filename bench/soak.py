@@ -18,7 +18,7 @@ rewards are equal: once the model solves the task, from step ~300, nearly every 
 the run stops by design with "nothing can be trained"), trainer.save_freq as the config has it (50), free ports.
 Extra `key=value` arguments are passed on (e.g. trainer.keep_checkpoints=3).
 
-Run (from the repository root; ~20-30 min on a loaded 2-core CPU):
+Run (from the repository root; 16.5 min on the shared 2-core CPU at load 12-14, docs/results/soak.md):
     nice -n 5 .venv/bin/python bench/soak.py [--steps 1000] [--every 50] [--run-dir /tmp/soak] [--json out.json]
         [key=value ...]
 """
