@@ -306,13 +306,13 @@ class Fleet:
             raise FleetError(f"{method} {url}{path} failed: {data.get('message')}")
         return data
 
-    async def workers(self) -> list[str]:
-        """The worker URLs: the configured servers, or the router's GET /workers; without those live_workers found
-        not answering (control calls go to the live ones)."""
+    async def workers(self, timeout_s: Optional[float] = None, bound: str = "") -> list[str]:
+        """The worker URLs: the configured servers, or the router's GET /workers (within timeout_s, as _call);
+        without those live_workers found not answering (control calls go to the live ones)."""
         if self.router_url is None:
             urls = list(self.urls)
         else:
-            data = await self._call(self.router_url, "GET", "/workers")
+            data = await self._call(self.router_url, "GET", "/workers", None, timeout_s, bound)
             items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
             urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
             if not urls:
@@ -347,7 +347,7 @@ class Fleet:
         with no server at its URL is taken out of /generate rotation (its probe brings it back) instead of failing
         the call; for pause and continue, since a dead server runs nothing to stop and a relaunched one starts
         unpaused."""
-        urls = await self.workers()
+        urls = await self.workers(timeout_s, bound)
         out = await asyncio.gather(*[self._call(u, method, path, body, timeout_s, bound) for u in urls],
                                    return_exceptions=True)
         for url, r in zip(urls, out):
