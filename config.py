@@ -163,7 +163,7 @@ class RolloutConfig:
     reward_pool: str = "thread"  # thread | process (slow GIL-bound verifiers) | inline (on the event loop: cheap rewards)
     reward_workers: int = 4  # threads or processes scoring rewards off the rollout event loop
     startup_timeout_s: float = 300.0  # wait this long for launched servers to report healthy
-    pause_timeout_s: float = 600.0  # a pause (abort or wait) that takes longer fails the run
+    pause_timeout_s: float = 600.0  # a longer pause fails the run; also each /pause_generation, /continue_generation call's timeout
 
 
 @dataclass

@@ -11,6 +11,7 @@ buffer.py itself knows nothing of RPC, so it copies into another project alone; 
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import os
@@ -160,7 +161,36 @@ def serve_buffer(settings, rpc_init_method: str, rank: int, world_size: int, pro
 # The client side
 # ---------------------------------------------------------------------------------------------------------
 
-_REMOTE_ERRORS = {"TimeoutError": TimeoutError, "ValueError": ValueError}  # kept as their type on the client
+class RemoteError(RuntimeError):
+    """A served object's method failed in its process, or its RPC did not answer in time. The first line of the
+    message names the call, the process and the cause (services.failure_exit_code prints it as the run's error
+    line); the served process's traceback follows."""
+
+
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    pass
+
+
+class RemoteValueError(RemoteError, ValueError):
+    pass
+
+
+_REMOTE_ERRORS = {"TimeoutError": RemoteTimeoutError, "ValueError": RemoteValueError}  # still their type here
+
+
+def _remote_error(text: str) -> tuple[str, str]:
+    """(type name: message, traceback) of an error raised in a served process, from the text torch RPC gives the
+    caller ("Type: On WorkerInfo(id=.., name=..):\nType('message')\nTraceback ..."); any other text is the message."""
+    head, _, rest = text.partition("\n")
+    kind, on, _ = head.partition(": On WorkerInfo(")
+    if not on:
+        return text, ""
+    rep, _, trace = rest.partition("\n")
+    try:
+        message = ast.literal_eval(rep[rep.index("("):])  # Type('message') -> 'message'
+    except (ValueError, SyntaxError):
+        message = None
+    return f"{kind}: {message if isinstance(message, str) else rep}", trace
 
 
 class Proxy:
@@ -170,13 +200,18 @@ class Proxy:
         buf = remote.Proxy("buffer", cfg.buffer.rpc_timeout_s, remote.BUFFER_METHODS)
         groups = buf.get(4, 30.0)
 
-    Every call times out after `timeout` s (buffer.rpc_timeout_s), one that waits (its table names the position of
-    its `timeout` argument) after that plus its own wait. A TimeoutError or ValueError raised there is raised here
-    as the same type, any other error as RuntimeError; each message names the method and the worker.
+    Every call times out after `timeout` s (`timeout_name`: buffer.rpc_timeout_s), one that waits (its table names
+    the position of its `timeout` argument) after that plus its own wait, and a method in `waits` ({method: (s,
+    what bounds it)}: rollout.rpc_waits) after that plus its own bound, so that its own error arrives first. An
+    error raised there is raised here as RemoteError (RemoteTimeoutError, RemoteValueError: still TimeoutError and
+    ValueError), an RPC that does not answer in time as RemoteTimeoutError; each message's first line names the
+    call (`buffer.get()`), the process (`where`, default the RPC worker) and the cause.
     """
 
-    def __init__(self, worker: str, timeout: float, methods: dict):
-        self.worker, self.timeout, self.methods = worker, float(timeout), methods
+    def __init__(self, worker: str, timeout: float, methods: dict, waits: Optional[dict] = None,
+                 where: Optional[str] = None, timeout_name: str = "buffer.rpc_timeout_s"):
+        self.worker, self.timeout, self.methods, self.waits = worker, float(timeout), methods, waits or {}
+        self.where, self.timeout_name = where or f"RPC worker '{worker}'", timeout_name
 
     def __getattr__(self, method: str):
         methods = self.__dict__.get("methods", {})
@@ -195,8 +230,18 @@ class Proxy:
             if wait is None:
                 raise ValueError(f"{method} over RPC needs its timeout (argument {at + 1}): the call waits "
                                  f"{self.timeout} s (buffer.rpc_timeout_s) plus that")
+        own, bound = self.waits.get(method, (0.0, ""))
+        timeout = self.timeout + wait + own
+        call = f"{self.worker}.{method}()"
         try:
-            return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), kwargs=kwargs, timeout=self.timeout + wait)
+            return rpc.rpc_sync(self.worker, _invoke, args=(method, *args), kwargs=kwargs, timeout=timeout)
         except RuntimeError as e:  # torch RPC re-raises remote errors as RuntimeError("<Type>: On WorkerInfo...")
-            kind = _REMOTE_ERRORS.get(str(e).split(":", 1)[0], RuntimeError)
-            raise kind(f"{method} on RPC worker '{self.worker}' failed: {e}") from e
+            if "ran for more than set timeout" in str(e):  # torch RPC's own timeout: no answer came back
+                parts = [f"{self.timeout_name}={self.timeout:g} s"]
+                parts += [f"its timeout argument {wait:g} s"] if at is not None else []
+                parts += [bound] if own else []
+                raise RemoteTimeoutError(f"{call} in {self.where} did not answer within {timeout:g} s "
+                                         f"({' + '.join(parts)}); it may still be running there") from e
+            message, trace = _remote_error(str(e))
+            kind = _REMOTE_ERRORS.get(message.split(":", 1)[0], RemoteError)
+            raise kind(f"{call} in {self.where} failed: {message}" + (f"\n{trace}" if trace else "")) from e

@@ -97,6 +97,7 @@ log = logging.getLogger("rollout")
 ABORT_GRACE_S = 10.0  # after a trajectory timeout, wait this long for the server to return the aborted request
 DISPATCH_WAIT_S = 0.05  # buffer.dispatch waits up to this long for the strategy to allow a group (bounds pause delay)
 PAUSE_GRACE_S = 2.0  # after /pause_generation returned, the aborted responses still on their way arrive within this
+PAUSE_MARGIN_S = 60.0  # pause() and resume() end within rollout.pause_timeout_s + this (the buffer's part after it)
 STATUS_OF_FINISH = {"stop": COMPLETED, "length": TRUNCATED, "abort": ABORTED}
 
 
@@ -402,14 +403,14 @@ class Rollout:
         wait for (partial=false) everything in flight; hand the aborted trajectories to buffer.step_boundary. Returns
         its cleanup metrics and timing/pause_delay."""
         self._raise_error()
-        out = self.sync.run(self._pause(), self.cfg.rollout.pause_timeout_s + 60.0, "Rollout.pause")
+        out = self.sync.run(self._pause(), self.cfg.rollout.pause_timeout_s + PAUSE_MARGIN_S, "Rollout.pause")
         self._raise_error()
         return out
 
     def resume(self, version: int) -> None:
         """Dispatch again; `version` is the weight version the servers now serve (older responses are counted)."""
         self._raise_error()
-        self.sync.run(self._resume(version), 30.0, "Rollout.resume")
+        self.sync.run(self._resume(version), self.cfg.rollout.pause_timeout_s + PAUSE_MARGIN_S, "Rollout.resume")
 
     def step_metrics(self) -> dict:
         """rollout/... metrics of the trajectories finished since the last call (rates over the wall time since)."""
@@ -850,7 +851,7 @@ class Rollout:
             # re-sent: the groups stay in flight (requests not yet at a server wait at its pause gate).
             self._servers_paused = True
             partials = await self._abort_groups(await asyncio.to_thread(self.buffer.update_aborts), deadline)
-            await self.fleet.pause(r.pause_mode, max(1.0, deadline - time.monotonic()))
+            await self._pause_servers(r.pause_mode, deadline)
             metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, True) or {})
             metrics["rollout/partial_kept_count"] = self._in_flight
             metrics["timing/pause_delay"] = time.monotonic() - t0
@@ -862,7 +863,7 @@ class Rollout:
             # The servers block new requests and abort all of theirs (repeatedly, until none holds the lock), so
             # every request they registered comes back with its partial output; aborts by rid could miss some.
             self._servers_paused = True
-            await self.fleet.pause("abort", max(1.0, deadline - time.monotonic()))
+            await self._pause_servers("abort", deadline)
             try:
                 await asyncio.wait_for(self._idle.wait(), PAUSE_GRACE_S)
             except asyncio.TimeoutError:  # what is still out waits at a server's pause gate and generated nothing
@@ -880,6 +881,12 @@ class Rollout:
         metrics["rollout/partial_aborted_count"] = len(partials)
         metrics["timing/pause_delay"] = time.monotonic() - t0
         return metrics
+
+    async def _pause_servers(self, mode: str, deadline: float) -> None:
+        """/pause_generation on every server, within what is left of the pause (a server that does not answer fails
+        the pause naming itself, the endpoint and rollout.pause_timeout_s)."""
+        await self.fleet.pause(mode, max(1.0, deadline - time.monotonic()),
+                               f"the rest of rollout.pause_timeout_s={self.cfg.rollout.pause_timeout_s:g} s")
 
     async def _abort_groups(self, keys: list, deadline: float) -> list:
         """The strategy's abort by staleness before an in-place / retract pause: abort every request of the groups
@@ -915,7 +922,8 @@ class Rollout:
 
     async def _resume(self, version: int) -> None:
         if self._servers_paused:  # after the weight update, which ran on the paused (idle) servers
-            await self.fleet.continue_()
+            t = self.cfg.rollout.pause_timeout_s
+            await self.fleet.continue_(t, f"rollout.pause_timeout_s={t:g} s")
             self._servers_paused = False
         self.version, self._version_warned = version, False
         self._dispatching = self._error is None
@@ -969,10 +977,19 @@ class Rollout:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._servers_paused:  # leave no server paused behind us
             try:
-                await self.fleet.continue_()
+                await self.fleet.continue_(30.0, "Rollout.stop's own 30 s")
                 self._servers_paused = False
             except FleetError as e:
                 log.warning("continuing the paused servers at stop failed: %s", e)
+
+
+def rpc_waits(cfg) -> dict:
+    """remote.Proxy's `waits` for the rollout process: pause() and resume() take up to rollout.pause_timeout_s +
+    PAUSE_MARGIN_S there, so the trainer's RPC waits that much past buffer.rpc_timeout_s, and their own error (the
+    server, the endpoint, the setting) reaches it first."""
+    bound = (cfg.rollout.pause_timeout_s + PAUSE_MARGIN_S,
+             f"rollout.pause_timeout_s={cfg.rollout.pause_timeout_s:g} s + {PAUSE_MARGIN_S:g} s")
+    return {"pause": bound, "resume": bound}
 
 
 # The rollout process is served by workers.serve_rollout (remote.serve_object), its client is remote.Proxy.

@@ -425,9 +425,13 @@ class Services:
             self.wait_fleet(version, launched)
         self.join_rpc()
         self.watch()
+        import rollout
+
         timeout = self.cfg.buffer.rpc_timeout_s
-        return (remote.Proxy("buffer", timeout, remote.BUFFER_METHODS),
-                remote.Proxy("rollout", timeout, remote.ROLLOUT_METHODS))
+        where = {name: f"the {name} process (pid {p.pid}, log {log})" for name, (p, log) in self.procs.items()}
+        return (remote.Proxy("buffer", timeout, remote.BUFFER_METHODS, where=where.get("buffer")),
+                remote.Proxy("rollout", timeout, remote.ROLLOUT_METHODS, rollout.rpc_waits(self.cfg),
+                             where.get("rollout")))
 
     def spawn_rpc_workers(self) -> None:
         """The buffer (RPC rank 1) and rollout (rank 2) processes, given the run's resolved config
@@ -469,7 +473,7 @@ class Services:
         if self.rpc_up:
             try:
                 if ok:
-                    remote.Proxy("rollout", 60.0, remote.ROLLOUT_METHODS).stop()
+                    remote.Proxy("rollout", 60.0, remote.ROLLOUT_METHODS, timeout_name="the stop at close").stop()
                 rpc.shutdown(graceful=ok, timeout=60 if ok else 0)
             except Exception as e:
                 print(f"[train] RPC shutdown: {e}", file=sys.stderr)
@@ -503,11 +507,14 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
     an exception it cannot explain is raised again."""
     import buffer
 
-    if isinstance(e, buffer.NothingToTrain):
+    def say(message: str) -> None:
         if services is not None:
-            services.print_error_once(str(e))
+            services.print_error_once(message)
         else:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+
+    if isinstance(e, buffer.NothingToTrain):
+        say(str(e))
         return 2
     # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
     cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
@@ -520,6 +527,12 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
               f"control group's timeout): {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
               file=sys.stderr, flush=True)
         time.sleep(RANK0_EXIT_WAIT_S)
+        return 1
+    if cause is None and isinstance(e, remote.RemoteError):  # its first line names the call, the process, the cause
+        line, _, trace = str(e).partition("\n")
+        if trace:
+            print(f"[train] the traceback in that process:\n{trace}", file=sys.stderr, flush=True)
+        say(line)
         return 1
     if cause is None:
         raise  # (called from the except clause: the exception being handled)

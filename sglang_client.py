@@ -282,8 +282,9 @@ class Fleet:
 
     # ---- control calls ----
     async def _call(self, url: str, method: str, path: str, body: Optional[dict] = None,
-                    timeout_s: Optional[float] = None) -> Any:
-        """One control call to one worker: the JSON (or text) answer; FleetError on HTTP >= 400 or success=false."""
+                    timeout_s: Optional[float] = None, bound: str = "") -> Any:
+        """One control call to one worker: the JSON (or text) answer; FleetError on HTTP >= 400 or success=false.
+        Its timeout is timeout_s (default control_timeout_s); `bound` names the setting that gives it, for the error."""
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         try:
             async with self._http().request(method, url + path, json=body, timeout=timeout) as resp:
@@ -291,7 +292,8 @@ class Fleet:
                 if resp.status >= 400:
                     raise FleetError(f"{method} {url}{path} answered HTTP {resp.status}: {text[:300]}")
         except asyncio.TimeoutError:
-            raise FleetError(f"{method} {url}{path} did not answer within {timeout.total} s") from None
+            raise FleetError(f"{method} {url}{path} did not answer within {timeout.total:.1f} s"
+                             + (f" ({bound})" if bound else "")) from None
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:  # refused, reset or closed
             raise ServerUnreachable(f"{method} {url}{path} failed: {e!r}") from None
         except aiohttp.ClientError as e:
@@ -304,13 +306,13 @@ class Fleet:
             raise FleetError(f"{method} {url}{path} failed: {data.get('message')}")
         return data
 
-    async def workers(self) -> list[str]:
-        """The worker URLs: the configured servers, or the router's GET /workers; without those live_workers found
-        not answering (control calls go to the live ones)."""
+    async def workers(self, timeout_s: Optional[float] = None, bound: str = "") -> list[str]:
+        """The worker URLs: the configured servers, or the router's GET /workers (within timeout_s, as _call);
+        without those live_workers found not answering (control calls go to the live ones)."""
         if self.router_url is None:
             urls = list(self.urls)
         else:
-            data = await self._call(self.router_url, "GET", "/workers")
+            data = await self._call(self.router_url, "GET", "/workers", None, timeout_s, bound)
             items = data.get("workers", data.get("urls", [])) if isinstance(data, dict) else data
             urls = [(w["url"] if isinstance(w, dict) else w).rstrip("/") for w in items or []]
             if not urls:
@@ -339,13 +341,14 @@ class Fleet:
                                  f"{timeout_s} s: {', '.join(health)}")
             await asyncio.sleep(0.5)
 
-    async def _fan_out(self, method: str, path: str, body: Optional[dict] = None,
-                       timeout_s: Optional[float] = None, skip_unreachable: bool = False) -> list:
-        """The call on every worker. skip_unreachable: a worker with no server at its URL is taken out of /generate
-        rotation (its probe brings it back) instead of failing the call; for pause and continue, since a dead
-        server runs nothing to stop and a relaunched one starts unpaused."""
-        urls = await self.workers()
-        out = await asyncio.gather(*[self._call(u, method, path, body, timeout_s) for u in urls],
+    async def _fan_out(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
+                       skip_unreachable: bool = False, bound: str = "") -> list:
+        """The call on every worker (each within timeout_s, named `bound` in its error). skip_unreachable: a worker
+        with no server at its URL is taken out of /generate rotation (its probe brings it back) instead of failing
+        the call; for pause and continue, since a dead server runs nothing to stop and a relaunched one starts
+        unpaused."""
+        urls = await self.workers(timeout_s, bound)
+        out = await asyncio.gather(*[self._call(u, method, path, body, timeout_s, bound) for u in urls],
                                    return_exceptions=True)
         for url, r in zip(urls, out):
             if skip_unreachable and isinstance(r, ServerUnreachable):
@@ -383,11 +386,14 @@ class Fleet:
         out, self.abort_failures = self.abort_failures, {}
         return out
 
-    async def pause(self, mode: str = "abort", timeout_s: Optional[float] = None) -> list:
-        return await self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout_s, skip_unreachable=True)
+    async def pause(self, mode: str = "abort", timeout_s: Optional[float] = None, bound: str = "") -> list:
+        """/pause_generation on every worker, each within timeout_s (default control_timeout_s); a worker that does
+        not answer fails the call naming its URL, the endpoint and `bound` (the setting that gave timeout_s)."""
+        return await self._fan_out("POST", "/pause_generation", {"mode": mode}, timeout_s, True, bound)
 
-    async def continue_(self) -> list:
-        return await self._fan_out("POST", "/continue_generation", {}, skip_unreachable=True)
+    async def continue_(self, timeout_s: Optional[float] = None, bound: str = "") -> list:
+        """/continue_generation on every worker, bounded as pause."""
+        return await self._fan_out("POST", "/continue_generation", {}, timeout_s, True, bound)
 
     async def flush_cache(self) -> list:
         return await self._fan_out("POST", "/flush_cache")

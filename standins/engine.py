@@ -104,6 +104,9 @@ HEALTH_GENERATES = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)  #
 REQUEST_STATE_WAIT_TIMEOUT_S = env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
+# Test-only fault, no SGLang behaviour (docs/engine.md): the paths listed here (comma-separated) take the request and
+# never answer, as a server that stopped answering them; e.g. STANDIN_TEST_HANG=/pause_generation.
+TEST_HANG = frozenset(p for p in os.environ.get("STANDIN_TEST_HANG", "").split(",") if p)
 
 # SGLang's sampling_params fields and defaults (srt/sampling/sampling_params.py). Every key is validated below.
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -376,7 +379,12 @@ def _parse_dtype(name: str) -> torch.dtype:
 
 class Gate:
     """Who may start a /generate: SGLang's pause flag (new requests wait while paused) and its model-update lock
-    (every /generate reads for its lifetime; an update while not paused writes: it waits for readers, new ones wait)."""
+    (every /generate reads for its lifetime; an update while not paused writes: it waits for readers, new ones wait).
+
+    As in SGLang's RWLock (utils/aio_rwlock.py), the lock is held across no suspension but the condition's own wait,
+    which releases it: so taking it never waits, and a handler cancelled on its way out (its client left, /health's
+    request done) still gives its count back. (A wait_for around the wait held it for a loop iteration, during which
+    a cancelled leave() kept its reader for good, and every later abort pause waited out --wait-timeout.)"""
 
     def __init__(self):
         self.cond = asyncio.Condition()
@@ -384,8 +392,9 @@ class Gate:
 
     async def _wait(self, pred, timeout: float, what: str):
         try:
-            await asyncio.wait_for(self.cond.wait_for(pred), timeout)
-        except asyncio.TimeoutError:  # (an alias of TimeoutError only from Python 3.11)
+            async with asyncio.timeout(timeout):  # in this task: asyncio.wait_for would wait in another, lock held
+                await self.cond.wait_for(pred)
+        except TimeoutError:
             raise TimeoutError(f"{what} did not happen within {timeout}s (--wait-timeout)") from None
 
     async def enter(self, timeout: float):
@@ -488,7 +497,7 @@ class Server:
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
         self.tasks: set = set()  # handlers of abandoned requests (see _gated)
         max_body = int(args.max_request_mb * 2 ** 20)
-        self.app = web.Application(client_max_size=max_body, middlewares=[self._auth, self._errors])
+        self.app = web.Application(client_max_size=max_body, middlewares=[self._test_hang, self._auth, self._errors])
         self.app["max_body"] = max_body
         # the most characters a token stands for (a byte-level token's string has one per byte): a longer text than
         # context_len times this cannot fit the context (for normalizers that delete no characters: BPE, SentencePiece)
@@ -519,6 +528,13 @@ class Server:
     async def _on_shutdown(self, app):
         self.ready = False
         await asyncio.get_running_loop().run_in_executor(None, self.sched.stop)
+
+    @web.middleware
+    async def _test_hang(self, request, handler):
+        """STANDIN_TEST_HANG (tests only): a listed path is never answered; the client's timeout or a stop ends it."""
+        if request.path in TEST_HANG:
+            await asyncio.Event().wait()
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request, handler):

@@ -619,7 +619,9 @@ def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
     assert rollout["sent"] == RPC_B * RPC_STEPS
     keys = [tuple(k) for k in trainer["keys"]]
     assert sorted(keys) == [(0, s) for s in range(RPC_B * RPC_STEPS)] and trainer["intact"]
-    assert "wanted 1 groups" in trainer["timeout"]  # the server's TimeoutError crosses the process boundary
+    # the server's TimeoutError crosses the process boundary, its message on the first line after the call's name
+    assert trainer["timeout"].startswith("buffer.get() in RPC worker 'buffer' failed: TimeoutError: "
+                                         "PipelineBuffer.get: wanted 1 groups"), trainer["timeout"][:300]
     assert trainer["metrics"]["rollout/consumed_groups"] == RPC_B * RPC_STEPS
     assert trainer["metrics"]["rollout/max_generating_groups"] == 2
     assert trainer["state_format"] == 1
@@ -629,6 +631,32 @@ def test_rpc_buffer_process_serves_producer_and_trainer(tmp_path):
     assert unserved.startswith("AttributeError: RPC worker 'buffer' serves no method 'close'; served: dispatch, ")
     assert "ValueError: buffer method 'close' is not served" in server_side
     assert no_wait.startswith("ValueError: get over RPC needs its timeout (argument 2)")
+
+
+def test_an_rpc_that_does_not_answer_names_the_call_the_process_and_the_settings(monkeypatch):
+    """The trainer's pause RPC waits buffer.rpc_timeout_s plus the pause's own bound (rollout.rpc_waits), and when
+    even that passes its error names the call, the process and what bounded it, not torch's bare RPC timeout."""
+    import rollout
+    sent = {}
+
+    def no_answer(worker, fn, args, kwargs, timeout):
+        sent.update(worker=worker, args=args, timeout=timeout)
+        raise RuntimeError("RPCErr:1:RPC ran for more than set timeout (1260000 ms) and will now be marked with an "
+                           "error")  # torch 2.x's text
+
+    monkeypatch.setattr(remote.rpc, "rpc_sync", no_answer)
+    cfg = config.load_config(None, ["buffer.rpc_timeout_s=600", "rollout.pause_timeout_s=600"])
+    ro = remote.Proxy("rollout", cfg.buffer.rpc_timeout_s, remote.ROLLOUT_METHODS, rollout.rpc_waits(cfg),
+                      "the rollout process (pid 7, log runs/x/logs/rollout.log)")
+    with pytest.raises(TimeoutError) as err:
+        ro.pause()
+    assert sent == {"worker": "rollout", "args": ("pause",), "timeout": 1260.0}
+    assert str(err.value) == ("rollout.pause() in the rollout process (pid 7, log runs/x/logs/rollout.log) did not "
+                              "answer within 1260 s (buffer.rpc_timeout_s=600 s + rollout.pause_timeout_s=600 s + "
+                              "60 s); it may still be running there")
+    with pytest.raises(remote.RemoteError, match=r"^buffer\.get\(\) in RPC worker 'buffer' did not answer within 630 s "
+                       r"\(buffer\.rpc_timeout_s=600 s \+ its timeout argument 30 s\)"):
+        remote.Proxy("buffer", 600, remote.BUFFER_METHODS).get(2, 30)
 
 
 @pytest.mark.parametrize("served", ["buffer.PipelineServer", "rollout.Rollout"])

@@ -1002,6 +1002,28 @@ def test_pause_without_partial_waits_for_everything_and_loses_nothing(server, to
         assert all(t.status in ("completed", "truncated") for t in g.trajectories)
 
 
+def test_a_server_that_stops_answering_pause_fails_the_pause_naming_it_and_the_setting(server, tokenizer):
+    """A server that takes /pause_generation and never answers (engine.py's test-only STANDIN_TEST_HANG) fails
+    Rollout.pause within rollout.pause_timeout_s, naming that server, the endpoint and the setting. Over RPC the
+    trainer waits longer than the pause's own bound (rollout.rpc_waits), so this error is the one it reports."""
+    url, handle = engine.launch(server["model"], num_threads=1, env={"STANDIN_TEST_HANG": "/pause_generation"})
+    try:
+        cfg = make_cfg(url, "rollout.partial=true", "rollout.pause_timeout_s=2", "rollout.sampling.max_new_tokens=200")
+        with producer(cfg, tokenizer) as (buf, ro, sync):
+            wait_until(lambda: sync.fleet.requests_in_flight > 0, 30, "requests in flight")
+            t0 = time.monotonic()
+            with pytest.raises(sglang_client.FleetError) as err:
+                ro.pause()
+            took = time.monotonic() - t0
+    finally:
+        handle.stop()
+    assert took < 2 + 10, took  # the pause's bound (2 s), with room for a loaded machine
+    assert re.fullmatch(rf"POST {url}/pause_generation did not answer within [12]\.\d s \(the rest of "
+                        r"rollout\.pause_timeout_s=2 s\)", str(err.value)), str(err.value)
+    own, what = rollout.rpc_waits(cfg)["pause"]
+    assert own > cfg.rollout.pause_timeout_s and what == "rollout.pause_timeout_s=2 s + 60 s"
+
+
 def test_in_flight_never_exceeds_the_bound_as_the_engine_counts_it(server, tokenizer):
     cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=5", "data_source.num_prompts_per_step=4",
                    "fully_async.stale_steps=2", "rollout.sampling.max_new_tokens=200")

@@ -180,3 +180,27 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_and_the_fixed_defaults()
         for q in (p, p + 1, p + 2):  # free, all three
             with socket.socket() as s:
                 s.bind(("127.0.0.1", q))
+
+
+def test_a_remote_error_ends_the_run_with_one_error_line_naming_the_call_and_its_cause(capsys, monkeypatch):
+    """Rank 0's error line for a call the rollout (or buffer) process failed: the call, the process and the cause
+    on the line (here the pause's own: the server, the endpoint, the setting), that process's traceback above it."""
+    import remote
+
+    def failed_there(*args, **kwargs):  # the text torch RPC raises for an error in the served process
+        raise RuntimeError(
+            "FleetError: On WorkerInfo(id=2, name=rollout):\nFleetError('POST http://127.0.0.1:31000/pause_generation"
+            " did not answer within 599.8 s (the rest of rollout.pause_timeout_s=600 s)')\nTraceback (most recent "
+            "call last):\n  File \"rollout.py\", line 1, in pause\nsglang_client.FleetError: POST ...")
+
+    monkeypatch.setattr(remote.rpc, "rpc_sync", failed_there)
+    printed = []
+    svc = types.SimpleNamespace(root_cause=lambda wait_s: None, print_error_once=printed.append)
+    try:
+        remote.Proxy("rollout", 600, remote.ROLLOUT_METHODS, where="the rollout process (pid 7)").pause()
+    except remote.RemoteError as e:
+        assert services.failure_exit_code(e, svc, 0) == 1
+    assert printed == ["rollout.pause() in the rollout process (pid 7) failed: FleetError: POST "
+                       "http://127.0.0.1:31000/pause_generation did not answer within 599.8 s (the rest of "
+                       "rollout.pause_timeout_s=600 s)"]
+    assert "Traceback (most recent call last):\n  File \"rollout.py\"" in capsys.readouterr().err
