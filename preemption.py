@@ -9,8 +9,9 @@ So the contract is the workers': every rank exits 0 and the checkpoint of the st
 train.py installs the handler (`install`). While the step loop runs (`steps()`), SIGTERM only sets a flag: at the
 checkpoint block of each step every rank calls `stop_here`, one all-reduce of the flag on the gloo control group, so
 a signal on any rank stops all of them at the same boundary, which then checkpoints and ends the run. Outside the loop
-(start-up, the final export), the first SIGTERM raises Preempted, a SystemExit(0): the run stops at once (rank 0 stops
-its children in main's `finally`), having trained nothing since its last checkpoint. The children of rank 0 are
+(start-up, the final export, a failure's handling), the first SIGTERM raises Preempted, a SystemExit(0): the process
+stops at once (rank 0 stops its children in main's `finally`); a start-up has trained nothing since the checkpoint it
+resumed from. A later SIGTERM is ignored (torchrun's SIGKILL follows at the end of its grace). The children of rank 0 are
 started in sessions of their own (services.py), so torchrun's killpg does not reach them before rank 0 has saved the
 buffer's state and stopped them. Bound: from the signal to the exit takes at most one step period (a step's training,
 its checkpoint and weight sync, the eval) plus one checkpoint and the shut-down; rank 0 warns once when its measured
@@ -34,7 +35,7 @@ import checkpoint
 
 
 class Preempted(SystemExit):
-    """SIGTERM outside the step loop: nothing to checkpoint since the last one; the process exits 0."""
+    """SIGTERM outside the step loop (start-up, shut-down): no step to finish; the process exits 0 at once."""
 
 
 _state = {"at": None, "in_steps": False, "stopped": False, "last_call": None, "period": 0.0, "warned": False}
@@ -52,8 +53,8 @@ def _on_sigterm(signum, frame) -> None:
         _state["at"] = time.monotonic()
     if first and not _state["in_steps"]:
         if os.environ.get("RANK", "0") == "0":  # os.write: a print here could re-enter one the main thread is in
-            os.write(2, b"[train] SIGTERM outside the step loop: stopping now; nothing was trained since the newest "
-                        b"checkpoint, which trainer.resume=auto loads\n")
+            os.write(2, b"[train] SIGTERM outside the step loop (start-up or shut-down): stopping now; "
+                        b"trainer.resume=auto continues from the newest checkpoint\n")
         raise Preempted(0)
 
 
