@@ -11,11 +11,11 @@ checkpoint block of each step every rank calls `stop_here`, one all-reduce of th
 a signal on any rank stops all of them at the same boundary, which then checkpoints and ends the run. Outside the loop
 (start-up, the final export, a failure's handling), the first SIGTERM raises Preempted, a SystemExit(0): the process
 stops at once (rank 0 stops its children in main's `finally`); a start-up has trained nothing since the checkpoint it
-resumed from. A later SIGTERM is ignored (torchrun's SIGKILL follows at the end of its grace). The children of rank 0 are
-started in sessions of their own (services.py), so torchrun's killpg does not reach them before rank 0 has saved the
-buffer's state and stopped them. Bound: from the signal to the exit takes at most one step period (a step's training,
-its checkpoint and weight sync, the eval) plus one checkpoint and the shut-down; rank 0 warns once when its measured
-step period plus its last checkpoint exceed torchrun's grace (docs/faults.md).
+resumed from. A later SIGTERM is ignored (torchrun's SIGKILL follows at the end of its grace). The children of rank 0
+are started in sessions of their own (services.py), so torchrun's killpg does not reach them before rank 0 has saved
+the buffer's state and stopped them. Bound: from the signal to the exit takes at most one step period (a step's
+training, its checkpoint and weight sync, the eval) plus one checkpoint and the shut-down; rank 0 warns once when its
+measured step period plus its last checkpoint exceed torchrun's grace (docs/faults.md).
 """
 from __future__ import annotations
 

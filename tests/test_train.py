@@ -1081,9 +1081,9 @@ def preempted_run(tmp_path_factory, tiny_model):
 
 
 def test_sigterm_to_torchrun_checkpoints_the_step_it_stopped_at_and_exits_in_time(preempted_run):
-    """torchrun forwards SIGTERM to every rank; they agree at the next step boundary, checkpoint that step and
-    exit 0 well within torchrun's 30 s grace (no SIGKILL). torchrun itself exits 1 after a SIGTERM whatever its
-    workers do (its SignalException)."""
+    """torchrun forwards SIGTERM to every rank; they agree at the next step boundary, checkpoint that step and exit 0
+    within torchrun's 30 s grace (no SIGKILL; seconds on this config: docs/results/preemption.md). torchrun itself
+    exits 1 after a SIGTERM whatever its workers do (its SignalException)."""
     r, a = preempted_run, preempted_run["a"]
     lines = [ln for ln in a["out"].splitlines() if ln.startswith("[train] SIGTERM ")]
     assert len(lines) == 1 and "then the run stops (exit 0)" in lines[0], (r["seed"], a["out"][-3000:],
@@ -1092,7 +1092,7 @@ def test_sigterm_to_torchrun_checkpoints_the_step_it_stopped_at_and_exits_in_tim
     assert 1 <= stopped < 8 and [row["step"] for row in a["rows"] if row["step"] > 0] == list(range(1, stopped + 1))
     assert a["ckpts"] == [f"step_{stopped:06d}"], a["ckpts"]  # save_freq=0: only the stop wrote one
     assert checkpoint.checkpoint_problem(os.path.join(r["run_dir"], "checkpoints", a["ckpts"][0])) is None
-    assert a["seconds"] < 20, a["seconds"]
+    assert a["seconds"] < 30, a["seconds"]  # torchrun's grace (beyond it: its "forcefully exiting" via SIGKILL)
     assert a["rc"] == 1 and "SignalException" in a["err"] and "error: " not in a["err"], a["err"][-3000:]
     assert "forcefully exiting" not in a["err"] and a["err"].count("Traceback") == 1, a["err"][-3000:]  # torchrun's
 
@@ -1101,7 +1101,7 @@ def test_sigterm_to_a_single_process_run_exits_0_and_leaves_no_child(preempted_r
     """`python train.py`: SIGTERM during its start-up stops it at once with nothing new to save; one that lands in
     its first step checkpoints that step. Exit 0 either way, no server or worker left."""
     d = preempted_run["d"]
-    assert d["rc"] == 0 and d["seconds"] < 20, (preempted_run["seed"], d["rc"], d["seconds"], d["err"][-3000:])
+    assert d["rc"] == 0 and d["seconds"] < 30, (preempted_run["seed"], d["rc"], d["seconds"], d["err"][-3000:])
     assert "error: " not in d["err"] and not d["children"], (d["err"][-3000:], d["children"])
     start_up = "[train] SIGTERM outside the step loop (start-up or shut-down): stopping now" in d["err"]
     assert start_up != ("checkpointing step" in d["out"]), (d["out"][-2000:], d["err"][-2000:])
@@ -1135,6 +1135,7 @@ def test_resume_after_the_preemption_and_the_failed_write_trains_every_prompt_on
     trained = sorted(tuple(pid) for row in rows for pid in row["data/prompt_ids"])
     assert trained == [(0, i) for i in range(32)], (r["seed"], trained)
     assert len(c["ckpts"]) == 2 and c["ckpts"][-1] == "step_000008", c["ckpts"]
+
 
 if __name__ == "__main__":
     {"actor": _actor_script}[sys.argv[1]](json.loads(sys.argv[2]))
