@@ -1033,7 +1033,7 @@ def preempted_run(tmp_path_factory, tiny_model):
 
     run_dir = tmp_path_factory.mktemp("preempt") / "run"
     base = [*_run_overrides(run_dir, tiny_model), "trainer.save_freq=0", "trainer.keep_checkpoints=2",
-            "trainer.eval_freq=0"]
+            "trainer.eval_freq=0", "trainer.export_hf=false"]
     seed = random.randrange(10 ** 6)
     rng = random.Random(seed)
     port = next(a for a in base if a.startswith("rollout.base_port=")).split("=")[1]
