@@ -211,7 +211,8 @@ class Actor:
 
     # ---- checkpoints (checkpoint.py): sharded model + optimizer (DCP) + run state ----
     def save_checkpoint(self, steps_done: int, run_state: Optional[dict]) -> None:
-        checkpoint.save(self.model, self.opt, self.sched, self.ckpt_root, steps_done, run_state, self.ctrl)
+        checkpoint.save(self.model, self.opt, self.sched, self.ckpt_root, steps_done, run_state, self.ctrl,
+                        self.cfg.trainer.keep_checkpoints)
 
     def load_checkpoint(self, path: str) -> dict:
         """Model, optimizer, scheduler and RNG from `path` on every rank; returns the run state."""

@@ -2,40 +2,155 @@
 torch.distributed.checkpoint (DCP, every rank writes its shards) and run_state.pt (rank 0: the step, the weight
 version, the buffer's state, the LR scheduler and every rank's RNG state). A directory is written as .tmp and
 renamed once complete (commit), so one without ".tmp" always loads; latest_checkpoint finds the newest that does.
-The final model as an HF checkpoint directory is hf_export.py's.
+After each commit, prune keeps the newest trainer.keep_checkpoints and removes the .tmp of writes that failed; a write
+that fails (the disk full, partway through a shard) stops every rank with CheckpointWriteError, the previous
+checkpoint untouched. The final model as an HF checkpoint directory is hf_export.py's.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import random
 import shutil
 import sys
+import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
-def save(model, opt, sched, root: str, steps_done: int, run_state: Optional[dict], group) -> None:
-    """Every rank: its model and optimizer shards (DCP) to root/step_NNNNNN, its RNG state to rank 0, which commits
-    the directory with run_state (given on rank 0: step, weight_version, buffer) plus the scheduler and the RNGs.
-    group: the gloo group for the barriers and the RNG gather."""
-    import torch.distributed.checkpoint as dcp
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (raised on every rank): its message is the run's one error line."""
 
+
+last_save_s: Optional[float] = None  # this process's last save, in seconds (preemption.py's bound warns on it)
+
+
+def save(model, opt, sched, root: str, steps_done: int, run_state: Optional[dict], group, keep: int = 0) -> None:
+    """Every rank: its model and optimizer shards (DCP) to root/step_NNNNNN, its RNG state to rank 0, which commits
+    the directory with run_state (given on rank 0: step, weight_version, buffer) plus the scheduler and the RNGs,
+    then prunes to the newest `keep` (0: all). group: the gloo group of the collectives around it, which also agree
+    on failure: a write that fails on any rank (rank 0's directory or commit; a shard, which DCP reports to every
+    rank) raises CheckpointWriteError on every rank, so none is left waiting in a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    global last_save_s
+    t0 = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.join(root, f"step_{steps_done:06d}")
     tmp = path + ".tmp"
+    box: list = [None]
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier(group=group)
-    dcp.save(_state(model, opt)[0], checkpoint_id=tmp)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            box = [_describe(e, 0)]
+    dist.broadcast_object_list(box, src=0, group=group)
+    error = box[0]
+    if error is None:
+        try:
+            dcp.save(_state(model, opt)[0], checkpoint_id=tmp)
+        except (Exception, CheckpointException) as e:
+            error = _describe(e, rank)
     rng: list = [None] * world
     dist.all_gather_object(rng, rng_state(), group=group)
+    if rank == 0 and error is None:
+        try:
+            commit(tmp, path, {**run_state, "scheduler": sched.state_dict(), "rng": rng})
+        except Exception as e:
+            error = _describe(e, 0)
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e is not None]
+    if failed:  # the most telling: a disk errno, else a rank's own error, else what DCP said
+        message = write_error_message(tmp, root, min(failed, key=lambda e: (e["errno"] not in _DISK_ERRNOS,
+                                                                          not e["own"], e["rank"])), keep)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # its space back (resume never picks a .tmp)
+        raise CheckpointWriteError(message)
     if rank == 0:
-        commit(tmp, path, {**run_state, "scheduler": sched.state_dict(), "rng": rng})
+        prune(root, keep, path)
     dist.barrier(group=group)
+    last_save_s = time.monotonic() - t0
+
+
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit (ulimit -f)
+
+
+def _describe(error: BaseException, rank: int) -> dict:
+    """A failed write as plain data for the agreement: {"rank", "errno", "text", "own"}. DCP raises the same
+    CheckpointException on every rank, holding {rank: (exception, traceback)} of the ranks whose write failed: this
+    rank's own if it is there ("own"). A write the kernel cuts short inside torch.save's zip writer comes out as
+    RuntimeError "unexpected pos", without its errno, so a finite file-size limit of this process is named too."""
+    import resource
+
+    failures = getattr(error, "failures", None)
+    own = failures is None or rank in failures
+    if failures:
+        rank, (error, _) = (rank, failures[rank]) if rank in failures else min(failures.items())
+    text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if own and limit != resource.RLIM_INFINITY:
+        text += f" (rank {rank} runs under a file size limit, ulimit -f, of {limit} bytes)"
+    return {"rank": rank, "errno": getattr(error, "errno", None), "text": text, "own": own}
+
+
+def write_error_message(tmp: str, root: str, failed: dict, keep: int) -> str:
+    """One line: the directory that failed, the error, the free space where it was written and what resume loads."""
+    usage = shutil.disk_usage(root)
+    previous = newest_complete(root)
+    advice = (f"free space there, lower trainer.keep_checkpoints (now {keep or '0: every checkpoint is kept'}) or "
+              "set run_dir on a larger disk")
+    if failed["errno"] not in _DISK_ERRNOS:  # torch's zip writer says "unexpected pos" where a write came up short
+        advice = f"if that disk is full: {advice}"
+    return (f"writing checkpoint {tmp} failed on rank {failed['rank']}: {failed['text']} ({_size(usage.free)} free of "
+            f"{_size(usage.total)} on its filesystem); trainer.resume=auto continues from the newest complete "
+            f"checkpoint, {previous or 'none (there is none)'}; {advice}")
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, k in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 2 ** k:
+            return f"{n / 2 ** k:.2f} {unit}"
+    return f"{n} B"
+
+
+def steps_of(root: str) -> list:
+    """[(step, path)] of the complete checkpoint directories under root (no .tmp), oldest first."""
+    out = []
+    for p in glob.glob(os.path.join(root, "step_*")):
+        tail = os.path.basename(p)[len("step_"):]
+        if tail.isdigit() and os.path.isdir(p):
+            out.append((int(tail), p))
+    return sorted(out)
+
+
+def newest_complete(root: str) -> Optional[str]:
+    done = steps_of(root)
+    return done[-1][1] if done else None
+
+
+def prune(root: str, keep: int, newest: str) -> list:
+    """After `newest` is committed (rank 0): remove the .tmp directories of writes that failed or were cut short,
+    then the complete checkpoints older than `newest` beyond the newest `keep` (trainer.keep_checkpoints; 0 keeps
+    every one), oldest first. `newest` is never removed, nor one with a later step (another run's, which resume=auto
+    would pick). Returns the removed paths."""
+    removed = []
+    for tmp in glob.glob(os.path.join(root, "step_*.tmp")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    if keep:
+        step = int(os.path.basename(newest)[len("step_"):])
+        older = [p for s, p in steps_of(root) if s < step]
+        for p in older[:max(0, len(older) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def load(model, opt, sched, path: str) -> dict:
@@ -140,9 +255,7 @@ def checkpoint_problem(path: str) -> Optional[str]:
 def latest_checkpoint(run_dir: str) -> Optional[str]:
     """The newest run_dir/checkpoints/step_* that loads (being written ones end in .tmp), or None. Newer ones
     that do not load are skipped with a warning naming each and why."""
-    done = sorted((p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step_*")) if not p.endswith(".tmp")),
-                  reverse=True)
-    for path in done:
+    for _, path in reversed(steps_of(os.path.join(run_dir, "checkpoints"))):
         problem = checkpoint_problem(path)
         if problem is None:
             return path

@@ -66,6 +66,7 @@ class TrainerConfig:
     mini_batch_size: int = 64  # M: trajectories per optimizer update; M // N groups per training call
     total_steps: int = 100  # outer training steps (each consumes B groups)
     save_freq: int = 0  # checkpoint every this many steps (0 = only at the end)
+    keep_checkpoints: int = 3  # the newest this many checkpoints stay, older ones go after each save (0 = keep all)
     eval_freq: int = 0  # greedy evaluation on held-out prompts every this many steps (0 = off)
     resume: str = "none"  # none | auto (latest checkpoint in run_dir) | a checkpoint directory
     num_nodes: int = 1  # training nodes
@@ -598,6 +599,8 @@ def validate(cfg: Config) -> Config:
     for key in ("save_freq", "eval_freq", "warmup_steps"):
         if getattr(t, key) < 0:
             raise ValueError(f"trainer.{key} must be >= 0, got {getattr(t, key)}")
+    if t.keep_checkpoints < 0:
+        raise ValueError(f"trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint), got {t.keep_checkpoints}")
     if t.lr_decay not in ("constant", "linear", "cosine"):
         raise ValueError(f"trainer.lr_decay must be constant, linear or cosine, got '{t.lr_decay}'")
     if not 0 <= t.min_lr_ratio <= 1:

@@ -42,6 +42,7 @@ class RolloutRecorder:
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         os.makedirs(path + ".tmp")
         checkpoint.commit(path + ".tmp", path, {**run_state, "scheduler": {}, "rng": [checkpoint.rng_state()]})
+        checkpoint.prune(os.path.dirname(path), self.cfg.trainer.keep_checkpoints, path)
 
     def memory_to_trainer(self):
         return {}

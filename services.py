@@ -185,10 +185,13 @@ class Services:
         self.rpc_init = None  # spawn_rpc_workers' tcp:// address, which join_rpc joins
 
     def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
+        """A child in a session of its own: the SIGTERM torchrun forwards to the trainer rank's process group (a
+        preemption, preemption.py) does not reach it, so the buffer is still there when rank 0 checkpoints its state;
+        rank 0 stops it (close), and it gets SIGTERM when rank 0 dies (_die_with_parent)."""
         log = os.path.join(self.logs, f"{name}.log")
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=_die_with_parent, start_new_session=True)
         self.procs[name] = (p, log)
         return p
 
@@ -504,8 +507,11 @@ def for_node(cfg, local_rank: int, launched: bool) -> Optional[Services]:
 def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> int:
     """What a trainer rank's main does with the exception that ended its run: the root cause printed once, and the
     exit code (2: the run cannot train, buffer.NothingToTrain, said as a bad input would be; 1: a failed run);
-    an exception it cannot explain is raised again."""
+    an exception it cannot explain is raised again. CheckpointWriteError is raised on every rank: rank 0 prints it.
+    After a SIGTERM (preemption.py) no rank waits for torchrun, which is stopping every rank already."""
     import buffer
+    import checkpoint
+    import preemption
 
     def say(message: str) -> None:
         if services is not None:
@@ -516,6 +522,12 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
     if isinstance(e, buffer.NothingToTrain):
         say(str(e))
         return 2
+    if isinstance(e, checkpoint.CheckpointWriteError):  # raised on every rank: rank 0 says it
+        if rank == 0:
+            say(str(e))
+        elif not preemption.requested():  # wait for torchrun to stop this rank (a SIGTERM came: it is stopping it)
+            time.sleep(RANK0_EXIT_WAIT_S)
+        return 1
     # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
     cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
     if cause is None and rank != 0 and isinstance(e, RuntimeError):
@@ -526,7 +538,12 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
         print(f"[train] rank {rank}: lost trainer rank 0 (it failed, exited, or did not answer within the "
               f"control group's timeout): {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
               file=sys.stderr, flush=True)
-        time.sleep(RANK0_EXIT_WAIT_S)
+        if not preemption.requested():  # (a SIGTERM came already: torchrun is stopping every rank)
+            time.sleep(RANK0_EXIT_WAIT_S)
+        return 1
+    if cause is None and preemption.requested():  # torchrun's SIGTERM came first: it stops the run (its summary)
+        print(f"[train] rank {rank}: stopped by SIGTERM, then {type(e).__name__}: "
+              f"{str(e).splitlines()[0][:300] if str(e) else ''}", file=sys.stderr, flush=True)
         return 1
     if cause is None and isinstance(e, remote.RemoteError):  # its first line names the call, the process, the cause
         line, _, trace = str(e).partition("\n")

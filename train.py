@@ -11,7 +11,8 @@ actor.py. Colocate: colocate.py.
 run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; logging: logger.py; plots: plot.py.
 Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
 child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
-(exit code 2), as is a run that cannot train (buffer.NothingToTrain).
+(exit code 2), as is a run that cannot train (buffer.NothingToTrain); SIGTERM (a preemption) checkpoints the next step
+boundary and exits 0 (preemption.py).
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
@@ -50,6 +51,7 @@ import checks  # noqa: E402
 import config as config_lib  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
+import preemption  # noqa: E402
 import services as services_lib  # noqa: E402
 import strategies  # noqa: E402
 from actor import Actor  # noqa: E402
@@ -170,7 +172,8 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
             m.update({k: v for k, v in rollout.step_metrics().items() if k not in m})
 
         # ---- checkpoint (buffer state taken while paused: unconsumed, in-flight and restored groups are in it) ----
-        if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == total:
+        stop = preemption.stop_here(getattr(actor, "ctrl", None), done, total)  # SIGTERM on a rank: save, then stop
+        if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == total or stop:
             t0 = time.perf_counter()
             run_state = {"step": done, "weight_version": done, "buffer": buffer.state_dict()} if rank == 0 else None
             actor.save_checkpoint(done, run_state)
@@ -178,22 +181,26 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 
         # ---- weight sync (servers flush their cache unless in_place, serve version step + 1) ----
         t0 = time.perf_counter()
-        out = dict(actor.sync_weights(done) or {})
+        out = {} if stop else dict(actor.sync_weights(done) or {})
         m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
         m.update(out)
 
         # ---- resume the producer; log (wait is everything outside the training block: perf/wait_ratio) ----
         if rank != 0:
+            if stop:
+                break
             continue
         buffer.set_weight_version(done)
-        if done < total:
+        if done < total and not stop:
             rollout.resume(done)
         m["timing/step"] = time.perf_counter() - t_step
         m["perf/wait_ratio"] = min(1.0, max(0.0, 1.0 - m.get("timing/train", 0.0) / max(m["timing/step"], 1e-9)))
         if evaluate is not None and ((cfg.trainer.eval_freq and done % cfg.trainer.eval_freq == 0) or done == total):
-            m.update(evaluate(done))
+            m.update(evaluate(done) if not stop else {})
         m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
         logger.log(done, m)
+        if stop:
+            break
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,14 +361,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- the loop, on every rank ----
         health = services.fleet.health if rank == 0 and services and services.fleet else None
-        run_steps(cfg, actor, buf, ro, logger, start_step, evaluate, servers=health)
+        with preemption.steps():  # SIGTERM in it: the next step boundary checkpoints and ends the run
+            run_steps(cfg, actor, buf, ro, logger, start_step, evaluate, servers=health)
         if rank == 0 and services is not None and services.fleet is not None:
             infos = services.fleet.server_infos()
             print(f"[train] weight versions on the servers at the end: "
                   f"{dict(zip(services.fleet.workers(), (i.get('weight_version') for i in infos)))}", flush=True)
 
         # ---- final HF export ----
-        if cfg.trainer.export_hf and isinstance(actor, Actor):
+        if cfg.trainer.export_hf and isinstance(actor, Actor) and not preemption.stopped():
             actor.export_hf(os.path.join(cfg.run_dir, "hf"))
             if rank == 0:
                 print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
@@ -395,6 +403,7 @@ def __getattr__(name: str):  # a name that moved is refused naming where it went
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    preemption.install()  # SIGTERM: checkpoint at the next step boundary and exit 0 (docs/faults.md)
     try:
         main()
         code = 0

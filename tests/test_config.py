@@ -108,6 +108,7 @@ RULES = [
     (["trainer.micro_batch_tokens=0"], None, ["trainer.micro_batch_tokens"]),
     (["trainer.logprob_chunk_tokens=0"], None, ["trainer.logprob_chunk_tokens"]),
     (["trainer.save_freq=-1"], None, ["trainer.save_freq"]),
+    (["trainer.keep_checkpoints=-1"], None, ["trainer.keep_checkpoints", ">= 0 (0 keeps every checkpoint)"]),
     (["trainer.eval_freq=-1"], None, ["trainer.eval_freq"]),
     (["trainer.warmup_steps=-1"], None, ["trainer.warmup_steps"]),
     (["trainer.lr_decay=exponential"], None, ["trainer.lr_decay", "constant, linear or cosine"]),

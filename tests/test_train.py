@@ -520,6 +520,28 @@ def test_weight_sync_engine_log_probs_equal_trainer_log_probs(actor_checks):
     assert engine.SESSION_REQUIRED in r["no_session"]["error"] and r["no_session"]["seconds"] < 5, r["no_session"]
 
 
+def test_a_checkpoint_write_that_fails_on_one_rank_stops_every_rank_and_the_previous_one_loads(actor_checks):
+    """checkpoint.save: rank 1's shard cut short by the kernel (EFBIG under RLIMIT_FSIZE), then rank 0's commit
+    failing: both ranks raise the same one-line CheckpointWriteError (naming the directory, the error and the free
+    space), the .tmp is removed, resume=auto's pick stays step 1, which loads; keep_checkpoints=2 keeps 3 and 4."""
+    r = actor_checks["ckpt"]
+    efbig, commit = r["errors"]
+    first = os.path.join(r["ckpt_root"], "step_000001")
+    assert efbig["errors"][0] == efbig["errors"][1] is not None, efbig
+    line = efbig["errors"][0]
+    assert "\n" not in line and line.startswith(f"writing checkpoint {efbig['tmp']} failed on rank 1: "), line
+    assert "(rank 1 runs under a file size limit, ulimit -f, of " in line, line
+    free = line.split(" free of ")[0].rsplit("(", 1)[1]  # e.g. "55.61 GiB"
+    assert float(free.split()[0]) > 0 and free.split()[1] in ("B", "KiB", "MiB", "GiB", "TiB"), line
+    assert "trainer.keep_checkpoints (now 2)" in line
+    assert f"trainer.resume=auto continues from the newest complete checkpoint, {first};" in line
+    assert commit["errors"][0] == commit["errors"][1] is not None and "failed on rank 0: " in commit["errors"][0]
+    for e in (efbig, commit):
+        assert not e["tmp_left"] and e["latest"] == first, e
+    assert r["loaded_step"] == 1 and r["shard_bytes"] > 100_000
+    assert r["kept"] == ["step_000003", "step_000004"], r["kept"]
+
+
 def test_a_push_that_fails_on_rank_0_only_is_agreed_on_and_retried(actor_checks):
     """weight_sync.WeightSync.push's status collective and WeightSync._push_agreed: rank 0's injected error is
     returned on both ranks, and the retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
@@ -564,7 +586,7 @@ def _actor_script(args):
     """The multi-process checks of the actor: _snapshot_checks, then _sync_checks (rank 0 prints their results)."""
     import torch.distributed as dist
 
-    results = {"snapshot": _snapshot_checks(args), "sync": _sync_checks(args)}
+    results = {"snapshot": _snapshot_checks(args), "sync": _sync_checks(args), "ckpt": _checkpoint_fault_checks(args)}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.barrier()  # both ranks tear their groups down together (see train.main), after rank 0 stopped the engine
@@ -658,6 +680,50 @@ def _sync_checks(args) -> dict:
         if services is not None:
             services.close(ok=False)
     return results
+
+
+def _checkpoint_fault_checks(args) -> dict:
+    """checkpoint.save with a write that fails on one rank only: rank 1 under a file-size limit (RLIMIT_FSIZE, half
+    its shard: the kernel fails the write partway, EFBIG), then rank 0's commit (a run state that does not pickle).
+    Each time both ranks raise CheckpointWriteError with the same line and neither waits in a collective; the failed
+    .tmp is gone and step 1 still loads on both ranks. With trainer.keep_checkpoints=2 the fourth save leaves two."""
+    import resource
+
+    import torch.distributed as dist
+
+    cfg, rank, actor = _script_setup(args, ["trainer.keep_checkpoints=2"])
+    cfg.run_dir = args["run_dir"] + "/ckpt"
+    actor.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+    state = {"step": 1, "weight_version": 1, "buffer": {"data": [1, 2]}}
+    actor.save_checkpoint(1, state if rank == 0 else None)
+    first = os.path.join(actor.ckpt_root, "step_000001")
+    shard = os.path.getsize(os.path.join(first, f"__{rank}_0.distcp"))
+    out = {"shard_bytes": shard, "errors": []}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    for steps, run_state in ((2, state), (3, {**state, "unpicklable": lambda: None})):
+        limited = steps == 2 and rank == 1
+        if limited:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (shard // 2, hard))
+        try:
+            actor.save_checkpoint(steps, run_state if rank == 0 else None)
+            error = None
+        except checkpoint.CheckpointWriteError as e:
+            error = str(e)
+        finally:
+            if limited:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        errors = [None, None]
+        dist.all_gather_object(errors, error, group=_CTRL)
+        tmp = os.path.join(actor.ckpt_root, f"step_{steps:06d}.tmp")
+        out["errors"].append({"errors": errors, "tmp_left": os.path.exists(tmp), "tmp": tmp,
+                              "latest": checkpoint.latest_checkpoint(cfg.run_dir)})
+    out["loaded_step"] = actor.load_checkpoint(first)["step"]  # the previous checkpoint, on both ranks
+    for steps in (2, 3, 4):
+        actor.save_checkpoint(steps, state if rank == 0 else None)
+    dist.barrier(group=_CTRL)
+    out["kept"] = sorted(os.listdir(actor.ckpt_root))
+    out["ckpt_root"] = actor.ckpt_root
+    return out
 
 
 def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
@@ -776,7 +842,7 @@ def test_fully_async_run_through_sglang_router_updates_every_worker(tmp_path, ti
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, tiny_model):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    args = [*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model)]
+    args = [*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model), "trainer.keep_checkpoints=2"]
     seed = random.randrange(10 ** 6)
     rng = random.Random(seed)
     kill_after = rng.randint(2, 4)  # complete checkpoints to wait for, then a random extra delay (< 4 steps)
@@ -794,6 +860,7 @@ def resumed_run(tmp_path_factory, tiny_model):
     p.communicate(timeout=30)
     assert p.returncode == -signal.SIGKILL, (seed, "the run ended before it was killed")
     assert _wait_session_gone(p.pid), "SIGKILL left processes of the run behind"
+    ckpts_at_kill = _ckpts(run_dir)
     newest = checkpoint.latest_checkpoint(str(run_dir))
     _truncate(os.path.join(newest, "run_state.pt"))  # as if the disk filled: resume falls back to the one before
     killed_at = int(newest.rsplit("_", 1)[1]) - 1
@@ -802,7 +869,98 @@ def resumed_run(tmp_path_factory, tiny_model):
     assert p2.returncode == 0, (seed, p2.stdout[-3000:] + p2.stderr[-5000:])
     assert f"skipping checkpoint {newest}: run_state.pt does not load" in p2.stderr, (seed, p2.stderr[-3000:])
     return {"run_dir": str(run_dir), "killed_at": killed_at, "seed": seed, "out": p2.stdout,
-            "rows": _read_rows(run_dir)}
+            "rows": _read_rows(run_dir), "ckpts_at_kill": ckpts_at_kill, "ckpts": _ckpts(run_dir)}
+
+
+def test_keep_checkpoints_2_leaves_the_newest_two_and_the_one_before_the_newest_resumes(resumed_run):
+    """trainer.keep_checkpoints=2, a checkpoint every step: killed at a random moment, the run had at most three
+    complete checkpoints (two, plus a new one not yet pruned) and at most one .tmp; with the newest made unusable,
+    resume=auto ran from the other (the fixture); at the end two remain, steps 7 and 8, and no .tmp."""
+    r = resumed_run
+    complete = [c for c in r["ckpts_at_kill"] if not c.endswith(".tmp")]
+    assert 2 <= len(complete) <= 3 and len(r["ckpts_at_kill"]) - len(complete) <= 1, (r["seed"], r["ckpts_at_kill"])
+    assert r["ckpts"] == ["step_000007", "step_000008"], (r["seed"], r["ckpts"])
+
+
+def test_prune_keeps_the_newest_and_never_a_later_one():
+    """checkpoint.prune after step 5 is committed, keep=2: steps 1-3 go (oldest first), 4 and 5 stay, as does step
+    12 (a later run's, resume=auto's pick: never removed), numbers compared as numbers (step 1000000 > 999999); every
+    .tmp goes; keep=0 removes only the .tmp."""
+    import tempfile
+
+    root = tempfile.mkdtemp()
+    for name in ("step_000001", "step_000002", "step_000003", "step_000004", "step_000005", "step_000006.tmp",
+                 "step_000012", "step_000009.tmp"):
+        os.makedirs(os.path.join(root, name))
+    removed = checkpoint.prune(root, 0, os.path.join(root, "step_000005"))
+    assert sorted(os.path.basename(p) for p in removed) == ["step_000006.tmp", "step_000009.tmp"]
+    removed = checkpoint.prune(root, 2, os.path.join(root, "step_000005"))
+    assert [os.path.basename(p) for p in removed] == ["step_000001", "step_000002", "step_000003"]
+    assert sorted(os.listdir(root)) == ["step_000004", "step_000005", "step_000012"]
+    for name in ("step_999999", "step_1000000"):
+        os.makedirs(os.path.join(root, name))
+    assert checkpoint.newest_complete(root).endswith("step_1000000")
+    checkpoint.prune(root, 1, os.path.join(root, "step_1000000"))
+    assert os.listdir(root) == ["step_1000000"]
+
+
+def test_preemption_reads_torchruns_grace_and_warns_once_when_a_step_and_a_checkpoint_exceed_it(monkeypatch, capsys):
+    """preemption.grace_s: torchrun's --shutdown-timeout from the parent's command line (up to the training script),
+    else PET_SHUTDOWN_TIMEOUT, else 30; None outside torchrun. stop_here (alone: no group) reads the local flag, and
+    rank 0 warns once when the longest step period plus the last checkpoint exceed the grace."""
+    import preemption
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert preemption.grace_s() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "40")
+    code = "import time; time.sleep(60)"
+    for args, grace in ((["--shutdown-timeout", "75", "train.py"], 75.0), (["--shutdown_timeout=90", "train.py"], 90.0),
+                        (["train.py", "--shutdown-timeout", "5"], 40.0)):  # the last: the script's own argument
+        parent = subprocess.Popen([PY, "-c", code, *args])
+        try:
+            monkeypatch.setattr(os, "getppid", lambda: parent.pid)
+            deadline = time.monotonic() + 10  # until the child's command line is its own (after exec)
+            while "train.py" not in open(f"/proc/{parent.pid}/cmdline").read():
+                assert time.monotonic() < deadline, "the stand-in parent did not start"
+                time.sleep(0.01)
+            assert preemption.grace_s() == grace, args
+        finally:
+            parent.kill()
+            parent.wait()
+    monkeypatch.setattr(os, "getppid", lambda: os.getpid())  # pytest's own command line: no such flag
+    assert preemption.grace_s() == 40.0
+    monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert preemption.grace_s() == 30.0
+    monkeypatch.setattr(preemption, "_state", {"at": None, "in_steps": True, "stopped": False, "last_call": None,
+                                               "period": 0.0, "warned": False})
+    monkeypatch.setattr(checkpoint, "last_save_s", 12.0)
+    assert preemption.stop_here(None, 1, 5) is False
+    preemption._state["last_call"] -= 25.0  # a step period of 25 s: 25 + 12 > 30
+    assert preemption.stop_here(None, 2, 5) is False
+    preemption._state["at"] = time.monotonic()  # a SIGTERM arrived
+    assert preemption.stop_here(None, 3, 5) is True and preemption.stopped()
+    assert preemption.stop_here(None, 5, 5) is False  # the last step ends the run anyway (its eval and export too)
+    captured = capsys.readouterr()
+    assert captured.err.count("[train] warning: after a SIGTERM this run needs up to 37 s") == 1, captured.err
+    assert "more than torchrun's grace of 30 s" in captured.err and "--shutdown-timeout 80" in captured.err
+    assert "[train] SIGTERM 0.0 s ago: checkpointing step 3, then the run stops (exit 0)" in captured.out
+
+
+def test_a_failed_checkpoint_write_is_rank_0s_one_line_and_exit_1(capsys, monkeypatch):
+    """services.failure_exit_code with CheckpointWriteError (raised on every rank): rank 0 prints it as the run's
+    `error:` line and exits 1; another rank prints nothing and, after a SIGTERM (torchrun stopping the run), does not
+    wait RANK0_EXIT_WAIT_S for one."""
+    import preemption
+
+    e = checkpoint.CheckpointWriteError("writing checkpoint X.tmp failed on rank 1: OSError: [Errno 28] ...")
+    assert services_lib.failure_exit_code(e, None, 0) == 1
+    assert capsys.readouterr().err == f"error: {e}\n"
+    monkeypatch.setattr(preemption, "requested", lambda: True)
+    t0 = time.monotonic()
+    assert services_lib.failure_exit_code(e, None, 1) == 1
+    assert capsys.readouterr().err == "" and time.monotonic() - t0 < 1
 
 
 def test_resume_after_sigkill_trains_every_prompt_of_the_epoch_once(resumed_run):
@@ -853,6 +1011,130 @@ def test_plot_writes_a_png(resumed_run, tmp_path):
     out = plot.plot(os.path.join(resumed_run["run_dir"], "metrics.jsonl"), str(tmp_path / "m.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: SIGTERM (a preemption) at a random moment, a SIGTERM during a plain `python train.py`'s start-up, a
+# checkpoint write that the kernel cuts short, and resume=auto across all of them: the epoch trained exactly once
+
+def _ckpts(run_dir) -> list:
+    return sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+
+
+@pytest.fixture(scope="module")
+def preempted_run(tmp_path_factory, tiny_model):
+    """A: torchrun, SIGTERM to torchrun at a random moment after step 1 (save_freq=0: the stop's checkpoint is the
+    only one). D: a single-process `python train.py` resumed from it, SIGTERM at a random moment of its start-up
+    (after its server is launched; on a fast machine it may be its first step). B: a single-process resume under
+    RLIMIT_FSIZE of half a shard, so the kernel cuts its first checkpoint (save_freq=1) short (EFBIG) partway through
+    the shard file. C: torchrun resumed to the end of the epoch. keep_checkpoints=2 throughout. (B and D are single
+    processes: a torchrun start-up less each; the two-rank write failure is actor_checks'.)"""
+    import resource
+
+    run_dir = tmp_path_factory.mktemp("preempt") / "run"
+    base = [*_run_overrides(run_dir, tiny_model), "trainer.save_freq=0", "trainer.keep_checkpoints=2",
+            "trainer.eval_freq=0", "trainer.export_hf=false"]
+    seed = random.randrange(10 ** 6)
+    rng = random.Random(seed)
+    port = next(a for a in base if a.startswith("rollout.base_port=")).split("=")[1]
+    out = {"seed": seed, "run_dir": str(run_dir), "port": port}
+
+    def signal_at_random(p, after: float, part: str) -> dict:
+        time.sleep(rng.uniform(0.0, after))  # a random moment of the run (not a synchronisation)
+        assert p.poll() is None, (seed, part, "ended before its SIGTERM", p.stderr.read()[-3000:])
+        t0 = time.monotonic()
+        os.kill(p.pid, signal.SIGTERM)
+        o, e = p.communicate(timeout=120)
+        return {"seconds": time.monotonic() - t0, "rc": p.returncode, "out": o, "err": e, "ckpts": _ckpts(run_dir)}
+
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *base], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_steps(str(run_dir), 1, p)
+    out["a"] = signal_at_random(p, 1.5, "A")
+    out["a"]["rows"] = _read_rows(run_dir)
+
+    d_out = tmp_path_factory.mktemp("preempt_d") / "out.txt"
+    with open(d_out, "w") as f:
+        p = subprocess.Popen([PY, "train.py", "--config", TINY, *base, "trainer.num_gpus_per_node=1",
+                              "trainer.resume=auto"], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    _wait_log(d_out, "[train] node 0 launched server_0", p, 120.0)
+    out["d"] = signal_at_random(p, 1.0, "D")
+    out["d"]["out"] = d_out.read_text()
+    out["d"]["children"] = _pids("workers.py", str(run_dir)) + _pids("standins.engine", f"--port {out['port']}")
+
+    latest = checkpoint.latest_checkpoint(str(run_dir))
+    shard = min(os.path.getsize(os.path.join(latest, f)) for f in os.listdir(latest) if f.endswith(".distcp"))
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    p = subprocess.run([PY, "train.py", "--config", TINY, *base, "trainer.num_gpus_per_node=1", "trainer.save_freq=1",
+                        "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       start_new_session=True,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (shard // 2, hard)))
+    out["b"] = {"rc": p.returncode, "out": p.stdout, "err": p.stderr, "before": latest, "shard": shard,
+                "latest": checkpoint.latest_checkpoint(str(run_dir)), "ckpts": _ckpts(run_dir)}
+
+    p = subprocess.run([*TORCHRUN, "train.py", "--config", TINY, *base, "trainer.resume=auto"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, start_new_session=True)
+    out["c"] = {"rc": p.returncode, "out": p.stdout, "err": p.stderr, "ckpts": _ckpts(run_dir),
+                "rows": _read_rows(run_dir)}
+    return out
+
+
+def test_sigterm_to_torchrun_checkpoints_the_step_it_stopped_at_and_exits_in_time(preempted_run):
+    """torchrun forwards SIGTERM to every rank; they agree at the next step boundary, checkpoint that step and exit 0
+    within torchrun's 30 s grace (no SIGKILL; seconds on this config: docs/results/preemption.md). torchrun itself
+    exits 1 after a SIGTERM whatever its workers do (its SignalException)."""
+    r, a = preempted_run, preempted_run["a"]
+    lines = [ln for ln in a["out"].splitlines() if ln.startswith("[train] SIGTERM ")]
+    assert len(lines) == 1 and "then the run stops (exit 0)" in lines[0], (r["seed"], a["out"][-3000:],
+                                                                            a["err"][-3000:])
+    stopped = int(lines[0].split("checkpointing step ")[1].split(",")[0])
+    assert 1 <= stopped < 8 and [row["step"] for row in a["rows"] if row["step"] > 0] == list(range(1, stopped + 1))
+    assert a["ckpts"] == [f"step_{stopped:06d}"], a["ckpts"]  # save_freq=0: only the stop wrote one
+    assert checkpoint.checkpoint_problem(os.path.join(r["run_dir"], "checkpoints", a["ckpts"][0])) is None
+    assert a["seconds"] < 30, a["seconds"]  # torchrun's grace (beyond it: its "forcefully exiting" via SIGKILL)
+    assert a["rc"] == 1 and "SignalException" in a["err"] and "error: " not in a["err"], a["err"][-3000:]
+    assert "forcefully exiting" not in a["err"] and a["err"].count("Traceback") == 1, a["err"][-3000:]  # torchrun's
+
+
+def test_sigterm_to_a_single_process_run_exits_0_and_leaves_no_child(preempted_run):
+    """`python train.py`: SIGTERM during its start-up stops it at once with nothing new to save; one that lands in
+    its first step checkpoints that step. Exit 0 either way, no server or worker left."""
+    d = preempted_run["d"]
+    assert d["rc"] == 0 and d["seconds"] < 30, (preempted_run["seed"], d["rc"], d["seconds"], d["err"][-3000:])
+    assert "error: " not in d["err"] and not d["children"], (d["err"][-3000:], d["children"])
+    start_up = "[train] SIGTERM outside the step loop (start-up or shut-down): stopping now" in d["err"]
+    assert start_up != ("checkpointing step" in d["out"]), (d["out"][-2000:], d["err"][-2000:])
+
+
+def test_a_checkpoint_cut_short_by_the_kernel_stops_the_run_in_one_line_and_the_previous_one_loads(preempted_run):
+    """B's first checkpoint write fails partway through its shard file (EFBIG, RLIMIT_FSIZE of half a shard): the
+    run exits 1 with one error line naming the directory, the error, the free space and what resume=auto loads; the
+    .tmp is gone and the checkpoint before it is still resume=auto's pick, complete."""
+    b = preempted_run["b"]
+    assert b["rc"] == 1, b["err"][-3000:]
+    errors = [ln for ln in (b["out"] + b["err"]).splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, b["err"][-3000:]
+    step = int(os.path.basename(b["before"]).split("_")[1]) + 1
+    tmp = os.path.join(preempted_run["run_dir"], "checkpoints", f"step_{step:06d}.tmp")
+    assert errors[0].startswith(f"error: writing checkpoint {tmp} failed on rank 0: "), errors[0]
+    assert f"runs under a file size limit, ulimit -f, of {b['shard'] // 2} bytes)" in errors[0], errors[0]
+    assert " free of " in errors[0] and "lower trainer.keep_checkpoints (now 2)" in errors[0], errors[0]
+    assert f"trainer.resume=auto continues from the newest complete checkpoint, {b['before']};" in errors[0]
+    assert b["latest"] == b["before"] and checkpoint.checkpoint_problem(b["before"]) is None
+    assert not [c for c in b["ckpts"] if c.endswith(".tmp")], b["ckpts"]
+
+
+def test_resume_after_the_preemption_and_the_failed_write_trains_every_prompt_once(preempted_run):
+    """C continues from the newest checkpoint (the SIGTERM's, or D's) to the end of the epoch: every prompt trained
+    exactly once over A, D and C, the step counter unbroken; keep_checkpoints=2 leaves two, no .tmp."""
+    r, c = preempted_run, preempted_run["c"]
+    assert c["rc"] == 0, (r["seed"], c["err"][-3000:])
+    rows = [row for row in c["rows"] if row["step"] > 0]
+    assert [row["step"] for row in rows] == list(range(1, 9)), r["seed"]
+    trained = sorted(tuple(pid) for row in rows for pid in row["data/prompt_ids"])
+    assert trained == [(0, i) for i in range(32)], (r["seed"], trained)
+    assert len(c["ckpts"]) == 2 and c["ckpts"][-1] == "step_000008", c["ckpts"]
 
 
 if __name__ == "__main__":
