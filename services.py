@@ -83,6 +83,58 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
 
 
 URL_KEY = "asyncrl/server_url/"  # + server index: its URL (or "error: ..."), in the torchrun store
+ATTEMPT_KEY = "asyncrl/attempt/"  # the handshake of attempt_store, in torchrun's own store
+
+
+def attempt_store(timeout_s: float):
+    """Under torchrun: a client of torchrun's store, under a key prefix that this attempt of the workers alone uses.
+
+    torchrun hands every attempt the same store. Torch 2.13's DynamicRendezvousHandler.next_rendezvous
+    (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py; the c10d rendezvous of --standalone and
+    --rdzv_backend c10d) creates its shared TCPStore server at the first round and returns the same MASTER_PORT on
+    every later one, and StaticTCPRendezvous keeps its store too; with TORCHELASTIC_USE_AGENT_STORE=True,
+    rendezvous._create_c10d_store (torch/distributed/rendezvous.py) gives each rank a plain client of it, with no
+    per-attempt prefix ("We create a new TCPStore for every retry", its comment says; no longer so). So after a
+    torchrun restart the keys of the attempt that died are still there, and a rank reads them as this attempt's:
+    init_process_group's gloo connectFullMesh on rank 1 read rank 0's address of the killed attempt and dialled a
+    port nobody listens on ("Connection refused"), and URL_KEY would be read stale the same way.
+    TORCHELASTIC_RESTART_COUNT cannot name the attempt: each node's agent counts its own restarts
+    (pytorch/pytorch#135712). So rank 0 draws a new prefix and hands it to every other rank under a key named by a
+    nonce of that rank's own, which no earlier attempt can have written; each rank acknowledges under the new
+    prefix, and rank 0 goes on once all have. None outside torchrun's agent store (init_process_group makes its
+    own store then: a new one per attempt)."""
+    import datetime
+    import uuid
+
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{ATTEMPT_KEY}hello/{rank}", nonce)
+        prefix = store.get(f"{ATTEMPT_KEY}welcome/{nonce}").decode()  # waits up to timeout_s for rank 0
+        store.set(f"{prefix}ack/{rank}", "1")
+        return dist.PrefixStore(prefix, store)
+    prefix, seen, pending = f"asyncrl/{uuid.uuid4().hex}/", {}, set(range(1, world))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{prefix}ack/{r}"]):
+                pending.discard(r)
+            elif store.check([f"{ATTEMPT_KEY}hello/{r}"]):
+                nonce = store.get(f"{ATTEMPT_KEY}hello/{r}").decode()  # an earlier attempt's, or this one's
+                if seen.get(r) != nonce:
+                    store.set(f"{ATTEMPT_KEY}welcome/{nonce}", prefix)
+                    seen[r] = nonce
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"trainer ranks {sorted(pending)} did not join this torchrun attempt's store within "
+                               f"{timeout_s:.0f} s (weight_sync.timeout_s)")
+        time.sleep(0.02 if pending else 0)
+    return dist.PrefixStore(prefix, store)
 
 
 def _store():

@@ -246,7 +246,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     # trainer.cpu_offload on cuda: the offloaded shards' collectives (loading, gradient-norm reduction) are on CPU
     # tensors, which take gloo next to nccl (as torchtitan does)
     backend = ("cuda:nccl,cpu:gloo" if cfg.trainer.cpu_offload else "nccl") if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.weight_sync.timeout_s)
+    store = services_lib.attempt_store(cfg.weight_sync.timeout_s)  # torchrun: this attempt's keys (its doc says why)
+    dist.init_process_group(backend, timeout=timeout, **({"store": store, "rank": rank, "world_size": world}
+                                                         if store is not None else {}))
     # The control group's timeout covers rank 0's longest wait between two collectives (data, pause, server
     # start-up), which the other ranks spend in it.
     ctrl_s = b.get_timeout_s + r.pause_timeout_s + r.startup_timeout_s + cfg.weight_sync.timeout_s + 600
