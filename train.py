@@ -265,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         tiny_model.make_tiny_for(cfg)
     dist.barrier(group=ctrl)
 
-    services, ok, failed, actor, logger, fleet = None, False, 0, None, None, None
+    services, ok, failed, crashed, actor, logger, fleet = None, False, 0, False, None, None, None
     buf = ro = evaluate = None
     launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
     try:
@@ -372,12 +372,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         dist.barrier(group=ctrl)
         ok = True
     except Exception as e:
+        crashed = True
         failed = services_lib.failure_exit_code(e, services, rank)  # prints the root cause; raises what it cannot
     finally:
         if logger is not None:
             logger.close()
-        if services is not None:
-            services.close(ok)
+        if services is not None:  # a crashed run's servers wait for a restart (rollout.server_keepalive_s)
+            services.close(ok, keep_servers=crashed and failed != 2)
         if ok:
             with contextlib.suppress(Exception):
                 # Every rank tears its gloo groups down together: a rank that destroys them while a peer still
