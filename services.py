@@ -105,7 +105,6 @@ def attempt_store(timeout_s: float):
     prefix, and rank 0 goes on once all have. None outside torchrun's agent store (init_process_group makes its
     own store then: a new one per attempt)."""
     import datetime
-    import uuid
 
     import torch.distributed as dist
 
@@ -114,12 +113,19 @@ def attempt_store(timeout_s: float):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(agree_prefix(store, rank, world, timeout_s), store)
+
+
+def agree_prefix(store, rank: int, world: int, timeout_s: float) -> str:
+    """attempt_store's handshake: the key prefix rank 0 draws, known to every rank once each has acknowledged it."""
+    import uuid
+
     if rank != 0:
         nonce = uuid.uuid4().hex
         store.set(f"{ATTEMPT_KEY}hello/{rank}", nonce)
-        prefix = store.get(f"{ATTEMPT_KEY}welcome/{nonce}").decode()  # waits up to timeout_s for rank 0
+        prefix = store.get(f"{ATTEMPT_KEY}welcome/{nonce}").decode()  # waits up to the store's timeout
         store.set(f"{prefix}ack/{rank}", "1")
-        return dist.PrefixStore(prefix, store)
+        return prefix
     prefix, seen, pending = f"asyncrl/{uuid.uuid4().hex}/", {}, set(range(1, world))
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -135,7 +141,7 @@ def attempt_store(timeout_s: float):
             raise TimeoutError(f"trainer ranks {sorted(pending)} did not join this torchrun attempt's store within "
                                f"{timeout_s:.0f} s (weight_sync.timeout_s)")
         time.sleep(0.02 if pending else 0)
-    return dist.PrefixStore(prefix, store)
+    return prefix
 
 
 def _store():
