@@ -320,9 +320,12 @@ class Services:
                     dead = [n for n in dead if n not in self.servers]
                 except Exception as e:  # the relaunched server did not come up: no replacement, stop the run
                     if not self.closing.is_set() and self.print_error_once(f"relaunching a server failed: {e}"):
+                        self.stop_children(keep_servers=restarts_left())
                         os._exit(1)
                 if dead and not self.closing.wait(GRACE_S) and self.print_error_once(self.report(dead[0])):
-                    os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
+                    # the main thread is blocked in a call that will not return; the buffer and rollout follow us
+                    self.stop_children(keep_servers=restarts_left())
+                    os._exit(1)
         threading.Thread(target=loop, name="child-watcher", daemon=True).start()
 
     def launch_servers(self, version: int, node: int = 0, wait: bool = True) -> dict[int, str]:
@@ -580,10 +583,14 @@ class Services:
         """Trainer rank 0: the buffer and rollout processes (spawn_rpc_workers), the servers' /health meanwhile
         (wait_servers: start_fleet(wait=False) came first), then RPC with both (join_rpc) and the watcher. Returns
         the trainer's handles of the buffer and the rollout."""
+        t0 = time.monotonic()
         self.spawn_rpc_workers()
         if wait_servers:
             self.wait_fleet(version, launched)
+        t1 = time.monotonic()
         self.join_rpc()
+        print(f"[train] buffer and rollout processes joined RPC {time.monotonic() - t0:.1f} s after they started "
+              f"(the servers' wait took {t1 - t0:.1f} s of it)", flush=True)
         self.watch()
         timeout = self.cfg.buffer.rpc_timeout_s
         return (remote.Proxy("buffer", timeout, remote.BUFFER_METHODS),
@@ -620,9 +627,9 @@ class Services:
 
     def close(self, ok: bool, keep_servers: bool = False) -> None:
         """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s). keep_servers (the
-        run crashed: a restarted attempt may reuse them): the launched servers stay up, their record and lease
-        with them, and stop by themselves rollout.server_keepalive_s after this process stops renewing the
-        lease."""
+        run crashed) while torchrun has a restart left (restarts_left): the launched servers stay up for the next
+        attempt, their record and lease with them, and stop by themselves rollout.server_keepalive_s after this
+        process stops renewing the lease. (A rank 0 killed outright cannot stop them: the lease does.)"""
         from torch.distributed import rpc
 
         self.closing.set()
@@ -638,6 +645,11 @@ class Services:
                 print(f"[train] RPC shutdown: {e}", file=sys.stderr)
                 with contextlib.suppress(Exception):
                     rpc.shutdown(graceful=False)
+        self.stop_children(keep_servers and restarts_left())
+
+    def stop_children(self, keep_servers: bool = False) -> None:
+        """Terminate the children (SIGTERM, SIGKILL after 10 s), but the launched servers if keep_servers; the
+        servers' record and lease go with them."""
         mine = [(n, p) for n, (p, _) in reversed(self.procs.items()) if not (keep_servers and n in self.servers)]
         for _, p in mine:
             if p.poll() is None:
@@ -656,6 +668,12 @@ class Services:
             for path in () if keep_servers else lease.paths(self.cfg.run_dir, self.node):
                 with contextlib.suppress(OSError):
                     os.remove(path)
+
+
+def restarts_left() -> bool:
+    """Whether torchrun will start the ranks again when this attempt fails (--max-restarts not used up)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS",
+                                                                                          "0"))
 
 
 def for_node(cfg, local_rank: int, launched: bool) -> Optional[Services]:
