@@ -95,6 +95,7 @@ def test_a_server_whose_lease_lapses_stops_by_itself_with_its_session(tmp_path):
     try:
         _wait(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip(), 10, "the child")
         child = int((tmp_path / "child").read_text())
+        _wait(lambda: _pids(f"lease.py watch --server-pid {p.pid}"), 10, "the watchdog")
         [watchdog] = _pids(f"lease.py watch --server-pid {p.pid}")
         time.sleep(3.0)  # twice the keepalive: renewed, so still up
         assert p.poll() is None and not _gone(child)
