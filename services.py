@@ -9,7 +9,9 @@ model loads, then `start_fleet(wait=False)` (the other nodes' URLs and the fleet
 model's start-ups overlap (colocate: `start_fleet` before the model loads, which waits). Servers are placed per node
 (rollout.server_layout): the local rank 0 of every other trainer node launches and supervises its own (`for_node`,
 `serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects them; every other rank starts
-nothing.
+nothing. Restarts (docs/faults.md): the servers run under lease.py and outlive a crashed attempt, recorded in
+run_dir/servers, for the next attempt to take over (`_spawn_servers`, `_take_over`); `attempt_store` gives every
+torchrun attempt its own keys in torchrun's store.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ actor.py. Colocate: colocate.py.
 run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; logging: logger.py; plots: plot.py.
 Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
 child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
-(exit code 2), as is a run that cannot train (buffer.NothingToTrain).
+(exit code 2), as is a run that cannot train (buffer.NothingToTrain). Under torchrun --max-restarts with
+trainer.resume=auto a restarted attempt resumes from the checkpoint and reuses the servers the crashed one left.
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
