@@ -165,6 +165,8 @@ class RolloutConfig:
     reward_workers: int = 4  # threads or processes scoring rewards off the rollout event loop
     startup_timeout_s: float = 300.0  # wait this long for launched servers to report healthy
     pause_timeout_s: float = 600.0  # a longer pause fails the run; also each /pause_generation, /continue_generation call's timeout
+    reuse_servers: bool = True  # a restarted attempt reuses the launched servers the crashed one left running
+    server_keepalive_s: float = 300.0  # a launched server stops when no trainer renewed its lease for this long
 
 
 @dataclass
@@ -531,6 +533,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"{step} must be below rollout.pause_timeout_s ({r.pause_timeout_s:g}): a pause waits for the "
                          "environment steps in progress, which are never cut short (their side effects would be half "
                          "done)")
+    if r.server_keepalive_s < 5:
+        raise ValueError(f"rollout.server_keepalive_s must be at least 5 (seconds: the trainer renews the launched "
+                         f"servers' lease every second), got {r.server_keepalive_s!r}")
     if r.env_fail_stop_steps < 0:
         raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got {r.env_fail_stop_steps}")
     _positive(r.router_request_timeout_s, "rollout.router_request_timeout_s")

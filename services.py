@@ -9,7 +9,9 @@ model loads, then `start_fleet(wait=False)` (the other nodes' URLs and the fleet
 model's start-ups overlap (colocate: `start_fleet` before the model loads, which waits). Servers are placed per node
 (rollout.server_layout): the local rank 0 of every other trainer node launches and supervises its own (`for_node`,
 `serve_node`) and publishes their URLs in the torchrun store, where rank 0 collects them; every other rank starts
-nothing.
+nothing. Restarts (docs/faults.md): the servers run under lease.py and outlive a crashed attempt, recorded in
+run_dir/servers, for the next attempt to take over (`_spawn_servers`, `_take_over`); `attempt_store` gives every
+torchrun attempt its own keys in torchrun's store.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import threading
 import time
 from typing import Optional
 
+import lease
 import remote
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -83,6 +86,64 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
 
 
 URL_KEY = "asyncrl/server_url/"  # + server index: its URL (or "error: ..."), in the torchrun store
+ATTEMPT_KEY = "asyncrl/attempt/"  # the handshake of attempt_store, in torchrun's own store
+
+
+def attempt_store(timeout_s: float):
+    """Under torchrun: a client of torchrun's store, under a key prefix that this attempt of the workers alone uses.
+
+    torchrun hands every attempt the same store. Torch 2.13's DynamicRendezvousHandler.next_rendezvous
+    (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py; the c10d rendezvous of --standalone and
+    --rdzv_backend c10d) creates its shared TCPStore server at the first round and returns the same MASTER_PORT on
+    every later one, and StaticTCPRendezvous keeps its store too; with TORCHELASTIC_USE_AGENT_STORE=True,
+    rendezvous._create_c10d_store (torch/distributed/rendezvous.py) gives each rank a plain client of it, with no
+    per-attempt prefix ("We create a new TCPStore for every retry", its comment says; no longer so). So after a
+    torchrun restart the keys of the attempt that died are still there, and a rank reads them as this attempt's:
+    init_process_group's gloo connectFullMesh on rank 1 read rank 0's address of the killed attempt and dialled a
+    port nobody listens on ("Connection refused"), and URL_KEY would be read stale the same way.
+    TORCHELASTIC_RESTART_COUNT cannot name the attempt: each node's agent counts its own restarts
+    (pytorch/pytorch#135712). So rank 0 draws a new prefix and hands it to every other rank under a key named by a
+    nonce of that rank's own, which no earlier attempt can have written; each rank acknowledges under the new
+    prefix, and rank 0 goes on once all have. None outside torchrun's agent store (init_process_group makes its
+    own store then: a new one per attempt)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(agree_prefix(store, rank, world, timeout_s), store)
+
+
+def agree_prefix(store, rank: int, world: int, timeout_s: float) -> str:
+    """attempt_store's handshake: the key prefix rank 0 draws, known to every rank once each has acknowledged it."""
+    import uuid
+
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{ATTEMPT_KEY}hello/{rank}", nonce)
+        prefix = store.get(f"{ATTEMPT_KEY}welcome/{nonce}").decode()  # waits up to the store's timeout
+        store.set(f"{prefix}ack/{rank}", "1")
+        return prefix
+    prefix, seen, pending = f"asyncrl/{uuid.uuid4().hex}/", {}, set(range(1, world))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{prefix}ack/{r}"]):
+                pending.discard(r)
+            elif store.check([f"{ATTEMPT_KEY}hello/{r}"]):
+                nonce = store.get(f"{ATTEMPT_KEY}hello/{r}").decode()  # an earlier attempt's, or this one's
+                if seen.get(r) != nonce:
+                    store.set(f"{ATTEMPT_KEY}welcome/{nonce}", prefix)
+                    seen[r] = nonce
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"trainer ranks {sorted(pending)} did not join this torchrun attempt's store within "
+                               f"{timeout_s:.0f} s (weight_sync.timeout_s)")
+        time.sleep(0.02 if pending else 0)
+    return prefix
 
 
 def _store():
@@ -150,6 +211,12 @@ def check_gpu_overlap(cfg, node: int, use_cuda: bool, visible: Optional[str]) ->
                              "trainer's, or set colocate=true to share them")
 
 
+def _launch_args(cmd: list) -> list:
+    """A server's command line without its --weight-version: what must match for a recorded server to be reused."""
+    at = cmd.index("--weight-version")
+    return cmd[:at] + cmd[at + 2:]
+
+
 class ChildExited(RuntimeError):
     """A child of rank 0 exited: the message is the root-cause report (Services.report)."""
 
@@ -183,26 +250,41 @@ class Services:
         self.server_restarts = 0
         self.starting: dict = {}  # node -> {i: URL} of servers started by launch_servers(wait=False), not yet waited
         self.rpc_init = None  # spawn_rpc_workers' tcp:// address, which join_rpc joins
+        self.node = 0  # the node whose servers this launches (launch_servers)
+        self.record: dict = {}  # run_dir/servers/node<N>.json as this attempt writes it (lease.py)
+        self.lease: Optional[lease.Lease] = None  # renewed while this attempt runs; servers stop when it lapses
+        self.adopted: set = set()  # servers of an earlier attempt kept, not yet taken over (launch_servers)
+        self.stale_group: Optional[str] = None  # the weight-update group an earlier attempt left on them
 
     def spawn(self, name: str, cmd: list, env: Optional[dict] = None):
-        """A child in a session of its own: the SIGTERM torchrun forwards to the trainer rank's process group (a
-        preemption, preemption.py) does not reach it, so the buffer is still there when rank 0 checkpoints its state;
-        rank 0 stops it (close), and it gets SIGTERM when rank 0 dies (_die_with_parent)."""
+        """Start a child in a session of its own, its output appended to logs/<name>.log: the SIGTERM torchrun
+        forwards to the trainer rank's process group (a preemption, preemption.py) does not reach it, so the buffer
+        is still there when rank 0 checkpoints its state. A launched server (in self.servers) runs under lease.py:
+        it outlives this process for rollout.server_keepalive_s, for a restarted attempt to reuse; the buffer and
+        rollout processes die with it (PR_SET_PDEATHSIG, _die_with_parent)."""
         log = os.path.join(self.logs, f"{name}.log")
+        server = name in self.servers
+        if server:
+            cmd = [sys.executable, os.path.join(ROOT, "lease.py"), "--lease", self.lease.path, "--keepalive-s",
+                   str(self.cfg.rollout.server_keepalive_s), "--", *cmd]
         with open(log, "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                 preexec_fn=_die_with_parent, start_new_session=True)
+                                 start_new_session=True, preexec_fn=None if server else _die_with_parent)
         self.procs[name] = (p, log)
+        if server:
+            self._record(name, pid=p.pid, started=lease.start_time(p.pid),
+                         weight_version=int(cmd[cmd.index("--weight-version") + 1]))
         return p
 
     def exited(self) -> list[str]:
-        return [name for name, (p, _) in self.procs.items() if p.poll() is not None]
+        return [name for name, (p, _) in self.procs.items() if p.poll() is not None or getattr(p, "gone", False)]
 
     def report(self, name: str, tail: int = 15) -> str:
         """One line naming the child, how it ended and its log, then the log's last `tail` lines."""
         p, log = self.procs[name]
         rc = p.returncode
-        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        how = ("is gone (an earlier attempt launched it: its exit status went there)" if rc is None else
+               f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}")
         with contextlib.suppress(OSError), open(log, errors="replace") as f:
             lines = f.readlines()[-tail:] if tail else []
             return f"the {name} process (pid {p.pid}) {how}; its log {log} ends with:\n" + "".join(
@@ -242,15 +324,20 @@ class Services:
                     dead = [n for n in dead if n not in self.servers]
                 except Exception as e:  # the relaunched server did not come up: no replacement, stop the run
                     if not self.closing.is_set() and self.print_error_once(f"relaunching a server failed: {e}"):
+                        self.stop_children(keep_servers=restarts_left())
                         os._exit(1)
                 if dead and not self.closing.wait(GRACE_S) and self.print_error_once(self.report(dead[0])):
-                    os._exit(1)  # the main thread is blocked in a call that will not return; children follow us
+                    # the main thread is blocked in a call that will not return; the buffer and rollout follow us
+                    self.stop_children(keep_servers=restarts_left())
+                    os._exit(1)
         threading.Thread(target=loop, name="child-watcher", daemon=True).start()
 
     def launch_servers(self, version: int, node: int = 0, wait: bool = True) -> dict[int, str]:
         """rollout.launch engine | sglang: the entries of rollout.server_layout on `node`, server i on base_port + i;
         returns {i: URL} once every one answers /health. wait=False: returns once they are started, and the next
-        call for the node waits for them (train.py starts the servers before the model loads)."""
+        call for the node waits for them (train.py starts the servers before the model loads). Servers an earlier
+        attempt of the run left running are kept (_spawn_servers) and, when waited for, brought to a known state
+        (lease.takeover), or replaced if that fails."""
         if node in self.starting:
             urls = self.starting.pop(node)
         else:
@@ -258,53 +345,126 @@ class Services:
         if not wait:
             self.starting[node] = urls
             return urls
+        reused = self._take_over(urls)
         self.wait_healthy(list(urls.values()))
         if urls:
-            print(f"[train] node {node} launched " + ", ".join(
-                f"server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid})" for i, u in urls.items()), flush=True)
+            print(f"[train] node {node} " + ", ".join(
+                f"{'reused' if i in reused else 'launched'} server_{i} on {u} (pid {self.procs[f'server_{i}'][0].pid}"
+                f"{reused.get(i, '')})" for i, u in urls.items()), flush=True)
         return urls
 
     def _spawn_servers(self, version: int, node: int) -> dict[int, str]:
+        """Start the node's servers, or keep those an earlier attempt recorded (run_dir/servers/node<N>.json) that
+        still run with this run's launch arguments, when rollout.reuse_servers allows (colocate: never; whether the
+        dead trainer had their memory released is unknown); any other recorded one still running is stopped."""
         r = self.cfg.rollout
+        self.node = node
+        path, lease_path = lease.paths(self.cfg.run_dir, node)
+        earlier = lease.read_record(path)
+        self.stale_group = earlier.get("weight_group")
+        self.record = {"node": node, "weight_group": None, "servers": {}}
+        self.lease = self.lease or lease.Lease(lease_path)
+        self.lease.start()
         urls = {}
         for i, layout in enumerate(r.server_layout):
             if layout.node != node:
                 continue
-            port = r.base_port + i
+            name, port = f"server_{i}", r.base_port + i
+            cmd, env = self._server_command(layout, port, version)
+            urls[i] = f"http://{server_address(r.sglang_args.host, node)}:{port}"
+            self.servers[name] = (cmd, env, urls[i])
+            old = earlier.get("servers", {}).get(name)
+            proc = lease.adopt(old)
+            if proc is not None:
+                why = ("rollout.reuse_servers is false" if not r.reuse_servers else
+                       "colocated servers are not reused" if self.cfg.colocate else
+                       "this run launches it with other arguments" if (old.get("cmd"), old.get("gpus")) !=
+                       (_launch_args(cmd), env.get("CUDA_VISIBLE_DEVICES")) else None)
+                if why is None:
+                    self.procs[name] = (proc, os.path.join(self.logs, f"{name}.log"))
+                    self.adopted.add(name)
+                    self._record(name, pid=proc.pid, started=proc.started, weight_version=old.get("weight_version"),
+                                 launched_by=old.get("launched_by"))
+                    continue
+                print(f"[train] stopping {name} (pid {proc.pid}), which an earlier attempt launched: {why}",
+                      flush=True)
+                lease.stop(proc)
             with socket.socket() as s:  # a server already there would answer /health in place of ours
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     raise RuntimeError(f"port {port} (rollout.base_port + {i}) is already in use on node {node}; "
                                        "choose another rollout.base_port or stop what listens there")
-            env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
-            if layout.gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in layout.gpus)
-            a = r.sglang_args
-            if r.launch == "engine":
-                cmd = [sys.executable, "-m", "standins.engine", "--model-path", self.cfg.model.path,
-                       "--port", str(port), "--host", a.host, "--weight-version", str(version)]
-            else:
-                cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
-                       "--port", str(port), "--host", a.host, "--tp-size", str(layout.tp), "--dp-size",
-                       str(layout.dp), "--pp-size", str(layout.pp), "--weight-version", str(version),
-                       "--dtype", "bfloat16"]
-            if a.max_running_requests:
-                cmd += ["--max-running-requests", str(a.max_running_requests)]
-            if a.api_key:
-                cmd += ["--api-key", a.api_key]
-            if self.cfg.colocate:  # a released weights region comes back undefined, buffers (rotary caches) too,
-                cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
-            if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
-                cmd += ["--enable-return-routed-experts"]
-            if r.launch == "sglang":
-                if a.mem_fraction_static:
-                    cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
-                if self.cfg.colocate:
-                    cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
-            cmd += [str(x) for x in a.extra]
-            self.spawn(f"server_{i}", cmd, env)
-            urls[i] = f"http://{server_address(a.host, node)}:{port}"
-            self.servers[f"server_{i}"] = (cmd, env, urls[i])
+            self.spawn(name, cmd, env)
         return urls
+
+    def _server_command(self, layout, port: int, version: int) -> tuple[list, dict]:
+        """The command line and environment of a server of rollout.server_layout (`layout`) on `port`."""
+        r = self.cfg.rollout
+        env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
+        if layout.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in layout.gpus)
+        a = r.sglang_args
+        if r.launch == "engine":
+            cmd = [sys.executable, "-m", "standins.engine", "--model-path", self.cfg.model.path,
+                   "--port", str(port), "--host", a.host, "--weight-version", str(version)]
+        else:
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
+                   "--port", str(port), "--host", a.host, "--tp-size", str(layout.tp), "--dp-size",
+                   str(layout.dp), "--pp-size", str(layout.pp), "--weight-version", str(version),
+                   "--dtype", "bfloat16"]
+        if a.max_running_requests:
+            cmd += ["--max-running-requests", str(a.max_running_requests)]
+        if a.api_key:
+            cmd += ["--api-key", a.api_key]
+        if self.cfg.colocate:  # a released weights region comes back undefined, buffers (rotary caches) too,
+            cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
+        if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
+            cmd += ["--enable-return-routed-experts"]
+        if r.launch == "sglang":
+            if a.mem_fraction_static:
+                cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
+            if self.cfg.colocate:
+                cmd += ["--enable-memory-saver"]  # needed by /release_memory_occupation
+        return cmd + [str(x) for x in a.extra], env
+
+    def _take_over(self, urls: dict) -> dict:
+        """The kept servers of an earlier attempt brought to a known state (lease.takeover); one that does not get
+        there is stopped and launched anew. Returns {index: how it is reused} of those that are."""
+        r, reused = self.cfg.rollout, {}
+        for name in sorted(self.adopted):
+            i = int(name.split("_")[1])
+            proc, t0 = self.procs[name][0], time.monotonic()
+            try:
+                info = lease.takeover(urls[i], r.sglang_args.api_key, r.startup_timeout_s, r.pause_timeout_s)
+                reused[i] = (f", an earlier attempt's: it held weight version {info.get('weight_version')}, taken "
+                             f"over in {time.monotonic() - t0:.1f} s")
+            except Exception as e:
+                print(f"[train] warning: {name} (pid {proc.pid}), which an earlier attempt launched, could not be "
+                      f"taken over ({e}); launching a new one", file=sys.stderr, flush=True)
+                lease.stop(proc)
+                cmd, env, _ = self.servers[name]
+                self.spawn(name, cmd, env)
+        self.adopted.clear()
+        return reused
+
+    def _record(self, name: str, **fields) -> None:
+        """Update a server's entry in run_dir/servers/node<N>.json (lease.py) and write it."""
+        cmd, env, url = self.servers[name]
+        entry = self.record["servers"].setdefault(name, {
+            "launched_by": {"pid": os.getpid(), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")},
+            "weight_version": int(cmd[cmd.index("--weight-version") + 1])})
+        entry.update(url=url, cmd=_launch_args(cmd), gpus=env.get("CUDA_VISIBLE_DEVICES"), model=self.cfg.model.path,
+                     **{k: v for k, v in fields.items() if v is not None or k not in entry})
+        lease.write_record(lease.paths(self.cfg.run_dir, self.node)[0], self.record)
+
+    def synced(self, version: int, group: Optional[str]) -> None:
+        """Rank 0, after a weight sync: the version its servers hold and the weight-update group they are in, in
+        the record (the group, for the next attempt to destroy: Services.wait_fleet)."""
+        if not self.record:
+            return
+        self.record["weight_group"] = group
+        for entry in self.record["servers"].values():
+            entry["weight_version"] = version
+        lease.write_record(lease.paths(self.cfg.run_dir, self.node)[0], self.record)
 
     def launch_fleet(self, version: int, wait: bool = True) -> list[str]:
         """Trainer rank 0: its own node's servers (wait=False: started, not waited for; launch_servers(version)
@@ -352,6 +512,10 @@ class Services:
         if launched:
             self.launch_servers(version, 0)
         self.fleet.wait_healthy(self.cfg.rollout.startup_timeout_s)
+        if self.stale_group:  # the group a dead trainer formed, still in the servers it used: the first sync's
+            with contextlib.suppress(Exception):  # group may have its name (the servers without it say so)
+                self.fleet.destroy_weights_update_group(self.stale_group)
+            self.stale_group = None
 
     def serve_node(self, node: int) -> None:
         """Local rank 0 of trainer node `node` > 0: launch this node's servers, publish their URLs (or why they did
@@ -423,10 +587,14 @@ class Services:
         """Trainer rank 0: the buffer and rollout processes (spawn_rpc_workers), the servers' /health meanwhile
         (wait_servers: start_fleet(wait=False) came first), then RPC with both (join_rpc) and the watcher. Returns
         the trainer's handles of the buffer and the rollout."""
+        t0 = time.monotonic()
         self.spawn_rpc_workers()
         if wait_servers:
             self.wait_fleet(version, launched)
+        t1 = time.monotonic()
         self.join_rpc()
+        print(f"[train] buffer and rollout processes joined RPC {time.monotonic() - t0:.1f} s after they started "
+              f"(the servers' wait took {t1 - t0:.1f} s of it)", flush=True)
         self.watch()
         import rollout
 
@@ -465,8 +633,11 @@ class Services:
                                  "rollout.log)")
         self.rpc_up = True
 
-    def close(self, ok: bool) -> None:
-        """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s)."""
+    def close(self, ok: bool, keep_servers: bool = False) -> None:
+        """Stop the producer, leave RPC, then terminate every child (SIGTERM, SIGKILL after 10 s). keep_servers (the
+        run crashed) while torchrun has a restart left (restarts_left): the launched servers stay up for the next
+        attempt, their record and lease with them, and stop by themselves rollout.server_keepalive_s after this
+        process stops renewing the lease. (A rank 0 killed outright cannot stop them: the lease does.)"""
         from torch.distributed import rpc
 
         self.closing.set()
@@ -482,15 +653,35 @@ class Services:
                 print(f"[train] RPC shutdown: {e}", file=sys.stderr)
                 with contextlib.suppress(Exception):
                     rpc.shutdown(graceful=False)
-        for p, _ in reversed(self.procs.values()):
+        self.stop_children(keep_servers and restarts_left())
+
+    def stop_children(self, keep_servers: bool = False) -> None:
+        """Terminate the children (SIGTERM, SIGKILL after 10 s), but the launched servers if keep_servers; the
+        servers' record and lease go with them."""
+        mine = [(n, p) for n, (p, _) in reversed(self.procs.items()) if not (keep_servers and n in self.servers)]
+        for _, p in mine:
             if p.poll() is None:
                 p.terminate()
-        for p, _ in reversed(self.procs.values()):
+        for name, p in mine:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+            if name in self.servers:  # what the server started, in its session
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        if self.lease is not None:
+            self.lease.stop()
+            for path in () if keep_servers else lease.paths(self.cfg.run_dir, self.node):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+
+
+def restarts_left() -> bool:
+    """Whether torchrun will start the ranks again when this attempt fails (--max-restarts not used up)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS",
+                                                                                          "0"))
 
 
 def for_node(cfg, local_rank: int, launched: bool) -> Optional[Services]:

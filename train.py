@@ -12,7 +12,8 @@ run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; loggi
 Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
 child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
 (exit code 2), as is a run that cannot train (buffer.NothingToTrain); SIGTERM (a preemption) checkpoints the next step
-boundary and exits 0 (preemption.py).
+boundary and exits 0 (preemption.py). Under torchrun --max-restarts with trainer.resume=auto a restarted attempt
+resumes from the checkpoint and reuses the servers the crashed one left.
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
@@ -253,7 +254,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     # trainer.cpu_offload on cuda: the offloaded shards' collectives (loading, gradient-norm reduction) are on CPU
     # tensors, which take gloo next to nccl (as torchtitan does)
     backend = ("cuda:nccl,cpu:gloo" if cfg.trainer.cpu_offload else "nccl") if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.weight_sync.timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.weight_sync.timeout_s)
+    store = services_lib.attempt_store(cfg.weight_sync.timeout_s)  # torchrun: this attempt's keys (its doc says why)
+    dist.init_process_group(backend, timeout=timeout, **({"store": store, "rank": rank, "world_size": world}
+                                                         if store is not None else {}))
     # The control group's timeout covers rank 0's longest wait between two collectives (data, pause, server
     # start-up), which the other ranks spend in it.
     ctrl_s = b.get_timeout_s + r.pause_timeout_s + r.startup_timeout_s + cfg.weight_sync.timeout_s + 600
@@ -269,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         tiny_model.make_tiny_for(cfg)
     dist.barrier(group=ctrl)
 
-    services, ok, failed, actor, logger, fleet = None, False, 0, None, None, None
+    services, ok, failed, crashed, actor, logger, fleet = None, False, 0, False, None, None, None
     buf = ro = evaluate = None
     launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
     try:
@@ -377,12 +381,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         dist.barrier(group=ctrl)
         ok = True
     except Exception as e:
+        crashed = True
         failed = services_lib.failure_exit_code(e, services, rank)  # prints the root cause; raises what it cannot
     finally:
         if logger is not None:
             logger.close()
-        if services is not None:
-            services.close(ok)
+        if services is not None:  # a crashed run's servers wait for a restart (rollout.server_keepalive_s)
+            services.close(ok, keep_servers=crashed and failed != 2)
         if ok:
             with contextlib.suppress(Exception):
                 # Every rank tears its gloo groups down together: a rank that destroys them while a peer still

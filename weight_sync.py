@@ -194,6 +194,7 @@ class WeightSync:
                "perf/weight_sync_gbps": self.last_bytes / 1e9 / max(push_s, 1e-9)}
         if services is not None:
             out["rollout/server_restarts"] = services.server_restarts
+            services.synced(version, self.group_name if self.group is not None else None)
         return out
 
     def _push_agreed(self, version: int) -> Optional[Exception]:

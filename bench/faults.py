@@ -9,7 +9,13 @@ and then, if the run stopped, resumes it with trainer.resume=auto. Faults:
 - the engine stalled with SIGSTOP for --stall-s seconds, then SIGCONT;
 - bad files: a JSONL dataset with a row cut short, a dataset path that does not exist, the newest checkpoint's
   run_state.pt truncated (after a kill -9 of the whole run);
-- an oversized request to the running engine (a 40 MiB body, and a 10 MB `text`).
+- an oversized request to the running engine (a 40 MiB body, and a 10 MB `text`);
+- unattended (`torchrun --max-restarts 1 ... trainer.resume=auto`): kill -9 of trainer rank 0, rank 1, the buffer or
+  the rollout process at a random step, which torchrun's restart must finish with nothing lost or repeated.
+
+--timing REPS measures instead the time from a kill -9 of trainer rank 0 (under --max-restarts 1) to the first
+resumed step, with and without rollout.reuse_servers, REPS runs each, alternating, with where that time goes; and
+the stand-in server's start-up alone (what reuse saves: minutes for SGLang at scale).
 
 Printed table, one row per fault: outcome (survived: exit 0 without a restart; stopped: exit code), seconds to react
 (stopped: from the fault to the run's exit; survived: to the first step finished after it), the first line of the
@@ -18,6 +24,8 @@ duplicated over the epoch (metrics.jsonl `data/prompt_ids` of the finished run a
 
 Run:
     python bench/faults.py [--steps 20] [--seed N] [--only server_0,buffer] [--stall-s 10]
+    python bench/faults.py --only restart_rank0,restart_rank1,restart_buffer,restart_rollout
+    python bench/faults.py --timing 3
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -46,7 +56,7 @@ B, N, M = 4, 4, 8
 class Run:
     """One torchrun of train.py; stdout and stderr lines are kept with the time they arrived."""
 
-    def __init__(self, run_dir: str, model: str, steps: int, *extra: str):
+    def __init__(self, run_dir: str, model: str, steps: int, *extra: str, restarts: int = 0):
         self.run_dir = run_dir
         self.port = free_port()
         args = [f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={self.port}",
@@ -59,8 +69,9 @@ class Run:
                 *extra]
         self.t0 = time.monotonic()
         self.lines: list = []  # (seconds since start, "out" | "err", line)
-        self.p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                   "2", "train.py", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), *args],
+        self.p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--max-restarts", str(restarts),
+                                   "--standalone", "--nproc_per_node", "2", "train.py", "--config",
+                                   os.path.join(ROOT, "configs", "tiny.yaml"), *args],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True)
         self.readers = [threading.Thread(target=self._read, args=(s, name), daemon=True)
@@ -134,6 +145,11 @@ class Run:
             return False
         return {pid: v for pid, v in info.items() if pid != self.p.pid and ours(pid)}
 
+    def first(self, pattern: str, since: float = 0.0) -> Optional[tuple]:
+        """(time, line) of the first stdout line after `since` that matches the regular expression."""
+        return next(((t, line) for t, s, line in list(self.lines) if s == "out" and t >= since
+                     and re.search(pattern, line)), None)
+
     def pid_of(self, fragment: str) -> int:
         """The process of this run whose command line has `fragment`."""
         pids = [pid for pid, (cmd, _) in self.processes().items() if fragment in cmd]
@@ -163,14 +179,8 @@ def case_kill(args, model: str, work: str, target: str, rng: random.Random) -> d
     run = Run(run_dir, model, args.steps)
     at = rng.randint(2, args.steps - 6)
     run.wait_step(at)
-    if target == "server_0":
-        pid = run.pid_of(f"--port {run.port}")
-    elif target.startswith("rank"):
-        pid = run.trainer_pid(int(target[4:]))
-    else:
-        pid = run.pid_of(f"{target}.py")
     t_kill = run.now()
-    os.kill(pid, signal.SIGKILL)
+    os.kill(kill_target(run, target), signal.SIGKILL)
     return finish(args, model, run, t_kill, f"kill -9 {target} at step {at}")
 
 
@@ -273,14 +283,90 @@ def case_oversized(args, model: str, work: str, rng: random.Random) -> dict:
     return row
 
 
+def kill_target(run: Run, target: str) -> int:
+    """The pid of a run's process: server_0, rank0 / rank1, buffer or rollout."""
+    if target == "server_0":
+        return run.pid_of(f"--port {run.port}")
+    if target.startswith("rank"):
+        return run.trainer_pid(int(target[4:]))
+    return run.pid_of(f"workers.py {target}")
+
+
+def case_restart(args, model: str, work: str, target: str, rng: random.Random, reuse: bool = True) -> dict:
+    """Unattended: torchrun --max-restarts 1 with trainer.resume=auto, `target` killed with kill -9 at a random step;
+    the row's react is the time from the kill to the first step of the restarted attempt."""
+    run = Run(os.path.join(work, f"restart_{target}"), model, args.steps, "trainer.resume=auto",
+              f"rollout.reuse_servers={str(reuse).lower()}", restarts=1)
+    at = rng.randint(6, args.steps - 6)  # after the first checkpoint (every 5 steps)
+    run.wait_step(at)
+    t_kill = run.now()
+    os.kill(kill_target(run, target), signal.SIGKILL)
+    rc = run.wait()
+    resumed = run.first(r"\[train\] resumed from ", t_kill)
+    step = run.first(r"^step \d+/", resumed[0]) if resumed else None
+    server = run.first(r"node 0 (launched|reused) server_0", t_kill)
+    row = {"fault": f"kill -9 {target} at step {at}, torchrun --max-restarts 1",
+           "outcome": "finished (exit 0, restarted by torchrun)" if rc == 0 else f"stopped (exit {rc})",
+           "react_s": (step[0] - t_kill) if step else float("nan"),
+           "message": (server[1].split("[train] ", 1)[1] if server else run.message(t_kill)),
+           "resumed": "yes, by torchrun" if rc == 0 and resumed else "no",
+           "lost_dup": epoch_check(run.run_dir, args.steps) if rc == 0 else "-"}
+    if rc != 0:
+        print(f"  {run.run_dir} failed; its last lines:\n{run.tail()}", flush=True)
+    row["marks"] = {name: (hit[0] - t_kill if hit else float("nan")) for name, hit in (
+        ("resumed", resumed), ("server", server), ("workers", run.first(r"buffer and rollout processes joined RPC",
+                                                                       t_kill)),
+        ("synced", run.first(r"weights version \d+ on the servers", t_kill)), ("step", step))}
+    return row
+
+
+def server_startup(model: str, reps: int) -> list:
+    """Seconds from starting the stand-in engine to its first /health 200, `reps` times."""
+    from standins import engine
+
+    out = []
+    for _ in range(reps):
+        t0 = time.monotonic()
+        _, handle = engine.launch(model)
+        out.append(time.monotonic() - t0)
+        handle.stop()
+    return out
+
+
+def timing(args, model: str, work: str, rng: random.Random) -> None:
+    """--timing: kill -9 of rank 0 -> first resumed step, with and without rollout.reuse_servers, alternating."""
+    rows = []
+    for rep in range(args.timing):
+        for reuse in ((True, False) if rep % 2 == 0 else (False, True)):
+            row = case_restart(args, model, os.path.join(work, f"timing_{rep}_{reuse}"), "rank0", rng, reuse)
+            rows.append((reuse, row))
+            print(f"  rep {rep} reuse={reuse}: {row['outcome']}, first resumed step {row['react_s']:.1f} s after the "
+                  f"kill; {row['message'][:100]}", flush=True)
+    starts = server_startup(model, args.timing)
+    print("\n| rollout.reuse_servers | kill -9 rank 0 -> first resumed step (s) | -> resumed from the checkpoint "
+          "| -> servers up | -> buffer + rollout in RPC | -> weights synced | lost / duplicated |")
+    print("|---|---|---|---|---|---|---|")
+    for reuse in (True, False):
+        mine = [r for u, r in rows if u == reuse]
+        cols = [[r["marks"][k] for r in mine] for k in ("step", "resumed", "server", "workers", "synced")]
+        print(f"| {str(reuse).lower()} | " + " | ".join(
+            f"{sum(c) / len(c):.1f} ({', '.join(f'{x:.1f}' for x in c)})" for c in cols) +
+            f" | {', '.join(r['lost_dup'] for r in mine)} |")
+    print(f"\nthe stand-in engine's start-up alone (start -> /health 200): {sum(starts) / len(starts):.1f} s "
+          f"({', '.join(f'{x:.1f}' for x in starts)})")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="trainer.total_steps of each run (B x steps prompts)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random fault steps (printed)")
     p.add_argument("--stall-s", type=float, default=10.0, help="how long the engine is stopped (SIGSTOP)")
     p.add_argument("--only", default=None, help="comma-separated case names (server_0,buffer,rollout,rank1,rank0,"
-                                                "stall,bad_jsonl,missing_file,truncated_ckpt,oversized)")
+                                                "stall,bad_jsonl,missing_file,truncated_ckpt,oversized,restart_rank0,"
+                                                "restart_rank1,restart_buffer,restart_rollout)")
     p.add_argument("--work", default=None, help="directory for the runs (default: a new temporary one)")
+    p.add_argument("--timing", type=int, default=0, help="REPS: time kill -9 rank 0 -> first resumed step with and "
+                                                          "without rollout.reuse_servers, REPS runs each")
     args = p.parse_args(argv)
     if args.steps < 14:
         p.error("--steps must be >= 14 (faults land between step 2 and steps - 6, checkpoints every 5 steps)")
@@ -296,7 +382,12 @@ def main(argv=None) -> None:
         "missing_file": lambda: case_bad_file(args, model, work, "missing_file"),
         "truncated_ckpt": lambda: case_truncated_checkpoint(args, model, work, rng),
         "oversized": lambda: case_oversized(args, model, work, rng),
+        **{f"restart_{t}": (lambda t=t: case_restart(args, model, work, t, rng)) for t in ("rank0", "rank1", "buffer",
+                                                                                         "rollout")},
     }
+    if args.timing:
+        print(f"bench/faults.py --timing {args.timing}: seed {seed}, {args.steps} steps, runs in {work}", flush=True)
+        return timing(args, model, work, rng)
     names = args.only.split(",") if args.only else list(cases)
     unknown = [n for n in names if n not in cases]
     if unknown:

@@ -87,6 +87,7 @@ RULES = [
     (["rollout.request_timeout_s=0"], None, ["rollout.request_timeout_s"]),
     (["rollout.startup_timeout_s=0"], None, ["rollout.startup_timeout_s"]),
     (["rollout.pause_timeout_s=-1"], None, ["rollout.pause_timeout_s"]),
+    (["rollout.server_keepalive_s=4"], None, ["rollout.server_keepalive_s must be at least 5", "got 4"]),
     # spec's table: M2PO cannot be combined with use_rollout_log_probs
     (["algorithm.m2po.enable=true", "trainer.use_rollout_log_probs=true"], None,
      ["algorithm.m2po.enable", "trainer.use_rollout_log_probs"]),

@@ -382,11 +382,11 @@ def _wait_log(path, text: str, p, timeout: float = 60.0, *others: tuple) -> None
 def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model):
     """The buffer process is SIGKILLed mid-run: within 10 s the run stops, and its error names the process, the
     signal and the log, before any RPC / tensorpipe message or traceback."""
-    run_dir = tmp_path / "run"
-    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
-                          "trainer.eval_freq=0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    run_dir, overrides = tmp_path / "run", _run_overrides(tmp_path / "run", tiny_model)
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *overrides, "trainer.eval_freq=0"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_steps(str(run_dir), 2, p)
+    [server] = _pids("standins.engine", f"--port {overrides[2].split('=')[1]} ")
     [pid] = _pids("workers.py buffer", str(run_dir))
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -400,6 +400,7 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
         assert noise not in err[:first], err[:first][-2000:]
     assert err[first:].splitlines()[1].startswith("  | ")  # the log's last lines follow
     assert _wait_session_gone(p.pid)
+    assert server not in _pids("standins.engine")  # no torchrun restart to come: the server stopped with the run
 
 
 def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tmp_path, tiny_model):
