@@ -1113,7 +1113,7 @@ def test_a_checkpoint_cut_short_by_the_kernel_stops_the_run_in_one_line_and_the_
     run exits 1 with one error line naming the directory, the error, the free space and what resume=auto loads; the
     .tmp is gone and the checkpoint before it is still resume=auto's pick, complete."""
     b = preempted_run["b"]
-    assert b["rc"] == 1, b["err"][-3000:]
+    assert b["rc"] == 1, (b["out"][-3000:], b["err"][-3000:])
     errors = [ln for ln in (b["out"] + b["err"]).splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1, b["err"][-3000:]
     step = int(os.path.basename(b["before"]).split("_")[1]) + 1
