@@ -103,7 +103,7 @@ class NoRollout:
     def start(self):
         pass
 
-    def pause(self):
+    def pause(self, checkpoint=False):
         return {}
 
     def resume(self, version):
