@@ -557,7 +557,8 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
         try:
             train.run_steps(cfg, actor, Timed(buf, {"wait": "wait_data", "get": "wait_data"}, phases),
                             Timed(ro, {"pause": "pause", "resume": "resume_rollout"}, phases), logger, 0)
-            pending = [(g["epoch"], g["data_index"]) for g in buf.state_dict()["data"]["lane"]]  # paused: settled
+            sd = buf.state_dict()  # paused: settled
+            pending = [(g["epoch"], g["data_index"]) for g in sd["data"]["lane"] + sd["buffered"]]
             dispatched = buf.data.next_seq
             after_last = buf.step_metrics()  # drops of the last weight update, which no step logged
         finally:

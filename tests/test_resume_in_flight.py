@@ -126,9 +126,10 @@ def killed_and_resumed(run_dir, model, *extra, env=None) -> dict:
 
 
 def check_continued_and_trained_once(r: dict) -> dict:
-    """(a) and (c); returns the saved trajectories by id [epoch, seq, index]."""
+    """(a) and (c); returns the saved trajectories by id (epoch, seq, index)."""
     seed, step = r["seed"], r["step"]
-    saved = {(g["epoch"], g["seq"], t["index"]): t for g in r["state"]["buffer"]["data"]["lane"]
+    state = r["state"]["buffer"]  # in flight (the restored lane) and complete but not trained yet (buffered)
+    saved = {(g["epoch"], g["seq"], t["index"]): t for g in state["data"]["lane"] + state["buffered"]
              for t in g["partial"]}
     cut = [k for k, t in saved.items() if t["status"] == "aborted" and len(t["response_ids"]) > 0]
     assert cut, (seed, f"the checkpoint after step {step} holds no trajectory cut mid-response")

@@ -803,7 +803,7 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     """torchrun train.py with the prime-rl preset at M = 0 on the CPU default (standins/engine.py, 2 ranks): in-place
     pauses, and before each one the rollout aborts every group started under older weights (buffer.update_aborts), and
     the buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
-    the last checkpoint's replay."""
+    the last checkpoint (its restored lane or its buffered groups)."""
     import subprocess
 
     import checkpoint
@@ -826,8 +826,9 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     assert len(trained) == 16 and len(set(trained)) == 16, trained
     dropped = sum(row[k] for row in rows for k in ("rollout/filter_drop", "rollout/staleness_drop",
                                                    "rollout/policy_drop", "rollout/update_dropped_groups"))
-    state = checkpoint.load_run_state(checkpoint.latest_checkpoint(str(run_dir)))["buffer"]["data"]
-    pending = {(g["epoch"], g["data_index"]) for g in state["lane"]}
+    buffer_state = checkpoint.load_run_state(checkpoint.latest_checkpoint(str(run_dir)))["buffer"]
+    state = buffer_state["data"]
+    pending = {(g["epoch"], g["data_index"]) for g in state["lane"] + buffer_state["buffered"]}
     assert not pending & set(trained)
     assert len(trained) + dropped + len(pending) == state["next_seq"], (len(trained), dropped, pending, state)
     assert all(row["rollout/staleness_max"] == 0 for row in rows)  # M = 0: nothing older than the trainer's weights
