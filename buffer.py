@@ -675,7 +675,8 @@ class PipelineServer(Exchange):
                 for key in sorted(self._in_flight):
                     # the verdict sees what the keeping boundary would: the trajectories put (and those handed back
                     # of a group aborted by staleness); the requests on the servers are unknown to it
-                    pg, trajs = self._in_flight[key], self.queue.slots(key) + back.get(key, []) * (key in aborts)
+                    pg, trajs = self._in_flight[key], self.queue.slots(key) + (back.get(key, []) if key in aborts
+                                                                               else [])
                     verdict = self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=aborts)
                     if verdict.action == KEEP and key in back:  # its requests were aborted: restored whole
                         trajs, verdict = self._partial_now(key, pg, back[key]), Verdict(RESTORE, "partial")

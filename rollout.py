@@ -14,10 +14,10 @@
   those `buffer.update_aborts()` names, which the strategy drops by staleness: aborted first, handed to
   step_boundary; before a checkpoint, `pause(checkpoint=True)`, they abort everything too, so that the checkpoint
   holds every partial trajectory, and the groups they would keep are restored whole); with partial=false it waits
-  for everything in flight. in_place updates cannot flush the servers'
-  prefix cache (requests still run), so there every /generate carries `extra_key` = its weight version, the cache's
-  namespace. `resume(version)` continues the paused servers (so the weight update in between ran on paused
-  servers: idle ones, or ones holding the kept requests) and restarts dispatch.
+  for everything in flight. in_place updates cannot flush the servers' prefix cache (requests still run), so there
+  every /generate carries `extra_key` = its weight version, the cache's namespace. `resume(version)` continues the
+  paused servers (so the weight update in between ran on paused servers: idle ones, or ones holding the kept
+  requests) and restarts dispatch.
   Aborts by exact rid remain for single requests (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
   a repeat. A restored group continues from its partial responses (prompt + partial tokens as input, the remaining

@@ -111,7 +111,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
     rollout:  start(), pause(checkpoint) -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or its
               remote.Proxy).
     logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
-              in training order) and "data/samples" (logger.train_samples: logging.train_samples trained trajectories);
+              in training order) and "data/samples" (logger.train_samples: records of trained trajectories);
               waiting(step, record) while the trainer waits for groups (Logger.waiting).
     evaluate: optional fn(steps_done) -> dict, run every trainer.eval_freq steps and after the last one.
     servers:  optional fn() -> {URL: answering /health}, for the waiting line.

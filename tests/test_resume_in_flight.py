@@ -105,7 +105,7 @@ def killed_and_resumed(run_dir, model, *extra, env=None) -> dict:
             assert p.poll() is None, (seed, open(log.name).read()[-3000:])
             assert time.monotonic() < deadline, (seed, f"step {kill_after} was not logged within 240 s")
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 0.5))
+        time.sleep(rng.uniform(0.0, 1.0))
         os.kill(_rank0(run_dir), signal.SIGKILL)
         p.wait(timeout=60)  # torchrun stops rank 1 and exits; rank 0's children die with it
         assert p.returncode != 0, (seed, "the run ended before it was killed")
@@ -164,8 +164,8 @@ def test_multi_turn_episodes_in_flight_continue_and_run_no_tool_call_twice_after
     r = killed_and_resumed(str(tmp_path / "run"), tiny_model, "rollout.partial=true", "rollout.pause_mode=in_place",
                            "rollout.function=multi_turn_tool", "rollout.env=ledger_env:LedgerEnv",
                            "rollout.sampling.max_new_tokens=128",
-                           env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
-                                "LEDGER_ENV_PATH": str(ledger)})
+                           env={"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(
+                               __file__)), os.environ.get("PYTHONPATH")])), "LEDGER_ENV_PATH": str(ledger)})
     seed = r["seed"]
     saved = check_continued_and_trained_once(r)
     calls: dict = {}
