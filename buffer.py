@@ -642,12 +642,13 @@ class PipelineServer(Exchange):
         with none at all goes back as it was dispatched (nothing was generated, nothing is lost); a group with
         some but not all is dropped. PipelineBuffer keeps its groups.
         keep_in_flight=True (rollout.pause_mode retract / in_place: the servers kept every request) leaves in-flight
-        groups and TrajQueue as they are, except the groups of update_aborts() (abort by staleness), named by
-        `stale` (the keys update_aborts() gave before the pause; default: the groups `returned` holds trajectories
-        of): those groups are dropped. A group that would be kept but whose unfinished trajectories `returned`
-        holds (a pause before a checkpoint aborts every request, so that the checkpoint holds every partial
-        trajectory: rollout.Rollout.pause) goes to the restored lane with all N trajectories, finished, partial or
-        not started, as the group of an aborting boundary does. The strategy and the step's count are reset.
+        groups and TrajQueue as they are, except the groups of update_aborts() (abort by staleness), whose
+        trajectories `returned` then holds: those groups are dropped. With `stale` given, the pause aborted every
+        request instead, so that the checkpoint that follows holds every partial trajectory (rollout.Rollout.pause):
+        the groups of `stale` (what update_aborts() said before the pause) are dropped as keeping drops them, and
+        every group keeping would keep goes to the restored lane with all N trajectories (put, handed back, or not
+        started), as the group of an aborting boundary does: nothing stays in flight. The strategy and the step's
+        count are reset.
         The strategy's update-time action (self.action) applies to what is restored: restart throws the partial
         tokens away, abort by staleness drops groups that started too long before the next weights.
         Every group in flight gets a verdict (_verdict) that _apply carries out; the returned dict counts them.
@@ -678,7 +679,7 @@ class PipelineServer(Exchange):
                     pg, trajs = self._in_flight[key], self.queue.slots(key) + (back.get(key, []) if key in aborts
                                                                                else [])
                     verdict = self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=aborts)
-                    if verdict.action == KEEP and key in back:  # its requests were aborted: restored whole
+                    if verdict.action == KEEP and stale is not None:  # its requests were aborted: restored whole
                         trajs, verdict = self._partial_now(key, pg, back[key]), Verdict(RESTORE, "partial")
                         self._take(key)
                     self._apply(KEPT_IN_FLIGHT, key, pg, trajs, verdict)
@@ -845,6 +846,7 @@ class PipelineServer(Exchange):
                 else:  # a smaller capacity than the saving run's: the rest is collected again from the lane
                     self.data.restore([pg])
             self.version = int(sd["weight_version"])
+            self._end_step_locked()  # the strategy stands where the saving run's did after its step boundary
             self._cond.notify_all()
 
     def close(self) -> None:
