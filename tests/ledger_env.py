@@ -4,7 +4,7 @@ test (tests/test_resume_in_flight.py: rollout.env=ledger_env:LedgerEnv with test
 Each step appends one JSON line to the file named by $LEDGER_ENV_PATH, before its latency (a call that was started
 has happened): the trajectory (metadata["trajectory_id"]: [epoch, seq, index]), the turn, the process and the time.
 restore(turns) takes a restored trajectory's finished turns without calling anything, so a call that appears twice
-in the ledger ran twice. The latency (50-200 ms) keeps episodes in flight at the step boundaries.
+in the ledger ran twice. The latency (0.2-0.5 s) keeps episodes in flight at the step boundaries.
 """
 import asyncio
 import json
@@ -27,5 +27,5 @@ class LedgerEnv:
         self.turn += 1
         with open(os.environ["LEDGER_ENV_PATH"], "a") as f:
             f.write(json.dumps({"id": self.id, "turn": self.turn, "pid": os.getpid(), "time": time.time()}) + "\n")
-        await asyncio.sleep(random.uniform(0.05, 0.2))
+        await asyncio.sleep(random.uniform(0.2, 0.5))
         return f"={len(turn_text)}\n"

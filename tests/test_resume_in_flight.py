@@ -8,16 +8,18 @@ moment after a checkpoint that holds partial trajectories, the run resumes with 
       call ran twice only when the kill lost it (its first run came after the checkpoint was written);
   (c) the prompt ledger of metrics.jsonl holds every prompt of the epoch exactly once.
 
-Two torchrun runs of the tiny config (2 gloo ranks, a random-init model whose responses run long): single-turn with
-rollout.pause_mode=retract, multi-turn (multi_turn_tool, ledger_env) with in_place, so that the boundaries without a
-checkpoint keep requests on the paused servers and the ones with a checkpoint bring them all back
-(Rollout.pause(checkpoint=True)). Generation is the bottleneck (8 trajectories generating at once), so a group is in
-flight at every boundary. Run: python -m pytest -q tests/test_resume_in_flight.py
+Two torchrun runs of the tiny config (2 gloo ranks, a random-init model): single-turn with rollout.pause_mode=retract
+(responses run long: its end token is 1 of 101), multi-turn (multi_turn_tool, ledger_env) with in_place (a turn ends
+at a digit too: short turns, tool calls of 0.2-0.5 s), so that the boundaries without a checkpoint keep requests on
+the paused servers and the ones with a checkpoint bring them all back (Rollout.pause(checkpoint=True)). Generation is
+the bottleneck (8 or 12 trajectories generating at once), so groups are in flight, past their first turn, at every
+boundary. Run: python -m pytest -q tests/test_resume_in_flight.py
 """
 import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +45,24 @@ def tiny_model(tmp_path_factory) -> str:
     from standins import tiny_model
 
     return tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def short_turns_model(tiny_model, tmp_path_factory) -> str:
+    """The same model whose turns also end at a digit (generation_config.json's eos ids, which the rollout sends as
+    stop_token_ids): ~9 tokens a turn instead of ~80, so an episode reaches its tool calls at once."""
+    out = str(tmp_path_factory.mktemp("model") / "short_turns")
+    shutil.copytree(tiny_model, out)
+    from standins import tiny_model as tm
+
+    tok = tm.build_tokenizer()
+    path = os.path.join(out, "generation_config.json")
+    with open(path) as f:
+        gen = json.load(f)
+    gen["eos_token_id"] = [tok.eos_token_id] + [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    with open(path, "w") as f:
+        json.dump(gen, f)
+    return out
 
 
 def _args(run_dir, model, *extra) -> list:
@@ -159,11 +179,12 @@ def test_single_turn_trajectories_in_flight_continue_from_their_saved_tokens_aft
     assert sum(kept) > 0, (r["seed"], "no boundary without a checkpoint kept a group in flight")
 
 
-def test_multi_turn_episodes_in_flight_continue_and_run_no_tool_call_twice_after_a_kill(tmp_path, tiny_model):
+def test_multi_turn_episodes_in_flight_continue_and_run_no_tool_call_twice_after_a_kill(tmp_path, short_turns_model):
     ledger = tmp_path / "tool_calls.jsonl"
-    r = killed_and_resumed(str(tmp_path / "run"), tiny_model, "rollout.partial=true", "rollout.pause_mode=in_place",
-                           "rollout.function=multi_turn_tool", "rollout.env=ledger_env:LedgerEnv",
-                           "rollout.sampling.max_new_tokens=128",
+    r = killed_and_resumed(str(tmp_path / "run"), short_turns_model, "rollout.partial=true",
+                           "rollout.pause_mode=in_place", "rollout.function=multi_turn_tool",
+                           "rollout.env=ledger_env:LedgerEnv", "rollout.sampling.max_new_tokens=128",
+                           "rollout.async_max_concurrent_samples=12",
                            env={"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(
                                __file__)), os.environ.get("PYTHONPATH")])), "LEDGER_ENV_PATH": str(ledger)})
     seed = r["seed"]
