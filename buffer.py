@@ -8,8 +8,7 @@ its keep, the update action), and carried out and counted by one, PipelineServer
 update and at the step boundary. Semantics: docs/design.md, counted in prompt groups (R in flight, Q buffered, C
 capacity; strategies.py holds the dispatch/collection/keep rules and the update actions).
 
-Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most);
-PipelineBuffer prompts are checkpointed as prompts, to be regenerated after a resume, not as trajectories.
+Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most).
 
 Settings: `BufferSettings` (defaults included), so a PipelineServer runs with one's own producer and consumer
 without the run's config (docs/copy_a_piece.md). The buffer process is started by workers.py (train.py does this):
@@ -356,12 +355,11 @@ class DataSource:
         self.lane = sorted(self.lane + list(groups), key=lambda g: g.prompt_id)
 
     def state_dict(self, replay: list) -> dict:
-        """Cursor, mixing state and the lane; `replay` (groups in flight or buffered) joins the lane on resume."""
+        """Cursor, mixing state and the lane; `replay` (groups in flight) joins the lane on resume."""
         lane = sorted(self.lane + list(replay), key=lambda g: g.prompt_id)
         return {"epoch": list(self.epoch), "pos": list(self.pos), "credit": list(self.credit),
                 "sizes": [len(p) for p in self.prompts], "next_seq": self.next_seq,
-                "lane": [{"source": g.source, "epoch": g.epoch, "seq": g.seq, "data_index": g.data_index,
-                          "partial": [_traj_to_dict(t) for t in g.partial]} for g in lane]}
+                "lane": [self.group_state(g, g.partial) for g in lane]}
 
     def load_state_dict(self, sd: dict) -> None:
         sizes = [len(p) for p in self.prompts]
@@ -370,8 +368,23 @@ class DataSource:
                              f"{sizes}; resume needs the same data_sources (task, path, num_prompts, seed)")
         self.epoch, self.pos, self.credit = list(sd["epoch"]), list(sd["pos"]), list(sd["credit"])
         self.next_seq = int(sd["next_seq"])
-        self.lane = [self.make_group(g["source"], g["epoch"], g["seq"], g["data_index"],
-                                     [_traj_from_dict(t) for t in g["partial"]]) for g in sd["lane"]]
+        self.lane = [self.group_from_state(g)[0] for g in sd["lane"]]
+
+    @staticmethod
+    def group_state(g: PromptGroup, trajs: list) -> dict:
+        """A group and its trajectories as plain data: its prompt by its row (the rest of its PromptGroup is rebuilt
+        from the prompts), its dispatch version (its start version while none of its trajectories has a token,
+        which the staleness rules read), every field of every trajectory."""
+        return {"source": g.source, "epoch": g.epoch, "seq": g.seq, "data_index": g.data_index,
+                "dispatch_version": g.metadata.get("dispatch_version"), "partial": [_traj_to_dict(t) for t in trajs]}
+
+    def group_from_state(self, d: dict) -> tuple:
+        """group_state's inverse: (the PromptGroup, with the trajectories as its partial, and the trajectories)."""
+        trajs = [_traj_from_dict(t) for t in d["partial"]]
+        g = self.make_group(d["source"], d["epoch"], d["seq"], d["data_index"], trajs)
+        if d.get("dispatch_version") is not None:
+            g.metadata["dispatch_version"] = int(d["dispatch_version"])
+        return g, trajs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -644,7 +657,7 @@ class PipelineServer(Exchange):
                 self._pending = True
                 self._cond.notify_all()
 
-    def step_boundary(self, returned: list, keep_in_flight: bool = False) -> dict:
+    def step_boundary(self, returned: list, keep_in_flight: bool = False, stale: Optional[list] = None) -> dict:
         """After the rollout paused: restore complete groups, drop incomplete ones, clear TrajQueue, reset strategy.
 
         `returned` are the trajectories the pause handed back (aborted partial ones, possibly finished ones).
@@ -653,7 +666,12 @@ class PipelineServer(Exchange):
         some but not all is dropped. PipelineBuffer keeps its groups.
         keep_in_flight=True (rollout.pause_mode retract / in_place: the servers kept every request) leaves in-flight
         groups and TrajQueue as they are, except the groups of update_aborts() (abort by staleness), whose
-        trajectories `returned` then holds: those groups are dropped. The strategy and the step's count are reset.
+        trajectories `returned` then holds: those groups are dropped. With `stale` given, the pause aborted every
+        request instead, so that the checkpoint that follows holds every partial trajectory (rollout.Rollout.pause):
+        the groups of `stale` (what update_aborts() said before the pause) are dropped as keeping drops them, and
+        every group keeping would keep goes to the restored lane with all N trajectories (put, handed back, or not
+        started), as the group of an aborting boundary does: nothing stays in flight. The strategy and the step's
+        count are reset.
         The strategy's update-time action (self.action) applies to what is restored: restart throws the partial
         tokens away, abort by staleness drops groups that started too long before the next weights.
         Every group in flight gets a verdict (_verdict) that _apply carries out; the returned dict counts them.
@@ -675,12 +693,19 @@ class PipelineServer(Exchange):
                 back: dict = {}  # key -> the trajectories the rollout handed back
                 for t in returned:
                     back.setdefault(t.prompt_id, []).append(t)
+                aborts = frozenset(back) if stale is None else frozenset(tuple(k) for k in stale)
                 self._boundary = Counter(dict.fromkeys(("rollout/kept_in_flight_groups",
                                                         "rollout/update_dropped_groups"), 0))
                 for key in sorted(self._in_flight):
-                    pg, trajs = self._in_flight[key], self.queue.slots(key) + back.get(key, [])
-                    self._apply(KEPT_IN_FLIGHT, key, pg, trajs,
-                                self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=frozenset(back)))
+                    # the verdict sees what the keeping boundary would: the trajectories put (and those handed back
+                    # of a group aborted by staleness); the requests on the servers are unknown to it
+                    pg, trajs = self._in_flight[key], self.queue.slots(key) + (back.get(key, []) if key in aborts
+                                                                               else [])
+                    verdict = self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=aborts)
+                    if verdict.action == KEEP and stale is not None:  # its requests were aborted: restored whole
+                        trajs, verdict = self._partial_now(key, pg, back[key]), Verdict(RESTORE, "partial")
+                        self._take(key)
+                    self._apply(KEPT_IN_FLIGHT, key, pg, trajs, verdict)
             else:
                 for t in returned:
                     self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
@@ -814,18 +839,20 @@ class PipelineServer(Exchange):
             return out
 
     def state_dict(self) -> dict:
-        """Data-source cursor, weight version and every prompt not yet consumed: the restored lane (with partial
-        responses), groups in flight (with the trajectories already put, see _partial_now; after a boundary that
-        kept them in flight, rollout.pause_mode retract / in_place, the ones still generating on the paused servers
-        are regenerated from their prompt) and PipelineBuffer's groups (as prompts, regenerated after a resume, as
-        the spec says). Loading it replays them before any
-        fresh prompt, so every prompt of an epoch is trained exactly once across a resume. Plain data + tensors
-        (torch.save-able, torch.load(weights_only=True)-able)."""
+        """Data-source cursor, weight version and every prompt not yet consumed, with every trajectory generated
+        for it: the restored lane (with partial responses), groups in flight (with the trajectories already put, see
+        _partial_now) and PipelineBuffer's complete groups. Taken after a boundary whose pause was told that a
+        checkpoint follows (rollout.Rollout.pause), nothing is in flight: every trajectory that was generating is in
+        the lane with its tokens, per-token versions and log-probs, loss mask, routes and metadata (a multi-turn
+        episode's env_turns and env_spans), and continues from there after a resume; PipelineBuffer's groups come
+        back into it, to the weight update's verdicts as in the run that saved them. So every prompt of an epoch is
+        trained exactly once across a resume, and nothing generated before the checkpoint (no tool call either) is
+        generated again. Plain data + tensors (torch.save-able, torch.load(weights_only=True)-able)."""
         with self._cond:
             replay = [dataclasses.replace(pg, partial=self._partial_now(key, pg))
                       for key, pg in self._in_flight.items()]
-            replay += [dataclasses.replace(g.prompt, partial=[]) for g in self.pbuf.groups()]
-            return {"format": 1, "weight_version": self.version, "data": self.data.state_dict(replay)}
+            return {"format": 1, "weight_version": self.version, "data": self.data.state_dict(replay),
+                    "buffered": [self.data.group_state(g.prompt, g.trajectories) for g in self.pbuf.groups()]}
 
     def load_state_dict(self, sd: dict) -> None:
         with self._cond:
@@ -835,7 +862,15 @@ class PipelineServer(Exchange):
             if sd.get("format") != 1:
                 raise ValueError(f"buffer state_dict format {sd.get('format')!r} is not supported (expected 1)")
             self.data.load_state_dict(sd["data"])
+            for d in sd.get("buffered", []):  # (a checkpoint from before they were kept has them in the lane)
+                pg, trajs = self.data.group_from_state(d)
+                if len(self.pbuf) < self.pbuf.max_groups:
+                    pg.partial = []
+                    self.pbuf.put(Group(pg, trajs))
+                else:  # a smaller capacity than the saving run's: the rest is collected again from the lane
+                    self.data.restore([pg])
             self.version = int(sd["weight_version"])
+            self._end_step_locked()  # the strategy stands where the saving run's did after its step boundary
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -994,10 +1029,14 @@ class PipelineServer(Exchange):
         if self.queue.is_assembled(key):
             self._complete.add(key)
 
-    def _partial_now(self, key: Key, pg: PromptGroup) -> list:
-        """An in-flight group as a restorable partial: the trajectories already put, else what it was dispatched
-        with, else an empty aborted one (which the rollout generates from scratch); [] when nothing exists yet."""
-        slots = self.queue.slots(key)
+    def _partial_now(self, key: Key, pg: PromptGroup, back: list = ()) -> list:
+        """An in-flight group as a restorable partial: the trajectories already put or handed `back` by a pause,
+        else what it was dispatched with, else an empty aborted one (which the rollout generates from scratch); []
+        when nothing exists yet."""
+        slots = list(self.queue.slots(key))
+        for t in back:
+            if slots[t.index] is None:
+                slots[t.index] = t
         if all(s is None for s in slots):
             return list(pg.partial)
         return [s if s is not None else pg.partial[i] if pg.partial else

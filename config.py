@@ -190,6 +190,7 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     wait_line_s: float = 10.0  # while the trainer waits for groups, a line (stdout, waiting.jsonl) this often; 0 = none
+    train_samples: int = 4  # trained trajectories a step in samples/train.jsonl, one a group; -1: all of them
 
 
 @dataclass
@@ -624,6 +625,9 @@ def validate(cfg: Config) -> Config:
     _positive(cfg.buffer.rpc_timeout_s, "buffer.rpc_timeout_s")
     if cfg.logging.wait_line_s < 0:
         raise ValueError(f"logging.wait_line_s must be >= 0 (0: no waiting lines), got {cfg.logging.wait_line_s}")
+    if cfg.logging.train_samples < -1:
+        raise ValueError(f"logging.train_samples must be >= 0 (trajectories a step, one a group) or -1 (every trained "
+                         f"trajectory), got {cfg.logging.train_samples}")
     if cfg.logging.wandb.mode not in ("online", "offline"):
         raise ValueError(f"logging.wandb.mode must be online or offline, got '{cfg.logging.wandb.mode}'")
     return cfg

@@ -41,15 +41,18 @@ def trained_group_metrics(groups: list) -> dict:
             "train/response_length_mean": sum(len(t.response_ids) for t in trajs) / max(1, len(trajs))}
 
 
-SAMPLES_PER_STEP = 4  # trained trajectories written to samples/train.jsonl per step (one per group)
-
-
 def sample_records(groups: list, per_group: Optional[int] = None) -> list[dict]:
     """Plain records of the trajectories (the first per_group of each group) for samples/*.jsonl: token ids,
-    reward, label, per-token weight versions and loss mask, status."""
+    reward, label, per-token weight versions and loss mask, status, and the id [epoch, seq, index]."""
     return [{"prompt_ids": t.prompt_ids.tolist(), "response_ids": t.response_ids.tolist(), "reward": t.reward,
              "label": g.prompt.label, "versions": t.versions.tolist(), "loss_mask": t.loss_mask.tolist(),
-             "status": t.status} for g in groups for t in g.trajectories[:per_group]]
+             "status": t.status, "id": [t.epoch, t.seq, t.index]} for g in groups for t in g.trajectories[:per_group]]
+
+
+def train_samples(groups: list, limit: int, taken: int) -> list[dict]:
+    """The records of a training call's groups for samples/train.jsonl (logging.train_samples = limit): the first
+    trajectory of each group until `limit` a step (`taken` so far), or with -1 every trajectory of every group."""
+    return sample_records(groups) if limit < 0 else sample_records(groups[:max(0, limit - taken)], per_group=1)
 
 
 class TrainMetrics:
@@ -139,7 +142,8 @@ class Logger:
         rows = [{"step": step, "prompt": self.tokenizer.decode(r["prompt_ids"]),
                  "response": self.tokenizer.decode(r["response_ids"]), "reward": r["reward"], "label": r["label"],
                  **({} if eval_ else {"response_ids": r["response_ids"], "versions": r["versions"],
-                                      "loss_mask": r["loss_mask"], "status": r["status"]})} for r in records]
+                                      "loss_mask": r["loss_mask"], "status": r["status"], "id": r["id"]})}
+                for r in records]
         path = os.path.join(self.samples_dir, f"step_{step:06d}.jsonl") if eval_ else self.train_samples
         with open(path, "w" if eval_ else "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -12,10 +12,12 @@
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
   to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
   those `buffer.update_aborts()` names, which the strategy drops by staleness: aborted first, handed to
-  step_boundary); with partial=false it waits for everything in flight. in_place updates cannot flush the servers'
-  prefix cache (requests still run), so there every /generate carries `extra_key` = its weight version, the cache's
-  namespace. `resume(version)` continues the paused servers (so the weight update in between ran on paused
-  servers: idle ones, or ones holding the kept requests) and restarts dispatch.
+  step_boundary; before a checkpoint, `pause(checkpoint=True)`, they abort everything too, so that the checkpoint
+  holds every partial trajectory, and the groups they would keep are restored whole); with partial=false it waits
+  for everything in flight. in_place updates cannot flush the servers' prefix cache (requests still run), so there
+  every /generate carries `extra_key` = its weight version, the cache's namespace. `resume(version)` continues the
+  paused servers (so the weight update in between ran on paused servers: idle ones, or ones holding the kept
+  requests) and restarts dispatch.
   Aborts by exact rid remain for single requests (`rollout.trajectory_timeout_s`, stop); they cannot stop a
   whole fleet reliably, since SGLang drops an abort that lands before its request reached the scheduler and ignores
   a repeat. A restored group continues from its partial responses (prompt + partial tokens as input, the remaining
@@ -193,8 +195,9 @@ def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: 
 class RolloutContext:
     """What a rollout function may use for one trajectory: generate a turn, append environment tokens, decode."""
 
-    def __init__(self, rollout: "Rollout", group: PromptGroup, active: _Active):
+    def __init__(self, rollout: "Rollout", group: PromptGroup, active: _Active, index: int = 0):
         self.rollout, self.group, self._active = rollout, group, active
+        self.index = index  # the trajectory's position in its group: a rollout function runs one trajectory
         self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
         self.task = rollout.cfg.data_sources[group.source].task
         self.max_new_tokens = rollout.max_new_tokens
@@ -222,10 +225,13 @@ class RolloutContext:
         return True
 
     def make_env(self):
-        """A fresh tool environment for this trajectory: tasks.make_env(task, label, metadata, rollout.env)."""
+        """A fresh tool environment for this trajectory: tasks.make_env(task, label, metadata, rollout.env), the
+        metadata the prompt's plus "trajectory_id": (epoch, seq, index), the same across pauses and resumes."""
         import tasks
 
-        return tasks.make_env(self.task, self.group.label, self.group.metadata, self.cfg.rollout.env)
+        g = self.group
+        metadata = {**g.metadata, "trajectory_id": (g.epoch, g.seq, self.index)}
+        return tasks.make_env(self.task, g.label, metadata, self.cfg.rollout.env)
 
     async def env_step(self, env, traj: Trajectory, turn_text: str) -> Optional[str]:
         """env.step(turn_text), sync (in a thread) or async, once one of rollout.env_max_concurrent slots is free,
@@ -398,12 +404,15 @@ class Rollout:
             self.sync.run(self._start(), self.cfg.rollout.startup_timeout_s, "Rollout.start")
             self._started = True
 
-    def pause(self) -> dict:
+    def pause(self, checkpoint: bool = False) -> dict:
         """Stop dispatch; abort (partial=true, pause_mode abort), keep on the paused servers (retract, in_place) or
         wait for (partial=false) everything in flight; hand the aborted trajectories to buffer.step_boundary. Returns
-        its cleanup metrics and timing/pause_delay."""
+        its cleanup metrics and timing/pause_delay. checkpoint=True (a checkpoint follows this pause): retract and
+        in_place abort every request too, since a request kept on a server is in no checkpoint; the groups the
+        strategy drops are those it would drop keeping them, the others go to the restored lane whole."""
         self._raise_error()
-        out = self.sync.run(self._pause(), self.cfg.rollout.pause_timeout_s + PAUSE_MARGIN_S, "Rollout.pause")
+        out = self.sync.run(self._pause(checkpoint), self.cfg.rollout.pause_timeout_s + PAUSE_MARGIN_S,
+                            "Rollout.pause")
         self._raise_error()
         return out
 
@@ -637,7 +646,7 @@ class Rollout:
         self._active[prefix] = active
         restored = [t.response_ids.numel() > 0 for t in trajs]  # (numel: len(tensor) costs ~3 us)
         task = self._spawn(self._generate(active, trajs) if self.fn is single_turn
-                           else self.fn(RolloutContext(self, g, active), t0))
+                           else self.fn(RolloutContext(self, g, active, t0.index), t0))
         timeout = self.cfg.rollout.trajectory_timeout_s
         active.timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, active, task)
         try:
@@ -838,14 +847,17 @@ class Rollout:
             if not self._groups:
                 self._idle.set()
 
-    async def _pause(self) -> dict:
+    async def _pause(self, checkpoint: bool = False) -> dict:
         t0 = time.monotonic()
         self._dispatching = False
         r = self.cfg.rollout
         deadline = t0 + r.pause_timeout_s
         async with self._dispatch_lock:  # groups being dispatched right now are launched (and counted) first
             pass
-        if r.partial and r.pause_mode != "abort":
+        keeps, stale = r.partial and r.pause_mode != "abort", None
+        if keeps and checkpoint:  # every request comes back (below); the strategy drops what keeping would drop
+            stale = await asyncio.to_thread(self.buffer.update_aborts)
+        elif keeps:
             # The servers keep every request (in_place: with its KV cache; retract: recomputed after continue); the
             # weight update runs on the paused servers and resume() continues them. Nothing is aborted, restored or
             # re-sent: the groups stay in flight (requests not yet at a server wait at its pause gate).
@@ -877,7 +889,8 @@ class Rollout:
                         n, url, error)
         partials, self._partials = self._partials, []
         self._stopping = False
-        metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials) or {})
+        kept = () if stale is None else (True, stale)  # retract / in_place before a checkpoint: the keeping verdicts
+        metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, *kept) or {})
         metrics["rollout/partial_aborted_count"] = len(partials)
         metrics["timing/pause_delay"] = time.monotonic() - t0
         return metrics
@@ -1033,7 +1046,7 @@ class DatasetBuffer(Exchange):
             if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
                 self.done.set()
 
-    def step_boundary(self, returned: list[Trajectory]) -> dict:
+    def step_boundary(self, returned: list[Trajectory], keep_in_flight: bool = False, stale=None) -> dict:
         return {}
 
     def set_max_concurrent_samples(self, value: int) -> None:

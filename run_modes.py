@@ -104,7 +104,7 @@ class NoRollout:
     def start(self):
         pass
 
-    def pause(self):
+    def pause(self, checkpoint=False):
         return {}
 
     def resume(self, version):

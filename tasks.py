@@ -178,6 +178,7 @@ ENVS = {"calc_tool": CalcToolEnv, "calc_py": PyToolEnv}
 def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
     """A fresh tool environment for one trajectory of a multi-turn task, built as factory(label, metadata): the
     task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.validate registered there).
+    The rollout's metadata also holds "trajectory_id": (epoch, seq, index), the same across pauses and resumes.
 
     The interface (rollout.multi_turn_tool drives it): `max_turns` (model turns per episode, at most) and
     `step(turn_text) -> Optional[str]`, sync or `async def` (the observation, or None to end the episode; the rollout

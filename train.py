@@ -56,7 +56,7 @@ import preemption  # noqa: E402
 import services as services_lib  # noqa: E402
 import strategies  # noqa: E402
 from actor import Actor  # noqa: E402
-from logger import SAMPLES_PER_STEP, Logger, aggregate, sample_records, trained_group_metrics  # noqa: E402
+from logger import Logger, aggregate, train_samples, trained_group_metrics  # noqa: E402
 from memory import memory_report, optimizer_impl  # noqa: E402
 from run_modes import NoRollout, ReplayBuffer, RolloutRecorder, make_evaluator  # noqa: E402
 from services import RANK0_EXIT_WAIT_S, Services  # noqa: E402
@@ -111,9 +111,10 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
               (colocate: the GPUs' memory goes to the trainer for training and back to the servers after it).
     buffer:   get(k, timeout) -> list[Group], wait(k, timeout) -> dict (see fetch), step_metrics() -> dict,
               state_dict(), set_weight_version(v) (buffer.PipelineServer or its remote.Proxy).
-    rollout:  start(), pause() -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or its remote.Proxy).
+    rollout:  start(), pause(checkpoint) -> dict, resume(version), step_metrics() -> dict (rollout.Rollout or its
+              remote.Proxy).
     logger:   log(step, metrics: dict); metrics hold numbers plus "data/prompt_ids" ([[epoch, data_index], ...]
-              in training order) and "data/samples" (sample_records of a few trained trajectories);
+              in training order) and "data/samples" (logger.train_samples: records of trained trajectories);
               waiting(step, record) while the trainer waits for groups (Logger.waiting).
     evaluate: optional fn(steps_done) -> dict, run every trainer.eval_freq steps and after the last one.
     servers:  optional fn() -> {URL: answering /health}, for the waiting line.
@@ -131,6 +132,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         records: list[dict] = []  # one per training call, aggregated by the spec's naming rule
         prompt_ids, samples = [], []
         done = step + 1
+        save = bool(cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == total  # checkpoint due
 
         # ---- synchronous mode: the whole batch first, then the producer stops (colocate: servers release) ----
         batch = None
@@ -139,7 +141,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 t0 = time.perf_counter()
                 batch = fetch(cfg, buffer, cfg.B, done, logger, servers)
                 m["timing/rollout"] = time.perf_counter() - t0
-                m.update(rollout.pause())
+                m.update(rollout.pause(save))
             if cfg.colocate:
                 m.update(actor.memory_to_trainer() or {})
 
@@ -155,17 +157,18 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                     rec["timing/rollout"] = time.perf_counter() - t0
                 rec.update(trained_group_metrics(groups))
                 prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
-                if len(samples) < SAMPLES_PER_STEP:
-                    samples += sample_records(groups[:SAMPLES_PER_STEP - len(samples)], per_group=1)
+                samples += train_samples(groups, cfg.logging.train_samples, len(samples))
             t0 = time.perf_counter()
             out = actor.train_minibatch(groups, step) or {}
             rec["timing/train"] = time.perf_counter() - t0 - out.get("timing/process_traj", 0.0)
             records.append({**out, **rec})
         m.update(aggregate(records))
+        stop = preemption.stop_here(getattr(actor, "ctrl", None), done, total)  # SIGTERM on a rank: save, then stop
+        save = save or stop
 
         # ---- pause: the producer stops at the step boundary (colocate: the servers take their weights back) ----
-        if rank == 0 and not sync_mode:
-            m.update(rollout.pause())
+        if rank == 0 and not sync_mode:  # before a checkpoint every request comes back, to be in it
+            m.update(rollout.pause(save))
         if sync_mode and cfg.colocate:
             m.update(actor.memory_to_servers() or {})
         if rank == 0:
@@ -173,8 +176,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
             m.update({k: v for k, v in rollout.step_metrics().items() if k not in m})
 
         # ---- checkpoint (buffer state taken while paused: unconsumed, in-flight and restored groups are in it) ----
-        stop = preemption.stop_here(getattr(actor, "ctrl", None), done, total)  # SIGTERM on a rank: save, then stop
-        if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == total or stop:
+        if save:
             t0 = time.perf_counter()
             run_state = {"step": done, "weight_version": done, "buffer": buffer.state_dict()} if rank == 0 else None
             actor.save_checkpoint(done, run_state)

@@ -422,6 +422,20 @@ class SimActor:
         self._spend("release_resume", self.wl.resume_s, t0)
 
 
+class NoCheckpointPause:
+    """The rollout as the workload model sees it: no checkpoint is written (SimActor.save_checkpoint), so no pause
+    brings the kept requests back for one (train.run_steps asks for that at the run's last step)."""
+
+    def __init__(self, ro):
+        self._ro = ro
+
+    def pause(self, checkpoint: bool = False) -> dict:
+        return self._ro.pause()
+
+    def __getattr__(self, name):
+        return getattr(self._ro, name)
+
+
 class Timed:
     """Forwards every attribute of `obj`; the wall time of the named methods is added to `sink[name]`."""
 
@@ -556,8 +570,10 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
         t0 = time.monotonic()
         try:
             train.run_steps(cfg, actor, Timed(buf, {"wait": "wait_data", "get": "wait_data"}, phases),
-                            Timed(ro, {"pause": "pause", "resume": "resume_rollout"}, phases), logger, 0)
-            pending = [(g["epoch"], g["data_index"]) for g in buf.state_dict()["data"]["lane"]]  # paused: settled
+                            Timed(NoCheckpointPause(ro), {"pause": "pause", "resume": "resume_rollout"}, phases),
+                            logger, 0)
+            sd = buf.state_dict()  # paused: settled
+            pending = [(g["epoch"], g["data_index"]) for g in sd["data"]["lane"] + sd["buffered"]]
             dispatched = buf.data.next_seq
             after_last = buf.step_metrics()  # drops of the last weight update, which no step logged
         finally:

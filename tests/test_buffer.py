@@ -359,14 +359,80 @@ def test_state_dict_is_plain_data_for_torch_load_weights_only():
     fresh = make_server(B=2, N=2, stale=1.0)
     fresh.load_state_dict(sd)
     st = fresh.stats(keys=True)
-    assert st["weight_version"] == 4 and st["lane_keys"] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert st["weight_version"] == 4 and st["lane_keys"] == [(0, 1), (0, 2), (0, 3)]
+    assert st["buffered_keys"] == [(0, 0)]  # complete, not trained yet: back in PipelineBuffer as it was
+    assert [t.response_ids.tolist() for t in fresh.get(1, timeout=0)[0].trajectories] == [[0, 0, 7], [0, 1, 7]]
     replayed = fresh.dispatch()
-    assert replayed[0].partial == [] and [t.status for t in replayed[1].partial] == [COMPLETED, ABORTED]
-    assert torch.equal(replayed[1].partial[0].response_ids, torch.tensor([1, 0, 7]))
+    assert [t.status for t in replayed[0].partial] == [COMPLETED, ABORTED] and replayed[1].partial == []
+    assert torch.equal(replayed[0].partial[0].response_ids, torch.tensor([1, 0, 7]))
     with pytest.raises(RuntimeError, match="idle"):
         fresh.load_state_dict(sd)
     with pytest.raises(ValueError, match="format"):
         make_server(B=2, N=2).load_state_dict({"format": 99})
+
+
+def _rich(g, i, start=0):
+    """Trajectory i of group g, aborted mid-episode, with every field a checkpoint must carry: a multi-turn
+    episode's env_turns / env_spans, routes (uint8, [P + T - 1, layers, top-k]), mixed per-token versions."""
+    t = aborted(g, i, start=start, end=start + 1)
+    t.response_ids, t.loss_mask = torch.tensor([g.seq, i, 5, 6, 9]), torch.tensor([1, 1, 0, 0, 1])
+    t.rollout_log_probs = torch.tensor([-0.25, -0.5, 0.0, 0.0, -1.5])
+    t.versions = torch.tensor([start, start, start, start, start + 1])
+    t.routed_experts = torch.arange((3 + 5 - 1) * 2 * 2, dtype=torch.uint8).reshape(7, 2, 2)
+    t.metadata = {"env_turns": [["1=", "=5\n"]], "env_spans": [[2, 4]], "attempts": 2,
+                  "finish_reason": {"type": "abort", "message": None}}
+    return t
+
+
+def _same(a: Trajectory, b: Trajectory) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) if isinstance(getattr(a, f), torch.Tensor)
+               else getattr(a, f) == getattr(b, f) for f in vars(a))
+
+
+def test_a_boundary_before_a_checkpoint_restores_kept_groups_whole_into_a_weights_only_state():
+    """rollout.pause_mode in_place (retract alike) with a checkpoint due: the pause aborted every request and handed
+    every unfinished trajectory back with update_aborts()'s keys (Rollout.pause(checkpoint=True)). The groups keeping
+    would drop (abort by staleness, prime-rl M=1) are dropped as keeping drops them; every other group in flight
+    goes to the restored lane with all N trajectories (put, partial or never started). The state holds each one
+    field for field through torch.load(weights_only=True), and a resumed buffer hands them out first, with the
+    weight version they were dispatched under."""
+    def server():
+        return make_server(B=2, N=3, stale=0.0, window="prime-rl", n_prompts=40,
+                           overrides=["rollout.partial=true", "rollout.pause_mode=in_place",
+                                      "fully_async.policy_param=1", "rollout.async_max_concurrent_samples=12"])
+
+    srv = server()
+    g0, g1, g2, g3 = srv.dispatch()
+    srv.put(finish(g0, 3))
+    srv.get(1, timeout=0)
+    srv.step_boundary([], keep_in_flight=True)  # a boundary without a checkpoint: g1, g2, g3 kept in flight
+    srv.set_weight_version(1)
+    g4, = srv.dispatch(1)  # dispatched under version 1
+    srv.put([traj(g1, 0)] + finish(g2, 3) + [traj(g4, 2, start=1)])  # g2 complete: buffered
+    stale = srv.update_aborts()
+    assert stale == [(0, 1), (0, 3)]  # started under version 0: 2 - 0 > M; g4: 2 - 1 = 1
+    back = [_rich(g1, 1), _rich(g1, 2)] + [_rich(g3, i) for i in range(3)] + [_rich(g4, 0, start=1)]
+    back.append(aborted(g4, 1, start=-1, end=-1))  # a request that had generated nothing
+    m = srv.step_boundary(back, keep_in_flight=True, stale=stale)
+    assert m["rollout/update_dropped_groups"] == 2 and m["rollout/restored_groups"] == 1
+    assert m["rollout/kept_in_flight_groups"] == 0 and m["rollout/partial_restored_count"] == 3
+    st = srv.stats(keys=True)
+    assert st["in_flight_keys"] == [] and st["lane_keys"] == [(0, 4)] and st["buffered_keys"] == [(0, 2)]
+    f = io.BytesIO()
+    torch.save(srv.state_dict(), f)
+    f.seek(0)
+    fresh = server()
+    fresh.load_state_dict(torch.load(f, weights_only=True))
+    assert fresh.stats(keys=True)["buffered_keys"] == [(0, 2)]  # complete: back where it was, as it was
+    assert all(_same(a, b) for a, b in zip(fresh.pbuf.groups()[0].trajectories, finish(g2, 3)))
+    fresh.set_weight_version(2)  # asked about at the resumed run's first weight update, as it would have been
+    assert fresh.stats(keys=True)["buffered_keys"] == [] and fresh.step_metrics()["rollout/policy_drop"] == 1
+    second, = fresh.dispatch(1)  # in flight: continued, with the version it was dispatched under
+    assert second.prompt_id == (0, 4) and second.metadata["dispatch_version"] == 1
+    saved = [back[5], back[6], traj(g4, 2, start=1)]  # by index: partial, nothing generated, put
+    assert [t.index for t in second.partial] == [0, 1, 2]
+    assert all(_same(a, b) for a, b in zip(second.partial, saved))
+    assert second.partial[0].routed_experts.dtype == torch.uint8
 
 
 def test_trajectories_pickle_short_tensors_as_bytes_and_come_back_equal():
@@ -401,22 +467,22 @@ def test_trajectories_pickle_short_tensors_as_bytes_and_come_back_equal():
 def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window, keep):
     """Partial rollouts, a held group, leftovers in PipelineBuffer and a crash-resume in the middle of the epoch:
     the trainer still sees each of the epoch's prompts exactly once. keep_in_flight (rollout.pause_mode retract /
-    in_place): the boundaries keep the groups in flight, some with only part of their trajectories put, and the
-    checkpoint is taken with them in flight; the crash loses what the rollout held, the resume regenerates it."""
+    in_place): the boundaries keep the groups in flight, some with only part of their trajectories put, except the
+    one before the checkpoint, whose pause hands every unfinished trajectory back (Rollout.pause(checkpoint=True)):
+    the checkpoint holds them all, and after the crash each continues from its saved tokens."""
     n_prompts, B, N = 24, 4, 2
     rng = random.Random(0)
     srv = make_server(B=B, N=N, stale=1.0, window=window, n_prompts=n_prompts)
-    trained, trained_ids, version = [], [], 0
+    trained, version = [], 0
     groups, pending = {}, {}  # what "the rollout" holds: dispatched groups, and the trajectories not yet put
-    in_flight_at_checkpoint = []
+    saved = {}
     for step in range(n_prompts // B + 3):
         if step == 3:  # checkpoint after the step boundary, "crash", resume into a new process's buffer
             sd = srv.state_dict()
-            in_flight_at_checkpoint = srv.stats(keys=True)["in_flight_keys"]
-            trained_before = len(trained_ids)
-            assert bool(in_flight_at_checkpoint) == keep
+            assert srv.stats()["R"] == 0  # nothing in flight: every trajectory of those groups is in the state
+            saved = {(g["epoch"], g["seq"], t["index"]): t for g in sd["data"]["lane"] for t in g["partial"]}
             statuses = [{t["status"] for t in g["partial"]} for g in sd["data"]["lane"]]
-            assert any(len(st) > 1 and ABORTED in st for st in statuses)  # some put, the rest regenerated
+            assert any(len(st) > 1 and ABORTED in st for st in statuses)  # some put, the rest partial
             srv = make_server(B=B, N=N, stale=1.0, window=window, n_prompts=n_prompts)
             srv.load_state_dict(sd)
             groups, pending = {}, {}  # the rollout process died with them
@@ -424,6 +490,8 @@ def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window
         while consumed < B:
             for g in srv.dispatch():
                 assert g.prompt_id not in groups, f"group {g.prompt_id} dispatched twice"
+                for t in g.partial if step == 3 else []:  # the resume hands out each saved trajectory as saved
+                    assert torch.equal(t.response_ids, saved.pop(g.prompt_id + (t.index,))["response_ids"])
                 groups[g.prompt_id] = g
                 pending[g.prompt_id] = set(range(N))
             for key in sorted(pending):
@@ -441,21 +509,29 @@ def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window
                 continue
             got = srv.get(take, timeout=0)
             trained += [(g.prompt.epoch, g.prompt.data_index) for g in got]
-            trained_ids += [g.prompt.prompt_id for g in got]
             for g in got:
                 groups.pop(g.prompt.prompt_id, None)  # (a group buffered before a boundary is not held)
             consumed += take
-        if keep:
+        if keep and step != 2:
             srv.step_boundary([], keep_in_flight=True)
-        else:
-            srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in pending[k]])
+        else:  # (keep: the pause before the checkpoint aborts every request, handing back their trajectories)
+            stale = srv.update_aborts() if keep else None
+            srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in pending[k]], keep, stale)
             pending.clear()
             groups.clear()  # everything in flight went to the restored lane
         version += 1
         srv.set_weight_version(version)
+    for _ in range(4):  # the end: what is in flight or restored finishes, and everything buffered is trained
+        for g in srv.dispatch():
+            groups[g.prompt_id], pending[g.prompt_id] = g, set(range(N))
+        for key in sorted(pending):
+            srv.put([t for t in finish(groups[key], N, version=version) if t.index in pending[key]])
+        pending.clear()
+        q = srv.stats()["Q"]
+        trained += [(g.prompt.epoch, g.prompt.data_index) for g in (srv.get(q, timeout=0) if q else [])]
     epoch0 = [idx for e, idx in trained if e == 0]
     assert sorted(epoch0) == list(range(n_prompts))
-    assert set(in_flight_at_checkpoint) <= set(trained_ids[trained_before:])  # regenerated after the resume
+    assert not saved  # every saved trajectory was handed out again
 
 
 # ---------------------------------------------------------------------------------------------------------

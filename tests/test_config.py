@@ -73,6 +73,7 @@ RULES = [
     (["rollout.max_weight_staleness=-1"], None, ["rollout.max_weight_staleness"]),
     (["rollout.filter_stop_groups=-1"], None, ["rollout.filter_stop_groups must be >= 0", "got -1"]),
     (["logging.wait_line_s=-1"], None, ["logging.wait_line_s must be >= 0", "got -1"]),
+    (["logging.train_samples=-2"], None, ["logging.train_samples must be >= 0", "or -1 (every trained", "got -2"]),
     (["rollout.filter=[failed, short]"], None, ["rollout.filter", "short"]),
     (["rollout.filter=[all_equal_reward]", "data_source.num_trajectories_per_prompt=1",
       "trainer.mini_batch_size=1"], None, ["rollout.filter", "data_source.num_trajectories_per_prompt"]),

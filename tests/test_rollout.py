@@ -6,6 +6,7 @@ every producer test runs against standins/engine.py serving the tiny model, star
 import asyncio
 import contextlib
 import copy
+import io
 import json
 import random
 import re
@@ -736,18 +737,21 @@ class RecordingBuffer(buffer.Exchange):
         self.put_keys += [t.prompt_id + (t.index,) for t in trajs]
         return self.inner.put(trajs)
 
-    def step_boundary(self, returned, keep_in_flight=False):
+    def step_boundary(self, returned, *args):
         self.returned.append(copy.deepcopy(returned))
-        return self.inner.step_boundary(returned, keep_in_flight)
+        return self.inner.step_boundary(returned, *args)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
 @contextlib.contextmanager
-def producer(cfg, tokenizer):
-    """A PipelineServer over the task's train prompts, a Fleet, a started Rollout; all stopped afterwards."""
+def producer(cfg, tokenizer, state=None):
+    """A PipelineServer over the task's train prompts (resumed from the buffer `state`: its state_dict), a Fleet, a
+    started Rollout; all stopped afterwards."""
     buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")]))
+    if state is not None:
+        buf.load_state_dict(state)
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tokenizer)
     try:
@@ -899,6 +903,59 @@ def test_kept_pause_continues_every_request_across_a_weight_update(server, token
             spanning += 0 < k < T
     assert spanning > 0, "no kept request was generating across the update"
     assert consumed["rollout/partial_ratio"] > 0 and consumed["rollout/partial_span_max"] == 1
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_pause_before_a_checkpoint_brings_every_request_back_and_a_resumed_run_continues_each(server, tokenizer,
+                                                                                                mode):
+    """rollout.pause_mode retract / in_place with a checkpoint due (Rollout.pause(checkpoint=True)): the servers keep
+    nothing, and every group in flight (requests kept since an earlier boundary among them) is restored whole. The
+    buffer's state, through torch.load(weights_only=True) into a new buffer and producer (a resumed run on newer
+    weights), continues each trajectory from its saved tokens: its first k tokens, log-probs and versions are the
+    saved ones, the rest are new tokens of the resumed weights; a finished one is trained as it was saved."""
+    cfg = make_cfg(server["url"], "rollout.partial=true", f"rollout.pause_mode={mode}",
+                   "rollout.sampling.max_new_tokens=400")
+    wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 10, "the previous test's requests to end")
+    v0 = sglang_client.parse_version(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"],
+                                     "/model_info")
+    with producer(cfg, tokenizer) as (buf, ro, sync):
+        wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
+        assert "rollout/kept_in_flight_groups" in ro.pause()  # a boundary without a checkpoint keeps them
+        sync.update_weights_from_disk(server["model"], v0 + 1, cfg.flush_on_update)
+        buf.set_weight_version(v0 + 1)
+        ro.resume(v0 + 1)
+        wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
+        pause = ro.pause(checkpoint=True)
+        assert engine_load(server["url"])[:2] == (0, 0) and buf.stats()["R"] == 0  # nothing kept anywhere
+        assert pause["rollout/partial_aborted_count"] == len(buf.returned[-1]) > 0
+        f = io.BytesIO()
+        torch.save(buf.state_dict(), f)
+    f.seek(0)
+    state = torch.load(f, weights_only=True)
+    saved = {(g["epoch"], g["seq"], t["index"]): t for g in state["data"]["lane"] for t in g["partial"]}
+    cut = [k for k, t in saved.items() if t["status"] == "aborted" and len(t["response_ids"]) > 0]
+    assert cut, "the pause caught no request mid-response"
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+    try:  # the resumed run's weights are on the servers before its producer starts (train.main)
+        sync.update_weights_from_disk(server["model"], v0 + 2, cfg.flush_on_update)
+    finally:
+        sync.close()
+    with producer(cfg, tokenizer, state) as (buf, ro, sync):
+        final, deadline = {}, time.monotonic() + 60
+        while not saved.keys() <= final.keys():
+            assert time.monotonic() < deadline, f"saved trajectories {sorted(saved.keys() - final.keys())} never came"
+            for g in buf.get(1, timeout=60):
+                final.update({t.prompt_id + (t.index,): t for t in g.trajectories})
+        ro.pause()
+    for key, s in saved.items():
+        t, k = final[key], len(s["response_ids"])
+        assert torch.equal(t.response_ids[:k], s["response_ids"]) and torch.equal(t.versions[:k], s["versions"])
+        assert torch.equal(t.rollout_log_probs[:k], s["rollout_log_probs"])
+        if s["status"] != "aborted":  # finished before the pause: as it was
+            assert len(t.response_ids) == k and t.status == s["status"]
+        else:  # generated after the resume: the total minus what was saved, all of the resumed weights
+            assert t.versions[k:].tolist() == [v0 + 2] * (len(t.response_ids) - k) and len(t.response_ids) > k
+            assert t.metadata["restored"] == s["metadata"].get("restored", 0) + 1
 
 
 # Pausing as real SGLang behaves: requests queued, registering (registered, not yet at the scheduler, where an abort

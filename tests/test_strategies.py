@@ -805,7 +805,7 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     """torchrun train.py with the prime-rl preset at M = 0 on the CPU default (standins/engine.py, 2 ranks): in-place
     pauses, and before each one the rollout aborts every group started under older weights (buffer.update_aborts), and
     the buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
-    the last checkpoint's replay."""
+    the last checkpoint (its restored lane or its buffered groups)."""
     import subprocess
 
     import checkpoint
@@ -828,11 +828,113 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
     assert len(trained) == 16 and len(set(trained)) == 16, trained
     dropped = sum(row[k] for row in rows for k in ("rollout/filter_drop", "rollout/staleness_drop",
                                                    "rollout/policy_drop", "rollout/update_dropped_groups"))
-    state = checkpoint.load_run_state(checkpoint.latest_checkpoint(str(run_dir)))["buffer"]["data"]
-    pending = {(g["epoch"], g["data_index"]) for g in state["lane"]}
+    buffer_state = checkpoint.load_run_state(checkpoint.latest_checkpoint(str(run_dir)))["buffer"]
+    state = buffer_state["data"]
+    pending = {(g["epoch"], g["data_index"]) for g in state["lane"] + buffer_state["buffered"]}
     assert not pending & set(trained)
     assert len(trained) + dropped + len(pending) == state["next_seq"], (len(trained), dropped, pending, state)
     assert all(row["rollout/staleness_max"] == 0 for row in rows)  # M = 0: nothing older than the trainer's weights
     # Dispatch is eager, so at each boundary groups beyond the step's batch exist: aborted in flight or dropped
     # from the buffer at the update (which of the two depends on timing; their sum does not vanish)
     assert sum(row["rollout/update_dropped_groups"] + row["rollout/policy_drop"] for row in rows) > 0
+
+
+class _FakeRollout:
+    """A seeded producer for one PipelineServer, the way rollout.Rollout drives it: dispatch, put some trajectories
+    (some groups only partly), the trainer takes B groups a step, then the boundary of rollout.partial /
+    rollout.pause_mode, or the pause before a checkpoint (Rollout.pause(checkpoint=True)). `trace` is what the
+    buffer did: the groups dispatched, trained and dropped, step by step."""
+
+    def __init__(self, srv, seed, partial, mode):
+        self.srv, self.rng, self.partial, self.mode = srv, random.Random(seed), partial, mode
+        self.groups, self.pending, self.trace, self.version = {}, {}, [], 0
+
+    def step(self, checkpoint=False):
+        srv, B, N, consumed, out = self.srv, self.srv.B, self.srv.N, 0, []
+        for _ in range(1000):
+            if consumed == B:
+                break
+            for g in srv.dispatch():
+                self.groups[g.prompt_id], self.pending[g.prompt_id] = g, set(range(srv.N))
+                out.append(("dispatch", g.prompt_id, len(g.partial)))
+            for key in sorted(self.pending):
+                if self.rng.random() < 0.4:
+                    idx = set(sorted(self.pending[key])[:1]) if self.rng.random() < 0.5 else self.pending[key]
+                    self._finish(key, idx)
+            take = min(B - consumed, srv.stats()["Q"])
+            if take:
+                got = srv.get(take, timeout=0)
+                out.append(("trained", [g.prompt_id for g in got]))
+                consumed += take
+            elif self.pending:
+                self._finish(min(self.pending), self.pending[min(self.pending)])
+        else:
+            raise AssertionError("the schedule made no progress")
+        if not self.partial:  # drain: the pause waits for everything
+            for key in sorted(self.pending):
+                self._finish(key, self.pending[key])
+            m = srv.step_boundary([])
+        elif self.mode == "abort" or checkpoint:
+            stale = srv.update_aborts() if self.mode != "abort" else None
+            back = [aborted(self.groups[k], i, start=self.version, end=self.version) for k in sorted(self.pending)
+                    for i in sorted(self.pending[k])]
+            m = srv.step_boundary(back, *(() if stale is None else (True, stale)))
+            self.groups, self.pending = {}, {}
+        else:
+            stale = srv.update_aborts()
+            m = srv.step_boundary([aborted(self.groups[k], i, start=self.version, end=self.version) for k in stale
+                                   for i in sorted(self.pending.get(k, ()))], True)
+            for k in stale:
+                self.pending.pop(k, None)
+        out.append(("boundary", {k: v for k, v in m.items() if v}))
+        out.append(("metrics", {k: v for k, v in srv.step_metrics().items() if v and k.endswith(
+            ("_drop", "dropped_groups", "discarded_tokens", "collected_groups", "consumed_groups", "_size"))}))
+        self.trace.append(out)
+
+    def update(self):
+        self.version += 1
+        self.srv.set_weight_version(self.version)
+
+    def _finish(self, key, idx):
+        self.srv.put([t for t in finish(self.groups[key], self.srv.N, version=self.version) if t.index in idx])
+        self.pending[key] = self.pending[key] - set(idx)
+        if not self.pending[key]:
+            del self.pending[key]
+
+
+@pytest.mark.parametrize("name", sorted(strategies.REGISTRY))
+def test_a_resumed_buffer_goes_on_as_the_one_that_saved_the_checkpoint(name):
+    """Every strategy, in each update action it accepts: the same seeded schedule drives a buffer through a
+    checkpoint boundary and on, and drives a second one resumed from that checkpoint (the state through
+    torch.load(weights_only=True), its first weight update as train.main does it): from the boundary on, both
+    dispatch, restore, train and drop the same groups (a resumed run behaves as the uninterrupted one would)."""
+    cls = strategies.REGISTRY[name]
+    C = cls.capacity(None, 2, 2) if issubclass(cls, strategies.Preset) else 4
+    actions = strategies.build(name, 2, C, True, None, 2).actions  # (a preset may set its own in __init__)
+    settings = [a.rollout_settings for a in actions] or [(True, "abort"), (True, "retract"), (False, "abort")]
+    for partial, mode in settings:
+        def server():
+            over = [f"rollout.partial={str(partial).lower()}", f"rollout.pause_mode={mode}"]
+            if issubclass(cls, strategies.Preset):
+                return make_server(B=2, N=2, stale=0.0, window=name, overrides=over, n_prompts=40)
+            return make_server(B=2, N=2, stale=1.0, window=name, overrides=over, n_prompts=40)
+
+        a = _FakeRollout(server(), 7, partial, mode)
+        for step in range(3):
+            a.step()
+            a.update()
+        a.step(checkpoint=True)
+        f = io.BytesIO()
+        torch.save(a.srv.state_dict(), f)
+        f.seek(0)
+        assert a.srv.stats()["R"] == 0 or not partial  # a checkpoint boundary leaves nothing in flight
+        b = _FakeRollout(server(), None, partial, mode)
+        b.srv.load_state_dict(torch.load(f, weights_only=True))
+        b.rng.setstate(a.rng.getstate())
+        b.version, mark = a.version, len(a.trace)
+        for run in (a, b):
+            run.update()
+            for step in range(4):
+                run.step()
+                run.update()
+        assert a.trace[mark:] == b.trace, (name, partial, mode)
