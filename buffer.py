@@ -6,15 +6,12 @@ restored lane), TrajQueue (trajectories -> complete groups), the collector threa
 decided by one function, PipelineServer._verdict (rollout.filter, the strategy's rollout.max_weight_staleness rule and
 its keep, the update action), and carried out and counted by one, PipelineServer._apply, at collection, at the weight
 update and at the step boundary. Semantics: docs/design.md, counted in prompt groups (R in flight, Q buffered, C
-capacity; strategies.py holds the dispatch/collection/keep rules and the update actions).
-
-Simplifications: one lock guards all state (every operation is O(groups in flight), a few hundred at most).
-
-Settings: `BufferSettings` (defaults included), so a PipelineServer runs with one's own producer and consumer
-without the run's config (docs/copy_a_piece.md). The buffer process is started by workers.py (train.py does this):
-python workers.py buffer --config RESOLVED.yaml --rpc-init tcp://host:port --rank R --world-size W.
-Tests: python -m pytest -q tests/test_buffer.py tests/test_strategies.py.
-Imports only the standard library, torch and strategies.py (itself stdlib-only).
+capacity; strategies.py holds the dispatch/collection/keep rules and the update actions). One lock guards all state
+(every operation is O(groups in flight), a few hundred at most). Settings: `BufferSettings` (defaults included), so a
+PipelineServer runs with one's own producer and consumer without the run's config (docs/copy_a_piece.md). workers.py
+starts the buffer process: python workers.py buffer --config RESOLVED.yaml --rpc-init tcp://host:port --rank R
+--world-size W. Tests: tests/test_buffer.py, tests/test_strategies.py. Imports the standard library, torch and
+strategies.py (itself stdlib-only) only.
 """
 from __future__ import annotations
 
@@ -547,17 +544,13 @@ class Exchange:
 
 class PipelineServer(Exchange):
     """The buffer process's object: the rollout calls dispatch/put/step_boundary, the trainer get/step_metrics.
-
-    Bounds (all in prompt groups unless said otherwise, all in step_metrics()):
-      C = int(B * (1 + stale_steps)) in fully-async mode, B + num_oversample in synchronous mode;
-      R + Q <= C (synchronous: consumed this step + R + Q <= C), so TrajQueue holds <= C groups (<= C * N
-      trajectories), PipelineBuffer <= C groups, the restored lane <= C groups;
-      generating groups <= rollout.async_max_concurrent_samples // N when that is set.
-    With `collector_thread=False` the collection runs inside put() (deterministic; used by the property tests);
-    the rules are identical. `settings` is a BufferSettings, or a config.Config that passed config.validate (its
-    buffer_settings() is taken).
-    `decode` (token ids -> text) writes the sample prompt and response of wait()'s stop message; default: the ids.
-    """
+    Bounds (in prompt groups unless said otherwise, all in step_metrics()): C = int(B * (1 + stale_steps)) in
+    fully-async mode, B + num_oversample in synchronous mode; R + Q <= C (synchronous: consumed this step + R + Q
+    <= C), so TrajQueue holds <= C groups (<= C * N trajectories), PipelineBuffer and the restored lane <= C groups
+    each; generating groups <= rollout.async_max_concurrent_samples // N when that is set. `collector_thread=False`:
+    the collection runs inside put() (deterministic, for the property tests; the same rules). `settings`: a
+    BufferSettings, or a validated config.Config (its buffer_settings()). `decode` (token ids -> text) writes the
+    prompt and response of wait()'s stop message; default: the ids."""
 
     def __init__(self, settings, prompts_per_source: list, collector_thread: bool = True,
                  decode: Optional[Callable[[list], str]] = None):
@@ -660,22 +653,15 @@ class PipelineServer(Exchange):
     def step_boundary(self, returned: list, keep_in_flight: bool = False, stale: Optional[list] = None) -> dict:
         """After the rollout paused: restore complete groups, drop incomplete ones, clear TrajQueue, reset strategy.
 
-        `returned` are the trajectories the pause handed back (aborted partial ones, possibly finished ones).
-        A group with all N trajectories (finished or not) goes to the restored lane with them as `partial`; a group
-        with none at all goes back as it was dispatched (nothing was generated, nothing is lost); a group with
-        some but not all is dropped. PipelineBuffer keeps its groups.
-        keep_in_flight=True (rollout.pause_mode retract / in_place: the servers kept every request) leaves in-flight
-        groups and TrajQueue as they are, except the groups of update_aborts() (abort by staleness), whose
-        trajectories `returned` then holds: those groups are dropped. With `stale` given, the pause aborted every
-        request instead, so that the checkpoint that follows holds every partial trajectory (rollout.Rollout.pause):
-        the groups of `stale` (what update_aborts() said before the pause) are dropped as keeping drops them, and
-        every group keeping would keep goes to the restored lane with all N trajectories (put, handed back, or not
-        started), as the group of an aborting boundary does: nothing stays in flight. The strategy and the step's
-        count are reset.
-        The strategy's update-time action (self.action) applies to what is restored: restart throws the partial
-        tokens away, abort by staleness drops groups that started too long before the next weights.
-        Every group in flight gets a verdict (_verdict) that _apply carries out; the returned dict counts them.
-        """
+        `returned`: the trajectories the pause handed back (aborted partial ones, possibly finished ones). A group with
+        all N trajectories goes to the restored lane with them as `partial`, one with none goes back as dispatched, one
+        with some but not all is dropped; PipelineBuffer keeps its groups. keep_in_flight=True (pause_mode retract /
+        in_place: the servers kept every request) leaves in-flight groups as they are but those of update_aborts(),
+        whose trajectories `returned` holds and which are dropped. `stale` given (a checkpoint follows: the pause
+        aborted every request, rollout.Rollout.pause): the groups of `stale` are dropped as keeping drops them, every
+        other one goes to the lane with all N trajectories (put, handed back or not started): nothing stays in flight.
+        The update action (self.action) applies to what is restored (restart: partial tokens thrown away; abort by
+        staleness). Every group in flight gets a verdict (_verdict) that _apply carries out; the dict counts them."""
         for t in returned:
             _check_trajectory(t, self.N)
         with self._cond:
@@ -839,15 +825,11 @@ class PipelineServer(Exchange):
             return out
 
     def state_dict(self) -> dict:
-        """Data-source cursor, weight version and every prompt not yet consumed, with every trajectory generated
-        for it: the restored lane (with partial responses), groups in flight (with the trajectories already put, see
-        _partial_now) and PipelineBuffer's complete groups. Taken after a boundary whose pause was told that a
-        checkpoint follows (rollout.Rollout.pause), nothing is in flight: every trajectory that was generating is in
-        the lane with its tokens, per-token versions and log-probs, loss mask, routes and metadata (a multi-turn
-        episode's env_turns and env_spans), and continues from there after a resume; PipelineBuffer's groups come
-        back into it, to the weight update's verdicts as in the run that saved them. So every prompt of an epoch is
-        trained exactly once across a resume, and nothing generated before the checkpoint (no tool call either) is
-        generated again. Plain data + tensors (torch.save-able, torch.load(weights_only=True)-able)."""
+        """Data-source cursor, weight version and every prompt not consumed yet with every trajectory generated for it:
+        the restored lane, groups in flight (_partial_now) and PipelineBuffer's groups. After a pause told that a
+        checkpoint follows nothing is in flight: each cut trajectory is in the lane whole (tokens, versions, log-probs,
+        loss mask, routes, env_turns / env_spans) and continues from there after a resume, so every prompt of an epoch
+        is trained once and nothing is generated twice. Plain data + tensors (torch.load(weights_only=True)-able)."""
         with self._cond:
             replay = [dataclasses.replace(pg, partial=self._partial_now(key, pg))
                       for key, pg in self._in_flight.items()]
@@ -907,22 +889,17 @@ class PipelineServer(Exchange):
 
     def _verdict(self, place: str, pg: PromptGroup, trajs: list, view: Optional[strategies.PipelineView] = None,
                  returned: frozenset = frozenset()) -> Verdict:
-        """What happens to one group, and why: the one place that decides. Its inputs are rollout.filter and the
-        strategy's rules ((b) its rollout.max_weight_staleness rule, within_max_weight_staleness, and its keep /
-        keep_buffered; (c) the update action: abort by staleness `stale_after`, restart or resume partial), in this
-        order of precedence:
-
+        """What happens to one group, and why: the one place that decides, from rollout.filter and the strategy's
+        rules ((b) rollout.max_weight_staleness, within_max_weight_staleness, and keep / keep_buffered; (c) the update
+        action: abort by staleness `stale_after`, restart or resume partial), in this order of precedence:
           COLLECTED       filter -> within_max_weight_staleness -> strategy.keep(view) -> keep (of the group's
                           survivors, _trained: the failed filter takes failed trajectories out)
           BUFFERED        within_max_weight_staleness -> strategy.keep_buffered(view) -> keep
           IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
                           N present) -> requeue (none present) -> drop as incomplete
           KEPT_IN_FLIGHT  stale_after (or handed back in `returned`: the rollout aborted it as stale) -> keep
-
-        The strategy's rules are asked about the group as a Group (its trajectories with their per-token versions,
-        its start_version). `trajs` are the group's trajectories (in flight: TrajQueue's slots, None where none
-        arrived yet). stale_after counts against the next weights (version + 1): in flight at a weight update, a
-        group runs under those."""
+        The strategy's rules see the group as a Group (per-token versions, start_version). `trajs`: in flight,
+        TrajQueue's slots (None where none arrived yet). stale_after counts against the next weights (version + 1)."""
         if place in (COLLECTED, BUFFERED):
             if place == COLLECTED:
                 reason = self._filter_reason(trajs)
@@ -950,15 +927,12 @@ class PipelineServer(Exchange):
         return Verdict(DROP, "incomplete", f"{len(present)} of {self.N} trajectories")
 
     def _apply(self, place: str, key: Key, pg: PromptGroup, trajs: list, verdict: Verdict) -> None:
-        """Carry out one verdict of _verdict and count it: the one place that acts on a verdict.
-
-        keep: a collected group goes into PipelineBuffer, a buffered or kept-in-flight one stays where it is;
-        restore / restart / requeue: into the restored lane (restart: without its partial trajectories); drop: out of
-        where it is. Counted: every drop once, under DROP_METRICS[reason] (per step, or in the boundary's metrics),
-        with its response tokens in rollout/discarded_tokens (a restart's too); a filter drop also in the waiting
-        line's reasons and the run of filter drops that stops an untrainable run; the step boundary's own counts.
-        A collected group keeps its survivors (_trained): the failed trajectories taken out are counted, their tokens
-        discarded. Collection and an aborting boundary have taken the group out of flight already (_take)."""
+        """Carry out one verdict of _verdict and count it: the one place that acts on a verdict. keep: a collected
+        group goes into PipelineBuffer (its survivors, _trained), a buffered or kept-in-flight one stays; restore /
+        restart / requeue: into the restored lane (restart: without its partial trajectories); drop: out of where it
+        is. Counted: every drop once under DROP_METRICS[reason], its response tokens (and a restart's, and failed
+        trajectories taken out) in rollout/discarded_tokens; a filter drop also in the waiting line's reasons and the
+        run of drops that stops an untrainable run. Collection and an aborting boundary took the group out (_take)."""
         present = [t for t in trajs if t is not None]
         tokens = sum(int(t.response_ids.numel()) for t in present)
         boundary = self._boundary

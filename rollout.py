@@ -237,8 +237,9 @@ class RolloutContext:
         """env.step(turn_text), sync (in a thread) or async, once one of rollout.env_max_concurrent slots is free,
         within rollout.env_step_timeout_s. Returns the observation (None: the episode ends) and records
         [turn_text, observation] in traj.metadata["env_turns"]. A step that raises or times out is run again up to
-        rollout.env_retries times; one that still does, or returns neither a str nor None, marks traj failed (the reason in metadata["error"] and ["env_error"]) and raises
-        EnvStepFailed, which ends the rollout function; the run goes on."""
+        rollout.env_retries times; one that still does, or returns neither a str nor None, marks traj failed (the
+        reason in metadata["error"] and ["env_error"]) and raises EnvStepFailed, which ends the rollout function; the
+        run goes on."""
         return await self.rollout._env_step(self, env, traj, turn_text)
 
     async def restore_env(self, env, traj: Trajectory) -> int:

@@ -605,7 +605,7 @@ def test_env_retries_recover_a_flaky_step_and_never_retry_past_the_limit(monkeyp
                 assert t.status == COMPLETED and t.reward == 1.0
             else:
                 assert t.status == FAILED and t.metadata["env_error"]["turn"] == 1
-                assert t.metadata["error"].endswith(f" (the last of 3 attempts, rollout.env_retries=2)"
+                assert t.metadata["error"].endswith(" (the last of 3 attempts, rollout.env_retries=2)"
                                                     if retries else "raised ConnectionError('dropped attempt 1')")
 
 

@@ -850,7 +850,7 @@ class _FakeRollout:
         self.groups, self.pending, self.trace, self.version = {}, {}, [], 0
 
     def step(self, checkpoint=False):
-        srv, B, N, consumed, out = self.srv, self.srv.B, self.srv.N, 0, []
+        srv, B, consumed, out = self.srv, self.srv.B, 0, []
         for _ in range(1000):
             if consumed == B:
                 break
