@@ -1066,6 +1066,8 @@ def preempted_run(tmp_path_factory, tiny_model):
     _wait_steps(str(run_dir), 1, p)
     out["a"] = signal_at_random(p, 1.5, "A", 2)  # so D and B have steps left to train
     out["a"]["rows"] = _read_rows(run_dir)
+    out["a"]["problem"] = [checkpoint.checkpoint_problem(os.path.join(run_dir, "checkpoints", c))
+                           for c in out["a"]["ckpts"]]  # now: once D has checkpointed too, C's pruning removes it
 
     resumed = int(os.path.basename(checkpoint.latest_checkpoint(str(run_dir))).split("_")[1])
     d_out = tmp_path_factory.mktemp("preempt_d") / "out.txt"
@@ -1106,7 +1108,7 @@ def test_sigterm_to_torchrun_checkpoints_the_step_it_stopped_at_and_exits_in_tim
     stopped = int(lines[0].split("checkpointing step ")[1].split(",")[0])
     assert 1 <= stopped < 8 and [row["step"] for row in a["rows"] if row["step"] > 0] == list(range(1, stopped + 1))
     assert a["ckpts"] == [f"step_{stopped:06d}"], a["ckpts"]  # save_freq=0: only the stop wrote one
-    assert checkpoint.checkpoint_problem(os.path.join(r["run_dir"], "checkpoints", a["ckpts"][0])) is None
+    assert a["problem"] == [None], a["problem"]  # (checked before D and C ran)
     assert a["seconds"] < 30, a["seconds"]  # torchrun's grace (beyond it: its "forcefully exiting" via SIGKILL)
     assert a["rc"] == 1 and "SignalException" in a["err"] and "error: " not in a["err"], a["err"][-3000:]
     assert "forcefully exiting" not in a["err"] and a["err"].count("Traceback") == 1, a["err"][-3000:]  # torchrun's
