@@ -1024,12 +1024,15 @@ def _ckpts(run_dir) -> list:
 
 @pytest.fixture(scope="module")
 def preempted_run(tmp_path_factory, tiny_model):
-    """A: torchrun, SIGTERM to torchrun at a random moment after step 1 (save_freq=0: the stop's checkpoint is the
-    only one). D: a single-process `python train.py` resumed from it, SIGTERM at a random moment of its start-up
-    (after its server is launched; on a fast machine it may be its first step). B: a single-process resume under
-    RLIMIT_FSIZE of half a shard, so the kernel cuts its first checkpoint (save_freq=1) short (EFBIG) partway through
-    the shard file. C: torchrun resumed to the end of the epoch. keep_checkpoints=2 throughout. (B and D are single
-    processes: a torchrun start-up less each; the two-rank write failure is actor_checks'.)"""
+    """A: torchrun, SIGTERM to torchrun at a random moment after step 1, by step 2's row at the latest (save_freq=0:
+    the stop's checkpoint is the only one). D: a single-process `python train.py` resumed from it, SIGTERM at a random
+    moment of its start-up (after its server is launched; on a fast machine it may be its first step), by its first
+    step's row at the latest. (Each moment is bounded by the run's progress, not by time alone: an idle machine
+    trains a step in 0.2 s, and A then trained to the end before its SIGTERM, leaving D and B nothing to train.)
+    B: a single-process resume under RLIMIT_FSIZE of half a shard, so the kernel cuts its first checkpoint
+    (save_freq=1) short (EFBIG) partway through the shard file. C: torchrun resumed to the end of the epoch.
+    keep_checkpoints=2 throughout. (B and D are single processes: a torchrun start-up less each; the two-rank write
+    failure is actor_checks'.)"""
     import resource
 
     run_dir = tmp_path_factory.mktemp("preempt") / "run"
@@ -1040,8 +1043,18 @@ def preempted_run(tmp_path_factory, tiny_model):
     port = next(a for a in base if a.startswith("rollout.base_port=")).split("=")[1]
     out = {"seed": seed, "run_dir": str(run_dir), "port": port}
 
-    def signal_at_random(p, after: float, part: str) -> dict:
-        time.sleep(rng.uniform(0.0, after))  # a random moment of the run (not a synchronisation)
+    def logged() -> int:
+        """The last step in metrics.jsonl (0 while a line is half written)."""
+        with contextlib.suppress(OSError, ValueError):
+            return max((row["step"] for row in _read_rows(run_dir)), default=0)
+        return 0
+
+    def signal_at_random(p, after: float, part: str, by_step: int) -> dict:
+        """SIGTERM at a random moment up to `after` s from now, or once step `by_step` is logged if that is sooner,
+        so that the run stops before the epoch's end whatever the machine's speed."""
+        deadline = time.monotonic() + rng.uniform(0.0, after)  # a random moment of the run (not a synchronisation)
+        while time.monotonic() < deadline and logged() < by_step:
+            time.sleep(0.02)
         assert p.poll() is None, (seed, part, "ended before its SIGTERM", p.stderr.read()[-3000:])
         t0 = time.monotonic()
         os.kill(p.pid, signal.SIGTERM)
@@ -1051,16 +1064,19 @@ def preempted_run(tmp_path_factory, tiny_model):
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *base], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_steps(str(run_dir), 1, p)
-    out["a"] = signal_at_random(p, 1.5, "A")
+    out["a"] = signal_at_random(p, 1.5, "A", 2)  # so D and B have steps left to train
     out["a"]["rows"] = _read_rows(run_dir)
+    out["a"]["problem"] = [checkpoint.checkpoint_problem(os.path.join(run_dir, "checkpoints", c))
+                           for c in out["a"]["ckpts"]]  # now: once D has checkpointed too, C's pruning removes it
 
+    resumed = int(os.path.basename(checkpoint.latest_checkpoint(str(run_dir))).split("_")[1])
     d_out = tmp_path_factory.mktemp("preempt_d") / "out.txt"
     with open(d_out, "w") as f:
         p = subprocess.Popen([PY, "train.py", "--config", TINY, *base, "trainer.num_gpus_per_node=1",
                               "trainer.resume=auto"], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     _wait_log(d_out, "[train] node 0 launched server_0", p, 120.0)
-    out["d"] = signal_at_random(p, 1.0, "D")
+    out["d"] = signal_at_random(p, 1.0, "D", resumed + 1)
     out["d"]["out"] = d_out.read_text()
     out["d"]["children"] = _pids("workers.py", str(run_dir)) + _pids("standins.engine", f"--port {out['port']}")
 
@@ -1092,7 +1108,7 @@ def test_sigterm_to_torchrun_checkpoints_the_step_it_stopped_at_and_exits_in_tim
     stopped = int(lines[0].split("checkpointing step ")[1].split(",")[0])
     assert 1 <= stopped < 8 and [row["step"] for row in a["rows"] if row["step"] > 0] == list(range(1, stopped + 1))
     assert a["ckpts"] == [f"step_{stopped:06d}"], a["ckpts"]  # save_freq=0: only the stop wrote one
-    assert checkpoint.checkpoint_problem(os.path.join(r["run_dir"], "checkpoints", a["ckpts"][0])) is None
+    assert a["problem"] == [None], a["problem"]  # (checked before D and C ran)
     assert a["seconds"] < 30, a["seconds"]  # torchrun's grace (beyond it: its "forcefully exiting" via SIGKILL)
     assert a["rc"] == 1 and "SignalException" in a["err"] and "error: " not in a["err"], a["err"][-3000:]
     assert "forcefully exiting" not in a["err"] and a["err"].count("Traceback") == 1, a["err"][-3000:]  # torchrun's
