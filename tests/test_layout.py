@@ -89,3 +89,12 @@ def test_a_moved_name_is_refused_naming_where_it_went(module, name, new):
     assert attr in dir(importlib.import_module(where))
     with pytest.raises(AttributeError, match=f"^module '{module}' has no attribute 'no_such_name'$"):
         mod.no_such_name
+
+
+def test_no_script_folder_file_shadows_a_root_module():
+    """bench/, examples/ and tests/ go on sys.path when their scripts run (bench/pipeline_sim.py imports train.py):
+    a file there named like a root module would be imported in its place (bench/preemption.py once hid
+    preemption.py from train.run_steps)."""
+    clashes = {d: sorted(set(f[:-3] for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py"))
+                         & set(ROOT_MODULES)) for d in ("bench", "examples", "tests")}
+    assert not any(clashes.values()), f"files named like a root module: {clashes}"

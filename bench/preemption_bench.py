@@ -1,4 +1,4 @@
-"""bench/preemption.py: SIGTERM to torchrun on the CPU default (configs/tiny.yaml, 2 ranks), as a scheduler's
+"""bench/preemption_bench.py: SIGTERM to torchrun on the CPU default (configs/tiny.yaml, 2 ranks), as a scheduler's
 preemption notice: seconds from the signal to torchrun's exit, the step the run stopped at and its checkpoint, the
 exit code of each trainer rank and of torchrun, then `trainer.resume=auto` from it.
 
@@ -14,7 +14,7 @@ torchrun's forwarded SIGTERM as it would without the wrapper. Then the run is re
 every prompt is tests/test_train.py's, with rollout.filter=[failed]).
 
 Run:
-    python bench/preemption.py [--reps 5] [--after 2] [--seed N] [--work DIR]
+    python bench/preemption_bench.py [--reps 5] [--after 2] [--seed N] [--work DIR]
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     work = args.work or tempfile.mkdtemp(prefix="preemption-")
     os.makedirs(work, exist_ok=True)
     args.model = args.model or os.path.join(work, "tiny-base")
-    print(f"bench/preemption.py: seed {seed}, {args.reps} repetitions of configs/tiny.yaml (2 ranks) in {work}",
+    print(f"bench/preemption_bench.py: seed {seed}, {args.reps} repetitions of configs/tiny.yaml (2 ranks) in {work}",
           flush=True)
     out = []
     for i in range(args.reps):
