@@ -68,33 +68,35 @@ SEP = ">"
 
 @dataclass
 class Setup:
-    """One run's recipe; everything that changes a result is here (and in the results file)."""
-    loss: str = "recompute"
+    """One run's recipe; everything that changes a result is here (and in the results file). The defaults are the
+    regime of issue 49's design, gated by --pilot before any sweep (docs/results/staleness.md)."""
+    loss: str = "decoupled_ppo"
     eta: int = 0
     seed: int = 0
-    steps: int = 300
-    lr: float = 1e-4  # the pilot's choice: on-policy learns 0.29 -> 0.43 in 300 steps; 3e-4 is unstable on-policy
+    steps: int = 400
+    lr: float = 1e-4  # set by the pilot (--lr-scan, then --pilot): see docs/results/staleness.md
+    grad_clip: float = 1.0  # max grad norm; the pilot sets ~5x the on-policy median norm
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
     mini_batches: int = 2
-    eval_every: int = 25
+    eval_every: int = 20
     eval_prompts: int = 512
+    probe_prompts: int = 32  # KL(pi_t || pi_0) on this many fixed base samples, every step
     min_digits: int = 4
-    max_digits: int = 12
+    max_digits: int = 16
     scratch: int = 16
-    max_new: int = 30
+    max_new: int = 40
     hidden: int = 128
     layers: int = 2
-    base_pass: tuple = (0.25, 0.40)
-    base_seed: int = 0
+    base_pass: tuple = (0.10, 0.20)
+    base_seed: int = 0  # the sweep splits seeds between two bases: base_seed = seed % 2
 
 
-LOSSES = ("naive", "recompute", "truncated_is", "m2po")
-ETAS = (0, 2, 8, 32)
-# On-policy (eta 0) pi_old = mu up to float error, so recompute (behaviour weight 1) and m2po (nothing masked) are
-# naive PPO: their eta 0 is naive's run, per seed. truncated_is is another estimator even on-policy (REINFORCE with a
-# truncated weight, no clip on the second mini-batch) and runs its own.
-ETA0_IS = {"recompute": "naive", "m2po": "naive"}
+LOSSES = ("naive", "decoupled_ppo", "m2po")
+ETAS = (0, 4, 16)
+# eta 0 is one on-policy run per seed shared by every loss (naive PPO with pi_old = mu): the question is how far each
+# estimator's stale run falls from on-policy learning of the same seed, not whether the estimators differ on-policy.
+ETA0_IS = {"decoupled_ppo": "naive", "m2po": "naive"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,7 +133,8 @@ def reward(text: str, target: str, stopped: bool) -> float:
 
 def _base_recipe(s: Setup) -> dict:
     return {"hidden": s.hidden, "layers": s.layers, "min_digits": s.min_digits, "max_digits": s.max_digits,
-            "scratch": s.scratch, "base_pass": list(s.base_pass), "seed": s.base_seed, "version": 1}
+            "scratch": s.scratch, "base_pass": list(s.base_pass), "seed": s.base_seed, "version": 1,
+            **({"max_new": s.max_new} if s.max_new != 30 else {})}  # 30: the first experiment's, keyed without it
 
 
 def make_base(s: Setup, base_dir: str, log=print) -> str:
@@ -194,11 +197,11 @@ def make_base(s: Setup, base_dir: str, log=print) -> str:
 # Sampling with snapshots: one KV cache per snapshot over all rows; a row that switches snapshot is re-prefilled
 
 @torch.no_grad()
-def sample(models: list, row_model: torch.Tensor, cut: int, prompt_ids: list[list[int]], s: Setup, tok,
+def sample(models: list, row_model: torch.Tensor, cut, prompt_ids: list[list[int]], s: Setup, tok,
            greedy: bool = False, gen: Optional[torch.Generator] = None) -> dict:
     """Sample a response per prompt. row_model [R, 2] long: the index into `models` of the snapshot that samples a
-    row's positions < cut and >= cut. Returns response ids, the sampling log-probs (log mu), the index of the
-    snapshot of each token, and whether the row stopped on eos.
+    row's positions < cut and >= cut; cut an int (every row) or a [R] tensor (each row its own). Returns response
+    ids, the sampling log-probs (log mu), the index of the snapshot of each token, and whether the row stopped on eos.
 
     Each snapshot keeps a KV cache over every row; at each position only the snapshots some live row uses run, and
     one that joins late (the second snapshot at `cut`) first reads every column it has not seen, so its first
@@ -224,12 +227,13 @@ def sample(models: list, row_model: torch.Tensor, cut: int, prompt_ids: list[lis
     mu = torch.zeros(R, s.max_new)
     who = torch.full((R, s.max_new), -1, dtype=torch.long)
     length = torch.zeros(R, dtype=torch.long)
+    cut = torch.as_tensor(cut).expand(R)
     caches: dict = {}  # snapshot index -> [its DynamicCache, the columns it has read]
     # the cache's keyword: `past_key_values` up to transformers 5.24, `cache` from 5.25 (the old name warns)
     kw = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
     for t in range(s.max_new):
         col = start + t
-        use = row_model[:, 0] if t < cut else row_model[:, 1]
+        use = torch.where(t < cut, row_model[:, 0], row_model[:, 1])
         logits = torch.empty(R, models[0].config.vocab_size)
         for m in use[~done].unique().tolist():
             cache = caches.setdefault(m, [DynamicCache(), 0])
@@ -257,13 +261,15 @@ def sample(models: list, row_model: torch.Tensor, cut: int, prompt_ids: list[lis
             "stopped": stopped}
 
 
-def evaluate(model, tok, held: list[tuple[str, str]], s: Setup, batch: int = 256) -> float:
-    """Greedy pass rate on `held`."""
+def evaluate(model, tok, held: list[tuple[str, str]], s: Setup, batch: int = 256,
+             gen: Optional[torch.Generator] = None) -> float:
+    """Pass rate on `held`: greedy, or with `gen` one sample at temperature 1 per prompt (pass@1)."""
     total = 0.0
     for i in range(0, len(held), batch):
         part = held[i:i + batch]
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in part]
-        out = sample([model], torch.zeros(len(part), 2, dtype=torch.long), s.max_new, p_ids, s, tok, greedy=True)
+        out = sample([model], torch.zeros(len(part), 2, dtype=torch.long), s.max_new, p_ids, s, tok,
+                     greedy=gen is None, gen=gen)
         for r, (_, target) in enumerate(part):
             n = int(out["length"][r])
             text = tok.decode(out["ids"][r, out["start"]: out["start"] + n].tolist(), skip_special_tokens=True)
@@ -275,24 +281,52 @@ def evaluate(model, tok, held: list[tuple[str, str]], s: Setup, batch: int = 256
 # One run
 
 def _algo(s: Setup) -> tuple[losses.LossSettings, str, bool]:
-    """The LossSettings, policy_loss name and whether the ratio is taken against mu, for s.loss."""
+    """The LossSettings, policy_loss name and whether old_log_probs are mu (the rollout's) for s.loss. Dual clip is
+    off (LossSettings' default) in every arm."""
     algo = losses.LossSettings()
-    if s.loss == "naive":
+    if s.loss == "naive":  # PPO clipped around mu, no correction: AReaL's naive baseline
         return algo, "ppo", True
-    if s.loss == "recompute":  # decoupled PPO as AReaL's paper has it: with the behaviour weight pi_old / mu
-        algo.is_correction.enable, algo.is_correction.mask_high = True, 5.0  # mask_high: AReaL's behav_imp_weight_cap
-        return algo, "recompute", False
-    if s.loss == "truncated_is":
-        return algo, "truncated_is", False
-    if s.loss == "m2po":
-        algo.m2po.enable = True
-        return algo, "ppo", False
+    if s.loss in ("decoupled_ppo", "m2po"):  # the published estimators at their published defaults (losses.py)
+        return algo, s.loss, False
     raise ValueError(f"--losses: '{s.loss}' is unknown; accepted: {', '.join(LOSSES)}")
 
 
-def _seq_logprobs(model, ids, attn, pos, start) -> torch.Tensor:
+def _seq_logprobs(model, ids, attn, pos, start, full: bool = False) -> torch.Tensor:
+    """Log-probs of the response tokens [R, T], or with full=True the whole log-softmax [R, T, V]."""
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, start - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits, -1)
+    return logp if full else logp.gather(-1, ids[:, start:, None]).squeeze(-1)
+
+
+def make_probe(model, tok, s: Setup) -> dict:
+    """The fixed probe set of KL(pi_t || pi_0): s.probe_prompts eval-split prompts (their own seed), one sample each
+    from the base at temperature 1 (a fixed generator, so every run on a base shares it), and the base's full
+    log-softmax at their response positions."""
+    held = prompts(s, "eval", s.probe_prompts, seed=30_000)
+    p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in held]
+    out = sample([model], torch.zeros(len(p_ids), 2, dtype=torch.long), s.max_new, p_ids, s, tok,
+                 gen=torch.Generator().manual_seed(30_000))
+    mask = torch.arange(s.max_new)[None] < out["length"][:, None]
+    with torch.no_grad():
+        ref = _seq_logprobs(model, out["ids"], out["attn"], out["pos"], out["start"], full=True)
+    return {**out, "mask": mask, "ref": ref}
+
+
+@torch.no_grad()
+def kl_to_base(model, probe: dict) -> float:
+    """KL(pi_t || pi_0) = sum_v pi_t(v) (log pi_t(v) - log pi_0(v)), exact over the vocabulary, averaged over the
+    probe's response positions (contexts fixed: the base's own samples)."""
+    cur = _seq_logprobs(model, probe["ids"], probe["attn"], probe["pos"], probe["start"], full=True)
+    kl = (cur.exp() * (cur - probe["ref"])).sum(-1)
+    return float(kl[probe["mask"]].mean())
+
+
+def _mean_metrics(per_batch: list[dict]) -> dict:
+    """The loss's own train/* metrics (clip and mask fractions: what the estimator applied), averaged over the
+    step's mini-batches, keyed without the prefix."""
+    keys = {k for m in per_batch for k in m if k != "train/pg_loss"}
+    return {k.split("/", 1)[1]: sum(float(m[k]) for m in per_batch if k in m) / sum(k in m for m in per_batch)
+            for k in sorted(keys)}
 
 
 def run(s: Setup, base: str, log=print) -> dict:
@@ -300,19 +334,32 @@ def run(s: Setup, base: str, log=print) -> dict:
 
     torch.manual_seed(s.seed)
     gen = torch.Generator().manual_seed(s.seed)
+    eval_gen = torch.Generator()
     rng = random.Random(s.seed)
     tok = tiny_model.build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(base).float()
     model.eval()  # no dropout: the forward that trains is the forward that scored
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)
     algo, name, against_mu = _algo(s)
+    if name not in losses.POLICY_LOSSES:
+        raise ValueError(f"losses.py has no policy loss '{name}' (--losses {s.loss}); it has "
+                         f"{', '.join(losses.POLICY_LOSSES)}")
     loss_fn = losses.POLICY_LOSSES[name]
     train_prompts = prompts(s, "train", 4096, seed=s.seed)
     held = prompts(s, "eval", s.eval_prompts, seed=20_000)
+    probe = make_probe(model, tok, s)
     snaps = {0: copy.deepcopy(model.state_dict())}  # version -> weights, the last eta + 1 kept
     behaviour = [copy.deepcopy(model), copy.deepcopy(model)]
-    rows, evals, norms, t0 = [], [], [], time.perf_counter()
-    evals.append((0, evaluate(model, tok, held, s)))
+    rows, evals, evals_t1, t0 = [], [], [], time.perf_counter()
+
+    def do_eval(step: int) -> dict:  # greedy, and temperature-1 pass@1 (one sample a prompt, seeded by the step)
+        e = {"greedy": evaluate(model, tok, held, s),
+             "t1": evaluate(model, tok, held, s, gen=eval_gen.manual_seed(40_000 + step))}
+        evals.append((step, e["greedy"]))
+        evals_t1.append((step, e["t1"]))
+        return e
+
+    do_eval(0)
     for step in range(1, s.steps + 1):
         v = step - 1  # the version the step starts from
         v_old = max(0, v - s.eta)
@@ -323,10 +370,10 @@ def run(s: Setup, base: str, log=print) -> dict:
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in batch for _ in range(s.samples_per_prompt)]
         R = len(p_ids)
         row_model = torch.zeros(R, 2, dtype=torch.long)
-        if s.eta > 0:
+        if s.eta > 0:  # half the trajectories were in flight at a step boundary: each switches at its own cut
             switch = torch.randperm(R, generator=gen)[: R // 2]
             row_model[switch, 1] = 1
-        cut = rng.randint(1, s.max_new - 1)
+        cut = torch.randint(1, s.max_new, (R,), generator=gen)  # past a row's end: that row never switched
         out = sample(behaviour, row_model, cut, p_ids, s, tok, gen=gen)
         start, T = out["start"], s.max_new
         mask = torch.arange(T)[None] < out["length"][:, None]
@@ -342,31 +389,36 @@ def run(s: Setup, base: str, log=print) -> dict:
             old = _seq_logprobs(model, out["ids"], out["attn"], out["pos"], start)
         diag = {k.split("/")[1]: v for k, v in losses.offpolicy_diagnostics(  # the trainer's train/* diagnostics
             losses.offpolicy_diagnostic_sums(old, out["mu"], adv, mask.float(), algo.clip_high)).items()}
-        grad_norms, metrics = [], {}
+        grad_norms, per_batch = [], []
         for idx in torch.randperm(R, generator=gen).chunk(s.mini_batches):
             lp = _seq_logprobs(model, out["ids"][idx], out["attn"][idx], out["pos"][idx], start)
             ref = out["mu"][idx] if against_mu else old[idx]
             batch = losses.TokenBatch(lp, ref, out["mu"][idx], adv[idx], mask[idx].float(), versions[idx], v + 1)
             loss, metrics = loss_fn(batch, algo, float(mask[idx].sum()))
+            per_batch.append(metrics)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)))  # pre-clip
             opt.step()
         snaps[v + 1] = copy.deepcopy(model.state_dict())
         for old_v in [k for k in snaps if k < v + 1 - s.eta - 1]:
             del snaps[old_v]
-        norms.append(max(grad_norms))
-        row = {"step": step, "reward": float(rewards.mean()), "grad_norm": norms[-1],
-               "staleness": float((v - token_version.float())[mask].mean()), **diag,
+        row = {"step": step, "reward": float(rewards.mean()), "grad_norm": max(grad_norms),
+               "grad_norms": grad_norms, "staleness": float((v - token_version.float())[mask].mean()),
+               "new_snapshot_token_frac": float((out["who"] == 1)[mask].float().mean()), **diag,
+               "loss_metrics": _mean_metrics(per_batch), "kl_to_base": kl_to_base(model, probe),
                "response_len": float(out["length"].float().mean())}
         if step % s.eval_every == 0 or step == s.steps:
-            evals.append((step, evaluate(model, tok, held, s)))
-            row["eval"] = evals[-1][1]
-            log(f"[{s.loss} eta={s.eta} seed={s.seed}] step {step}: eval {row['eval']:.3f}, reward {row['reward']:.3f}, "
-                f"ess {diag['is_ess']:.3f}, m2 {diag['is_log_ratio_m2']:.4f}, grad {norms[-1]:.3f}, "
-                f"{time.perf_counter() - t0:.0f} s")
+            e = do_eval(step)
+            row["eval"], row["eval_t1"] = e["greedy"], e["t1"]
+            log(f"[{s.loss} eta={s.eta} seed={s.seed}] step {step}: eval {e['greedy']:.3f} (t=1 {e['t1']:.3f}), "
+                f"reward {row['reward']:.3f}, ess {diag['is_ess']:.3f}, m2 {diag['is_log_ratio_m2']:.4f}, "
+                f"neg_high {diag['neg_adv_high_ratio_frac']:.4f}, kl0 {row['kl_to_base']:.4f}, "
+                f"grad {row['grad_norm']:.3f}, {time.perf_counter() - t0:.0f} s")
         rows.append(row)
-    return summarise_run(s, rows, evals, time.perf_counter() - t0)
+    result = summarise_run(s, rows, evals, time.perf_counter() - t0)
+    result["evals_t1"] = evals_t1
+    return result
 
 
 def _eval_drop(evals: list) -> Optional[int]:
@@ -388,16 +440,23 @@ def summarise_run(s: Setup, rows: list, evals: list, seconds: float) -> dict:
         if norms[i] > 10 * med:
             collapsed_at = rows[i]["step"] if collapsed_at is None else min(collapsed_at, rows[i]["step"])
             break
+    best, drop = -1.0, 0.0
+    for v in values:
+        best = max(best, v)
+        drop = max(drop, best - v)
     return {"setup": asdict(s), "final_eval": sum(values[-3:]) / len(values[-3:]), "auc": sum(values) / len(values),
-            "collapsed": collapsed_at is not None, "collapsed_at": collapsed_at, "evals": evals, "rows": rows,
-            "seconds": round(seconds, 1)}
+            "collapsed": collapsed_at is not None, "collapsed_at": collapsed_at, "max_drop": drop,
+            "final_kl_to_base": (sum(r["kl_to_base"] for r in rows[-3:]) / len(rows[-3:])
+                                 if rows and "kl_to_base" in rows[0] else None),
+            "evals": evals, "rows": rows, "seconds": round(seconds, 1)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The sweep: resumable, a process per run
 
 def _key(setup: dict) -> tuple:
-    return (setup["loss"], setup["eta"], setup["seed"], setup["steps"], setup["lr"])
+    return (setup["loss"], setup["eta"], setup["seed"], setup["steps"], setup["lr"], setup.get("grad_clip", 1.0),
+            setup.get("base_seed", 0), setup.get("max_new", 30))
 
 
 def _done(path: str) -> set:
@@ -413,7 +472,8 @@ def _worker(args):
     return run(s, base, log=lambda m: print(m, flush=True))
 
 
-def sweep(setups: list[Setup], base: str, out: str, workers: int) -> None:
+def sweep(setups: list[Setup], bases: dict, out: str, workers: int) -> None:
+    """Run `setups` (each on bases[its base_seed]) on `workers` processes, appending each finished run to `out`."""
     import multiprocessing as mp
 
     todo = [s for s in setups if _key(asdict(s)) not in _done(out)]
@@ -421,7 +481,7 @@ def sweep(setups: list[Setup], base: str, out: str, workers: int) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
-        for i, result in enumerate(pool.imap_unordered(_worker, [(s, base) for s in todo]), 1):
+        for i, result in enumerate(pool.imap_unordered(_worker, [(s, bases[s.base_seed]) for s in todo]), 1):
             with open(out, "a") as f:  # one line per finished run: an interrupted sweep loses only the runs in flight
                 f.write(json.dumps(result) + "\n")
             st = result["setup"]
@@ -557,6 +617,90 @@ def summary(path: str, margin: float, png: Optional[str], seeds: Optional[list] 
     return "\n".join(lines)
 
 
+GATE = {"gain": 0.15, "half_by": 40, "half_frac": 0.5, "neg_high": 0.03}  # stated before any sweep (issue 49)
+
+
+def _eval_at(r: dict, step: int) -> float:
+    """The eval at `step`, or the last one before it (evals run every eval_every steps: 20 puts one at step 40)."""
+    return [e for st, e in r["evals"] if st <= step][-1]
+
+
+def pilot_gate(path: str, eta: int) -> tuple[str, bool]:
+    """The gate a regime must meet before the sweep, on the two-seed pilot in `path` (naive at eta 0 = on-policy,
+    naive at `eta`): mean on-policy gain (final eval - step-0 eval) >= 0.15; at most half of it reached by step 40
+    (mean over seeds of the step-40 gain); naive's neg_adv_high_ratio_frac at `eta`, averaged over its steps,
+    >= 0.03. Returns the table and whether every item holds."""
+    with open(path) as f:
+        results = [json.loads(line) for line in f if line.strip()]
+    lines, ok_all = [], True
+    for lr, clip in sorted({(r["setup"]["lr"], r["setup"].get("grad_clip", 1.0)) for r in results}):
+        on = [r for r in results if r["setup"]["loss"] == "naive" and r["setup"]["eta"] == 0
+              and (r["setup"]["lr"], r["setup"].get("grad_clip", 1.0)) == (lr, clip)]
+        st = [r for r in results if r["setup"]["loss"] == "naive" and r["setup"]["eta"] == eta
+              and (r["setup"]["lr"], r["setup"].get("grad_clip", 1.0)) == (lr, clip)]
+        if not on:
+            continue
+        gains = [r["final_eval"] - r["evals"][0][1] for r in on]
+        gain = sum(gains) / len(gains)
+        early = sum(_eval_at(r, GATE["half_by"]) - r["evals"][0][1] for r in on) / len(on)
+        frac = early / gain if gain > 0 else math.inf
+        nh = (sum(row["neg_adv_high_ratio_frac"] for r in st for row in r["rows"]) / sum(len(r["rows"]) for r in st)
+              if st else math.nan)
+        norms = sorted(n for r in on for row in r["rows"] for n in row.get("grad_norms", [row["grad_norm"]]))
+        items = [gain >= GATE["gain"], frac <= GATE["half_frac"], nh >= GATE["neg_high"]]
+        ok_all &= all(items)
+        curves = "; ".join(f"seed {r['setup']['seed']}: " + " ".join(f"{e:.2f}" for _, e in r["evals"]) for r in on)
+        st_final = ", ".join(f"{r['final_eval']:.3f}" for r in st)
+        lines.append(f"| {lr:g} | {clip:g} | {len(on)} + {len(st)} | {gain:+.3f} ({'met' if items[0] else 'NOT met'}) | "
+                     f"{frac:.2f} ({'met' if items[1] else 'NOT met'}) | {nh:.4f} ({'met' if items[2] else 'NOT met'}) |"
+                     f" {norms[len(norms) // 2]:.3f} | {st_final} | {curves} |")
+    head = [f"| lr | grad clip | runs (on-policy + naive eta {eta}) | on-policy gain (>= {GATE['gain']}) | "
+            f"share of it by step {GATE['half_by']} (<= {GATE['half_frac']}) | naive neg_adv_high_ratio_frac at eta "
+            f"{eta} (>= {GATE['neg_high']}) | on-policy median grad norm | naive eta {eta} final evals | "
+            "on-policy greedy evals (every eval step) |", "|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(head + lines), ok_all
+
+
+def outcomes(path: str, eta: int = 16) -> str:
+    """The pre-registered outcomes of the sweep (issue 49), per loss at `eta` against the shared on-policy run of the
+    same seed: degrades if the mean paired difference is below -max(0.03, 0.25 x gain) with its 95% interval
+    excluding 0, or if >= 3 of 8 runs drop >= 0.2 below their running maximum; holds only with equivalence at that
+    margin (TOST, 90% interval inside +-margin) AND its final KL from the base >= 70% of on-policy's (mean over
+    seeds); otherwise undecided."""
+    with open(path) as f:
+        results = [json.loads(line) for line in f if line.strip()]
+    on = {r["setup"]["seed"]: r for r in results if r["setup"]["loss"] == "naive" and r["setup"]["eta"] == 0}
+    gain = sum(r["final_eval"] - r["evals"][0][1] for r in on.values()) / max(1, len(on))
+    margin = max(0.03, 0.25 * gain)
+    lines = [f"On-policy gain {gain:+.3f} over {len(on)} seeds; margin max(0.03, 0.25 x gain) = {margin:.3f}.", "",
+             f"| loss | eta | pairs | diff vs on-policy (95% CI) | runs dropping >= 0.2 | equivalent at +-{margin:.3f} "
+             "| KL from base, end (vs on-policy) | outcome |", "|---|---|---|---|---|---|---|---|"]
+    for loss in LOSSES:
+        for e in sorted({r["setup"]["eta"] for r in results if r["setup"]["eta"] > 0}):
+            runs = [r for r in results if r["setup"]["loss"] == loss and r["setup"]["eta"] == e
+                    and r["setup"]["seed"] in on]
+            if len(runs) < 2:
+                continue
+            d = [r["final_eval"] - on[r["setup"]["seed"]]["final_eval"] for r in runs]
+            m, lo, hi = mean_ci(d)
+            drops = sum(r.get("max_drop", 0.0) >= 0.2 for r in runs)
+            eq = equivalent(d, margin)
+            kl = sum(r["final_kl_to_base"] for r in runs) / len(runs)
+            kl_on = sum(on[r["setup"]["seed"]]["final_kl_to_base"] for r in runs) / len(runs)
+            if (m < -margin and hi < 0) or drops >= 3:
+                verdict = "degrades"
+            elif eq and kl_on > 0 and kl >= 0.7 * kl_on:
+                verdict = "holds"
+            elif eq:
+                verdict = "equivalent but moved < 70% as far (slowed, not shown to hold)"
+            else:
+                verdict = "undecided"
+            lines.append(f"| {loss} | {e} | {len(d)} | {m:+.3f} ({lo:+.3f}, {hi:+.3f}) | {drops} | "
+                         f"{'yes' if eq else 'not shown'} | {kl:.4f} "
+                         f"({f'{kl / kl_on:.2f}x' if kl_on > 0 else 'on-policy 0'}) | {verdict} |")
+    return "\n".join(lines)
+
+
 def _plot(by: dict, losses_: list, etas: list, png: str) -> None:
     import matplotlib
 
@@ -594,53 +738,69 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="results file (jsonl, appended; finished runs are skipped)")
     p.add_argument("--losses", default=",".join(LOSSES))
     p.add_argument("--etas", default=",".join(map(str, ETAS)))
-    p.add_argument("--seeds", default="0-7", help="e.g. 0-7 or 8,9,10")
+    p.add_argument("--seeds", default="0-7", help="e.g. 0-7 or 8,9,10; seed s runs on base s %% 2")
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--lr", type=float, default=Setup.lr)
+    p.add_argument("--grad-clip", type=float, default=Setup.grad_clip)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--base-dir", default=os.path.join(ROOT, "runs", "staleness_bases"))
-    p.add_argument("--every-eta0", action="store_true",
-                   help="run eta 0 for every loss (default: recompute and m2po share naive's, ETA0_IS)")
-    p.add_argument("--summary", action="store_true", help="print the table of --out (and draw --png) and stop")
+    p.add_argument("--summary", action="store_true", help="print the tables of --out (and draw --png) and stop")
     p.add_argument("--png", default=None)
     p.add_argument("--summary-seeds", default=None, help="--summary of these seeds only (e.g. 0-3), to compare seed sets")
-    p.add_argument("--margin", type=float, default=0.05, help="equivalence margin on the final eval")
+    p.add_argument("--margin", type=float, default=0.05, help="equivalence margin of the first experiment's table")
+    p.add_argument("--lr-scan", default=None, metavar="LRS",
+                   help="on-policy (naive, eta 0) on seed 0 at each of these learning rates (e.g. 1e-4,2e-4,4e-4): "
+                        "the largest whose eval still rises steadily to the last step, halved, is the pilot's")
     p.add_argument("--pilot", action="store_true",
-                   help="naive and recompute at eta 8, lr in {1e-4, 3e-4}, seeds 0-1: the rate at which they "
-                        "separate (at 1e-3 even on-policy recompute fell to a pass rate of 0 within 10 steps)")
+                   help="the gate before a sweep: on-policy and naive at the largest --etas, seeds 0-1 (one on each "
+                        "base), at --lr and --grad-clip; prints the gate table and whether it is met")
     p.add_argument("--quick", action="store_true", help="a few steps of a smaller setup (seconds), for tests")
     a = p.parse_args(argv)
+    etas = [int(e) for e in a.etas.split(",")]
     if a.summary:
         print(summary(a.out, a.margin, a.png, _seeds(a.summary_seeds) if a.summary_seeds else None))
+        print()
+        print(outcomes(a.out, max(etas)))
         return
-    base_setup = Setup(steps=a.steps, lr=a.lr)
+    base_setup = Setup(steps=a.steps, lr=a.lr, grad_clip=a.grad_clip)
     if a.quick:
         base_setup = replace(base_setup, steps=4, eval_every=2, eval_prompts=16, prompts_per_step=2,
                              samples_per_prompt=4, min_digits=1, max_digits=3, scratch=2, max_new=8, hidden=32,
-                             layers=1, base_pass=(0.1, 1.0))
-    for name in a.losses.split(","):
+                             layers=1, base_pass=(0.1, 1.0), probe_prompts=4)
+    names = a.losses.split(",")
+    for name in names:
         if name not in LOSSES:
             p.error(f"--losses: '{name}' is unknown; accepted: {', '.join(LOSSES)}")
-    base = make_base(base_setup, a.base_dir)
-    if a.pilot:
-        setups = [replace(base_setup, loss=loss, eta=8, seed=seed, lr=lr)
-                  for lr in (1e-4, 3e-4) for loss in ("naive", "recompute") for seed in (0, 1)]
-    else:  # eta 0 of a loss in ETA0_IS is its twin's run unless --every-eta0
-        names = a.losses.split(",")
-        setups = [replace(base_setup, loss=loss, eta=int(eta), seed=seed)
-                  for seed in _seeds(a.seeds) for eta in a.etas.split(",") for loss in names
-                  if int(eta) > 0 or ETA0_IS.get(loss) not in names or a.every_eta0]
+    if a.lr_scan:
+        setups = [replace(base_setup, loss="naive", eta=0, seed=0, lr=float(lr)) for lr in a.lr_scan.split(",")]
+    elif a.pilot:
+        setups = [replace(base_setup, loss="naive", eta=eta, seed=seed, base_seed=seed % 2)
+                  for seed in (0, 1) for eta in (0, max(etas))]
+    else:  # eta 0 is one on-policy run per seed, shared by every loss (ETA0_IS)
+        setups = [replace(base_setup, loss=loss, eta=eta, seed=seed, base_seed=seed % 2)
+                  for seed in _seeds(a.seeds) for eta in etas for loss in names
+                  if eta > 0 or loss not in ETA0_IS]
+        if 0 in etas and any(n in ETA0_IS for n in names) and "naive" not in names:
+            setups += [replace(base_setup, loss="naive", eta=0, seed=seed, base_seed=seed % 2)
+                       for seed in _seeds(a.seeds)]
+    bases = {b: make_base(replace(base_setup, base_seed=b), a.base_dir) for b in sorted({x.base_seed for x in setups})}
     if a.quick:
-        todo = [s for s in setups if _key(asdict(s)) not in _done(a.out)]
+        todo = [x for x in setups if _key(asdict(x)) not in _done(a.out)]
         print(f"[sweep] {len(setups) - len(todo)} of {len(setups)} runs already in {a.out}; {len(todo)} to go")
-        for s in todo:  # in this process: seconds
-            result = run(s, base)
+        for x in todo:  # in this process: seconds
+            result = run(x, bases[x.base_seed])
             with open(a.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
+    else:
+        sweep(setups, bases, a.out, a.workers)
+    if a.pilot:
+        table, ok = pilot_gate(a.out, max(etas))
+        print(table)
+        print(f"[pilot] gate {'MET' if ok else 'NOT met'}")
+    elif not a.lr_scan:
         print(summary(a.out, a.margin, a.png))
-        return
-    sweep(setups, base, a.out, a.workers)
-    print(summary(a.out, a.margin, a.png))
+        print()
+        print(outcomes(a.out, max(etas)))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ import staleness_experiment as se  # noqa: E402
 
 def test_quick_sweep_imposes_staleness_and_resumes(tmp_path, capsys):
     out, bases = tmp_path / "r.jsonl", tmp_path / "bases"
-    argv = ["--quick", "--out", str(out), "--base-dir", str(bases), "--losses", "naive,recompute", "--etas", "0,2",
-            "--seeds", "0"]
+    argv = ["--quick", "--out", str(out), "--base-dir", str(bases), "--losses", "naive,decoupled_ppo", "--etas",
+            "0,2", "--seeds", "0"]
     se.main(argv)  # in this process: the quick base (a 1-layer model at a ~20% pass rate) and three 4-step runs
     printed = capsys.readouterr().out
     runs = {(r["setup"]["loss"], r["setup"]["eta"]): r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(runs) == [("naive", 0), ("naive", 2), ("recompute", 2)]  # eta 0 once, shared
+    assert sorted(runs) == [("decoupled_ppo", 2), ("naive", 0), ("naive", 2)]  # eta 0 once, shared
     for (loss, eta), r in runs.items():
         rows = r["rows"]
         assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
@@ -26,15 +26,23 @@ def test_quick_sweep_imposes_staleness_and_resumes(tmp_path, capsys):
             oldest, newest = max(0, v - eta), max(0, min(v, v - eta + (eta + 1) // 2))
             assert v - newest - 1e-9 <= row["staleness"] <= v - oldest + 1e-9, (loss, eta, row)
             assert 0.0 < row["is_ess"] <= 1.0 + 1e-9 and row["is_log_ratio_m2"] >= 0.0
+            # what an analysis needs, every step: KL from the base on the probe set, the pre-clip grad norm of
+            # each mini-batch, the loss's own clip / mask fractions, the share of tokens from the newer snapshot
+            assert row["kl_to_base"] >= 0.0 and len(row["grad_norms"]) == 2 and row["loss_metrics"]
+            assert 0.0 <= row["new_snapshot_token_frac"] <= 1.0
+        assert rows[0]["kl_to_base"] > 0.0  # one update moved the policy off the base (exact KL, not a sample)
+        assert [st for st, _ in r["evals_t1"]] == [st for st, _ in r["evals"]]  # greedy and t=1 pass@1, each eval
         if eta == 0:  # on-policy: the trainer's forward reproduces the sampler's log-probs
             assert all(abs(row["is_ess"] - 1) < 1e-5 and row["is_log_ratio_m2"] < 1e-8 for row in rows), rows
+            assert all(row["new_snapshot_token_frac"] == 0.0 for row in rows)
         else:
             assert rows[-1]["staleness"] >= 1.0
         assert 0.0 <= r["final_eval"] <= 1.0 and len(r["evals"]) >= 2
     assert "| naive | 2 |" in printed  # the summary table
     naive0 = next(ln for ln in printed.splitlines() if ln.startswith("| 0.0001 | naive | 0 |"))
-    recompute0 = next(ln for ln in printed.splitlines() if ln.startswith("| 0.0001 | recompute | 0 |"))
-    assert naive0.split("|")[4:] == recompute0.split("|")[4:]  # recompute's eta 0 is naive's run
+    decoupled0 = next(ln for ln in printed.splitlines() if ln.startswith("| 0.0001 | decoupled_ppo | 0 |"))
+    assert naive0.split("|")[4:] == decoupled0.split("|")[4:]  # decoupled_ppo's eta 0 is the shared on-policy run
+    assert "| outcome |" in printed  # the pre-registered outcomes table follows
     se.main(argv)
     assert "3 of 3 runs already" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 3  # every run was already there: none ran twice
@@ -61,12 +69,16 @@ def test_cached_sampler_log_probs_are_the_sampling_snapshots(tmp_path):
             p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in se.prompts(s, "train", 16, 0)]
     row_model = torch.zeros(16, 2, dtype=torch.long)
-    row_model[::2, 1] = 1  # half the rows switch to the second snapshot at position 5
-    out = se.sample([m0, m1], row_model, 5, p_ids, s, tok, gen=torch.Generator().manual_seed(0))
+    row_model[::2, 1] = 1  # half the rows switch to the second snapshot, each at its own cut
+    cut = torch.arange(16) % 7 + 2  # 2..8
+    out = se.sample([m0, m1], row_model, cut, p_ids, s, tok, gen=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = [se._seq_logprobs(m, out["ids"], out["attn"], out["pos"], out["start"]) for m in (m0, m1)]
     who = out["who"]
-    assert bool((who[1::2] <= 0).all()) and bool((who[::2, 5:][who[::2, 5:] >= 0] == 1).all())
+    assert bool((who[1::2] <= 0).all())
+    for r in range(0, 16, 2):  # a switching row: the first snapshot before its cut, the second from it on
+        assert bool((who[r, :cut[r]][who[r, :cut[r]] >= 0] == 0).all()), (r, who[r])
+        assert bool((who[r, cut[r]:][who[r, cut[r]:] >= 0] == 1).all()), (r, who[r])
     assert int((who == 1).sum()) > 10  # the switch happened on sampled tokens
     ref = torch.where(who == 1, full[1], full[0])
     sampled = who >= 0
