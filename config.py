@@ -315,11 +315,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+RENAMED_KEYS = {  # a config key this project no longer has -> the sentence that refuses it, naming the new one
+    "algorithm.m2po.enable": "algorithm.m2po.enable is now algorithm.m2_mask.enable (with algorithm.m2_mask.tau): "
+                             "AReaL's M2PO mask of log(pi_old / mu) inside the PPO clip; the published M2PO, ratio "
+                             "pi_theta / mu and no clip, is algorithm.policy_loss=m2po (algorithm.m2po.tau)",
+}
+
+
 def _from_dict(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
+        if prefix + k in RENAMED_KEYS:
+            raise ValueError(RENAMED_KEYS[prefix + k])
         if k not in names:
             raise ValueError(f"unknown config key '{prefix}{k}'; {cls.__name__} accepts: {', '.join(sorted(names))}")
         tp = hints[k]
@@ -556,11 +565,22 @@ def validate(cfg: Config) -> Config:
             raise ValueError(f"data_sources[{i}].num_trajectories_per_prompt ({ds.num_trajectories_per_prompt}) must "
                              f"equal data_sources[0].num_trajectories_per_prompt ({N}): groups of one step share N")
     a = cfg.algorithm
-    if a.m2po.enable and cfg.trainer.use_rollout_log_probs:
-        raise ValueError("algorithm.m2po.enable=true cannot be combined with trainer.use_rollout_log_probs=true: "
-                         "M2PO measures old_log_probs - rollout_log_probs, which would be zero")
-    if a.m2po.enable:
-        _positive(a.m2po.tau, "algorithm.m2po.tau")
+    if a.m2_mask.enable and cfg.trainer.use_rollout_log_probs:
+        raise ValueError("algorithm.m2_mask.enable=true cannot be combined with trainer.use_rollout_log_probs=true: "
+                         "the mask measures old_log_probs - rollout_log_probs, which would be zero")
+    if a.m2_mask.enable:
+        _positive(a.m2_mask.tau, "algorithm.m2_mask.tau")
+    _positive(a.m2po.tau, "algorithm.m2po.tau")
+    dp = a.decoupled_ppo
+    if dp.behav_imp_weight_cap is not None and dp.behav_imp_weight_cap <= 1:
+        raise ValueError(f"algorithm.decoupled_ppo.behav_imp_weight_cap must be > 1 (AReaL's 5) or null (no behaviour "
+                         f"weight), got {dp.behav_imp_weight_cap}")
+    if dp.behav_imp_weight_action not in losses.BEHAVIOUR_WEIGHT_ACTIONS:
+        raise ValueError(f"algorithm.decoupled_ppo.behav_imp_weight_action must be one of "
+                         f"{', '.join(losses.BEHAVIOUR_WEIGHT_ACTIONS)}, got '{dp.behav_imp_weight_action}'")
+    if a.truncated_is.epsilon_high < 0:
+        raise ValueError(f"algorithm.truncated_is.epsilon_high must be >= 0 (PipelineRL's 0.02), "
+                         f"got {a.truncated_is.epsilon_high}")
     if a.opsm.enable and a.opsm.delta < 0:
         raise ValueError(f"algorithm.opsm.delta must be >= 0, got {a.opsm.delta}")
     if not 0 <= a.clip_low < 1:

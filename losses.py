@@ -10,12 +10,13 @@ Formulas and sources: docs/algorithms.md; the log-probs they take: logprobs.py. 
     defined with `@register(name, reads_old_log_probs=..., check=...)` (a loss of your own, chosen as module:function,
     with `@register(reads_old_log_probs=..., check=...)`: no name), declaring what config.validate checks:
       ppo            PPO clip (asymmetric, DAPO) + dual-clip, with the off-policy corrections chosen in
-                     `algorithm.*`: IS correction (token / sequence, truncated, optionally masked), M2PO, OPSM; three
-                     loss aggregation modes; NaN/inf tokens counted and excluded
-      truncated_is   PipelineRL's truncated IS against the engine's log-probs
-      recompute      AReaL's decoupled PPO, the proximal policy recomputed (the step-start forward)
-      loglinear      AReaL's decoupled PPO, the proximal policy interpolated by version
-                     (`loglinear_proximal_log_probs`)
+                     `algorithm.*`: IS correction (token / sequence, truncated, optionally masked), AReaL's M2PO mask
+                     (m2_mask), OPSM; four loss aggregation modes; NaN/inf tokens counted and excluded
+      truncated_is   PipelineRL's truncated IS against the engine's log-probs, at its epsilon and normalisation
+      decoupled_ppo  AReaL's decoupled PPO, the proximal policy recomputed (the step-start forward), the behaviour
+                     weight pi_prox / mu masked above its cap (`behaviour_weight`)
+      loglinear      the same, the proximal policy interpolated by version (`loglinear_proximal_log_probs`)
+      m2po           M2PO's paper: ratio pi_theta / mu, the second-moment mask instead of the clip
       gspo           ppo with GSPO's sequence-level ratio
       cispo          ppo with CISPO's clipped, detached weight on log pi_theta instead of the clip
   - `LossSettings`: the settings every function here reads (the run config's `algorithm` section), with defaults.
@@ -24,14 +25,13 @@ Formulas and sources: docs/algorithms.md; the log-probs they take: logprobs.py. 
   - `offpolicy_warning`: the start-up warning for fully-async runs whose PPO ratio is taken against rollout log-probs.
 
 Simplifications: padded [B, T] tensors, one sequence per row (no packed rows); no KL-to-reference or entropy-bonus
-term and no value function (GRPO); approx_kl is the k1 estimator mean(log pi_old - log pi_theta); M2PO is applied
-over the tokens of each call (a micro-batch), which still bounds the mini-batch's M2 (see `m2po_mask`).
+term and no value function (GRPO); approx_kl is the k1 estimator mean(log pi_old - log pi_theta); M2PO's mask is
+taken over the tokens of each call (a micro-batch), as AReaL does (see `second_moment_keep`).
 
 Run the tests:      .venv/bin/python -m pytest -q tests/test_losses.py
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Union
@@ -54,7 +54,7 @@ class AdvantageSettings:
 
 @dataclass
 class ISCorrectionSettings:
-    enable: bool = False  # truncated IS between old_log_probs (recompute, loglinear: pi_prox) and rollout_log_probs
+    enable: bool = False  # truncated IS between old_log_probs and rollout_log_probs (ppo, gspo, cispo)
     level: str = "token"  # token | sequence
     clip: float = 2.0  # C: weights are min(rho, C)
     mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
@@ -62,9 +62,25 @@ class ISCorrectionSettings:
 
 
 @dataclass
+class M2MaskSettings:
+    enable: bool = False  # AReaL's M2PO mask (m2_threshold): drop the largest (log pi_old - log mu)^2 tokens
+    tau: float = 0.04  # the kept tokens' mean squared log-ratio stays below tau
+
+
+@dataclass
 class M2POSettings:
-    enable: bool = False  # second-moment masking of the largest old-vs-rollout log-ratio outliers
-    tau: float = 0.04  # target bound on the mean squared log-ratio of the kept tokens
+    tau: float = 0.04  # policy_loss=m2po: the kept tokens' mean (log pi_theta - log mu)^2 stays below tau
+
+
+@dataclass
+class DecoupledPPOSettings:
+    behav_imp_weight_cap: Optional[float] = 5.0  # pi_prox / mu above it: masked (or clamped); null = no weight
+    behav_imp_weight_action: str = "mask"  # mask (AReaL's paper) | clamp (AReaL's action=clamp: min(w, cap))
+
+
+@dataclass
+class TruncatedISSettings:
+    epsilon_high: float = 0.02  # policy_loss=truncated_is: pi_theta / mu truncated at 1 + epsilon_high
 
 
 @dataclass
@@ -79,10 +95,13 @@ class LossSettings:
     clip_low: float = 0.2  # PPO lower clip: ratio >= 1 - clip_low
     clip_high: float = 0.28  # PPO upper clip (DAPO clip-higher): ratio <= 1 + clip_high
     dual_clip_c: Optional[float] = None  # dual-clip constant c > 1 for negative advantages; None = off
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    policy_loss: str = "ppo"  # ppo | truncated_is | recompute | loglinear | gspo | cispo | module:function
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    policy_loss: str = "ppo"  # ppo | truncated_is | decoupled_ppo | loglinear | m2po | gspo | cispo | module:function
     is_correction: ISCorrectionSettings = field(default_factory=ISCorrectionSettings)
+    m2_mask: M2MaskSettings = field(default_factory=M2MaskSettings)
+    decoupled_ppo: DecoupledPPOSettings = field(default_factory=DecoupledPPOSettings)
     m2po: M2POSettings = field(default_factory=M2POSettings)
+    truncated_is: TruncatedISSettings = field(default_factory=TruncatedISSettings)
     opsm: OPSMSettings = field(default_factory=OPSMSettings)
     routing_replay: bool = False  # MoE only: the trainer routes each token to the experts the server chose (R3)
 
@@ -126,6 +145,8 @@ def offpolicy_token_mask(versions: Tensor, loss_mask: Tensor) -> Tensor:
 # The loss of a mini-batch is  sum over its sequences/tokens (numerator)  /  D  (denominator):
 #   token-mean (DAPO, default):  sum_{i,t} l_it                 / D = number of loss tokens in the mini-batch
 #   seq-mean-token-mean:         sum_i (sum_t l_it / |o_i|)     / D = number of sequences with >= 1 loss token
+#   seq-mean-token-sum           sum_{i,t} l_it                 / D = that number of sequences
+#     (PipelineRL):
 #   seq-mean-token-sum-norm      sum_{i,t} l_it                 / D = that number of sequences x norm_len, with
 #     (Dr. GRPO):                                                    norm_len a constant (the trainer passes
 #                                                                    rollout.sampling.max_new_tokens)
@@ -134,7 +155,7 @@ def offpolicy_token_mask(versions: Tensor, loss_mask: Tensor) -> Tensor:
 # mini-batch: D = all_reduce_sum over ranks of sum over its micro-batches of loss_denominator(mask, mode, norm_len),
 # and passes that same D to every policy loss call. Then the micro-batch losses of all ranks sum to the
 # mini-batch loss (FSDP averages gradients over the R ranks, so the trainer scales each loss by R).
-# Off-policy masks (NaN, M2PO, MIS, OPSM) zero tokens' contributions; they never change D.
+# Off-policy masks (NaN, M2PO, MIS, OPSM, the behaviour-weight cap) zero tokens' contributions; they never change D.
 
 class Aggregation(NamedTuple):
     numerator: Callable[[Tensor, Tensor], Tensor]  # (loss_mat [B, T] zero off the loss, loss_mask [B, T] bool) -> []
@@ -167,6 +188,7 @@ def _count_sequences_times_norm_len(mask: Tensor, norm_len: Optional[int]) -> fl
 LOSS_AGG: dict[str, Aggregation] = {
     "token-mean": Aggregation(_sum_tokens, _count_tokens),
     "seq-mean-token-mean": Aggregation(_sum_sequence_token_means, _count_sequences),
+    "seq-mean-token-sum": Aggregation(_sum_tokens, _count_sequences),
     "seq-mean-token-sum-norm": Aggregation(_sum_tokens, _count_sequences_times_norm_len),
 }
 
@@ -270,29 +292,35 @@ def is_correction(b: TokenBatch, cfg) -> Correction:
     return Correction(b.loss_mask & kept, w.expand_as(b.loss_mask), metrics)
 
 
-def m2po_mask(b: TokenBatch, cfg) -> Correction:
-    """M2PO (Zheng et al. 2025, https://arxiv.org/abs/2510.01161): mask only the extreme old-vs-rollout outliers.
+def second_moment_keep(sq: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """M2PO's mask (Zheng et al. 2025, https://arxiv.org/abs/2510.01161, as AReaL 1.0.4 computes it:
+    areal/trainer/ppo/actor.py, _get_m2po_loss_mask): sq [B, T] squared log-ratios, mask [B, T] bool -> keep [B, T].
 
-    M2 = mean over loss tokens of (log pi_old - log mu)^2. Tokens are sorted by that squared log-ratio, largest first,
-    and the fewest top tokens are masked such that the remaining tokens' mean is <= tau (algorithm.m2po.tau).
-    Computed over the tokens of this call: if every micro-batch's kept tokens have mean M2 <= tau, so does their
-    union, so the mini-batch bound holds (a few more tokens may be masked than a global pass would).
-    """
-    mu = _needs(b, "rollout_log_probs", "algorithm.m2po.enable=true")
-    m2 = (b.old_log_probs.double() - mu.double()).detach().square()
-    flat_mask = b.loss_mask.flatten()
-    # Non-loss tokens sort last with value 0, so they add nothing to the sums below.
-    vals, order = torch.where(flat_mask, m2.flatten(), -1.0).sort(descending=True)
-    vals = vals.clamp(min=0)
-    # rest_sum[k] = sum of the values left after masking the top k; k runs 0..n_all.
-    rest_sum = torch.cat([vals.flip(0).cumsum(0).flip(0), vals.new_zeros(1)])
-    remaining = flat_mask.sum() - torch.arange(rest_sum.numel(), device=vals.device)
-    ok = (remaining <= 0) | (rest_sum <= cfg.tau * remaining.clamp(min=1))
-    k = ok.int().argmax()  # the first (smallest) k whose remaining mean is within tau
+    Sort the mask's tokens by sq, largest first, and drop the fewest from the top such that the mean of the rest is
+    below tau (strictly); if no such suffix exists, all but the smallest go (one token always stays)."""
+    flat = mask.flatten()
+    n = int(flat.sum())
+    if n == 0:
+        return mask.clone()
+    vals, order = torch.where(flat, sq.flatten().double(), -1.0).sort(descending=True)
+    vals = vals[:n]  # the mask's tokens, largest first
+    suffix_mean = vals.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=vals.device, dtype=vals.dtype)
+    below = (suffix_mean < tau).nonzero()
+    k = int(below[0]) if below.numel() else n - 1  # the number of tokens dropped
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
-    masked = (rank < k).view_as(b.loss_mask) & b.loss_mask
-    return Correction(b.loss_mask & ~masked, None, {"train/m2po_masked_frac": _frac(masked, b.loss_mask)})
+    return mask & (rank >= k).view_as(mask)
+
+
+def m2_mask(b: TokenBatch, cfg) -> Correction:
+    """algorithm.m2_mask: AReaL 1.0.4's M2PO (actor.m2_threshold; areal/trainer/ppo/actor.py, _apply_m2po_masking),
+    the second-moment mask of (log pi_old - log mu)^2 (`second_moment_keep`, tau = algorithm.m2_mask.tau) inside
+    the loss it is enabled for (ppo: the clip around pi_old stays). The published M2PO, whose ratio is pi_theta / mu
+    and which has no clip, is algorithm.policy_loss=m2po. Computed over the tokens of this call (a micro-batch, as
+    AReaL); the loss's denominator is unchanged (AReaL divides a micro-batch by its kept tokens instead)."""
+    mu = _needs(b, "rollout_log_probs", "algorithm.m2_mask.enable=true")
+    keep = second_moment_keep((b.old_log_probs.double() - mu.double()).detach().square(), b.loss_mask, cfg.tau)
+    return Correction(keep, None, {"train/m2_masked_frac": _frac(b.loss_mask & ~keep, b.loss_mask)})
 
 
 def opsm_mask(b: TokenBatch, cfg) -> Correction:
@@ -311,7 +339,7 @@ def opsm_mask(b: TokenBatch, cfg) -> Correction:
 
 CORRECTIONS: dict[str, Callable[[TokenBatch, object], Correction]] = {  # key = the algorithm.<key> config section
     "is_correction": is_correction,
-    "m2po": m2po_mask,
+    "m2_mask": m2_mask,
     "opsm": opsm_mask,
 }
 
@@ -366,9 +394,18 @@ def declaration(fn: PolicyLoss) -> LossDeclaration:
     return getattr(fn, "declaration", LossDeclaration())
 
 
+RENAMED_POLICY_LOSSES = {  # an old algorithm.policy_loss value -> the sentence that refuses it, naming the new one
+    "recompute": "algorithm.policy_loss=recompute is now decoupled_ppo, AReaL's decoupled PPO as published (behaviour "
+                 "weight pi_prox / mu masked above algorithm.decoupled_ppo.behav_imp_weight_cap, not clamped at "
+                 "algorithm.is_correction.clip; behav_imp_weight_action=clamp for AReaL's clamp)",
+}
+
+
 def check_policy_loss(settings: LossSettings, use_rollout_log_probs: bool) -> None:
     """config.validate's check of algorithm.policy_loss: a registered name, and the loss's own declared check of the
     settings; raises its one-sentence refusal as a ValueError."""
+    if settings.policy_loss in RENAMED_POLICY_LOSSES:
+        raise ValueError(RENAMED_POLICY_LOSSES[settings.policy_loss])
     if settings.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)} or module:function, got "
                          f"'{settings.policy_loss}'")
@@ -392,10 +429,11 @@ def _nonfinite(*tensors: Optional[Tensor]) -> Tensor:
     return bad
 
 
-def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor,
-                  objective: str) -> tuple[Tensor, dict[str, Tensor]]:
+def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor, objective: str,
+                  extra: Optional[Callable[[TokenBatch], Correction]] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The PPO-clip policy loss with dual-clip and the enabled off-policy corrections, aggregated per
-    s.loss_agg_mode; objective "gspo" or "cispo" changes the per-token term (see `gspo`, `cispo`).
+    s.loss_agg_mode; objective "gspo" or "cispo" changes the per-token term (see `gspo`, `cispo`); `extra`, a
+    correction of the loss's own (decoupled PPO's behaviour weight), is applied after the configured ones.
 
     Per token (PPO https://arxiv.org/abs/1707.06347, DAPO clip-higher https://arxiv.org/abs/2503.14476):
       r = pi_theta / pi_old,  l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
@@ -404,7 +442,9 @@ def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor,
     Tokens whose log_probs / old / rollout log-probs / advantage / entropy are NaN or inf are excluded (exactly zero
     gradient) and counted in train/nan_ratio. train/pg_loss is this call's share of the mini-batch loss (sum it over
     micro-batches and ranks); the other metrics are means over this call's tokens: entropy and approx_kl over the
-    finite loss tokens, clip_ratio and dual_clip_ratio over the tokens left in the loss.
+    finite loss tokens, the clip fractions over the tokens left in the loss: clip_ratio_high (the upper bound binds:
+    r > 1 + clip_high with A > 0), clip_ratio_low (r < 1 - clip_low with A < 0; cispo: either sign), clip_ratio
+    (their sum) and dual_clip_ratio.
     """
     agg = _lookup(LOSS_AGG, s.loss_agg_mode, "algorithm.loss_agg_mode")
     _needs(b, "old_log_probs", f"algorithm.policy_loss={objective}")  # its ratio is taken against pi_old
@@ -429,6 +469,11 @@ def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor,
             keep = keep & corr.keep
             weight = weight if corr.weight is None else weight * corr.weight
             metrics.update(corr.metrics)
+    if extra is not None:
+        corr = extra(cleaned)
+        keep = keep & corr.keep
+        weight = weight if corr.weight is None else weight * corr.weight
+        metrics.update(corr.metrics)
 
     log_ratio = lp - old
     if objective == "gspo":  # sg[s_i] pi_theta / sg[pi_theta], s_i the geometric mean of the sequence's ratios
@@ -458,6 +503,8 @@ def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor,
         "train/pg_loss": loss.detach(),
         "train/approx_kl": _masked_mean(old - lp.detach(), ok),
         "train/clip_ratio": _masked_mean(is_clipped.float(), keep),
+        "train/clip_ratio_low": _masked_mean((is_clipped & (ratio.detach() < 1)).float(), keep),
+        "train/clip_ratio_high": _masked_mean((is_clipped & (ratio.detach() > 1)).float(), keep),
         "train/dual_clip_ratio": _masked_mean(dual_active.float(), keep),
         "train/nan_ratio": _frac(mask & bad, mask),
     })
@@ -475,32 +522,42 @@ def ppo(batch: TokenBatch, settings: LossSettings, denominator: float | Tensor) 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The peers' losses: PipelineRL's truncated IS, AReaL's decoupled PPO (recompute, loglinear)
+# The peers' losses as published: PipelineRL's truncated IS, AReaL's decoupled PPO (decoupled_ppo, loglinear),
+# M2PO. tests/test_losses.py checks each against tests/fixtures/peer_losses.json, the peers' own functions at pinned
+# versions (bench/make_loss_fixtures.py).
 # ---------------------------------------------------------------------------------------------------------
 
-def _truncated_is_check(s: LossSettings, use_rollout_log_probs: bool) -> Optional[str]:
-    if s.loss_agg_mode == "seq-mean-token-mean":
-        return ("algorithm.policy_loss=truncated_is sums its tokens (PipelineRL's normalisation); use "
-                "algorithm.loss_agg_mode=token-mean or seq-mean-token-sum-norm")
-    if s.clip_high <= 0:
-        return (f"algorithm.policy_loss=truncated_is truncates its weight at 1 + algorithm.clip_high, which must be "
-                f"> 0, got {s.clip_high}")
+def _no_corrections(s: LossSettings) -> Optional[str]:
+    on = [f"algorithm.{k}.enable" for k in CORRECTIONS if getattr(s, k).enable]
+    if on:
+        return (f"algorithm.policy_loss={s.policy_loss} applies none of the corrections, as published; set "
+                f"{' and '.join(on)} to false")
     return None
+
+
+def _truncated_is_check(s: LossSettings, use_rollout_log_probs: bool) -> Optional[str]:
+    if s.loss_agg_mode != "seq-mean-token-sum":
+        return ("algorithm.policy_loss=truncated_is divides its token sum by the number of sequences (PipelineRL's "
+                "normalisation); set algorithm.loss_agg_mode=seq-mean-token-sum")
+    return _no_corrections(s)
 
 
 @register("truncated_is", reads_old_log_probs=False, check=_truncated_is_check)
 def truncated_is(batch: TokenBatch, settings: LossSettings,
                  denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """truncated_is: PipelineRL's truncated-IS policy gradient against the engine's log-probs
-    (pipelinerl/finetune/rl/__init__.py, policy_loss "reinforce"), as PipelineRL pairs it with in-place updates, whose
-    behaviour policy mu is a mix of versions; old_log_probs are not read. Per token, with w detached:
-      w = clamp(pi_theta / mu, 0, 1 + eps_high),   l = -w A log pi_theta,   loss = sum_t l / D
-    with eps_high = algorithm.clip_high, so the gradient is the importance-weighted REINFORCE estimator with the
-    weight truncated above; no PPO clip. Metrics over the loss tokens: train/tis_mean (w), train/tis_truncated_frac
-    (pi / mu > 1 + eps_high), train/nan_ratio (tokens with a non-finite input: left out of the loss and its gradient,
-    as in `ppo`), train/entropy when the batch has it.
+    (pipelinerl/finetune/rl/__init__.py, rl_step with policy_loss "reinforce", the default of its
+    conf/finetune/base.yaml), as PipelineRL pairs it with in-place updates, whose behaviour policy mu is a mix of
+    versions; old_log_probs are not read. Per token, with w detached:
+      w = clamp(pi_theta / mu, 0, 1 + epsilon_high),   l = -w A log pi_theta,   loss = sum_t l / D
+    with epsilon_high = algorithm.truncated_is.epsilon_high (PipelineRL's 0.02) and D the number of sequences
+    (loss_agg_mode=seq-mean-token-sum: PipelineRL divides by the samples of an optimizer step), so the gradient is
+    the importance-weighted REINFORCE estimator with the weight truncated above; no PPO clip. Metrics over the loss
+    tokens: train/tis_mean (w), train/tis_truncated_frac (pi / mu > 1 + epsilon_high: its one clip, the upper),
+    train/nan_ratio (tokens with a non-finite input: left out of the loss and its gradient, as in `ppo`),
+    train/entropy when the batch has it.
     """
-    eps_high = settings.clip_high
+    eps_high = settings.truncated_is.epsilon_high
     rollout = _needs(batch, "rollout_log_probs", "algorithm.policy_loss=truncated_is")
     loss_tokens = batch.loss_mask > 0
     adv = batch.advantages.detach().float().unsqueeze(-1).expand_as(batch.log_probs)
@@ -541,55 +598,103 @@ def loglinear_proximal_log_probs(rollout_log_probs: Tensor, log_probs: Tensor, v
     return mu + alpha * (log_probs.detach() - mu)
 
 
-def _behaviour_weight_per_token(s: LossSettings, use_rollout_log_probs: bool) -> Optional[str]:
-    if s.is_correction.enable and s.is_correction.level != "token":  # off, the level is never read
-        return (f"algorithm.policy_loss={s.policy_loss} weights each token by pi_prox / mu (AReaL's decoupled PPO, "
-                "with algorithm.is_correction's clip and mask bounds); set algorithm.is_correction.level=token")
+BEHAVIOUR_WEIGHT_ACTIONS = ("mask", "clamp")
+
+
+def behaviour_weight(b: TokenBatch, cfg: DecoupledPPOSettings) -> Correction:
+    """Decoupled PPO's behaviour weight w = pi_prox / mu per token (b.old_log_probs is pi_prox here), detached, as
+    AReaL 1.0.4's apply_rejection_sampling with level=token, metric=ratio and upper = behav_imp_weight_cap
+    (areal/utils/functional/functional.py): action=mask (AReaL's paper, its old behave_imp_weight_mode=token_mask)
+    drops tokens with w > cap from the loss (not from D) and keeps the raw w below it; action=clamp (token_truncate)
+    keeps every token with min(w, cap). Metrics: train/behav_imp_weight_mean (w over the kept tokens),
+    train/behav_capped_frac (tokens with w > cap, masked or clamped, over the loss tokens)."""
+    mu = _needs(b, "rollout_log_probs", "decoupled PPO's behaviour weight pi_prox / mu")
+    w = (b.old_log_probs - mu).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    over = b.loss_mask & (w > cfg.behav_imp_weight_cap)
+    if cfg.behav_imp_weight_action == "mask":
+        keep, weight = b.loss_mask & ~over, w
+    else:
+        keep, weight = b.loss_mask, w.clamp(max=cfg.behav_imp_weight_cap)
+    return Correction(keep, weight, {"train/behav_imp_weight_mean": _masked_mean(weight, keep),
+                                     "train/behav_capped_frac": _frac(over, b.loss_mask)})
+
+
+def _decoupled_check(s: LossSettings, use_rollout_log_probs: bool) -> Optional[str]:
+    if s.is_correction.enable:
+        return (f"algorithm.policy_loss={s.policy_loss} weights each token by pi_prox / mu itself "
+                "(algorithm.decoupled_ppo.behav_imp_weight_cap, _action); set algorithm.is_correction.enable=false")
     return None
 
 
-def _recompute_check(s: LossSettings, use_rollout_log_probs: bool) -> Optional[str]:
+def _decoupled_ppo_check(s: LossSettings, use_rollout_log_probs: bool) -> Optional[str]:
     if use_rollout_log_probs:
-        return ("algorithm.policy_loss=recompute takes its proximal policy from the step-start forward, which "
+        return ("algorithm.policy_loss=decoupled_ppo takes its proximal policy from the step-start forward, which "
                 "trainer.use_rollout_log_probs=true skips; set it to false, or use algorithm.policy_loss=loglinear, "
                 "which needs no forward")
-    return _behaviour_weight_per_token(s, use_rollout_log_probs)
+    return _decoupled_check(s, use_rollout_log_probs)
 
 
-def _decoupled_ppo(b: TokenBatch, s: LossSettings, denominator: float | Tensor,
-                   prox: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """AReaL's decoupled PPO (Hilton et al. 2021, https://arxiv.org/abs/2110.00641; areal/trainer/ppo/actor.py,
-    grpo_loss_fn; areal/utils/functional/functional.py, ppo_actor_loss_fn): `ppo` around pi_prox = prox [B, T]
-    instead of pi_old. As in AReaL 1.0.4, the behaviour weight pi_prox / mu is applied only when rejection sampling
-    is configured, here algorithm.is_correction.enable (AReaL's default, rejection_sampling=None, has none): then at
-    token level with is_correction's clip (AReaL's action=clamp, upper) and mask bounds (action=mask, lower / upper;
-    mask_high = AReaL's behav_imp_weight_cap). tests/test_losses.py checks it against AReaL's formula."""
-    behaviour = s
-    if s.is_correction.enable:  # a copy: the run's settings stay as they are
-        behaviour = copy.copy(s)
-        behaviour.is_correction = copy.copy(s.is_correction)
-        behaviour.is_correction.level = "token"
-    return _clipped_loss(b._replace(old_log_probs=prox), behaviour, denominator, "ppo")
+def _decoupled(b: TokenBatch, s: LossSettings, denominator: float | Tensor,
+               prox: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """AReaL's decoupled PPO (AReaL, https://arxiv.org/abs/2505.24298, eq. 5; Hilton et al. 2021,
+    https://arxiv.org/abs/2110.00641; areal/utils/functional/functional.py, ppo_actor_loss_fn, v1.0.4): `ppo`'s
+    clip and dual clip around pi_prox = prox [B, T] instead of pi_old, each token weighted by `behaviour_weight`
+    (algorithm.decoupled_ppo; behav_imp_weight_cap null: no weight, AReaL 1.0.4's rejection_sampling=None)."""
+    cfg = s.decoupled_ppo
+    extra = None if cfg.behav_imp_weight_cap is None else (lambda cleaned: behaviour_weight(cleaned, cfg))
+    return _clipped_loss(b._replace(old_log_probs=prox), s, denominator, "ppo", extra)
 
 
-@register("recompute", check=_recompute_check)
-def recompute(batch: TokenBatch, settings: LossSettings,
-              denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """recompute: decoupled PPO with pi_prox = a forward of the step-start weights, which in this trainer is
-    old_log_probs itself (the snapshot it already takes as pi_old)."""
-    prox = _needs(batch, "old_log_probs", "algorithm.policy_loss=recompute").detach()
-    return _decoupled_ppo(batch, settings, denominator, prox)
+@register("decoupled_ppo", check=_decoupled_ppo_check)
+def decoupled_ppo(batch: TokenBatch, settings: LossSettings,
+                  denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """decoupled_ppo: AReaL's decoupled PPO with pi_prox = a forward of the step-start weights (AReaL's
+    prox_logp_method=recompute), which in this trainer is old_log_probs itself (the snapshot it already takes as
+    pi_old); behaviour weight pi_prox / mu masked above algorithm.decoupled_ppo.behav_imp_weight_cap (5)."""
+    prox = _needs(batch, "old_log_probs", "algorithm.policy_loss=decoupled_ppo").detach()
+    return _decoupled(batch, settings, denominator, prox)
 
 
-@register("loglinear", reads_old_log_probs=False, check=_behaviour_weight_per_token)
+@register("loglinear", reads_old_log_probs=False, check=_decoupled_check)
 def loglinear(batch: TokenBatch, settings: LossSettings,
               denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """loglinear: decoupled PPO with pi_prox interpolated by version (`loglinear_proximal_log_probs`), no forward:
-    old_log_probs are not read, so trainer.use_rollout_log_probs=true can skip the snapshot forward."""
+    """loglinear: `decoupled_ppo` with pi_prox interpolated by version (AReaL's prox_logp_method=loglinear,
+    `loglinear_proximal_log_probs`), no forward: old_log_probs are not read, so trainer.use_rollout_log_probs=true
+    can skip the snapshot forward. The same behaviour weight, now loglinear's pi_prox / mu."""
     who = "algorithm.policy_loss=loglinear"
     prox = loglinear_proximal_log_probs(_needs(batch, "rollout_log_probs", who), batch.log_probs,
                                         _needs(batch, "versions", who), _needs(batch, "current_version", who))
-    return _decoupled_ppo(batch, settings, denominator, prox)
+    return _decoupled(batch, settings, denominator, prox)
+
+
+@register("m2po", reads_old_log_probs=False, check=lambda s, use_rollout_log_probs: _no_corrections(s))
+def m2po(batch: TokenBatch, settings: LossSettings, denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """m2po: M2PO as its paper defines it (Zheng et al. 2025, https://arxiv.org/abs/2510.01161, the M2PO objective):
+    the ratio taken against the behaviour policy, r = pi_theta / mu, and the second-moment mask M in place of PPO's
+    epsilon clip; old_log_probs are not read. M keeps the tokens `second_moment_keep` leaves of
+    (log pi_theta - log mu)^2 (detached, this call's tokens) with tau = algorithm.m2po.tau (the paper's 0.04);
+      l = -M r A,   loss = sum_t l / D   (the paper's 1 / sum_i |o_i|: loss_agg_mode=token-mean, the default)
+    no clip, no dual clip, no other correction. Metrics: train/m2po_masked_frac (over the finite loss tokens),
+    train/approx_kl (k1 of mu against pi_theta), train/nan_ratio, train/entropy. The M2PO repository's code
+    (verl/trainer/ppo/core_algos.py, compute_m2po_policy_loss) differs: docs/algorithms.md."""
+    mu = _needs(batch, "rollout_log_probs", "algorithm.policy_loss=m2po")
+    agg = _lookup(LOSS_AGG, settings.loss_agg_mode, "algorithm.loss_agg_mode")
+    loss_tokens = batch.loss_mask > 0
+    adv = batch.advantages.detach().float().unsqueeze(-1).expand_as(batch.log_probs)
+    bad = _nonfinite(batch.log_probs, mu, adv, batch.entropy)
+    ok = loss_tokens & ~bad
+    log_r = torch.where(bad, 0.0, batch.log_probs.float() - torch.where(bad, 0.0, mu.float()).detach())
+    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    keep = second_moment_keep(log_r.detach().double().square(), ok, settings.m2po.tau)
+    loss_mat = torch.where(keep, -torch.where(bad, 0.0, adv) * log_r.exp(), 0.0)
+    denom = torch.as_tensor(denominator, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
+    loss = agg.numerator(loss_mat, loss_tokens) / denom
+    metrics = {"train/pg_loss": loss.detach(), "train/m2po_masked_frac": _frac(ok & ~keep, ok),
+               "train/approx_kl": _masked_mean(-log_r.detach(), ok), "train/nan_ratio": _frac(loss_tokens & bad,
+                                                                                             loss_tokens)}
+    if batch.entropy is not None:
+        metrics["train/entropy"] = _masked_mean(torch.where(bad, 0.0, batch.entropy.float()).detach(), ok)
+    return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -678,7 +783,7 @@ def offpolicy_warning(cfg) -> Optional[str]:
         return None
     if not declaration(_lookup(POLICY_LOSSES, a.policy_loss, "algorithm.policy_loss")).reads_old_log_probs:
         return None  # its ratio is not taken against old_log_probs (truncated_is, loglinear)
-    ineffective = [f"algorithm.{k}.enable=true" for k in ("is_correction", "m2po") if getattr(a, k).enable]
+    ineffective = [f"algorithm.{k}.enable=true" for k in ("is_correction", "m2_mask") if getattr(a, k).enable]
     note = (f" {' and '.join(ineffective)} cannot help: old_log_probs and rollout_log_probs are then identical, so "
             "IS weights are all 1 and M2 is 0." if ineffective else "")
     bar = "!" * 100
@@ -686,7 +791,7 @@ def offpolicy_warning(cfg) -> Optional[str]:
             "off-policy correction. old_log_probs are the rollout engine's log-probs, produced by weights up to "
             "fully_async.stale_steps steps old, so the PPO clip is taken around the stale sampling policy instead of "
             "this step's snapshot and nothing corrects for the staleness." + note + " Set "
-            "trainer.use_rollout_log_probs=false and enable algorithm.is_correction or algorithm.m2po, or enable "
+            "trainer.use_rollout_log_probs=false and enable algorithm.is_correction or algorithm.m2_mask, or enable "
             f"algorithm.opsm.\n{bar}")
 
 
@@ -700,11 +805,13 @@ _MOVED = {
        for name in ("GREEDY_TEMPERATURE", "effective_temperature", "token_logprobs", "linear_token_logprobs")},
     "chosen_policy_loss": f"losses.POLICY_LOSSES[name] ({_SIGNATURE})",
     "policy_loss": f"losses.ppo, losses.gspo or losses.cispo, by objective ({_SIGNATURE})",
-    "truncated_is_loss": f"losses.truncated_is, with eps_high = settings.clip_high ({_SIGNATURE})",
-    "proximal_log_probs": "inside losses.recompute (pi_prox = old_log_probs) and losses.loglinear (pi_prox = "
+    "truncated_is_loss": f"losses.truncated_is, with epsilon_high = settings.truncated_is.epsilon_high ({_SIGNATURE})",
+    "proximal_log_probs": "inside losses.decoupled_ppo (pi_prox = old_log_probs) and losses.loglinear (pi_prox = "
                           "losses.loglinear_proximal_log_probs)",
+    "recompute": f"losses.decoupled_ppo, its behaviour weight masked above the cap, not clamped ({_SIGNATURE})",
+    "m2po_mask": "losses.m2_mask (the correction, algorithm.m2_mask); the published M2PO is the loss losses.m2po",
     **{f"{name}_choice": f"losses.{name} ({_SIGNATURE})"
-       for name in ("ppo", "gspo", "cispo", "truncated_is", "recompute", "loglinear")},
+       for name in ("ppo", "gspo", "cispo", "truncated_is", "decoupled_ppo", "loglinear", "m2po")},
 }
 
 

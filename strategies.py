@@ -307,15 +307,16 @@ class AReaL(CumulativeBudget):
     eta = max_head_offpolicyness, and (get_capacity's minimum) running < max_concurrent_rollouts, default the
     consumer batch size B: rollout.async_max_concurrent_samples, B N when unset (max_concurrent_samples);
     (b) none; (c) /pause_generation abort, the partial output resubmitted under the new weights (per-token versions
-    kept). Its loss: decoupled PPO with the proximal policy recomputed
-    (algorithm.policy_loss=recompute; loglinear is AReaL's other option), no off-policy mask, and, as AReaL 1.0.4's
-    default (actor.rejection_sampling=None: areal/api/cli_args.py, ppo_actor_loss_fn), no behaviour weight
-    pi_prox / mu: algorithm.is_correction.enable=false (true = AReaL's rejection_sampling, token level).
+    kept). Its loss: decoupled PPO as AReaL's paper has it, the proximal policy recomputed
+    (algorithm.policy_loss=decoupled_ppo; loglinear is AReaL's other option), no off-policy mask, the behaviour
+    weight pi_prox / mu masked above 5 (algorithm.decoupled_ppo: AReaL 1.0.4's rejection_sampling with its defaults,
+    areal/api/cli_args.py RejectionSamplingConfig; its top-level default rejection_sampling=None, no weight, is
+    behav_imp_weight_cap=null), algorithm.is_correction.enable=false (decoupled_ppo refuses a second weight).
     Deviations: groups (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not
     persisted."""
     param_name = "eta (max_head_offpolicyness, in steps)"
     actions = (ABORT_RESUME,)
-    policy_loss = "recompute"
+    policy_loss = "decoupled_ppo"
     other_losses = ("loglinear",)
     loss_settings = ("algorithm.is_correction.enable=false",)
 
@@ -364,7 +365,9 @@ class PipelineRL(CumulativeBudget):
     (finetune_loop.py: last_broadcasted_version - batch.model_version > max_lag, model_version = the version at
     the rollout's start), a group older than L samples adds its trajectories (N) to rollout/samples_too_old; (c)
     nothing aborted: pause mode keep, the running sequences continue on the old KV cache with the new weights
-    (in_place). Its loss: truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is), no
+    (in_place). Its loss: truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is, epsilon
+    0.02 and the sum over tokens divided by the sequences of a step: loss_agg_mode=seq-mean-token-sum; no
+    correction: algorithm.is_correction.enable=false), no
     off-policy mask: the pre-update tokens of an in-place trajectory are trained.
     Deviations: a group dropped by rollout.filter gives its admission slot back (PipelineRL's submitted_groups
     only grows); PipelineRL's default mode sets no max_lag, so nothing bounds admission and the preprocessor's
@@ -374,6 +377,7 @@ class PipelineRL(CumulativeBudget):
     param_name = "max_lag L (in samples)"
     actions = (IN_PLACE,)
     policy_loss = "truncated_is"
+    loss_settings = ("algorithm.loss_agg_mode=seq-mean-token-sum", "algorithm.is_correction.enable=false")
 
     @classmethod
     def default(cls, B, N):

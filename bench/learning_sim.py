@@ -39,11 +39,12 @@ what was dispatched, the per-step KL.
 Grid: every rule (the spec's three at stale_steps k, the presets at their knob for k steps: areal eta, verl s,
 pipelinerl max_lag k B N, prime-rl M = k, roll alpha, slime-async C = k B; and sync, staleness 0) x k = 1, 2, 4
 (and prime-rl at its default M = 8) x a training-bound (8:8) and a generation-bound (12:4) split x 3 seeds, each
-rule with its own loss (areal: recompute, pipelinerl: truncated_is, the others: ppo, i.e. tiny.yaml's PPO against
-the step-start snapshot with the IS weight min(pi_old / mu, 2)); then the loss factor at k = 4 for areal and
-pipelinerl: every algorithm.policy_loss (ppo, truncated_is, recompute, loglinear) and two baselines of ppo, naive PPO
-(the ratio against mu: trainer.use_rollout_log_probs=true, no IS) and PPO without the IS weight, at the tuned
-learning rate and at 4x it (per-step KL ~4e-3: a faster-moving policy).
+rule with its own loss (areal: decoupled_ppo, pipelinerl: truncated_is, the others: ppo, i.e. tiny.yaml's PPO
+against the step-start snapshot with the IS weight min(pi_old / mu, 2)); then the loss factor at k = 4 for areal and
+pipelinerl: every algorithm.policy_loss (ppo, truncated_is, decoupled_ppo, loglinear, m2po, gspo, cispo, each with
+the settings it needs: LOSS_SETTINGS) and two baselines of ppo, naive PPO (the ratio against mu:
+trainer.use_rollout_log_probs=true, no IS) and PPO without the IS weight, at the tuned learning rate and at 4x it
+(per-step KL ~4e-3: a faster-moving policy).
 
 Run (the grid: 306 runs of 50 steps, 492 CPU s: 4 min 11 s of wall time on a quiet 2-core machine, load average
 1.1; --quick: 5 runs of 12 steps, seconds):
@@ -89,10 +90,16 @@ B, N, M = 16, 8, 32  # groups per step, trajectories per group, trajectories per
 SPEC_RULES = ("no-window", "window-gated", "windowed-fifo")
 # The losses: algorithm.policy_loss's choices (losses.POLICY_LOSSES, as actor.micro_batch_loss calls them) and two
 # baselines of ppo: naive PPO (the ratio against the behaviour policy mu) and PPO without the IS weight.
+LOSS_SETTINGS = {  # what each published loss needs of tiny.yaml's settings (its IS weight is ppo's correction)
+    "decoupled_ppo": ["algorithm.is_correction.enable=false"],
+    "loglinear": ["algorithm.is_correction.enable=false"],
+    "m2po": ["algorithm.is_correction.enable=false"],
+    "truncated_is": ["algorithm.is_correction.enable=false", "algorithm.loss_agg_mode=seq-mean-token-sum"],
+}
 LOSS_OVERRIDES = {
     "naive": ["algorithm.policy_loss=ppo", "trainer.use_rollout_log_probs=true", "algorithm.is_correction.enable=false"],
     "ppo-nois": ["algorithm.policy_loss=ppo", "algorithm.is_correction.enable=false"],
-    **{name: [f"algorithm.policy_loss={name}"] for name in losses.POLICY_LOSSES},
+    **{name: [f"algorithm.policy_loss={name}", *LOSS_SETTINGS.get(name, ())] for name in losses.POLICY_LOSSES},
 }
 LOSSES = tuple(LOSS_OVERRIDES)
 DEFAULT_LOSS = "ppo"  # tiny.yaml's: the spec's rules and sync train with it

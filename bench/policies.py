@@ -3,7 +3,7 @@
 Two experiments, each run as `torchrun train.py --config configs/tiny.yaml` once per row, one after the other.
 
 --table3 (the default): AReaL's Table 3 asked on the CPU default. The areal preset at eta = 0, 1 and 4 with its
-peer's loss (decoupled PPO, algorithm.policy_loss=recompute), and at eta = 4 without correction (naive PPO: the
+peer's loss (decoupled PPO, algorithm.policy_loss=decoupled_ppo), and at eta = 4 without correction (naive PPO: the
 ratio taken against the behaviour policy, trainer.use_rollout_log_probs=true, no IS weight), --seeds seeds each.
 Generation is forced ahead of training so that staleness is real: rollout.filter=[failed] (tiny.yaml's
 all_equal_reward filter makes generation the bottleneck early on, ~90% of the base's groups are dropped), which

@@ -3,10 +3,14 @@
 Also: exact-zero gradients for masked tokens and sequences, dual-clip bound, detached IS weights, NaN logits kept
 out of the gradient, and micro-batch / data-parallel splits summing to the mini-batch loss. The log-prob kernels:
 tests/test_logprobs.py.
+The published estimators (decoupled_ppo, loglinear, m2po, truncated_is, the m2_mask correction) are compared with
+their peers' own functions at pinned versions: tests/fixtures/peer_losses.json (bench/make_loss_fixtures.py).
 Run: .venv/bin/python -m pytest -q tests/test_losses.py
 """
 import inspect
+import json
 import math
+import os
 import re
 from types import SimpleNamespace
 
@@ -21,7 +25,7 @@ SEEDS = range(40)
 
 
 def algo(**kw):
-    """A losses.LossSettings with dotted overrides, e.g. algo(**{"m2po.enable": True, "dual_clip_c": 3.0})."""
+    """A losses.LossSettings with dotted overrides, e.g. algo(**{"m2_mask.enable": True, "dual_clip_c": 3.0})."""
     a = losses.LossSettings()
     for key, value in kw.items():
         *path, last = key.split(".")
@@ -138,14 +142,14 @@ def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
         m["train/is_min"] = min(kept_w) if kept_w else 0.0
         m["train/is_truncated_frac"] = truncated / len(kept_w) if kept_w else 0.0
         m["train/is_masked_frac"] = dropped / len(units) if units else 0.0
-    if a.m2po.enable:
+    if a.m2_mask.enable:  # drop the largest until the rest's mean is below tau; one token always stays (AReaL)
         items = sorted(((old[i][t] - ro[i][t]) ** 2, i, t) for i in range(B) for t in range(T) if ok[i][t])[::-1]
         masked = 0
-        while items and sum(x for x, _, _ in items) / len(items) > a.m2po.tau:
+        while len(items) > 1 and sum(x for x, _, _ in items) / len(items) >= a.m2_mask.tau:
             _, i, t = items.pop(0)
             keep[i][t] = False
             masked += 1
-        m["train/m2po_masked_frac"] = masked / n_ok if n_ok else 0.0
+        m["train/m2_masked_frac"] = masked / n_ok if n_ok else 0.0
     if a.opsm.enable:
         mu = ro if ro is not None else old
         seqs, dropped = 0, 0
@@ -161,7 +165,7 @@ def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
                     keep[i][t] = False
         m["train/opsm_masked_frac"] = dropped / seqs if seqs else 0.0
 
-    per_seq, clipped, dual, n_keep = [], 0, 0, 0
+    per_seq, clipped, clipped_low, dual, n_keep = [], 0, 0, 0, 0
     for i in range(B):
         total = 0.0
         for t in range(T):
@@ -172,6 +176,7 @@ def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
             surr1, surr2 = -A * r, -A * torch.clamp(r, 1 - a.clip_low, 1 + a.clip_high)
             loss_t = surr2 if surr2 > surr1 else surr1
             clipped += bool(surr2 > surr1)
+            clipped_low += bool(surr2 > surr1) and bool(r < 1)
             if a.dual_clip_c is not None and A < 0 and loss_t > -a.dual_clip_c * A:
                 loss_t = torch.tensor(-a.dual_clip_c * A, dtype=torch.float64)
                 dual += 1
@@ -184,6 +189,8 @@ def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
         num, denom = sum(s for s, _ in per_seq), sum(map(sum, present))
     elif mode == "seq-mean-token-mean":
         num, denom = sum(s / n for s, n in per_seq if n), n_seqs
+    elif mode == "seq-mean-token-sum":
+        num, denom = sum(s for s, _ in per_seq), n_seqs
     else:
         num, denom = sum(s for s, _ in per_seq), n_seqs * norm_len
     loss = num / max(denom, 1)
@@ -194,6 +201,8 @@ def ref_policy_loss(lp, old, ro, adv, mask, a, norm_len=None):
     m["train/approx_kl"] = (sum(old[i][t] - lpv[i][t] for i in range(B) for t in range(T) if ok[i][t]) / n_ok
                             if n_ok else 0.0)
     m["train/clip_ratio"] = clipped / n_keep if n_keep else 0.0
+    m["train/clip_ratio_low"] = clipped_low / n_keep if n_keep else 0.0
+    m["train/clip_ratio_high"] = (clipped - clipped_low) / n_keep if n_keep else 0.0
     m["train/dual_clip_ratio"] = dual / n_keep if n_keep else 0.0
     m["train/nan_ratio"] = (n_present - n_ok) / n_present if n_present else 0.0
     return loss, m, denom
@@ -220,16 +229,16 @@ CONFIGS = {
     "is-token-mis": {"is_correction.enable": True, "is_correction.mask_low": 0.7, "is_correction.mask_high": 1.6},
     "is-seq-mis": {"is_correction.enable": True, "is_correction.level": "sequence", "is_correction.clip": 1.5,
                    "is_correction.mask_low": 0.2, "is_correction.mask_high": 4.0},
-    "m2po": {"m2po.enable": True, "m2po.tau": 0.05},
+    "m2_mask": {"m2_mask.enable": True, "m2_mask.tau": 0.05},
     "opsm": {"opsm.enable": True, "opsm.delta": 0.02},
     "all": {"dual_clip_c": 3.0, "is_correction.enable": True, "is_correction.level": "sequence",
-            "m2po.enable": True, "m2po.tau": 0.08, "opsm.enable": True, "opsm.delta": 0.05},
+            "m2_mask.enable": True, "m2_mask.tau": 0.08, "opsm.enable": True, "opsm.delta": 0.05},
 }
-MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 EXERCISED = {  # a metric that must be non-zero for some seed, so the random inputs really take each path
     "ppo": "train/clip_ratio", "dual": "train/dual_clip_ratio", "is-token": "train/is_truncated_frac",
-    "is-token-mis": "train/is_masked_frac", "is-seq-mis": "train/is_masked_frac", "m2po": "train/m2po_masked_frac",
-    "opsm": "train/opsm_masked_frac", "all": "train/m2po_masked_frac",
+    "is-token-mis": "train/is_masked_frac", "is-seq-mis": "train/is_masked_frac", "m2_mask": "train/m2_masked_frac",
+    "opsm": "train/opsm_masked_frac", "all": "train/m2_masked_frac",
 }
 
 
@@ -335,20 +344,23 @@ def test_is_weights_carry_no_gradient():
     assert torch.allclose(x.grad, y.grad * w, atol=1e-7)
 
 
-def test_m2po_hand_computed():
-    # squared log-ratios [1, .01, .01, .01]: mean .2575 > tau = .04; masking the top one leaves .01 <= tau
+def test_m2_mask_hand_computed():
+    # squared log-ratios [1, .01, .01, .01]: mean .2575 >= tau = .04; masking the top one leaves .01 < tau
     old = torch.tensor([[1.0, 0.1, -0.1, 0.1]])
     ro = torch.zeros(1, 4)
     lp = old.clone().requires_grad_()
-    a = algo(**{"m2po.enable": True, "m2po.tau": 0.04})
+    a = algo(**{"m2_mask.enable": True, "m2_mask.tau": 0.04})
     loss, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4)), a, 4)
     loss.backward()
-    assert m["train/m2po_masked_frac"].item() == 0.25
+    assert m["train/m2_masked_frac"].item() == 0.25
     assert loss.item() == pytest.approx(-3 / 4) and lp.grad[0, 0] == 0 and torch.all(lp.grad[0, 1:] != 0)
-    # tau above the full mean: nothing masked
+    # tau above the full mean: nothing masked; below every token's own value: all but the smallest (AReaL)
     _, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4)),
-                      algo(**{"m2po.enable": True, "m2po.tau": 0.3}), 4)
-    assert m["train/m2po_masked_frac"].item() == 0.0
+                      algo(**{"m2_mask.enable": True, "m2_mask.tau": 0.3}), 4)
+    assert m["train/m2_masked_frac"].item() == 0.0
+    _, m = losses.ppo(losses.TokenBatch(lp, old, ro, torch.tensor([1.0]), torch.ones(1, 4)),
+                      algo(**{"m2_mask.enable": True, "m2_mask.tau": 0.001}), 4)
+    assert m["train/m2_masked_frac"].item() == 0.75
 
 
 def test_opsm_hand_computed():
@@ -367,7 +379,7 @@ def test_opsm_hand_computed():
 
 def test_masked_tokens_and_sequences_get_exactly_zero_gradient():
     a = algo(**{"dual_clip_c": 3.0, "is_correction.enable": True, "is_correction.mask_low": 0.8,
-                "is_correction.mask_high": 1.25, "m2po.enable": True, "m2po.tau": 0.05,
+                "is_correction.mask_high": 1.25, "m2_mask.enable": True, "m2_mask.tau": 0.05,
                 "opsm.enable": True, "opsm.delta": 0.02})
     for seed in SEEDS:
         lp, old, ro, adv, mask = random_batch(seed, nonfinite=True)
@@ -397,7 +409,7 @@ def test_nan_logits_never_reach_the_gradient():
 
 def test_corrections_need_rollout_log_probs():
     lp, old, _, adv, mask = random_batch(0)
-    for key in ("is_correction", "m2po"):
+    for key in ("is_correction", "m2_mask"):
         with pytest.raises(ValueError, match=f"algorithm.{key}.enable=true needs rollout_log_probs"):
             losses.ppo(losses.TokenBatch(lp, old, None, adv, mask), algo(**{f"{key}.enable": True}), 10)
     losses.ppo(losses.TokenBatch(lp, old, None, adv, mask), algo(**{"opsm.enable": True}), 10)  # OPSM falls back to old
@@ -420,7 +432,7 @@ def test_a_loss_missing_a_batch_field_it_reads_names_it_in_one_sentence():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_split_microbatches_sum_to_minibatch_loss(mode):
-    # M2PO is left out: it is defined per call (see m2po_mask), so a split may mask differently by design.
+    # The M2 mask is left out: it is defined per call (see m2_mask), so a split may mask differently by design.
     a = algo(loss_agg_mode=mode, dual_clip_c=3.0, **{"is_correction.enable": True, "is_correction.level": "sequence",
                                                      "opsm.enable": True, "opsm.delta": 0.05})
     splits = [[0, 3], [3, 4], [4, 8], [8, 12]]  # e.g. 2 ranks x 2 micro-batches of uneven sizes
@@ -443,6 +455,7 @@ def test_loss_denominator_values_and_errors():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
     assert losses.loss_denominator(mask, "token-mean") == 3.0
     assert losses.loss_denominator(mask, "seq-mean-token-mean") == 2.0
+    assert losses.loss_denominator(mask, "seq-mean-token-sum") == 2.0
     assert losses.loss_denominator(mask, "seq-mean-token-sum-norm", norm_len=10) == 20.0
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm needs"):
         losses.loss_denominator(mask, "seq-mean-token-sum-norm")
@@ -452,7 +465,7 @@ def test_loss_denominator_values_and_errors():
 
 def test_empty_minibatch_gives_zero_loss_and_metrics():
     lp = torch.zeros(2, 3, requires_grad=True)
-    a = algo(**{"is_correction.enable": True, "m2po.enable": True, "opsm.enable": True})
+    a = algo(**{"is_correction.enable": True, "m2_mask.enable": True, "opsm.enable": True})
     loss, m = losses.ppo(losses.TokenBatch(lp, lp.detach(), lp.detach(), torch.ones(2), torch.zeros(2, 3)), a, 0)
     loss.backward()
     assert loss.item() == 0 and torch.all(lp.grad == 0)
@@ -497,15 +510,15 @@ def test_loglinear_proximal_hand_computed():
 
 
 def proximal(method, old, behav, lp, versions, current_version):
-    """pi_prox as each decoupled loss takes it: recompute's is old_log_probs, loglinear's is interpolated."""
-    if method == "recompute":
+    """pi_prox as each decoupled loss takes it: decoupled_ppo's is old_log_probs, loglinear's is interpolated."""
+    if method == "decoupled_ppo":
         return old
     return losses.loglinear_proximal_log_probs(behav, lp, versions, current_version)
 
 
 def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
-    """AReaL's ppo_actor_loss_fn (areal/utils/functional.py), written out per token in Python floats; cap None:
-    rejection_sampling=None, AReaL 1.0.4's default, which multiplies no behaviour weight in."""
+    """AReaL's paper's decoupled PPO, written out per token in Python floats: the behaviour weight pi_prox / mu,
+    tokens above the cap out of the loss; cap None: no behaviour weight (AReaL 1.0.4's rejection_sampling=None)."""
     lp, prox, behav, adv, mask = lp.tolist(), prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist()
     total, n = 0.0, 0
     for i in range(len(lp)):
@@ -524,7 +537,7 @@ def areal_decoupled_loss(lp, prox, behav, adv, mask, eps_low, eps_high, cap):
     return total / n
 
 
-@pytest.mark.parametrize("method", ["recompute", "loglinear"])
+@pytest.mark.parametrize("method", ["decoupled_ppo", "loglinear"])
 def test_decoupled_ppo_is_policy_loss_around_the_proximal_policy_with_a_capped_behaviour_weight(method):
     cap = 1.6
     for seed in range(10):
@@ -537,7 +550,7 @@ def test_decoupled_ppo_is_policy_loss_around_the_proximal_policy_with_a_capped_b
         adv = torch.randn(B, generator=g)
         mask = torch.rand(B, T, generator=g) > 0.2
         prox = proximal(method, old, behav, lp, versions, 5)
-        a = algo(**{"is_correction.enable": True, "is_correction.clip": 1e9, "is_correction.mask_high": cap})
+        a = algo(**{"decoupled_ppo.behav_imp_weight_cap": cap})
         loss, m = losses.POLICY_LOSSES[method](losses.TokenBatch(lp, old, behav, adv, mask, versions, 5), a,
                                                losses.loss_denominator(mask, "token-mean"))
         ref = areal_decoupled_loss(lp.detach().double(), prox.double(), behav.double(), adv.double(), mask,
@@ -549,10 +562,11 @@ def test_decoupled_ppo_is_policy_loss_around_the_proximal_policy_with_a_capped_b
         assert (lp.grad[~mask | (w > cap)] == 0).all()
 
 
-@pytest.mark.parametrize("method", ["recompute", "loglinear"])
-def test_decoupled_ppo_without_is_correction_has_no_behaviour_weight_as_areal_by_default(method):
-    """AReaL 1.0.4: rejection_sampling=None (its default) multiplies nothing into the loss: decoupled PPO is then the
-    plain PPO clip around pi_prox, every token kept however far pi_prox is from mu."""
+@pytest.mark.parametrize("method", ["decoupled_ppo", "loglinear"])
+def test_decoupled_ppo_without_a_cap_has_no_behaviour_weight_as_areal_1_0_4_by_default(method):
+    """AReaL 1.0.4: rejection_sampling=None (its top-level default) multiplies nothing into the loss: decoupled PPO
+    is then the plain PPO clip around pi_prox, every token kept however far pi_prox is from mu
+    (algorithm.decoupled_ppo.behav_imp_weight_cap=null)."""
     g = torch.Generator().manual_seed(3)
     behav = -torch.rand(4, 6, generator=g) * 2
     old = behav + torch.randn(4, 6, generator=g)  # pi_prox / mu far above any cap
@@ -561,11 +575,17 @@ def test_decoupled_ppo_without_is_correction_has_no_behaviour_weight_as_areal_by
     mask = torch.rand(4, 6, generator=g) > 0.2
     D = losses.loss_denominator(mask, "token-mean")
     prox = proximal(method, old, behav, lp, versions, 5)
-    loss, m = losses.POLICY_LOSSES[method](losses.TokenBatch(lp, old, behav, adv, mask, versions, 5), algo(), D)
+    loss, m = losses.POLICY_LOSSES[method](losses.TokenBatch(lp, old, behav, adv, mask, versions, 5),
+                                           algo(**{"decoupled_ppo.behav_imp_weight_cap": None}), D)
     ref = areal_decoupled_loss(lp.double(), prox.double(), behav.double(), adv.double(), mask, 0.2, 0.28, None)
-    assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-7) and "train/is_mean" not in m
+    assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-7) and "train/behav_capped_frac" not in m
     weighted = areal_decoupled_loss(lp.double(), prox.double(), behav.double(), adv.double(), mask, 0.2, 0.28, 1e9)
     assert abs(weighted - ref) > 1e-2  # the weight would have changed the loss: the test can tell them apart
+
+
+def tis(epsilon_high):
+    return algo(**{"policy_loss": "truncated_is", "loss_agg_mode": "seq-mean-token-sum",
+                   "truncated_is.epsilon_high": epsilon_high})
 
 
 def test_truncated_is_loss_value_and_gradient_hand_computed():
@@ -573,14 +593,15 @@ def test_truncated_is_loss_value_and_gradient_hand_computed():
     mu = torch.tensor([[math.log(0.25), math.log(0.9), math.log(0.4)]])  # pi / mu = 2, 1, 0.5
     adv = torch.tensor([2.0])
     mask = torch.tensor([[1, 1, 0]])
-    loss, m = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), algo(clip_high=0.5), 2.0)
+    loss, m = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), tis(0.5), 2.0)
     w = [1.5, 1.0]  # 2 truncated at 1 + eps_high; the masked token is out
     assert float(loss) == pytest.approx(-(w[0] * 2 * math.log(0.5) + w[1] * 2 * math.log(0.9)) / 2)
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 2, -1.0 * 2 / 2, 0.0])  # d/dlp = -w A / D, w detached
     assert float(m["train/tis_mean"]) == pytest.approx(1.25) and float(m["train/tis_truncated_frac"]) == 0.5
-    with pytest.raises(ValueError, match=r"truncates its weight at 1 \+ algorithm.clip_high, which must be > 0"):
-        losses.check_policy_loss(algo(policy_loss="truncated_is", clip_high=0.0), False)
+    with pytest.raises(ValueError, match="^algorithm.policy_loss=truncated_is divides its token sum by the number of "
+                                         "sequences"):
+        losses.check_policy_loss(algo(policy_loss="truncated_is"), False)
 
 
 def test_truncated_is_leaves_non_finite_tokens_out_as_ppo_does():
@@ -589,7 +610,7 @@ def test_truncated_is_leaves_non_finite_tokens_out_as_ppo_does():
     lp = torch.tensor([[math.log(0.5), float("nan"), math.log(0.2)]], requires_grad=True)
     mu = torch.tensor([[math.log(0.25), math.log(0.9), -float("inf")]])
     adv, mask = torch.tensor([2.0]), torch.tensor([[1, 1, 1]])
-    loss, m = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), algo(clip_high=0.5), 3.0)
+    loss, m = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), tis(0.5), 3.0)
     assert float(loss) == pytest.approx(-(1.5 * 2 * math.log(0.5)) / 3)  # only the finite token, over D = 3
     loss.backward()
     assert torch.isfinite(lp.grad).all() and lp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 3, 0.0, 0.0])
@@ -602,7 +623,7 @@ def test_truncated_is_loss_matches_loop_reference():
         lp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_()
         mu = lp.detach() + torch.randn(3, 5, generator=g)
         adv, mask = torch.randn(3, generator=g), torch.rand(3, 5, generator=g) > 0.3
-        loss, _ = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), algo(clip_high=0.2),
+        loss, _ = losses.truncated_is(losses.TokenBatch(lp, None, mu, adv, mask), tis(0.2),
                                       float(mask.sum()))
         ref = sum(-min(max(math.exp(lp[i, t].item() - mu[i, t].item()), 0.0), 1.2) * adv[i].item() * lp[i, t].item()
                   for i in range(3) for t in range(5) if mask[i, t]) / max(1, int(mask.sum()))
@@ -614,12 +635,13 @@ def test_truncated_is_loss_matches_loop_reference():
 # ---------------------------------------------------------------------------------------------------------
 
 def test_every_policy_loss_is_registered_with_one_signature_and_declares_whether_it_reads_old_log_probs():
-    assert list(losses.POLICY_LOSSES) == ["ppo", "truncated_is", "recompute", "loglinear", "gspo", "cispo"]
+    assert list(losses.POLICY_LOSSES) == ["ppo", "truncated_is", "decoupled_ppo", "loglinear", "m2po", "gspo",
+                                          "cispo"]
     for name, fn in losses.POLICY_LOSSES.items():
         assert fn is getattr(losses, name) and list(inspect.signature(fn).parameters) == [
             "batch", "settings", "denominator"], name
     quiet = {name for name, fn in losses.POLICY_LOSSES.items() if not losses.declaration(fn).reads_old_log_probs}
-    assert quiet == {"truncated_is", "loglinear"}
+    assert quiet == {"truncated_is", "loglinear", "m2po"}
     assert losses.declaration(lambda batch, settings, denominator: None) == (True, None)  # declared nothing
 
 
@@ -636,7 +658,8 @@ def test_register_refuses_a_taken_name_and_a_non_function_in_one_sentence():
 @pytest.mark.parametrize("old,new", [
     ("chosen_policy_loss", "losses.POLICY_LOSSES[name]"), ("ppo_choice", "losses.ppo"),
     ("loglinear_choice", "losses.loglinear"), ("policy_loss", "losses.ppo, losses.gspo or losses.cispo"),
-    ("truncated_is_loss", "losses.truncated_is"), ("proximal_log_probs", "inside losses.recompute"),
+    ("truncated_is_loss", "losses.truncated_is"), ("proximal_log_probs", "inside losses.decoupled_ppo"),
+    ("recompute", "losses.decoupled_ppo"), ("m2po_mask", "losses.m2_mask"),
     ("token_logprobs", "logprobs.token_logprobs"), ("GREEDY_TEMPERATURE", "logprobs.GREEDY_TEMPERATURE"),
 ])
 def test_a_name_losses_no_longer_has_is_refused_naming_the_new_one(old, new):
@@ -649,28 +672,36 @@ def test_a_name_losses_no_longer_has_is_refused_naming_the_new_one(old, new):
 
 
 @pytest.mark.parametrize("overrides,fragment", [
-    (["algorithm.policy_loss=reinforce"], "algorithm.policy_loss must be one of ppo, truncated_is, recompute, "
-                                          "loglinear, gspo, cispo or module:function, got 'reinforce'"),
-    (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-mean"],
-     "algorithm.policy_loss=truncated_is sums its tokens"),
-    (["algorithm.policy_loss=truncated_is", "algorithm.clip_high=0"],
-     r"algorithm.policy_loss=truncated_is truncates its weight at 1 \+ algorithm.clip_high, which must be > 0, got 0"),
-    (["algorithm.policy_loss=loglinear", "algorithm.is_correction.enable=true",
-      "algorithm.is_correction.level=sequence"], "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
-    (["algorithm.policy_loss=recompute", "trainer.use_rollout_log_probs=true"],
-     "algorithm.policy_loss=recompute takes its proximal policy from the step-start forward"),
+    (["algorithm.policy_loss=reinforce"], "algorithm.policy_loss must be one of ppo, truncated_is, decoupled_ppo, "
+                                          "loglinear, m2po, gspo, cispo or module:function, got 'reinforce'"),
+    (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=token-mean"],
+     "algorithm.policy_loss=truncated_is divides its token sum by the number of sequences"),
+    (["algorithm.policy_loss=truncated_is", "algorithm.loss_agg_mode=seq-mean-token-sum",
+      "algorithm.opsm.enable=true"], "algorithm.policy_loss=truncated_is applies none of the corrections, as "
+                                     "published; set algorithm.opsm.enable to false"),
+    (["algorithm.policy_loss=m2po", "algorithm.is_correction.enable=true", "algorithm.m2_mask.enable=true"],
+     "algorithm.policy_loss=m2po applies none of the corrections, as published; set "
+     "algorithm.is_correction.enable and algorithm.m2_mask.enable to false"),
+    (["algorithm.policy_loss=decoupled_ppo", "algorithm.is_correction.enable=true"],
+     "algorithm.policy_loss=decoupled_ppo weights each token by pi_prox / mu itself"),
+    # renamed: refused in one sentence naming the new name
+    (["algorithm.policy_loss=recompute"], "^algorithm.policy_loss=recompute is now decoupled_ppo"),
+    (["algorithm.m2po.enable=true"], "^algorithm.m2po.enable is now algorithm.m2_mask.enable"),
+    (["algorithm.policy_loss=loglinear", "algorithm.is_correction.enable=true"],
+     "algorithm.policy_loss=loglinear weights each token by pi_prox / mu"),
+    (["algorithm.policy_loss=decoupled_ppo", "trainer.use_rollout_log_probs=true"],
+     "algorithm.policy_loss=decoupled_ppo takes its proximal policy from the step-start forward"),
 ])
 def test_policy_loss_combinations_are_refused_in_one_sentence(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
         config.load_config(None, ["colocate=false", *overrides])
 
 
-def test_decoupled_ppo_accepts_any_is_level_while_is_correction_is_off():
-    """The level is read only when the behaviour weight is on (AReaL's default has none): a config that sets it for
-    another loss and switches to recompute loads."""
-    cfg = config.load_config(None, ["colocate=false", "algorithm.policy_loss=recompute",
+def test_decoupled_ppo_accepts_ppos_correction_settings_while_it_is_off():
+    """A config that sets is_correction's level for another loss, the correction off, switches to decoupled_ppo."""
+    cfg = config.load_config(None, ["colocate=false", "algorithm.policy_loss=decoupled_ppo",
                                     "algorithm.is_correction.level=sequence"])
-    assert cfg.algorithm.policy_loss == "recompute" and not cfg.algorithm.is_correction.enable
+    assert cfg.algorithm.policy_loss == "decoupled_ppo" and not cfg.algorithm.is_correction.enable
 
 
 def collated_batch(seed, step):
@@ -699,7 +730,7 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
     here)."""
     import actor as actor_lib
 
-    step, cap = 3, 1.6
+    step, cap = 3, 5.0
     for seed in range(5):
         b, lp, old, ent = collated_batch(seed, step)
         mask, rlp, adv = b["mask"], b["rollout_lp"], b["adv"]
@@ -709,9 +740,10 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
             "ppo": float(losses.ppo(losses.TokenBatch(lp, old, rlp, adv, mask), algo(), D)[0].detach()),
             "truncated_is": float(losses.truncated_is(losses.TokenBatch(lp, None, rlp, adv, mask), algo(),
                                                       D)[0].detach()),
-            # AReaL's formula with the behaviour weight (is_correction on: AReaL's rejection_sampling, mask above cap)
-            "recompute": areal_decoupled_loss(lp.detach().double(), old.double(), rlp.double(), adv.double(), mask,
-                                              0.2, 0.28, cap),
+            # AReaL's paper: the behaviour weight pi_prox / mu, masked above the cap (algorithm.decoupled_ppo's 5)
+            "decoupled_ppo": areal_decoupled_loss(lp.detach().double(), old.double(), rlp.double(), adv.double(),
+                                                  mask, 0.2, 0.28, cap),
+            "m2po": float(losses.m2po(losses.TokenBatch(lp, None, rlp, adv, mask), algo(), D)[0].detach()),
             "loglinear": areal_decoupled_loss(lp.detach().double(), prox.double(), rlp.double(), adv.double(),
                                               mask, 0.2, 0.28, cap),
             "gspo": float(losses.gspo(losses.TokenBatch(lp, old, rlp, adv, mask), algo(), D)[0].detach()),
@@ -719,9 +751,7 @@ def test_each_policy_loss_choice_through_train_py_gives_its_reference_numbers():
         }
         got = {}
         for name in losses.POLICY_LOSSES:
-            on = name in ("recompute", "loglinear")  # the behaviour weight of decoupled PPO
-            cfg = config.from_dict({"algorithm": {"policy_loss": name, "is_correction": {
-                "enable": on, "clip": 1e9, "mask_high": cap}}})
+            cfg = config.from_dict({"algorithm": {"policy_loss": name}})
             loss, metrics = actor_lib.micro_batch_loss(cfg, lp, old, b, D, ent, step)
             got[name] = float(loss.detach())
             assert got[name] == pytest.approx(refs[name], rel=1e-5, abs=1e-6), (seed, name)
@@ -740,7 +770,7 @@ def test_decoupled_choices_leave_the_run_config_as_it_was():
 
 
 def test_offpolicy_warning_is_quiet_for_losses_that_do_not_use_old_log_probs(monkeypatch):
-    for name in ("truncated_is", "loglinear"):
+    for name in ("truncated_is", "loglinear", "m2po"):
         assert losses.offpolicy_warning(run_cfg(policy_loss=name)) is None
     assert losses.offpolicy_warning(run_cfg(policy_loss="ppo")) is not None
     # what is read is the loss's declaration, so a loss of your own is heard the same way
@@ -892,3 +922,141 @@ def test_cispo_equals_the_paper_in_value_and_gradient():
         r = (lp.detach() - old).exp()
         clipped = (r < 1 - eps[0]) | (r > 1 + eps[1])
         assert float(m["train/clip_ratio"]) == pytest.approx(float(clipped[mask].float().mean()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The published estimators against their peers' own functions (tests/fixtures/peer_losses.json, written by
+# bench/make_loss_fixtures.py from AReaL v1.0.4 37d6c6400e99a05fa3409d6a067762a44df40d3b and PipelineRL
+# 58d393458625ad63ed539f2dcd072c85700c557f; the file names its pins)
+# ---------------------------------------------------------------------------------------------------------
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "peer_losses.json")
+
+
+@pytest.fixture(scope="module")
+def peers():
+    with open(FIXTURE) as f:
+        data = json.load(f)
+    assert data["pins"] == {"AReaL": "v1.0.4 37d6c6400e99a05fa3409d6a067762a44df40d3b",
+                            "PipelineRL": "58d393458625ad63ed539f2dcd072c85700c557f"}
+    x = data["inputs"]
+    tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in x.items() if k not in ("loss_mask", "versions",
+                                                                                          "current_version")}
+    tensors.update(loss_mask=torch.tensor(x["loss_mask"]), versions=torch.tensor(x["versions"]),
+                   current_version=x["current_version"])
+    return data, tensors
+
+
+def run_peer_loss(name, x, settings):
+    """losses.<name> on the fixture's inputs, through its registry entry and the run config's denominator."""
+    lp = x["log_probs"].clone().requires_grad_()
+    batch = losses.TokenBatch(lp, x["old_log_probs"], x["rollout_log_probs"], x["advantages"], x["loss_mask"],
+                              x["versions"], x["current_version"])
+    D = losses.loss_denominator(x["loss_mask"], settings.loss_agg_mode)
+    loss, metrics = losses.POLICY_LOSSES[name](batch, settings, D)
+    loss.backward()
+    return float(loss.detach()), lp.grad.double(), {k: float(v) for k, v in metrics.items()}
+
+
+def assert_matches(loss, grad, case, scale=1.0):
+    """Our loss and gradient equal the peer's times `scale` (1 unless the normalisations differ, and then the test
+    says why), to float32 rounding (AReaL takes its behaviour weight in float32, the project its losses)."""
+    assert loss == pytest.approx(case["loss"] * scale, rel=1e-5, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor(case["grad"], dtype=torch.float64) * scale, rtol=1e-4, atol=1e-6)
+
+
+def decoupled_settings(data, **kw):
+    st = data["settings"]
+    return algo(clip_low=st["clip_low"], clip_high=st["clip_high"], **kw)
+
+
+@pytest.mark.parametrize("name,case,action,c", [
+    ("decoupled_ppo", "decoupled_ppo_mask", "mask", 3.0), ("decoupled_ppo", "decoupled_ppo_clamp", "clamp", 3.0),
+    ("loglinear", "loglinear_mask", "mask", None)])
+def test_decoupled_ppo_equals_areal_1_0_4(peers, name, case, action, c):
+    """ppo_actor_loss_fn with rejection_sampling {token, ratio, upper 5, action}: value, gradient, and its counts of
+    clipped (by side), dual-clipped and behaviour-capped tokens; loglinear's proximal policy equals AReaL's
+    compute_prox_logp_approximations."""
+    data, x = peers
+    case = data["cases"][case]
+    a = decoupled_settings(data, dual_clip_c=c, **{"decoupled_ppo.behav_imp_weight_cap": 5.0,
+                                                   "decoupled_ppo.behav_imp_weight_action": action})
+    loss, grad, m = run_peer_loss(name, x, a)
+    assert_matches(loss, grad, case)
+    n = int(x["loss_mask"].sum())
+    kept = case["behave_kept"]  # AReaL's clip masks count the tokens left in the loss
+    assert round(m["train/clip_ratio_high"] * kept) == case["clipped_high"] > 0
+    assert round(m["train/clip_ratio_low"] * kept) == case["clipped_low"] > 0
+    assert round(m["train/dual_clip_ratio"] * kept) == case["dual_clipped"]
+    assert m["train/behav_capped_frac"] == pytest.approx(case["filtered_fraction"]) and case["filtered_fraction"] > 0
+    assert m["train/behav_imp_weight_mean"] == pytest.approx(case["behave_imp_weight_mean"], rel=1e-5)
+    assert kept == (n if action == "clamp" else n - round(case["filtered_fraction"] * n))
+    if name == "loglinear":
+        prox = losses.loglinear_proximal_log_probs(x["rollout_log_probs"], x["log_probs"], x["versions"],
+                                                   x["current_version"])
+        assert torch.allclose(prox, torch.tensor(case["proximal_log_probs"], dtype=torch.float64), atol=1e-6)
+
+
+def test_the_clamped_behaviour_weight_is_not_areals_paper(peers):
+    """The old recompute clamped pi_prox / mu (at is_correction.clip, 2) besides masking it above 5; neither that
+    nor AReaL's own clamp action gives the paper's numbers, which mask and keep the raw weight below the cap."""
+    data, x = peers
+    paper = data["cases"]["decoupled_ppo_mask"]
+    for action, cap in (("clamp", 5.0), ("clamp", 2.0)):
+        a = decoupled_settings(data, dual_clip_c=3.0, **{"decoupled_ppo.behav_imp_weight_cap": cap,
+                                                         "decoupled_ppo.behav_imp_weight_action": action})
+        loss, grad, _ = run_peer_loss("decoupled_ppo", x, a)
+        assert abs(loss - paper["loss"]) > 1e-2, (action, cap)
+    # the old hybrid: weight min(w, 2), tokens above 5 masked (is_correction clip 2, mask_high 5 on pi_old / mu)
+    a = decoupled_settings(data, dual_clip_c=3.0, **{"decoupled_ppo.behav_imp_weight_cap": None,
+                                                     "is_correction.enable": True, "is_correction.clip": 2.0,
+                                                     "is_correction.mask_high": 5.0})
+    loss, _, _ = run_peer_loss("ppo", x, a)  # ppo around pi_old = pi_prox with that correction is exactly it
+    assert abs(loss - paper["loss"]) > 1e-2
+
+
+def test_m2_mask_equals_areals_m2po_up_to_its_normalisation(peers):
+    """algorithm.m2_mask with ppo: AReaL 1.0.4's M2PO (_apply_m2po_masking of (log mu - log pi_prox)^2, then the
+    clip around pi_prox). AReaL divides by the tokens the mask keeps; this project's D counts every loss token (masks
+    never change D), so our loss is AReaL's times kept / n."""
+    data, x = peers
+    case = data["cases"]["m2_mask_ppo"]
+    a = decoupled_settings(data, **{"m2_mask.enable": True, "m2_mask.tau": data["settings"]["m2po_tau"]})
+    loss, grad, m = run_peer_loss("ppo", x, a)
+    n, kept = int(x["loss_mask"].sum()), int(torch.tensor(case["loss_mask_in"]).sum())
+    assert 0 < kept < n and m["train/m2_masked_frac"] == pytest.approx(1 - kept / n)
+    assert_matches(loss, grad, case, scale=kept / n)
+
+
+def test_m2po_is_the_papers_loss_with_areals_mask(peers):
+    """m2po: ratio pi_theta / mu, no clip, the mask of (log pi_theta - log mu)^2 at tau 0.04 (AReaL's
+    _apply_m2po_masking with prox = pi_theta: the same tokens), 1 / sum |o_i| (AReaL's kept-token mean times
+    kept / n)."""
+    data, x = peers
+    case = data["cases"]["m2po"]
+    loss, grad, m = run_peer_loss("m2po", x, algo(**{"m2po.tau": data["settings"]["m2po_tau"]}))
+    n, kept = int(x["loss_mask"].sum()), int(torch.tensor(case["loss_mask_in"]).sum())
+    assert 0 < kept < n and m["train/m2po_masked_frac"] == pytest.approx(1 - kept / n)
+    assert_matches(loss, grad, case, scale=kept / n)
+    assert (grad[~torch.tensor(case["loss_mask_in"])] == 0).all()
+    # the clipped m2_mask correction on the same data is another estimator
+    other, _, _ = run_peer_loss("ppo", x, algo(**{"m2_mask.enable": True}))
+    assert abs(other - loss) > 1e-2
+
+
+def test_truncated_is_equals_pipelinerls_rl_step(peers):
+    """rl_step, policy_loss reinforce, conf/finetune/base.yaml's epsilon_high 0.02 and kl_coef 0: sum of
+    -clamp(pi / mu, 0, 1.02) A log pi over the tokens, divided by the step's sequences."""
+    data, x = peers
+    case = data["cases"]["truncated_is"]
+    assert case["config"] == {"policy_loss": "reinforce", "epsilon_high": 0.02, "kl_coef": 0.0, "entropy_bonus": 0.0}
+    default = losses.LossSettings()
+    assert default.truncated_is.epsilon_high == case["config"]["epsilon_high"]
+    loss, grad, m = run_peer_loss("truncated_is", x, algo(loss_agg_mode="seq-mean-token-sum"))
+    assert losses.loss_denominator(x["loss_mask"], "seq-mean-token-sum") == case["batch_size"]
+    assert_matches(loss, grad, case)
+    assert round(m["train/tis_truncated_frac"] * int(x["loss_mask"].sum())) == case["truncated_tokens"] > 0
+    # the old form (epsilon 0.28, token-mean) is not PipelineRL's
+    old, _, _ = run_peer_loss("truncated_is", x, algo(loss_agg_mode="token-mean",
+                                                      **{"truncated_is.epsilon_high": 0.28}))
+    assert abs(old - case["loss"]) > 1e-2

@@ -182,7 +182,7 @@ def test_the_4b_servers_one_gpu_each_hold_their_weights_and_a_kv_cache(qwen3_4b)
 def test_no_snapshot_without_a_second_training_call_or_with_rollout_log_probs(qwen3_30b):
     n, largest = memory.param_counts(qwen3_30b)
     one_call = config.load_config(CONFIG_30B, ["trainer.mini_batch_size=512"])  # B x N = 512: one call per step
-    rollout_lp = config.load_config(CONFIG_30B, ["trainer.use_rollout_log_probs=true", "algorithm.m2po.enable=false"])
+    rollout_lp = config.load_config(CONFIG_30B, ["trainer.use_rollout_log_probs=true", "algorithm.m2_mask.enable=false"])
     for cfg in (one_call, rollout_lp):
         assert memory.memory_estimate(cfg, n, largest, 8, "cuda")["parts"]["snapshot"] == 0.0
 

@@ -226,9 +226,9 @@ def test_table3_plan_runs_areal_with_decoupled_ppo_and_naive_ppo_with_generation
         note = strategies.pairing_note("areal", cfg.algorithm.policy_loss, cfg.rollout.mask_offpolicy_in_partial_rollout)
         if "naive" in name:
             assert cfg.trainer.use_rollout_log_probs and not cfg.algorithm.is_correction.enable, name
-            assert cfg.algorithm.policy_loss == "ppo" and "recompute" in note, name
+            assert cfg.algorithm.policy_loss == "ppo" and "decoupled_ppo" in note, name
         else:
-            assert cfg.algorithm.policy_loss == "recompute" and note is None, name
+            assert cfg.algorithm.policy_loss == "decoupled_ppo" and note is None, name
 
 
 def test_sweep_grid_is_valid_and_scores_every_rule_against_one_ideal_per_split():

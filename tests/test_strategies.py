@@ -742,7 +742,7 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
     import batching
     import losses
 
-    want = {"areal": ("recompute", False), "verl": ("ppo", False), "pipelinerl": ("truncated_is", False),
+    want = {"areal": ("decoupled_ppo", False), "verl": ("ppo", False), "pipelinerl": ("truncated_is", False),
             "prime-rl": ("ppo", False), "roll": ("ppo", False), "slime-async": ("ppo", None)}
     assert set(want) == set(strategies.PRESETS)
     for name in strategies.PRESETS:
@@ -763,22 +763,29 @@ def test_presets_declare_their_peers_loss_and_mask_only_where_the_peer_uses_it()
         kept = batching.collate([seq], cfg.rollout.mask_offpolicy_in_partial_rollout)["mask"].sum()
         assert kept == (1 if name == "slime-async" else 3), name  # slime-async keeps tiny.yaml's mask (optional)
     note = strategies.pairing_note("areal", "ppo", True)  # tiny.yaml's loss under areal
-    assert "algorithm.policy_loss=ppo (its peer trains with recompute or loglinear)" in note
+    assert "algorithm.policy_loss=ppo (its peer trains with decoupled_ppo or loglinear)" in note
     assert strategies.pairing_note("areal", "loglinear", False) is None  # AReaL's other proximal policy
-    assert "(its peer trains with truncated_is)" in strategies.pairing_note("pipelinerl", "recompute", False)
+    assert "(its peer trains with truncated_is)" in strategies.pairing_note("pipelinerl", "decoupled_ppo", False)
     assert "rollout.mask_offpolicy_in_partial_rollout=true (its peer: false)" in note
     assert strategies.pairing_note("slime-async", "ppo", False) is None
     assert strategies.pairing_note("windowed-fifo", "truncated_is", True) is None  # the spec's rules pair with any
 
 
-def test_areal_preset_gives_areal_1_0_4_default_loss_without_behaviour_weight():
-    """AReaL 1.0.4: use_decoupled_loss with rejection_sampling=None multiplies no pi_prox / mu weight in; tiny.yaml
-    turns algorithm.is_correction on, and the preset's overrides turn it off again."""
+def test_areal_preset_gives_areal_papers_decoupled_loss_and_pipelinerl_its_normalisation():
+    """AReaL's paper: decoupled PPO with the behaviour weight masked above 5 (algorithm.decoupled_ppo's defaults);
+    tiny.yaml turns algorithm.is_correction on, which decoupled_ppo refuses, and the preset's overrides turn it off.
+    PipelineRL divides by the sequences of a step: its overrides set that aggregation."""
     import config
 
     cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
         "fully_async.sliding_window=areal", "fully_async.stale_steps=0", *strategies.peer_overrides("areal")])
-    assert cfg.algorithm.policy_loss == "recompute" and cfg.algorithm.is_correction.enable is False
+    assert cfg.algorithm.policy_loss == "decoupled_ppo" and cfg.algorithm.is_correction.enable is False
+    assert cfg.algorithm.decoupled_ppo.behav_imp_weight_cap == 5.0
+    assert cfg.algorithm.decoupled_ppo.behav_imp_weight_action == "mask"
+    cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        "fully_async.sliding_window=pipelinerl", "fully_async.stale_steps=0", "rollout.pause_mode=in_place",
+        *strategies.peer_overrides("pipelinerl")])
+    assert cfg.algorithm.policy_loss == "truncated_is" and cfg.algorithm.loss_agg_mode == "seq-mean-token-sum"
     assert strategies.peer_overrides("verl") == ["algorithm.policy_loss=ppo",
                                                  "rollout.mask_offpolicy_in_partial_rollout=false"]
 
