@@ -918,8 +918,8 @@ class Server:
     def _custom_load(self, load_format: str, named: list, version: Optional[str]) -> None:
         """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
         checkpoint names (scheduler.load_tensors) and the payload's pairs. An exception ends this server, as in
-        0.5.23, where nothing on the scheduler's path catches it (managers/scheduler.py run_scheduler_process: "Scheduler
-        hit an exception", SIGQUIT to the server, killpg)."""
+        0.5.23, where nothing on the scheduler's path catches it (managers/scheduler.py run_scheduler_process:
+        "Scheduler hit an exception", SIGQUIT to the server, killpg)."""
         import importlib
 
         module, _, fn = load_format.rpartition(".")

@@ -44,7 +44,8 @@ def test_bit_patterns_count_signed_zero_and_nan_payloads_and_only_changes_are_se
     assert e["name"] == "w" and e["pos"].tolist() == [0, 2] and s.stats == {"changed": 2, "numel": 12, "bytes": 12}
     layout, flat = weight_delta.pack([e])
     (back,) = weight_delta.unpack(json.loads(json.dumps(layout)), flat)
-    assert torch.equal(back["pos"], e["pos"]) and torch.equal(weight_delta.bits(back["val"]), weight_delta.bits(e["val"]))
+    assert torch.equal(back["pos"], e["pos"])
+    assert torch.equal(weight_delta.bits(back["val"]), weight_delta.bits(e["val"]))
     s.reset()  # a failed sync: no base, the next one is full
     assert s.needs_full(3, [1], 100) is not None
     s.begin(2, False)
@@ -82,8 +83,8 @@ def test_a_delta_on_another_base_is_refused_and_ends_the_server(tmp_path):
                 entry = {**entry, "pos": torch.tensor([0], dtype=torch.int32), "val": w[:1]}
             weight_delta.write_file(desc["path"], [entry], desc)
             assert post(url, "/begin_weight_update", {}).json()["success"] is True
-            body = {"serialized_named_tensors": [weight_delta.control_payload(desc)], "load_format": weight_delta.LOADER,
-                    "weight_version": str(version)}
+            body = {"serialized_named_tensors": [weight_delta.control_payload(desc)],
+                    "load_format": weight_delta.LOADER, "weight_version": str(version)}
             if words is None:
                 r = post(url, "/update_weights_from_tensor", body)
                 assert r.status_code == 200 and r.json()["success"] is True, r.text
@@ -116,8 +117,8 @@ def test_an_unlisted_load_format_is_refused(tmp_path):
 def test_delta_syncs_leave_the_servers_bit_exact(method, moe, tmp_path):
     """One trainer rank (torchrun, gloo, FSDP2) and one bf16 engine with the loader (the worker below): a full
     sync, three AdamW steps at lr 1e-5 each followed by a delta sync (strictly more than none and fewer than all
-    elements, fewer bytes than a full sync), a step at lr 1e-8 (float32 moves, bf16 only at weights near 0: only those are sent), a
-    resume (an empty host copy: full), then the engine restarted on its URL (version 0: full, then delta again).
+    elements, fewer bytes than a full sync), a step at lr 1e-8 (float32 moves, bf16 only at weights near 0: only
+    those are sent), a resume (an empty host copy: full), then the engine restarted on its URL (version 0: full, then delta again).
     After every sync every parameter read back from the engine equals the trainer's in bf16, bit for bit. moe: the
     tiny Qwen3-MoE (per-expert checkpoint names into the engine's fused experts)."""
     if moe:
