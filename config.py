@@ -176,6 +176,8 @@ class WeightSyncConfig:
     timeout_s: float = 600.0  # every weight-sync call and the broadcast group time out after this
     master_port: int = 29700  # port of the trainer-to-servers broadcast group
     master_address: Optional[str] = None  # where servers reach trainer rank 0 (None: 127.0.0.1 if it launched them)
+    delta: bool = False  # send only the elements changed in the servers' dtype (servers: --custom-weight-loader)
+    delta_full_every: int = 20  # with delta: every this many versions a full sync (and the first, resume, rejoin)
 
 
 @dataclass
@@ -640,6 +642,12 @@ def validate(cfg: Config) -> Config:
         raise ValueError("colocate=true with weight_sync.method=distributed cannot run on device=cuda: NCCL refuses a "
                          "group of trainer rank 0 and the servers on the same GPUs; use weight_sync.method=tensor")
     _positive(ws.bucket_mb, "weight_sync.bucket_mb")
+    if not isinstance(ws.delta_full_every, int) or ws.delta_full_every < 1:
+        raise ValueError(f"weight_sync.delta_full_every must be an integer >= 1 (1: every sync full), got "
+                         f"{ws.delta_full_every!r}")
+    if ws.delta and ws.method == "tensor":
+        raise ValueError("weight_sync.delta=true needs weight_sync.method distributed or disk: with tensor "
+                         "(colocate) nothing crosses a wire, so there is nothing for a delta to save")
     _positive(ws.timeout_s, "weight_sync.timeout_s")
     _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")
     _positive(cfg.buffer.rpc_timeout_s, "buffer.rpc_timeout_s")

@@ -419,6 +419,10 @@ class Services:
             cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
         if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
             cmd += ["--enable-return-routed-experts"]
+        if self.cfg.weight_sync.delta:  # weight_delta.py's loader applies the deltas; the server imports it from here
+            cmd += ["--custom-weight-loader", "weight_delta.load_delta"]
+            here = os.path.dirname(os.path.abspath(__file__))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         if r.launch == "sglang":
             if a.mem_fraction_static:
                 cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]

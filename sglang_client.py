@@ -444,13 +444,16 @@ class Fleet:
             "weight_version": None if version is None else str(version), "load_format": load_format})
 
     async def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,
-                                         flush_cache: bool = True) -> list:
+                                         flush_cache: bool = True, load_format: Optional[str] = None) -> list:
         """Worker i loads payloads[i]: one MultiprocessingSerializer payload per TP rank (weight_sync.py), inside a
-        begin_weight_update ... end_weight_update session."""
+        begin_weight_update ... end_weight_update session. load_format: None (the model's load_weights), or a
+        custom loader the server was launched with (--custom-weight-loader; weight_delta.LOADER)."""
         urls = await self.workers()
         if len(urls) != len(payloads):
             raise ValueError(f"{len(payloads)} tensor payload lists for {len(urls)} workers")
         body = {"flush_cache": flush_cache, "weight_version": None if version is None else str(version)}
+        if load_format is not None:
+            body["load_format"] = load_format
         return list(await asyncio.gather(*[self._call(u, "POST", "/update_weights_from_tensor",
                                                       {**body, "serialized_named_tensors": p})
                                            for u, p in zip(urls, payloads)]))

@@ -12,6 +12,11 @@ weight_sync.method:
       trainer rank on that GPU (server s, TP rank j <- trainer rank (first rank of s + j) % world), shared-memory
       files on CPU. Nothing is copied through the HTTP body but handles.
   disk: an HF checkpoint directory (safetensors shards, as save_pretrained writes them) + /update_weights_from_disk.
+weight_sync.delta (distributed and disk): only the elements whose value in the servers' dtype changed since the
+  version every server holds (weight_delta.py: the detection, the encoding and the servers' custom loader); per
+  bucket one /update_weights_from_tensor call (load_format weight_delta.LOADER) whose payload says where the bucket
+  is: broadcast on the group (distributed) or a file under run_dir/sync_weights/v<version>/ (disk). Full syncs in
+  that mode go the same way, whole tensors, and seed the servers' stores.
 All in a /begin_weight_update ... /end_weight_update session (0.5.23 refuses updates outside one).
 
 Gathering: the parameters of one FSDP2 unit (a decoder layer, or the root's embeddings/norm/head) are all-gathered
@@ -34,6 +39,7 @@ import contextlib
 import datetime
 import io
 import os
+import shutil
 import sys
 import time
 from typing import Optional
@@ -42,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import hf_export
+import weight_delta
 
 WEIGHT_GROUP = "weight_update_group"  # name of the trainer-rank-0 + servers broadcast group (SGLang's default)
 SESSION_END_TIMEOUT_S = 10.0  # after a failed bucket, /end_weight_update gets this long before the error is raised
@@ -151,6 +158,9 @@ class WeightSync:
         self.store = None  # the TCPStore the group forms on, hosted here for the whole run
         self.last_bytes = 0  # bytes pushed by the last sync (perf/weight_sync_gbps)
         self.members: Optional[list] = None  # rank 0: the server URLs the last sync went to
+        # weight_sync.delta: rank 0's host copy of the servers' weights (weight_delta.DeltaSender)
+        self.delta = weight_delta.DeltaSender() if cfg.weight_sync.delta and self.rank == 0 else None
+        self.full_reason: Optional[str] = None  # rank 0, delta: why this sync is full (None: a delta)
 
     # ---- one sync: the push, retried once with a new group ----
     def sync(self, version: int, services=None) -> dict:
@@ -166,7 +176,12 @@ class WeightSync:
             if self.rank == 0:
                 replaced = services is not None and services.take_replaced()
                 live = self.fleet.live_workers(self.cfg.rollout.startup_timeout_s)
-                if retry or replaced or live != self.members:
+                changed = retry or replaced or live != self.members
+                if self.delta is not None:  # a replaced, new or restarted server, or a retry: full
+                    why, restarted = self._full_reason(version)
+                    self.full_reason = "the servers changed, or a retry" if changed else why
+                    changed = changed or restarted  # a server restarted on its URL is in no group of ours
+                if changed:
                     if self.members is not None and live != self.members:
                         print(f"[train] warning: the servers answering are now {live} (were {self.members}): the "
                               "weight-update group is formed again with them", file=sys.stderr, flush=True)
@@ -177,6 +192,11 @@ class WeightSync:
             t1 = time.perf_counter()
             error = self._push_agreed(version)
             push_s = time.perf_counter() - t1
+            if self.delta is not None:  # the copy advances only once every server acknowledged the sync
+                if error is None:
+                    self.delta.commit()
+                else:
+                    self.delta.reset()
             if error is None:
                 break
             if attempt == 2:  # rank 0 stops the run with the error
@@ -191,11 +211,34 @@ class WeightSync:
                       "retrying once with a new weight-update group of the servers that answer", file=sys.stderr,
                       flush=True)
         out = {"timing/update_weights": time.perf_counter() - t0,
-               "perf/weight_sync_gbps": self.last_bytes / 1e9 / max(push_s, 1e-9)}
+               "perf/weight_sync_gbps": self.last_bytes / 1e9 / max(push_s, 1e-9),
+               "perf/weight_sync_bytes": self.last_bytes}
+        if self.delta is not None:
+            st = self.delta.stats
+            out["perf/weight_sync_delta"] = float(self.full_reason is None)
+            out["perf/weight_sync_changed_frac"] = st["changed"] / max(st["numel"], 1)
+            if self.delta.full_version == version and not getattr(self, "_copy_logged", False):
+                self._copy_logged = True
+                print(f"[train] weight_sync.delta: trainer rank 0 holds a host copy of the servers' weights, "
+                      f"{self.delta.nbytes / 2 ** 30:.2f} GiB in {self.dtype}", flush=True)
         if services is not None:
             out["rollout/server_restarts"] = services.server_restarts
             services.synced(version, self.group_name if self.group is not None else None)
         return out
+
+    def _full_reason(self, version: int) -> tuple:
+        """Rank 0, delta: (why the sync of `version` goes whole, or None for a delta; whether a server is not at
+        the last acknowledged version), from the host copy's base and each server's weight_version (/server_info),
+        so a delta is never sent to a server at another version."""
+        import sglang_client
+
+        try:
+            versions = [sglang_client.parse_version(i.get("weight_version"), "/server_info")
+                        for i in self.fleet.server_infos()]
+        except Exception as e:  # unreadable: whole, which needs no base
+            return f"the servers' weight versions are unreadable ({e})", True
+        restarted = self.delta.version is not None and any(v != self.delta.version for v in versions)
+        return self.delta.needs_full(version, versions, self.cfg.weight_sync.delta_full_every), restarted
 
     def _push_agreed(self, version: int) -> Optional[Exception]:
         """Every rank: push(version); None, or on every rank the push's failure (rank 0's exception; on the others
@@ -222,8 +265,9 @@ class WeightSync:
         all_gather_object of each rank's error on the control group) before any of them acts on it: rank 0 raises
         the first error, naming its rank, and its caller may retry with a fresh push that pairs with a fresh one on
         every rank; the other ranks say it in one line and return."""
-        method = self.cfg.weight_sync.method
-        if method == "disk":
+        method, delta = self.cfg.weight_sync.method, self.cfg.weight_sync.delta
+        self.version = version
+        if method == "disk" and not delta:
             path = os.path.join(self.cfg.run_dir, "sync_weights")
             self.export(path, self.dtype)
             if self.rank == 0:
@@ -237,6 +281,14 @@ class WeightSync:
                 if method == "tensor":
                     targets = [[(sum(ranks[:i]) + j) % self.world for j in range(r)]
                                for ranks in [self.fleet.engine_ranks()] for i, r in enumerate(ranks)]
+                if delta:  # every TP rank of every server gets the bucket's description
+                    self.engine_ranks = self.fleet.engine_ranks()
+                    self.delta.begin(version, self.full_reason is not None)
+                    if method == "disk":  # the files of the last sync (applied) or of a failed one: one version kept
+                        top = os.path.join(self.cfg.run_dir, "sync_weights")
+                        for d in os.listdir(top) if os.path.isdir(top) else ():
+                            if d.startswith("v") and d[1:].isdigit():
+                                shutil.rmtree(os.path.join(top, d), ignore_errors=True)
                 self.fleet.begin_weight_update()
                 session = True
             except Exception as e:
@@ -258,9 +310,11 @@ class WeightSync:
                 bucket = gather_bucket(self.model, spec, self.dtype, self.device) if builds else join_gather(spec)
                 if pending is not None:
                     error = self._finish(pending, error)
-                self.last_bytes += spec_bytes(spec, self.dtype)
+                if not delta:  # a delta counts what it packs (_start_delta)
+                    self.last_bytes += spec_bytes(spec, self.dtype)
                 # the last bucket (it always carries tensors) carries the version label and the flush
-                pending = self._start(bucket, version if k == len(plan) - 1 else None, targets, error)
+                pending = (self._start_delta if delta else self._start)(bucket, version if k == len(plan) - 1
+                                                                         else None, targets, error)
             if pending is not None:
                 error = self._finish(pending, error)
         except Exception as e:  # a collective itself failed: the session must still close, or the retry's
@@ -325,6 +379,38 @@ class WeightSync:
                                          async_op=True)]
         except Exception as e:  # rank 0 only: the weight-update group, not a trainer collective
             p["error"] = RuntimeError(f"weight sync: broadcasting a bucket failed: {e}")
+        return p
+
+    def _start_delta(self, bucket: Bucket, version: Optional[int], targets: list, error) -> dict:
+        """weight_sync.delta: rank 0 encodes the bucket against its host copy (weight_delta.DeltaSender: the
+        changed elements, or whole tensors in a full sync), writes it (disk) or broadcasts it (distributed) and asks
+        every server's custom loader to apply it; the other ranks only gathered."""
+        ws, p = self.cfg.weight_sync, {"fut": None, "works": [], "error": error}
+        p["deadline"] = time.monotonic() + ws.timeout_s
+        if self.rank != 0 or error is not None:
+            return p
+        try:
+            entries = self.delta.encode(bucket.named)
+            desc = {"base": None if self.delta.full else self.delta.version, "version": self.version,
+                    "last": version is not None}
+            if ws.method == "disk":
+                d = os.path.abspath(os.path.join(self.cfg.run_dir, "sync_weights", f"v{self.version}"))
+                os.makedirs(d, exist_ok=True)
+                desc.update(transport="disk", path=os.path.join(d, f"bucket_{len(os.listdir(d))}.safetensors"))
+                self.last_bytes += weight_delta.write_file(desc["path"], entries, desc)
+            else:
+                layout, flat = weight_delta.pack(entries)
+                desc.update(transport="broadcast", group=self.group_name, nbytes=flat.numel(), layout=layout)
+                self.last_bytes += flat.numel()
+            payload = weight_delta.control_payload(desc)
+            flush = version is not None and self.cfg.flush_on_update
+            p["fut"] = self.fleet.submit("update_weights_from_tensor", [[payload] * r for r in self.engine_ranks],
+                                         version, flush, weight_delta.LOADER)
+            if ws.method == "distributed" and flat.numel():
+                p["flat"] = flat.to(self.device)  # kept alive until the broadcast completed
+                p["works"] = [dist.broadcast(p["flat"], group=self.group, group_src=0, async_op=True)]
+        except Exception as e:
+            p["error"] = RuntimeError(f"weight sync (delta): bucket failed: {e}")
         return p
 
     def _finish(self, p: dict, error):

@@ -11,6 +11,13 @@ The machine is shared and loaded: compare figures of one run, or of runs taken b
 
 Run: python bench/weight_sync_bench.py [--code DIR] [--ranks 2] [--methods distributed,tensor,disk]
                                        [--bucket-mb 512] [--repeats 3] [--port 24310] [--moe]
+
+--delta (weight_sync.delta, this checkout only): one standins/engine.py --dtype bfloat16 with the delta loader per
+(method, lr); the trainer pushes bf16 (as on GPUs), syncs once in full, then --steps times takes one AdamW step at
+that lr (language-model loss on random tokens: Adam's update is ~lr per element whatever the loss, so the changed
+share is set by lr against the weights' bf16 spacing) and syncs the delta. Printed per step: bytes sent, seconds,
+the changed share. --model DIR benchmarks an existing HF checkpoint (e.g. runs/smollm2) instead of the random one.
+  python bench/weight_sync_bench.py --delta [--model DIR] [--lrs 1e-6,1e-5] [--steps 5] [--methods distributed,disk]
 """
 from __future__ import annotations
 
@@ -67,7 +74,9 @@ def worker(a) -> None:
     dist.init_process_group("gloo")
     ctrl = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = config_lib.load_config(None, [f"model.path={a.model}", f"run_dir={a.run_dir}", "device=cpu",
+    delta = ["weight_sync.delta=true", f"weight_sync.delta_full_every={a.steps + 1}", "trainer.weight_decay=0.0",
+             f"trainer.lr={a.lr}"] if a.delta else []
+    cfg = config_lib.load_config(None, delta + [f"model.path={a.model}", f"run_dir={a.run_dir}", "device=cpu",
                                         f"weight_sync.method={a.methods}",
                                         "colocate=false", f"weight_sync.bucket_mb={a.bucket_mb}",
                                         f"weight_sync.master_port={a.port + 1}", "weight_sync.master_address=127.0.0.1",
@@ -77,6 +86,8 @@ def worker(a) -> None:
     actor = actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
     if rank == 0:
         actor.fleet = sglang_client.SyncFleet(sglang_client.Fleet([a.url]))
+    if a.delta:
+        return delta_worker(a, cfg, model, opt, actor, rank)
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     out, version = {}, 0
     for method in a.methods.split(","):  # one per run (main): the other ranks read the same config
@@ -93,6 +104,71 @@ def worker(a) -> None:
     dist.destroy_process_group()
 
 
+def delta_worker(a, cfg, model, opt, actor, rank) -> None:
+    """--delta: a full sync, then --steps of (one AdamW step at a.lr, a delta sync); rank 0 prints RESULT."""
+    import torch
+    import torch.distributed as dist
+
+    actor.weights.dtype = torch.bfloat16  # the engine's (--dtype bfloat16), as the servers on GPUs
+    g = torch.Generator().manual_seed(rank)
+    vocab = model.config.vocab_size
+    rows = []
+    for version in range(1, a.steps + 2):
+        if version > 1:
+            ids = torch.randint(0, vocab, (2, 64), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        t0 = time.perf_counter()
+        m = actor.sync_weights(version)
+        rows.append({"s": time.perf_counter() - t0, **{k: m.get(k) for k in (
+            "perf/weight_sync_bytes", "perf/weight_sync_delta", "perf/weight_sync_changed_frac")}})
+    if rank == 0:
+        print("RESULT " + json.dumps({"rows": rows, "numel": sum(p.numel() for p in model.parameters())}),
+              flush=True)
+    dist.barrier(group=actor.ctrl if hasattr(actor, "ctrl") else None)
+    dist.destroy_process_group()
+
+
+def main_delta(a) -> None:
+    """--delta: per method and lr, a fresh bf16 engine with the delta loader and fresh trainer ranks."""
+    from standins import engine
+
+    with tempfile.TemporaryDirectory() as d:
+        model = a.model or os.path.join(d, "model")
+        if not a.model:
+            make_model(model, a.moe)
+        print(f"model {a.model or 'random ~100M Qwen3'}; {a.ranks} trainer ranks (gloo, CPU), one standins/engine.py "
+              f"--dtype bfloat16 --custom-weight-loader weight_delta.load_delta; bucket_mb {a.bucket_mb}; AdamW, "
+              f"weight_decay 0; shared, loaded machine", flush=True)
+        print("| method | lr | sync | kind | bytes | s | changed share |\n|---|---|---|---|---|---|---|")
+        for method in [m for m in a.methods.split(",") if m != "tensor"]:  # delta: refused with tensor
+            for lr in a.lrs.split(","):
+                url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600, dtype="bfloat16",
+                                            custom_weight_loader="weight_delta.load_delta", weight_version=0)
+                try:
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(a.ranks), os.path.abspath(__file__), "--worker", "--delta", "--lr", lr, "--steps",
+                           str(a.steps), "--code", a.code, "--model", model, "--url", url, "--run-dir",
+                           os.path.join(d, f"run_{method}_{lr}"), "--methods", method, "--bucket-mb",
+                           str(a.bucket_mb), "--port", str(a.port), "--hang-s", str(a.hang_s)]
+                    with open(os.path.join(d, f"{method}_{lr}.log"), "w+") as log:
+                        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+                        log.seek(0)
+                        text = log.read()
+                    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+                    if rc != 0 or not lines:
+                        raise SystemExit(f"the trainer ranks failed:\n{text[-6000:]}")
+                finally:
+                    handle.stop()
+                res = json.loads(lines[-1][len("RESULT "):])
+                for i, r in enumerate(res["rows"]):
+                    kind = "delta" if r["perf/weight_sync_delta"] else "full"
+                    frac = "" if i == 0 else f"{100 * r['perf/weight_sync_changed_frac']:.2f}%"
+                    print(f"| {method} | {lr} | {i + 1} | {kind} | {r['perf/weight_sync_bytes'] / 1e6:.2f} MB | "
+                          f"{r['s']:.2f} | {frac} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--code", default=ROOT, help="checkout whose train.py / standins/engine.py run (default: this one)")
@@ -103,8 +179,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=24310, help="the engine's port; the broadcast group uses port + 1")
     p.add_argument("--hang-s", type=float, default=900, help="a trainer rank that runs longer prints its stacks")
+    p.add_argument("--delta", action="store_true", help="weight_sync.delta: full against delta (see above)")
+    p.add_argument("--lrs", default="1e-6,1e-5", help="--delta: AdamW learning rates, one run each")
+    p.add_argument("--steps", type=int, default=5, help="--delta: optimizer steps (delta syncs) after the full one")
+    p.add_argument("--lr", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--model", help="--delta: an HF checkpoint directory to use instead of the random model")
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -112,6 +192,8 @@ def main() -> None:
     if a.worker:
         return worker(a)
     sys.path.insert(0, a.code)
+    if a.delta:
+        return main_delta(a)
     from standins import engine
 
     if not os.path.exists(os.path.join(a.code, "weight_sync.py")):  # the code before the rewrite: no tensor path

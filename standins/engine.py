@@ -508,6 +508,8 @@ class Server:
                      "end_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
                      "update_weight_version", "tokenize", "detokenize"):  # POST /name: the method of that name
             post(f"/{name}", getattr(self, name))
+        get("/get_weights_by_name", self.get_weights_by_name)
+        post("/get_weights_by_name", self.get_weights_by_name)
         post("/v1/tokenize", self.tokenize)
         post("/v1/detokenize", self.detokenize)
         for path, fn in (("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
@@ -817,6 +819,10 @@ class Server:
         except RuntimeError as e:
             return _fail(str(e))
         self.sched.groups[group] = (pg, self.sched.device if backend == "nccl" else torch.device("cpu"))
+        # in torch.distributed's registry by name, as SGLang's init_custom_process_group (_new_process_group_helper
+        # with group_name) leaves it: a custom weight loader finds it there (weight_delta.load_delta)
+        from torch.distributed.distributed_c10d import _world
+        _world.pg_names[pg] = group
         return web.json_response({"success": True, "message": f"Succeeded to initialize group {group!r}."})
 
     async def destroy_weights_update_group(self, request):
@@ -824,6 +830,8 @@ class Server:
         entry = self.sched.groups.pop(group, None)
         if entry is None:
             return _fail(f"no weight-update group {group!r}")
+        from torch.distributed.distributed_c10d import _world
+        _world.pg_names.pop(entry[0], None)
         with contextlib.suppress(Exception):
             entry[0].shutdown()
         return web.json_response({"success": True, "message": f"Succeeded to destroy group {group!r}."})
@@ -886,8 +894,12 @@ class Server:
         body = await _body(request)
         payloads = _required(body, "serialized_named_tensors", lambda v: _all_of(_is_str)(v) and len(v) > 0,
                              "a non-empty list of base64 strings, one per TP rank")
-        _field(body, "load_format", None, lambda v: v in ("direct",), "null or 'direct' (engine.py loads by "
-               "parameter name; 'flattened_bucket' needs sglang's classes)")
+        # model_runner_components/weight_updater.py update_weights_from_tensor: "direct", a --custom-weight-loader
+        # (dynamic_import(load_format)(model, named_tensors)) or null; 'flattened_bucket' needs sglang's classes
+        custom = self.args.custom_weight_loader or []
+        load_format = _field(body, "load_format", None, lambda v: v == "direct" or v in custom,
+                             f"null, 'direct' or a --custom-weight-loader of this server ({custom}); Unknown "
+                             "load_format")
         _field(body, "selector", "all", lambda v: v in ("target", "draft", "all"), "'target', 'draft' or 'all'")
         _flag(body, "torch_empty_cache", False)
         options = self._update_options(body)
@@ -897,8 +909,48 @@ class Server:
             named = deserialize_named_tensors(payloads[0])
         except Exception as e:
             raise BadRequest(f"field `serialized_named_tensors`: payload 0 does not deserialize: {e}") from None
+        if load_format in custom:
+            return await self._update(lambda: self._run(lambda: self._custom_load(load_format, named, options[2])),
+                                      options, "Success")
         return await self._update(lambda: self._run(lambda: self.sched.load_tensors(named, options[2])), options,
                                   "Success")
+
+    def _custom_load(self, load_format: str, named: list, version: Optional[str]) -> None:
+        """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
+        checkpoint names (scheduler.load_tensors) and the payload's pairs. An exception ends this server, as in
+        0.5.23, where nothing on the scheduler's path catches it (managers/scheduler.py run_scheduler_process:
+        "Scheduler hit an exception", SIGQUIT to the server, killpg)."""
+        import importlib
+
+        module, _, fn = load_format.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), fn)(_LoaderModel(self.sched), named)
+        except BaseException:
+            import traceback
+            log.error("Scheduler hit an exception: %s", traceback.format_exc())
+            logging.shutdown()
+            os._exit(1)
+        if version is not None:
+            self.sched.weight_version = version
+
+    async def get_weights_by_name(self, request):
+        """0.5.23 http_server.py get_weights_by_name -> models/llama.py get_weights_by_name: the named parameter (the
+        served model's parameter names; a tied lm_head.weight gives the embeddings) in float32 as nested lists, its
+        first `truncate_size` rows (default 100); a name it lacks answers 400 "Get parameter by name failed"."""
+        body = await _body(request)
+        name = _required(body, "name", _is_str, "a string")
+        size = _field(body, "truncate_size", 100, lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+
+        def read():
+            params = dict(self.sched.model.named_parameters())
+            p = params.get(name)
+            if p is None and name == "lm_head.weight":
+                p = self.sched.model.get_input_embeddings().weight
+            return None if p is None else p.detach().cpu().to(torch.float32).numpy().tolist()[:size]
+        out = await self._run(read)
+        if out is None:
+            return _error("Get parameter by name failed")
+        return web.json_response(out)
 
     async def update_weight_version(self, request):
         body = await _body(request)
@@ -1039,6 +1091,16 @@ class Server:
 
 # -- Launching (CLI and subprocess helper) -------------------------------------------------------------------------
 
+class _LoaderModel:
+    """What a custom weight loader gets as `model` here: load_weights by checkpoint names, as SGLang's models."""
+
+    def __init__(self, sched: Scheduler):
+        self._sched = sched
+
+    def load_weights(self, named) -> None:
+        self._sched.load_tensors(list(named), None)
+
+
 class EngineProcess:
     """Handle of an engine subprocess started by launch()."""
 
@@ -1143,6 +1205,9 @@ def main(argv=None):
                    help="largest request body accepted (MiB); larger ones get HTTP 413 before being read")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="keep released weights (and buffers) in host memory and restore them on resume, as SGLang")
+    p.add_argument("--custom-weight-loader", nargs="*", default=None,
+                   help="import paths (module.func) /update_weights_from_tensor may name as load_format; each is\n"
+                        "called with (model, named_tensors) (SGLang's flag; e.g. weight_delta.load_delta)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")

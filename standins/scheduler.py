@@ -395,6 +395,8 @@ class _TensorUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor
+        if (module, name) == ("torch.storage", "_load_from_bytes"):  # a tensor by value: SGLang's
+            return _load_storage  # _safe_load_torch_storage
         if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                torch.dtype)):
             return super().find_class(module, name)
@@ -409,6 +411,13 @@ def _rebuild_cuda_tensor(*args):
     if isinstance(dev, str):
         dev = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev)
     return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
+
+
+def _load_storage(data: bytes):
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"expected a torch storage, got {type(storage).__name__}")
+    return storage
 
 
 def deserialize_named_tensors(payload: str) -> list:

@@ -1,0 +1,246 @@
+"""Delta weight sync (issue 50, weight_sync.delta, weight_delta.py): after a full sync, each sync sends only the
+elements whose value in the servers' dtype changed, and the servers end with exactly the weights a full sync gives.
+
+Against standins/engine.py --dtype bfloat16 --custom-weight-loader weight_delta.load_delta (sglang 0.5.23
+model_executor/model_runner_components/weight_updater.py update_weights_from_tensor: `custom_loader(self.get_model(),
+named_tensors)` for a load_format listed by --custom-weight-loader; arg_groups/fields/model.py custom_weight_loader),
+read back through /get_weights_by_name (0.5.23 http_server.py get_weights_by_name, models/llama.py
+get_weights_by_name: float32 nested lists) and compared as bf16 bit patterns, after real AdamW steps at RL learning
+rates. A loader exception ends the server, as in 0.5.23 (managers/scheduler.py run_scheduler_process: nothing on the
+scheduler's path catches it).
+Run: .venv/bin/python -m pytest -q tests/test_weight_delta.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import config
+import weight_delta
+from standins import engine, tiny_model
+from test_engine import post
+from test_train import ROOT
+
+PY = sys.executable
+
+
+# ---- the encoder alone ----
+def test_bit_patterns_count_signed_zero_and_nan_payloads_and_only_changes_are_sent():
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0, 3.0, 4.0, 5.0, 6.0], dtype=torch.bfloat16)
+    new = old.clone()
+    new[0] = -0.0  # equal as numbers, another bit pattern
+    new.view(torch.int16)[2] += 1  # another NaN payload
+    assert weight_delta.changed(old, new).tolist() == [0, 2]
+    s = weight_delta.DeltaSender()
+    s.begin(1, True)
+    full = s.encode([("w", old), ("u", torch.ones(4, dtype=torch.bfloat16))])
+    assert [e["pos"] for e in full] == [None, None] and s.stats["bytes"] == 24
+    s.commit()
+    s.begin(2, False)
+    (e,) = s.encode([("w", new), ("u", torch.ones(4, dtype=torch.bfloat16))])  # u unchanged: not sent
+    assert e["name"] == "w" and e["pos"].tolist() == [0, 2] and s.stats == {"changed": 2, "numel": 12, "bytes": 12}
+    layout, flat = weight_delta.pack([e])
+    (back,) = weight_delta.unpack(json.loads(json.dumps(layout)), flat)
+    assert torch.equal(back["pos"], e["pos"])
+    assert torch.equal(weight_delta.bits(back["val"]), weight_delta.bits(e["val"]))
+    s.reset()  # a failed sync: no base, the next one is full
+    assert s.needs_full(3, [1], 100) is not None
+    s.begin(2, False)
+    s.encode([("w", new)])
+    s.commit()
+    assert torch.equal(weight_delta.bits(s.copy["w"]), weight_delta.bits(new))
+    assert s.needs_full(3, [2], 100) is None and "delta_full_every" in s.needs_full(102, [2], 100)
+    assert "holds version 1" in s.needs_full(3, [2, 1], 100)
+    # more than a third changed: the whole tensor is fewer bytes than int32 positions + bf16 values
+    s.begin(3, False)
+    (e,) = s.encode([("w", new + 1)])
+    assert e["pos"] is None
+
+
+def test_settings_are_validated_in_one_sentence():
+    for over, words in ((["weight_sync.delta=true", "weight_sync.method=tensor"], "weight_sync.delta=true needs"),
+                        (["weight_sync.delta_full_every=0"], "weight_sync.delta_full_every must be an integer >= 1")):
+        with pytest.raises(ValueError, match=words):
+            config.load_config(None, over)
+
+
+# ---- the server's refusal of a delta on the wrong base ----
+def test_a_delta_on_another_base_is_refused_and_ends_the_server(tmp_path):
+    """A store seeded at version 1 (one full bucket from a file), then a delta naming base 7: the loader refuses it
+    by raising, which ends the server (0.5.23: the scheduler does not catch it), its weights never touched."""
+    model = tiny_model.make_tiny_model(str(tmp_path / "m"))
+    url, handle = engine.launch(model, dtype="bfloat16", custom_weight_loader=weight_delta.LOADER, wait_timeout=60)
+    try:
+        w = torch.ones(3, dtype=torch.bfloat16)
+        for base, version, words in ((None, 1, None), (7, 8, "refused the delta 7 -> 8")):
+            desc = {"base": base, "version": version, "last": True, "transport": "disk",
+                    "path": str(tmp_path / f"v{version}.safetensors")}
+            entry = {"name": "unknown.weight", "shape": [3], "dtype": w.dtype, "pos": None, "val": w}
+            if base is not None:
+                entry = {**entry, "pos": torch.tensor([0], dtype=torch.int32), "val": w[:1]}
+            weight_delta.write_file(desc["path"], [entry], desc)
+            assert post(url, "/begin_weight_update", {}).json()["success"] is True
+            body = {"serialized_named_tensors": [weight_delta.control_payload(desc)],
+                    "load_format": weight_delta.LOADER, "weight_version": str(version)}
+            if words is None:
+                r = post(url, "/update_weights_from_tensor", body)
+                assert r.status_code == 200 and r.json()["success"] is True, r.text
+                assert post(url, "/end_weight_update", {}).json()["success"] is True
+                continue
+            with pytest.raises(Exception):  # the server goes away without an answer
+                post(url, "/update_weights_from_tensor", body)
+            assert handle.proc.wait(timeout=30) != 0
+            assert words in open(handle.log_path).read()
+        # an unknown load_format is refused (sglang: NotImplementedError "Unknown load_format")
+    finally:
+        handle.stop()
+
+
+def test_an_unlisted_load_format_is_refused(tmp_path):
+    model = tiny_model.make_tiny_model(str(tmp_path / "m"))
+    url, handle = engine.launch(model, wait_timeout=60)  # no --custom-weight-loader
+    try:
+        assert post(url, "/begin_weight_update", {}).json()["success"] is True
+        r = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [weight_delta.control_payload({})],
+                                                       "load_format": weight_delta.LOADER})
+        assert r.status_code == 400 and "Unknown load_format" in r.text, r.text
+        assert handle.proc.poll() is None
+    finally:
+        handle.stop()
+
+
+# ---- through WeightSync, each transport, real optimizer steps ----
+@pytest.mark.parametrize("method,moe", [("distributed", False), ("disk", True)])
+def test_delta_syncs_leave_the_servers_bit_exact(method, moe, tmp_path):
+    """One trainer rank (torchrun, gloo, FSDP2) and one bf16 engine with the loader (the worker below): a full
+    sync, three AdamW steps at lr 1e-5 each followed by a delta sync (strictly more than none and fewer than all
+    elements, fewer bytes than a full sync), a step at lr 1e-8 (float32 moves, bf16 only at weights near 0: only
+    those are sent), a resume (an empty host copy: full), then the engine restarted on its URL (version 0: full, then delta again).
+    After every sync every parameter read back from the engine equals the trainer's in bf16, bit for bit. moe: the
+    tiny Qwen3-MoE (per-expert checkpoint names into the engine's fused experts)."""
+    if moe:
+        from test_moe import make_moe
+        model = make_moe(str(tmp_path / "m"), 0)
+    else:
+        model = tiny_model.make_tiny_model(str(tmp_path / "m"))
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                        os.path.abspath(__file__), model, method, str(tmp_path / "run")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, start_new_session=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    syncs = json.loads(lines[-1][len("RESULT "):])
+    full_bytes = syncs[0]["bytes"]
+    kinds = [(s["what"], s["delta"]) for s in syncs]
+    assert kinds == [("first", 0), ("tiny", 1), ("step", 1), ("step", 1), ("step", 1), ("resume", 0),
+                     ("step", 1), ("restart", 0), ("step", 1)], kinds
+    for s in syncs:
+        assert s["mismatched"] == 0 and s["compared"] > 0, s
+        if s["delta"] and s["what"] == "step":
+            assert 0 < s["changed_frac"] < 1 and 0 < s["bytes"] < full_bytes, s
+        if s["delta"]:  # exactly the elements whose bf16 value changed were detected
+            assert s["changed"] == s["bf16_flips"], s
+        if s["what"] == "tiny":  # float32 moved widely, bf16 only where a weight was ~0 (e.g. the
+            # pad token's embedding row): only those went, as int32 positions + bf16 values (+ at most 14 bytes of
+            # pad, each segment 8-byte aligned)
+            assert s["fp32_moved"] > 100 * s["changed"] and s["changed_frac"] < 1e-3, s
+            assert 6 * s["changed"] <= s["bytes"] <= 6 * s["changed"] + 16 * s["tensors"], s
+        if not s["delta"]:
+            assert s["bytes"] == full_bytes, s
+
+
+def worker(model_path: str, method: str, run_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import actor as actor_lib
+    import model as model_lib
+    import sglang_client
+    from services import free_port
+
+    dist.init_process_group("gloo")
+    ctrl = dist.new_group(backend="gloo")
+    cfg = config.load_config(None, [f"model.path={model_path}", f"run_dir={run_dir}", "device=cpu", "colocate=false",
+                                    f"weight_sync.method={method}", "weight_sync.delta=true",
+                                    "weight_sync.delta_full_every=100", "weight_sync.bucket_mb=1",
+                                    f"weight_sync.master_port={free_port()}", "weight_sync.master_address=127.0.0.1",
+                                    "trainer.num_gpus_per_node=1", "trainer.weight_decay=0.0"])
+    model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (1,)), torch.device("cpu"), 0, ctrl)
+    opt, sched = model_lib.build_optimizer(model, cfg.trainer)
+    act = actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
+    port = free_port()
+    kw = dict(port=port, dtype="bfloat16", custom_weight_loader=weight_delta.LOADER, weight_version=0,
+              dist_timeout=60, wait_timeout=120)
+    url, handle = engine.launch(model_path, **kw)
+    act.fleet = sglang_client.SyncFleet(sglang_client.Fleet([url]))
+    act.weights.dtype = torch.bfloat16  # the engine's dtype (on CPU the trainer assumes float32 servers)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (4, 24), generator=g)
+    out, version = [], 0
+
+    def step(lr: float) -> None:
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def mine(dtype=torch.bfloat16) -> dict:
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(dtype, copy=True)
+                for n, p in model.named_parameters()}
+    last, last32 = {}, {}
+
+    def sync(what: str) -> None:
+        nonlocal version, last, last32
+        version += 1
+        m = act.sync_weights(version)
+        import requests
+        bad = n = 0
+        now, now32 = mine(), mine(torch.float32)
+        flips = sum(int((weight_delta.bits(t) != weight_delta.bits(last[k])).sum()) for k, t in now.items()) \
+            if last else None
+        moved = sum(int((weight_delta.bits(t) != weight_delta.bits(last32[k])).sum()) for k, t in now32.items()) \
+            if last else None
+        last, last32 = now, now32
+        for name, mine_t in now.items():
+            r = requests.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 10 ** 9}, timeout=60)
+            theirs = torch.tensor(r.json(), dtype=torch.float32).to(torch.bfloat16)
+            bad += int((weight_delta.bits(mine_t) != weight_delta.bits(theirs)).sum())
+            n += mine_t.numel()
+        out.append({"what": what, "delta": m["perf/weight_sync_delta"], "bytes": m["perf/weight_sync_bytes"],
+                    "changed_frac": m["perf/weight_sync_changed_frac"], "mismatched": bad, "compared": n,
+                    "changed": act.weights.delta.stats["changed"], "bf16_flips": flips, "fp32_moved": moved,
+                    "tensors": len(now)})
+
+    with torch.no_grad():  # the weights as a bf16 checkpoint ships them (real models' are): the engine's
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    try:
+        sync("first")
+        step(1e-8)  # a float32 update of ~1e-8 moves a bf16-representable weight off its value only near 0
+        sync("tiny")
+        for _ in range(3):
+            step(1e-5)
+            sync("step")
+        act.weights.delta = weight_delta.DeltaSender()  # a resume: the host copy starts empty
+        step(1e-5)
+        sync("resume")
+        step(1e-5)
+        sync("step")
+        handle.stop()  # the server restarts on its URL with the base weights, version 0
+        url, handle = engine.launch(model_path, **kw)
+        step(1e-5)
+        sync("restart")
+        step(1e-5)
+        sync("step")
+    finally:
+        handle.stop()
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:4])
