@@ -170,6 +170,9 @@ class Actor:
             ref = probe.logits(self.model, self.cfg.trainer, self.device)
             probe.ref = ref.cpu() if self.rank == 0 else None
             self.probe = probe
+        elif self.rank == 0:
+            print("[train] warning: the run's first training call has no loss positions to probe: train/kl_to_start "
+                  "is not logged", file=sys.stderr, flush=True)
         return time.perf_counter() - t0
 
     def kl_to_start(self) -> dict:
