@@ -3,13 +3,15 @@ step asks of them (train.run_steps calls each method at the same point on every 
 
 Actor.train_minibatch: rank 0 plans the mini-batch (batching.py) and scatters each rank's micro-batches; every rank
 runs forward/backward (logprobs.py through model.py, the loss of losses.py through micro_batch_loss) and the optimizer
-step. Around it: the weight sync (weight_sync.py), checkpoints (checkpoint.py), the HF export (hf_export.py) and
-colocate's memory hand-overs (colocate.py).
+step. Around it: the weight sync (weight_sync.py), checkpoints (checkpoint.py), the HF export (hf_export.py),
+colocate's memory hand-overs (colocate.py) and KLProbe's train/kl_to_start after a step's last update.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -37,6 +39,61 @@ def micro_batch_loss(cfg, logp: torch.Tensor, old_lp: torch.Tensor, b: dict, den
     return losses.POLICY_LOSSES[cfg.algorithm.policy_loss](batch, cfg.algorithm, denom)
 
 
+class KLProbe:
+    """train/kl_to_start: KL(pi_t || pi_0) on a fixed probe set, exact over the vocabulary (logprobs.kl_rows), at
+    the sampling temperature (rollout.sampling.temperature, as the losses' log-probs; the whole vocabulary's
+    distribution, not top_k / top_p's: two policies' truncated supports differ, where the KL is infinite).
+
+    The set (`select`): at the run's first training call, the first trainer.kl_probe_tokens loss positions of its
+    trajectories, taken one trajectory per group in turn (every group's first, then every group's second, ...: as
+    many prompts as the positions reach), each cut after its last probe position. pi_0 (`ref`): the logits at those
+    positions of the weights the run started from (a forward before the first update), on rank 0 in host memory as
+    the forward returned them (positions x vocabulary: bf16 on cuda, float32 on CPU, so no rounding is added). Every
+    rank holds the sequences and runs the same probe forward (FSDP: a collective); rank 0 compares. Both are in the
+    checkpoints' run state, so a resumed run measures from the run's start."""
+
+    def __init__(self, seqs: list[dict], ref: Optional[torch.Tensor] = None):
+        self.seqs, self.ref = seqs, ref
+
+    @staticmethod
+    def select(groups: list, tokens: int) -> list[dict]:
+        """The probe sequences (batching.collate's fields) of a training call's groups: up to `tokens` loss
+        positions in all."""
+        seqs, left = [], tokens
+        columns = itertools.zip_longest(*(g.trajectories for g in groups))
+        for t in (t for column in columns for t in column if t is not None):
+            at = t.loss_mask.nonzero().flatten()[:left].tolist()
+            if not at:
+                continue
+            cut = at[-1] + 1
+            seqs.append({"prompt": t.prompt_ids.tolist(), "response": t.response_ids[:cut].tolist(),
+                         "mask": [int(m > 0) for m in t.loss_mask[:cut].tolist()], "rollout_lp": [0.0] * cut,
+                         "versions": [0] * cut, "adv": 0.0})
+            left -= len(at)
+            if not left:
+                break
+        return seqs
+
+    def logits(self, model, t, device) -> torch.Tensor:
+        """Every rank: the live model's logits at the probe positions [n, V], in the sequences' order, micro-batched
+        as training is (trainer.micro_batch_tokens, trainer.packing)."""
+        counts = [sum(s["mask"]) for s in self.seqs]
+        where = {id(s): i for i, s in enumerate(self.seqs)}
+        parts: list = [None] * len(self.seqs)
+        model.eval()
+        for mb in batching.plan_micro_batches(self.seqs, t.micro_batch_tokens, t.packing):
+            b = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in batching.collate(mb, packing=t.packing).items()}
+            rows = model_lib.position_logits(model, b)  # row-major: mb's sequences in turn
+            for s, part in zip(mb, rows.split([counts[where[id(s)]] for s in mb])):
+                parts[where[id(s)]] = part
+        model_lib.reshard(model)
+        return torch.cat(parts)
+
+    def state(self) -> dict:
+        return {"seqs": self.seqs, "ref": self.ref}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The actor: the model side of run_steps, on every rank
 # ---------------------------------------------------------------------------------------------------------------
@@ -58,6 +115,8 @@ class Actor:
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
         self.colocate = colocate_lib.Colocate(model, optimizer, device, ctrl)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+        self.probe: Optional[KLProbe] = None  # train/kl_to_start's probe set (every rank; pi_0 on rank 0)
+        self.calls = (-1, 0)  # (step, training calls of it so far): the probe runs after a step's last one
 
     @property
     def fleet(self):
@@ -71,7 +130,13 @@ class Actor:
     def train_minibatch(self, groups: Optional[list], step: int) -> dict:
         """One training call on every rank: rank 0 splits its groups (None on the other ranks) into each rank's
         micro-batches and scatters them, then every rank runs forward/backward on its share and the optimizer
-        step (train_plan)."""
+        step (train_plan). train/kl_to_start: pi_0 taken before the run's first update, measured after a step's last
+        (KLProbe)."""
+        call = self.calls[1] + 1 if self.calls[0] == step else 1
+        self.calls = (step, call)
+        t = self.cfg.trainer
+        first = step == 0 and call == 1 and self.probe is None
+        probe_s = self.take_probe(groups) if first and t.kl_probe_tokens else 0.0
         t0 = time.perf_counter()
         plans, denom = None, 0.0
         if self.rank == 0:
@@ -86,7 +151,42 @@ class Actor:
         metrics["timing/process_traj"] = process_s
         if self.rank == 0:
             metrics["train/loss_tokens"] = float(sum(mb["mask"].sum() for p in plans for mb in p))
+        if self.probe is not None and call == self.cfg.calls_per_step and (step + 1) % t.kl_probe_every == 0:
+            metrics.update(self.kl_to_start())
+            probe_s += metrics.pop("timing/kl_probe")
+        if probe_s:
+            metrics["timing/kl_probe"] = probe_s
         return metrics
+
+    def take_probe(self, groups: Optional[list]) -> float:
+        """Every rank, at the run's first training call, before its update: KLProbe's sequences from rank 0's groups
+        to every rank, and their logits under these (the run's starting) weights kept on rank 0. Returns seconds."""
+        t0 = time.perf_counter()
+        box = [KLProbe.select(groups, self.cfg.trainer.kl_probe_tokens) if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        if box[0]:
+            probe = KLProbe(box[0])
+            ref = probe.logits(self.model, self.cfg.trainer, self.device)
+            probe.ref = ref.cpu() if self.rank == 0 else None
+            self.probe = probe
+        elif self.rank == 0:
+            print("[train] warning: the run's first training call has no loss positions to probe: train/kl_to_start "
+                  "is not logged", file=sys.stderr, flush=True)
+        return time.perf_counter() - t0
+
+    def kl_to_start(self) -> dict:
+        """Every rank: the probe forward of the live weights; rank 0: train/kl_to_start, the mean over the probe
+        positions of KL(pi_t || pi_0) (logprobs.kl_rows), and timing/kl_probe."""
+        t0 = time.perf_counter()
+        live = self.probe.logits(self.model, self.cfg.trainer, self.device)
+        out = {"timing/kl_probe": 0.0}
+        if self.rank == 0:
+            kl = logprobs.kl_rows(live, self.probe.ref, self.cfg.rollout.sampling.temperature,
+                                  self.cfg.trainer.logprob_chunk_tokens)
+            out["train/kl_to_start"] = float(kl.mean())
+        out["timing/kl_probe"] = time.perf_counter() - t0
+        return out
 
     def plan(self, groups: list) -> tuple:
         """Rank 0: the groups -> each rank's collated micro-batches (balanced by tokens, padded with DUMMY rows to
@@ -211,12 +311,23 @@ class Actor:
 
     # ---- checkpoints (checkpoint.py): sharded model + optimizer (DCP) + run state ----
     def save_checkpoint(self, steps_done: int, run_state: Optional[dict]) -> None:
+        """run_state (rank 0's) with the KL probe set and its pi_0 logits, when there is one."""
+        if run_state is not None and self.probe is not None:
+            run_state = {**run_state, "kl_probe": self.probe.state()}
         checkpoint.save(self.model, self.opt, self.sched, self.ckpt_root, steps_done, run_state, self.ctrl,
                         self.cfg.trainer.keep_checkpoints)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Model, optimizer, scheduler and RNG from `path` on every rank; returns the run state."""
-        return checkpoint.load(self.model, self.opt, self.sched, path)
+        """Model, optimizer, scheduler and RNG from `path` on every rank, and the KL probe set (pi_0 on rank 0
+        only); returns the run state without the probe."""
+        run_state = checkpoint.load(self.model, self.opt, self.sched, path)
+        saved = run_state.pop("kl_probe", None)
+        if saved is not None and self.cfg.trainer.kl_probe_tokens:
+            self.probe = KLProbe(saved["seqs"], saved["ref"] if self.rank == 0 else None)
+        elif self.cfg.trainer.kl_probe_tokens and self.rank == 0:
+            print(f"[train] warning: {path} holds no KL probe set (a run from before train/kl_to_start): the run's "
+                  "starting weights are unknown, so train/kl_to_start is not logged", file=sys.stderr, flush=True)
+        return run_state
 
     # ---- colocate (colocate.py): the servers and the trainer take turns on the GPUs ----
     def memory_to_trainer(self) -> dict:

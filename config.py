@@ -86,6 +86,8 @@ class TrainerConfig:
     snapshot: str = "device"  # where the old-policy copy of the weight shards lives: device | cpu (host memory)
     logprob_chunk_tokens: int = 1024  # tokens per chunk in the chunked log-prob / entropy computation
     entropy_metric: bool = True  # train/entropy: computed in the training forward (no loss term here uses it)
+    kl_probe_tokens: int = 128  # train/kl_to_start: KL(pi_t || pi_0) at this many fixed loss positions (0 = off)
+    kl_probe_every: int = 1  # measure train/kl_to_start every this many steps (one forward of the probe set)
     export_hf: bool = True  # export the final model as an HF checkpoint in run_dir/hf
     export_dtype: str = "auto"  # its dtype: auto (model.path's own, from its config.json) | float32 | bfloat16 | float16
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
@@ -620,6 +622,10 @@ def validate(cfg: Config) -> Config:
     if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
         raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
     _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
+    if t.kl_probe_tokens < 0:
+        raise ValueError(f"trainer.kl_probe_tokens must be >= 0 (0 turns train/kl_to_start off), got "
+                         f"{t.kl_probe_tokens}")
+    _positive(t.kl_probe_every, "trainer.kl_probe_every")
     if t.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"trainer.export_dtype must be auto, float32, bfloat16 or float16, got '{t.export_dtype}'")
     if t.optimizer_impl not in ("auto", "fused", "foreach", "for_loop"):

@@ -10,6 +10,7 @@ quantity, which the losses compare (losses.py) and train/rollout_logprob_diff_ma
   - `linear_token_logprobs`: from the last hidden states and the lm_head weight, the lm_head fused into the chunked
     log-softmax, so the [T, V] logits never exist (model.token_logprobs uses it inside the model's forward).
 Both are torch.autograd.Functions whose backward recomputes each chunk and writes d/dlogits analytically.
+  - `kl_rows`: KL(p || q) per position, exact over the vocabulary, from two sets of logits (train/kl_to_start).
 
 With a `Support` (rollout.sampling.top_k > 0 or top_p < 1) both take the log-prob over the tokens the sampler could
 draw instead of the whole vocabulary: each position's kept set is replayed from these logits by SGLang's rule, the
@@ -326,3 +327,32 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, tempe
                                      effective_temperature(temperature), chunk_size, with_entropy,
                                      _replayed(support, temperature))
     return _outputs(*out, hidden.shape[:-1], support)
+
+
+def kl_rows(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """KL(p || q) of each position, exact over the whole vocabulary (not a sampled estimate):
+    sum_v p_v (log p_v - log q_v), p = softmax(logits / t), q = softmax(ref_logits / t), t =
+    effective_temperature(temperature): the distributions the engine samples from and the losses' log-probs use.
+
+    logits, ref_logits [..., V] in any float dtype (bf16 as a GPU forward gives them; log-probs at temperature 1 are
+    logits too, log_softmax leaves them as they are), ref_logits on any device -> [...] float32 on logits' device.
+    Each chunk of `chunk_size` rows is upcast to float32 (and moved) on its own, so the extra memory is a few
+    float32 [chunk, V] buffers. No top_k / top_p support: truncated distributions of two policies need not share
+    their supports, where the KL is infinite. Identical rows give exactly 0. train/kl_to_start is its mean over the
+    trainer's probe positions (actor.KLProbe); bench/staleness_experiment.py can call it on its own model."""
+    if logits.shape != ref_logits.shape:
+        raise ValueError(f"kl_rows: logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)} must have "
+                         "the same shape")
+    if chunk_size <= 0:
+        raise ValueError(f"kl_rows chunk_size must be > 0, got {chunk_size}")
+    t = effective_temperature(temperature)
+    V = logits.shape[-1]
+    x, ref = logits.reshape(-1, V), ref_logits.reshape(-1, V)
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=logits.device)
+    for r0 in range(0, x.shape[0], chunk_size):
+        c = slice(r0, r0 + chunk_size)
+        lp = torch.log_softmax(x[c].float() / t, -1)  # (not in place: a float32 input is the caller's tensor)
+        lq = torch.log_softmax(ref[c].to(logits.device, torch.float32) / t, -1)
+        p = lp.exp()
+        out[c] = p.mul_(lp.sub_(lq)).sum(-1)
+    return out.view(logits.shape[:-1])

@@ -168,6 +168,45 @@ def pad_packed(b: dict, min_tokens: int) -> dict:
     return out
 
 
+def forward_inputs(model, b: dict) -> tuple[dict, dict]:
+    """(the micro-batch, the model's keyword arguments besides input_ids) for a forward of a collated micro-batch:
+    a packed one runs as one row with restarting position_ids and no attention mask (use_cache=False: transformers
+    derives the per-sequence mask from position_ids only when there is no cache; flash_attention_2 runs varlen from
+    its boundaries; flex_attention gets a row of at least FLEX_MIN_TOKENS). Sets the MoE routes to replay (moe.py;
+    none recorded: the routers' own)."""
+    import moe
+
+    if "pos" in b and model.config._attn_implementation == "flex_attention":
+        b = pad_packed(b, FLEX_MIN_TOKENS)
+    moe.set_routes(model, b.get("routes"), b.get("routed"))
+    kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
+    if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs
+        kwargs |= {"cu_seq_lens_q": b["cu"], "cu_seq_lens_k": b["cu"], "max_length_q": b["max_len"],
+                   "max_length_k": b["max_len"]}
+    return b, kwargs
+
+
+@torch.no_grad()
+def position_logits(model, b: dict) -> torch.Tensor:
+    """The logits [n, V], as the model returns them (bf16 on cuda, float32 on CPU), of the n loss positions of
+    a collated micro-batch where b["mask"] > 0, in row-major order: the output layer runs on those positions' last
+    hidden states only (its forward wrapped for the run of model(...), as in token_logprobs), so [tokens, vocab]
+    logits of the whole micro-batch never exist. Every rank of the FSDP mesh calls it at once (a forward)."""
+    b, kwargs = forward_inputs(model, b)
+    head, keep = model.get_output_embeddings(), b["mask"] > 0
+    rows = b["index"][keep] if "pos" in b else None  # positions of the packed row
+    forward = head.forward
+
+    def head_forward(hidden):  # the last hidden states [rows, L, H] -> the kept positions' logits [1, n, V]
+        return forward((hidden[0, rows] if rows is not None else hidden[:, :-1][keep])[None])
+
+    head.forward = head_forward
+    try:
+        return model(input_ids=b["ids"], **kwargs).logits[0]
+    finally:
+        del head.forward
+
+
 def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False,
                    support=None) -> tuple:
     """log-probs (and entropy, or None) of a collated micro-batch in the loss layout [b, L - 1]. A packed one runs
@@ -184,15 +223,8 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
     not a bias-free Linear, or logits that the model post-processes (final_logit_softcapping), take the unfused
     path (logprobs.token_logprobs on the logits)."""
     import logprobs
-    import moe
 
-    if "pos" in b and model.config._attn_implementation == "flex_attention":
-        b = pad_packed(b, FLEX_MIN_TOKENS)
-    moe.set_routes(model, b.get("routes"), b.get("routed"))  # routing replay (none recorded: the routers' own)
-    kwargs = ({"position_ids": b["pos"]} if "pos" in b else {"attention_mask": b["attn"]}) | {"use_cache": False}
-    if "pos" in b and model.config._attn_implementation == "flash_attention_2":  # FlashAttentionKwargs
-        kwargs |= {"cu_seq_lens_q": b["cu"], "cu_seq_lens_k": b["cu"], "max_length_q": b["max_len"],
-                   "max_length_k": b["max_len"]}
+    b, kwargs = forward_inputs(model, b)
     head, targets = model.get_output_embeddings(), b["ids"][:, 1:]
     fused = (isinstance(head, torch.nn.Linear) and head.bias is None
              and not getattr(model.config, "final_logit_softcapping", None))

@@ -114,6 +114,8 @@ RULES = [
     (["trainer.lr=0"], None, ["trainer.lr"]),
     (["trainer.micro_batch_tokens=0"], None, ["trainer.micro_batch_tokens"]),
     (["trainer.logprob_chunk_tokens=0"], None, ["trainer.logprob_chunk_tokens"]),
+    (["trainer.kl_probe_tokens=-1"], None, ["trainer.kl_probe_tokens", ">= 0 (0 turns train/kl_to_start off)"]),
+    (["trainer.kl_probe_every=0"], None, ["trainer.kl_probe_every", "> 0"]),
     (["trainer.save_freq=-1"], None, ["trainer.save_freq"]),
     (["trainer.keep_checkpoints=-1"], None, ["trainer.keep_checkpoints", ">= 0 (0 keeps every checkpoint)"]),
     (["trainer.eval_freq=-1"], None, ["trainer.eval_freq"]),

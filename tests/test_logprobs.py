@@ -373,3 +373,38 @@ def test_a_top_p_cut_far_down_a_flat_distribution_is_found():
     kept = (logits.softmax(-1).sort(-1, descending=True).values.cumsum(-1) < 0.9).sum(-1)
     first = logprobs.SUPPORT_FIRST_K
     assert kept[:2].max() < first < kept[2:4].min() <= kept[2:4].max() < 8 * first < kept[4:].min()
+
+
+def loop_kl(logits, ref, temperature):
+    """Plain-Python KL(p || q) per row: sum_v p_v (log p_v - log q_v), math.exp / math.log on floats."""
+    t = logprobs.effective_temperature(temperature)
+    out = []
+    for a, b in zip(logits.reshape(-1, logits.shape[-1]).tolist(), ref.reshape(-1, ref.shape[-1]).tolist()):
+        lse_a = max(v / t for v in a) + math.log(sum(math.exp(v / t - max(w / t for w in a)) for v in a))
+        lse_b = max(v / t for v in b) + math.log(sum(math.exp(v / t - max(w / t for w in b)) for v in b))
+        out.append(sum(math.exp(x / t - lse_a) * ((x / t - lse_a) - (y / t - lse_b)) for x, y in zip(a, b)))
+    return torch.tensor(out, dtype=torch.float64).view(logits.shape[:-1])
+
+
+@pytest.mark.parametrize("temperature, chunk_size, dtype", [(1.0, 1024, torch.float32), (0.7, 3, torch.float32),
+                                                            (0.0, 2, torch.float32), (1.3, 4, torch.bfloat16)])
+def test_kl_rows_equal_the_loop_reference_and_kl_div(temperature, chunk_size, dtype):
+    """logprobs.kl_rows (train/kl_to_start's KL per position) on random logits, 3-D, rows split over chunks of any
+    size, at the effective temperature (greedy: 1): the plain-Python sum and torch's kl_div of the float32
+    log_softmax; identical rows give exactly 0; the inputs are left as they were (a float32 input is not a copy)."""
+    g = torch.Generator().manual_seed(int(temperature * 10) + chunk_size)
+    logits = (torch.randn(2, 5, 37, generator=g) * 3).to(dtype)
+    ref = (logits.float() + torch.randn(2, 5, 37, generator=g) * (0.2 + torch.rand(2, 5, 1, generator=g))).to(dtype)
+    before = ref.clone(), logits.clone()
+    kl = logprobs.kl_rows(logits, ref, temperature, chunk_size)
+    assert kl.shape == (2, 5) and kl.dtype == torch.float32
+    assert torch.equal(ref, before[0]) and torch.equal(logits, before[1])
+    assert torch.allclose(kl.double(), loop_kl(logits.float(), ref.float(), temperature), rtol=1e-4, atol=1e-6)
+    t = logprobs.effective_temperature(temperature)
+    lp, lq = (torch.log_softmax(x.float() / t, -1) for x in (logits, ref))
+    kl_div = torch.nn.functional.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+    assert torch.allclose(kl, kl_div, rtol=1e-5, atol=1e-6)
+    assert kl.min() > 1e-4  # every row moved
+    assert torch.equal(logprobs.kl_rows(logits, logits.clone(), temperature, chunk_size), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="must have the same shape"):
+        logprobs.kl_rows(logits, ref[:, :4], temperature)

@@ -553,6 +553,27 @@ def test_a_checkpoint_write_that_fails_on_one_rank_stops_every_rank_and_the_prev
     assert r["kept"] == ["step_000003", "step_000004"], r["kept"]
 
 
+def test_kl_to_start_is_0_at_the_start_grows_with_updates_and_a_resumed_run_logs_the_same(actor_checks):
+    """train/kl_to_start (actor.KLProbe, logprobs.kl_rows) on 2 FSDP ranks: trainer.kl_probe_tokens=20 positions
+    from the first call's groups, one trajectory per group in turn (the first two from the two groups' prompts),
+    skipping the masked-out tool token; its pi_0 logits on rank 0 alone, equal to the whole forward's at those
+    positions (and so are the packed layout's); KL exactly 0 at pi_0 and > 0 after each step's updates, logged by the
+    step's last call only, on rank 0 only; a run resumed from the checkpoint after step 2 restores the set and pi_0
+    (rank 0) and logs at step 4 what the uninterrupted run logs there; trainer.kl_probe_every=2 skips step 3."""
+    r0, r1 = actor_checks["kl"]["rank0"], actor_checks["kl"]["rank1"]
+    assert r0["positions"] == 20 and r0["prompts"][0] != r0["prompts"][1] and r0["prompts"] == r1["prompts"], r0
+    assert r0["ref_shape"][0] == 20 and r1["ref_shape"] is None
+    assert r0["ref_vs_full"] < 1e-5 and r0["packed_vs_full"] < 1e-4, r0
+    assert r0["at_start"] == 0.0 and r1["at_start"] is None
+    assert all(first is None and kl > 1e-6 for first, kl in r0["kl"]), r0["kl"]
+    assert all(row == [None, None] for row in r1["kl"]) and r0["probe_s"] > 0 and r0["same_probe"]
+    assert r0["resumed_seqs_equal"] and r1["resumed_seqs_equal"] and r0["resumed_ref"]
+    assert r1["resumed_ref_other_rank"] is None
+    assert r0["resumed_kl"][0] == [None, None] and r0["resumed_kl"][1][0] is None, r0["resumed_kl"]
+    assert r0["resumed_kl"][1][1] == pytest.approx(r0["uninterrupted_4"], rel=1e-5, abs=1e-7), r0
+    assert r0["uninterrupted_4"] > r0["kl"][0][1]  # lr 0.01 on the same batch: the policy moves on
+
+
 def test_a_push_that_fails_on_rank_0_only_is_agreed_on_and_retried(actor_checks):
     """weight_sync.WeightSync.push's status collective and WeightSync._push_agreed: rank 0's injected error is
     returned on both ranks, and the retry brings the engine to the trainer's weights (both ranks ran it bucket for bucket)."""
@@ -597,7 +618,8 @@ def _actor_script(args):
     """The multi-process checks of the actor: _snapshot_checks, then _sync_checks (rank 0 prints their results)."""
     import torch.distributed as dist
 
-    results = {"snapshot": _snapshot_checks(args), "sync": _sync_checks(args), "ckpt": _checkpoint_fault_checks(args)}
+    results = {"snapshot": _snapshot_checks(args), "sync": _sync_checks(args), "ckpt": _checkpoint_fault_checks(args),
+               "kl": _kl_probe_checks(args)}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.barrier()  # both ranks tear their groups down together (see train.main), after rank 0 stopped the engine
@@ -735,6 +757,78 @@ def _checkpoint_fault_checks(args) -> dict:
     out["kept"] = sorted(os.listdir(actor.ckpt_root))
     out["ckpt_root"] = actor.ckpt_root
     return out
+
+
+def _kl_groups(seed: int) -> list:
+    """Two training calls' groups (2 groups of 4 trajectories each), the same on both ranks: responses of 6 tokens
+    with a loss mask that leaves out a tool-output token, rewards that give every group an advantage."""
+    import buffer as buffer_lib
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for k in range(4):
+        prompt = torch.randint(3, 90, (5,), generator=g)
+        trajs = [buffer_lib.Trajectory(epoch=0, seq=k, index=i, prompt_ids=prompt,
+                                       response_ids=torch.randint(3, 90, (6,), generator=g),
+                                       rollout_log_probs=torch.full((6,), -2.0),
+                                       versions=torch.zeros(6, dtype=torch.long),
+                                       loss_mask=torch.tensor([1, 1, 0, 1, 1, 1]), reward=float(i % 2))
+                 for i in range(4)]
+        groups.append(buffer_lib.Group(buffer_lib.PromptGroup(0, k, k, prompt), trajs))
+    return groups
+
+
+def _kl_probe_checks(args) -> dict:
+    """actor.KLProbe on 2 ranks (2 training calls a step): the probe set and pi_0 taken at the run's first call, 0
+    at pi_0, > 0 after updates; its logits are the full forward's at the probe positions, packed or padded; a run
+    resumed from the checkpoint after step 2 logs at step 3 what the uninterrupted run logs there; every=2 skips odd
+    steps."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    overrides = ["data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=4",
+                 "trainer.mini_batch_size=8", "trainer.kl_probe_tokens=20", "rollout.sampling.temperature=0.8"]
+    cfg, rank, actor = _script_setup(args, overrides)
+    assert cfg.calls_per_step == 2
+    actor.ckpt_root = os.path.join(args["run_dir"], "kl", "checkpoints")
+    groups = _kl_groups(0)
+    calls = (groups[:2] if rank == 0 else None, groups[2:] if rank == 0 else None)
+    out = {"taken_s": actor.take_probe(calls[0]), "at_start": actor.kl_to_start().get("train/kl_to_start")}
+    probe = actor.probe
+    out["positions"] = sum(sum(s["mask"]) for s in probe.seqs)
+    out["prompts"] = [s["prompt"] for s in probe.seqs]
+    out["ref_shape"] = list(probe.ref.shape) if rank == 0 else None
+    with torch.no_grad():  # the whole forward's logits at the probe positions
+        b = batching.collate(probe.seqs)
+        full = actor.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1][b["mask"] > 0]
+        model_lib.reshard(actor.model)
+    packed = probe.logits(actor.model, dataclasses.replace(cfg.trainer, packing=True), torch.device("cpu"))
+    if rank == 0:
+        out["ref_vs_full"] = float((probe.ref - full).abs().max())
+        out["packed_vs_full"] = float((packed - full).abs().max())
+    kl = []
+    for step in range(3):
+        rows = [actor.train_minibatch(c, step) for c in calls]
+        kl.append([r.get("train/kl_to_start") for r in rows])
+        if step == 1:
+            actor.save_checkpoint(2, {"step": 2, "weight_version": 2, "buffer": {}} if rank == 0 else None)
+    out["kl"], out["probe_s"] = kl, rows[-1].get("timing/kl_probe")
+    out["same_probe"] = probe is actor.probe  # step 0's first call keeps the set taken above
+    _, _, resumed = _script_setup(args, overrides)
+    resumed.cfg.trainer.kl_probe_every = 2
+    resumed.load_checkpoint(os.path.join(actor.ckpt_root, "step_000002"))
+    out["resumed_seqs_equal"] = resumed.probe.seqs == probe.seqs
+    out["resumed_ref"] = rank != 0 or torch.equal(resumed.probe.ref, probe.ref)
+    out["resumed_ref_other_rank"] = None if rank == 0 else resumed.probe.ref
+    # step 2 (logged as 3): not a multiple of 2; step 3 (logged as 4), measured, then the same under actor: 3 steps
+    out["resumed_kl"] = [[r.get("train/kl_to_start") for r in (resumed.train_minibatch(c, step) for c in calls)]
+                         for step in (2, 3)]
+    actor.train_minibatch(calls[0], 3)
+    out["uninterrupted_4"] = actor.train_minibatch(calls[1], 3).get("train/kl_to_start")
+    gathered = [None, None]
+    dist.all_gather_object(gathered, out, group=_CTRL)
+    return {"rank0": gathered[0], "rank1": gathered[1]}
 
 
 def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
@@ -1026,6 +1120,13 @@ def test_fully_async_run_reports_every_spec_metric_with_sane_values(resumed_run)
         assert 0.0 < row["train/is_ess"] <= 1.0 and 0.0 <= row["train/neg_adv_high_ratio_frac"] <= 1.0
         assert math.isfinite(row["train/is_log_ratio_m2"]) and row["train/is_log_ratio_m2"] >= 0.0
         assert row["perf/train_memory_allocated_max"] > 0
+    # KL(pi_t || pi_0) on the probe set (trainer.kl_probe_tokens=128, every step), the resumed part's rows too (from
+    # the probe set and pi_0 the checkpoint kept; without them the resumed run logs none): exactly 0 until a step
+    # has a gradient (groups of equal rewards have none, and rollout.filter=[failed] trains them: in some runs no
+    # step has one), > 0 from then on (the 2-rank actor check has updates at every step)
+    moved = [any(r["train/grad_norm"] > 0 for r in rows[:i + 1]) for i in range(len(rows))]
+    kl = [row["train/kl_to_start"] for row in rows]
+    assert all(math.isfinite(k) and (k > 0) == m for k, m in zip(kl, moved)), (kl, moved)
     evals = [row["eval/reward_mean"] for row in resumed_run["rows"] if "eval/reward_mean" in row]
     assert evals and all(0.0 <= e <= 1.0 for e in evals)
 
