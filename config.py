@@ -180,6 +180,7 @@ class WeightSyncConfig:
     master_address: Optional[str] = None  # where servers reach trainer rank 0 (None: 127.0.0.1 if it launched them)
     delta: bool = False  # send only the elements changed in the servers' dtype (servers: --custom-weight-loader)
     delta_full_every: int = 20  # with delta: every this many versions a full sync (and the first, resume, rejoin)
+    dtype: str = "auto"  # the servers' dtype, pushed in: auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float32
 
 
 @dataclass
@@ -648,6 +649,8 @@ def validate(cfg: Config) -> Config:
         raise ValueError("colocate=true with weight_sync.method=distributed cannot run on device=cuda: NCCL refuses a "
                          "group of trainer rank 0 and the servers on the same GPUs; use weight_sync.method=tensor")
     _positive(ws.bucket_mb, "weight_sync.bucket_mb")
+    if ws.dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"weight_sync.dtype must be auto, bfloat16 or float32 (the servers' dtype), got '{ws.dtype}'")
     if not isinstance(ws.delta_full_every, int) or ws.delta_full_every < 1:
         raise ValueError(f"weight_sync.delta_full_every must be an integer >= 1 (1: every sync full), got "
                          f"{ws.delta_full_every!r}")

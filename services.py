@@ -409,8 +409,9 @@ class Services:
         else:
             cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.cfg.model.path,
                    "--port", str(port), "--host", a.host, "--tp-size", str(layout.tp), "--dp-size",
-                   str(layout.dp), "--pp-size", str(layout.pp), "--weight-version", str(version),
-                   "--dtype", "bfloat16"]
+                   str(layout.dp), "--pp-size", str(layout.pp), "--weight-version", str(version)]
+        ws_dtype = self.cfg.weight_sync.dtype  # the servers hold what the trainer pushes and compares (delta) in
+        cmd += ["--dtype", "bfloat16" if ws_dtype == "auto" and r.launch != "engine" else ws_dtype]
         if a.max_running_requests:
             cmd += ["--max-running-requests", str(a.max_running_requests)]
         if a.api_key:

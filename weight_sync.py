@@ -77,6 +77,14 @@ def serialize_named_tensors(named: list) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def server_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """weight_sync.dtype resolved: auto is bfloat16 when the trainer runs on cuda (its servers are GPUs), else
+    float32; an explicit one is also the --dtype the servers this project launches get (services.py)."""
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, setting)
+
+
 def plan_buckets(model, dtype: torch.dtype, limit_bytes: int) -> list:
     """Whole FSDP units per bucket, at most limit_bytes each (a unit larger than that alone), sized by the
     checkpoint tensors they become (to_checkpoint on meta tensors): [[(module, [(checkpoint name, shape)],
@@ -152,7 +160,7 @@ class WeightSync:
         self.cfg, self.model, self.device, self.ctrl = cfg, model, device, ctrl
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.fleet = None  # sglang_client.SyncFleet on rank 0 when there are servers
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the servers' dtype
+        self.dtype = server_dtype(cfg.weight_sync.dtype, device)  # the servers' dtype: pushed and compared in it
         self.group = None  # weight-update broadcast group (distributed), made at the first sync
         self.group_name, self.generation = WEIGHT_GROUP, 0  # a new name each time the group is re-created
         self.store = None  # the TCPStore the group forms on, hosted here for the whole run

@@ -751,6 +751,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr-scan", default=None, metavar="LRS",
                    help="on-policy (naive, eta 0) on seed 0 at each of these learning rates (e.g. 1e-4,2e-4,4e-4): "
                         "the largest whose eval still rises steadily to the last step, halved, is the pilot's")
+    p.add_argument("--scan-seeds", default="0", help="--lr-scan on these seeds (seed s on base s %% 2)")
     p.add_argument("--pilot", action="store_true",
                    help="the gate before a sweep: on-policy and naive at the largest --etas, seeds 0-1 (one on each "
                         "base), at --lr and --grad-clip; prints the gate table and whether it is met")
@@ -772,7 +773,8 @@ def main(argv=None) -> None:
         if name not in LOSSES:
             p.error(f"--losses: '{name}' is unknown; accepted: {', '.join(LOSSES)}")
     if a.lr_scan:
-        setups = [replace(base_setup, loss="naive", eta=0, seed=0, lr=float(lr)) for lr in a.lr_scan.split(",")]
+        setups = [replace(base_setup, loss="naive", eta=0, seed=seed, base_seed=seed % 2, lr=float(lr))
+                  for seed in _seeds(a.scan_seeds) for lr in a.lr_scan.split(",")]
     elif a.pilot:
         setups = [replace(base_setup, loss="naive", eta=eta, seed=seed, base_seed=seed % 2)
                   for seed in (0, 1) for eta in (0, max(etas))]

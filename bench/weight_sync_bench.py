@@ -75,7 +75,7 @@ def worker(a) -> None:
     ctrl = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     delta = ["weight_sync.delta=true", f"weight_sync.delta_full_every={a.steps + 1}", "trainer.weight_decay=0.0",
-             f"trainer.lr={a.lr}"] if a.delta else []
+             f"trainer.lr={a.lr}", "weight_sync.dtype=bfloat16"] if a.delta else []
     cfg = config_lib.load_config(None, delta + [f"model.path={a.model}", f"run_dir={a.run_dir}", "device=cpu",
                                         f"weight_sync.method={a.methods}",
                                         "colocate=false", f"weight_sync.bucket_mb={a.bucket_mb}",
@@ -109,7 +109,7 @@ def delta_worker(a, cfg, model, opt, actor, rank) -> None:
     import torch
     import torch.distributed as dist
 
-    actor.weights.dtype = torch.bfloat16  # the engine's (--dtype bfloat16), as the servers on GPUs
+    assert actor.weights.dtype == torch.bfloat16, "--delta runs with weight_sync.dtype=bfloat16 (the engine's)"
     g = torch.Generator().manual_seed(rank)
     vocab = model.config.vocab_size
     rows = []

@@ -166,6 +166,7 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
     cfg = config.load_config(None, [f"model.path={model_path}", f"run_dir={run_dir}", "device=cpu", "colocate=false",
                                     f"weight_sync.method={method}", "weight_sync.delta=true",
                                     "weight_sync.delta_full_every=100", "weight_sync.bucket_mb=1",
+                                    "weight_sync.dtype=bfloat16",
                                     f"weight_sync.master_port={free_port()}", "weight_sync.master_address=127.0.0.1",
                                     "trainer.num_gpus_per_node=1", "trainer.weight_decay=0.0"])
     model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (1,)), torch.device("cpu"), 0, ctrl)
@@ -176,7 +177,7 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
               dist_timeout=60, wait_timeout=120)
     url, handle = engine.launch(model_path, **kw)
     act.fleet = sglang_client.SyncFleet(sglang_client.Fleet([url]))
-    act.weights.dtype = torch.bfloat16  # the engine's dtype (on CPU the trainer assumes float32 servers)
+    assert act.weights.dtype == torch.bfloat16  # weight_sync.dtype: the engine's, pushed and compared in it
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 40, (4, 24), generator=g)
     out, version = [], 0
