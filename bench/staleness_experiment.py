@@ -1,44 +1,49 @@
-"""bench/staleness_experiment.py: does staleness hurt a real (tiny) transformer, and which loss protects it?
+"""bench/staleness_experiment.py: does staleness hurt a real (tiny) transformer, and which estimator protects it?
 
 A controlled experiment, not the pipeline: one process trains the tiny Qwen3 of tiny_model.make_tiny_model with this
 project's losses (losses.POLICY_LOSSES, losses.compute_advantages), and imposes staleness exactly instead of
 letting a fleet produce it:
   - step t's batch is sampled with the snapshot of step t - eta (version max(0, t - eta));
-  - with eta > 0, half of the trajectories switch snapshot mid-sequence, as a generation interrupted at a step
-    boundary and resumed on newer weights does: tokens before a cut drawn per step come from version t - eta, the
-    rest from version t - eta + ceil(eta / 2) (re-prefilled, as a resumed request is);
+  - with eta > 0, half of the trajectories were in flight at a step boundary: each draws its own cut, uniform in
+    [1, max_new - 1]; its tokens before the cut come from version t - eta, the rest from version
+    t - eta + ceil(eta / 2) (re-prefilled, as a resumed request is); a cut past its end means it never switched. The
+    share of response tokens from the newer snapshot is recorded per step (new_snapshot_token_frac);
   - every token keeps the log-prob of the snapshot that sampled it (log mu) and that snapshot's version.
 
-The task is chosen so that a stale mistake carries weight (the mechanism of AReaL's naive-PPO collapse): a prompt
-"8341=" (4-MAX_DIGITS digits), a free scratchpad of up to SCRATCH tokens, then ">" and the digits reversed, then
-eos; reward 1 when the text after the first ">" is exactly the reversed digits and the response stopped on eos,
-else 0 (binary, sparse, per sequence). Responses run up to MAX_NEW tokens. The base is the same Qwen3 pretrained
-on the task's format with a random scratchpad (digits of random length) for as many steps as it takes to reach a
-greedy pass rate in BASE_PASS (checked every 25 steps on held-out prompts); it is cached under --base-dir, keyed
-by its recipe.
+The task: a prompt "8341=" (Setup.min_digits to max_digits digits), a free scratchpad of up to Setup.scratch
+tokens, then ">" and the digits reversed, then eos; reward 1 when the text after the first ">" is exactly the
+reversed digits and the response stopped on eos, else 0 (binary, sparse, per sequence), in up to Setup.max_new
+tokens. A base is the same Qwen3 pretrained on the task's format with a random scratchpad until its greedy pass
+rate reaches Setup.base_pass (checked every 25 steps on held-out prompts); two bases (base_seed 0 and 1, seed s on
+base s % 2), cached under --base-dir, keyed by their recipe.
 
-Losses (algorithm.policy_loss and its settings, through losses.py, two mini-batches per step):
-  naive      ppo with the ratio against mu (trainer.use_rollout_log_probs=true) and no IS weight: AReaL's baseline
-  recompute  decoupled PPO around the step-start snapshot, behaviour weight pi_old / mu (AReaL)
-  truncated_is  PipelineRL's truncated-IS REINFORCE against mu
-  m2po       ppo around the step-start snapshot with M2PO's second-moment mask of log(pi_old / mu)
-Outcomes per run: eval (greedy pass rate on --eval-prompts held-out prompts every --eval-every steps), final eval
-(mean of the last 3 evals), area under the eval curve (mean eval), collapse (an eval 0.2 below the run's running
-maximum, or a grad norm above 10x the running median after step 20), and per step the diagnostics of docs/metrics.md
-(is_ess, is_log_ratio_m2, neg_adv_high_ratio_frac, grad_norm).
+Arms (two mini-batches a step, dual clip off):
+  naive          ppo with the ratio against mu (trainer.use_rollout_log_probs=true), no weight: AReaL's baseline
+  decoupled_ppo  AReaL's decoupled PPO as published: clip around the step-start forward, behaviour weight
+                 pi_old / mu masked above its cap (5), raw below (losses.decoupled_ppo)
+  m2po           M2PO as published: ratio against mu, the second-moment mask in place of the clip (losses.m2po)
+Eta 0 is one on-policy run per seed shared by every arm (ETA0_IS). Records per step: reward, the pre-clip grad norm of
+each mini-batch, the staleness diagnostics of docs/metrics.md (is_ess, is_log_ratio_m2, neg_adv_high_ratio_frac),
+the loss's own metrics (clip fractions low / high and dual, mask fractions: what the estimator applied), KL(pi_t ||
+pi_0) exact over the vocabulary on a fixed probe set (the base's own samples of 32 eval prompts); per eval (every
+--eval-every steps): greedy and temperature-1 pass@1 on 512 held-out prompts.
 
-At eta 0 recompute and m2po share naive's run (ETA0_IS: on-policy pi_old = mu up to float error, so both are PPO
-around mu; --every-eta0 runs them too, as seeds 0-3 did, and --summary shows the differences as the check). Every
-finished run is appended to --out (jsonl) and skipped when the command is run again, so an interrupted sweep
-continues where it stopped. --summary prints the table (paired differences against eta = 0 of the same seed, 95%
-t-intervals, Wilson intervals of the collapse rate, equivalence at --margin by two one-sided t-tests) and draws the
-figure.
+Before any sweep, the gate (GATE, stated before the pilot ran): a two-seed pilot of on-policy and naive at the
+largest eta must show an on-policy gain >= 0.15, at most half of it by step 40, and naive's neg_adv_high_ratio_frac
+>= 0.03 (--pilot prints the table). --lr-scan finds the learning rate. The sweep's pre-registered outcomes
+(`outcomes`): an arm degrades if its largest-eta minus on-policy difference is below -max(0.03, 0.25 x gain) with
+the 95% interval excluding 0, or >= 3 of 8 runs drop >= 0.2; it holds only with equivalence at that margin and a
+final KL from the base >= 70% of on-policy's. Every finished run is appended to --out (jsonl) and skipped when the
+command is run again, so an interrupted sweep continues where it stopped.
 
-Run:
-    python bench/staleness_experiment.py --out runs/staleness_exp.jsonl [--workers 2] [--seeds 0-7]
-    python bench/staleness_experiment.py --out runs/staleness_exp.jsonl --summary --png docs/results/staleness_exp.png
-    python bench/staleness_experiment.py --pilot --out runs/staleness_pilot.jsonl   # the learning-rate pilot
+Run (docs/results/staleness.md has the figures and wall times):
+    python bench/staleness_experiment.py --lr-scan 1e-4,2e-4,4e-4,8e-4 --out runs/i49_lrscan.jsonl
+    python bench/staleness_experiment.py --pilot --lr 1e-4 --grad-clip 1.5 --out runs/i49_pilot.jsonl
+    python bench/staleness_experiment.py --out runs/i49_sweep.jsonl --lr ... --grad-clip ... [--workers 2]
+    python bench/staleness_experiment.py --out runs/i49_sweep.jsonl --summary --png docs/results/....png
     python bench/staleness_experiment.py --quick --out /tmp/q.jsonl                   # seconds: the CI check
+The first experiment (docs/results/staleness.md: its regime could not show harm) ran this file's earlier version:
+4-12 digits, 30 new tokens, 300 steps, one base, one cut a step, and the old recompute / m2po arms.
 """
 from __future__ import annotations
 
@@ -651,9 +656,9 @@ def pilot_gate(path: str, eta: int) -> tuple[str, bool]:
         ok_all &= all(items)
         curves = "; ".join(f"seed {r['setup']['seed']}: " + " ".join(f"{e:.2f}" for _, e in r["evals"]) for r in on)
         st_final = ", ".join(f"{r['final_eval']:.3f}" for r in st)
-        lines.append(f"| {lr:g} | {clip:g} | {len(on)} + {len(st)} | {gain:+.3f} ({'met' if items[0] else 'NOT met'}) | "
-                     f"{frac:.2f} ({'met' if items[1] else 'NOT met'}) | {nh:.4f} ({'met' if items[2] else 'NOT met'}) |"
-                     f" {norms[len(norms) // 2]:.3f} | {st_final} | {curves} |")
+        met = ["met" if x else "NOT met" for x in items]
+        lines.append(f"| {lr:g} | {clip:g} | {len(on)} + {len(st)} | {gain:+.3f} ({met[0]}) | {frac:.2f} ({met[1]}) | "
+                     f"{nh:.4f} ({met[2]}) | {norms[len(norms) // 2]:.3f} | {st_final} | {curves} |")
     head = [f"| lr | grad clip | runs (on-policy + naive eta {eta}) | on-policy gain (>= {GATE['gain']}) | "
             f"share of it by step {GATE['half_by']} (<= {GATE['half_frac']}) | naive neg_adv_high_ratio_frac at eta "
             f"{eta} (>= {GATE['neg_high']}) | on-policy median grad norm | naive eta {eta} final evals | "
