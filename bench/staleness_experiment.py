@@ -461,7 +461,7 @@ def summarise_run(s: Setup, rows: list, evals: list, seconds: float) -> dict:
 
 def _key(setup: dict) -> tuple:
     return (setup["loss"], setup["eta"], setup["seed"], setup["steps"], setup["lr"], setup.get("grad_clip", 1.0),
-            setup.get("base_seed", 0), setup.get("max_new", 30))
+            setup.get("base_seed", 0), setup.get("max_new", 30), setup.get("max_digits", 12))
 
 
 def _done(path: str) -> set:
@@ -747,6 +747,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--lr", type=float, default=Setup.lr)
     p.add_argument("--grad-clip", type=float, default=Setup.grad_clip)
+    p.add_argument("--max-digits", type=int, default=Setup.max_digits, help="the task's longest number")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--base-dir", default=os.path.join(ROOT, "runs", "staleness_bases"))
     p.add_argument("--summary", action="store_true", help="print the tables of --out (and draw --png) and stop")
@@ -768,7 +769,7 @@ def main(argv=None) -> None:
         print()
         print(outcomes(a.out, max(etas)))
         return
-    base_setup = Setup(steps=a.steps, lr=a.lr, grad_clip=a.grad_clip)
+    base_setup = Setup(steps=a.steps, lr=a.lr, grad_clip=a.grad_clip, max_digits=a.max_digits)
     if a.quick:
         base_setup = replace(base_setup, steps=4, eval_every=2, eval_prompts=16, prompts_per_step=2,
                              samples_per_prompt=4, min_digits=1, max_digits=3, scratch=2, max_new=8, hidden=32,
