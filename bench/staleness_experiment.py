@@ -666,6 +666,37 @@ def pilot_gate(path: str, eta: int) -> tuple[str, bool]:
     return "\n".join(head + lines), ok_all
 
 
+def plot_pilot(path: str, eta: int, png: str) -> None:
+    """The pilot's figure: greedy eval of on-policy (solid) and naive at `eta` (dashed) per seed, and naive's
+    neg_adv_high_ratio_frac per step (a 25-step running mean) against the gate's 0.03."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        results = [json.loads(line) for line in f if line.strip()]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for r in results:
+        st = r["setup"]
+        style = "-" if st["eta"] == 0 else "--"
+        label = f"seed {st['seed']} (base {st.get('base_seed', 0)}), {'on-policy' if st['eta'] == 0 else f'naive eta {eta}'}"
+        ax.plot([x for x, _ in r["evals"]], [e for _, e in r["evals"]], style, color=f"C{st['seed']}", label=label)
+        if st["eta"] == eta:
+            nh = [row["neg_adv_high_ratio_frac"] for row in r["rows"]]
+            run = [sum(nh[max(0, i - 24): i + 1]) / len(nh[max(0, i - 24): i + 1]) for i in range(len(nh))]
+            bx.plot(range(1, len(run) + 1), run, "--", color=f"C{st['seed']}", label=label)
+    bx.axhline(GATE["neg_high"], color="k", lw=0.8, label="gate")
+    ax.set_xlabel("step")
+    ax.set_ylabel("greedy pass rate (512 held-out prompts)")
+    bx.set_xlabel("step")
+    bx.set_ylabel("neg_adv_high_ratio_frac (25-step mean)")
+    ax.legend(fontsize=7)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def outcomes(path: str, eta: int = 16) -> str:
     """The pre-registered outcomes of the sweep (issue 49), per loss at `eta` against the shared on-policy run of the
     same seed: degrades if the mean paired difference is below -max(0.03, 0.25 x gain) with its 95% interval
@@ -808,6 +839,8 @@ def main(argv=None) -> None:
         table, ok = pilot_gate(a.out, max(etas))
         print(table)
         print(f"[pilot] gate {'MET' if ok else 'NOT met'}")
+        if a.png:
+            plot_pilot(a.out, max(etas), a.png)
     elif not a.lr_scan:
         print(summary(a.out, a.margin, a.png))
         print()
