@@ -72,7 +72,8 @@ def test_a_group_of_8_with_3_failed_trains_on_its_5_survivors_advantages_and_los
     lengths = [3, 4, 5, 3, 4]
     weighted = sum(a * n for a, n in zip(want, lengths))
     want_denom, want_loss = {"token-mean": (19, -weighted / 19), "seq-mean-token-mean": (5, -sum(want) / 5),
-                             "seq-mean-token-sum-norm": (5 * 16, -weighted / 80)}[mode]
+                             "seq-mean-token-sum-norm": (5 * 16, -weighted / 80),
+                             "seq-mean-token-sum": (5, -weighted / 5)}[mode]  # PipelineRL's: token sum / sequences
     assert denom == want_denom
     loss = 0.0
     for plan in plans:

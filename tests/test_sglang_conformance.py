@@ -249,8 +249,8 @@ def test_the_last_weight_bucket_carries_tensors_the_version_and_the_flush(tmp_pa
     params = dict(model.named_parameters())
     root_mb = sum(params[n].numel() for n in units[-1][1]) * 4 / 2 ** 20  # float32 on CPU
     ws = object.__new__(weight_sync.WeightSync)
-    ws.cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(method="distributed", bucket_mb=root_mb),
-                                   flush_on_update=True)
+    ws.cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(method="distributed", bucket_mb=root_mb,
+                                                                     delta=False), flush_on_update=True)
     ws.model, ws.device, ws.dtype, ws.rank, ws.world = model, torch.device("cpu"), torch.float32, 0, 1
     ws.group, ws.group_name, ws.last_bytes = object(), "g", 0
     calls, pushes = [], []
