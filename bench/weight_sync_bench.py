@@ -140,33 +140,40 @@ def main_delta(a) -> None:
             make_model(model, a.moe)
         print(f"model {a.model or 'random ~100M Qwen3'}; {a.ranks} trainer ranks (gloo, CPU), one standins/engine.py "
               f"--dtype bfloat16 --custom-weight-loader weight_delta.load_delta; bucket_mb {a.bucket_mb}; AdamW, "
-              f"weight_decay 0; shared, loaded machine", flush=True)
+              "weight_decay 0", flush=True)
         print("| method | lr | sync | kind | bytes | s | changed share |\n|---|---|---|---|---|---|---|")
         for method in [m for m in a.methods.split(",") if m != "tensor"]:  # delta: refused with tensor
             for lr in a.lrs.split(","):
                 url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600, dtype="bfloat16",
                                             custom_weight_loader="weight_delta.load_delta", weight_version=0)
                 try:
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(a.ranks), os.path.abspath(__file__), "--worker", "--delta", "--lr", lr, "--steps",
-                           str(a.steps), "--code", a.code, "--model", model, "--url", url, "--run-dir",
-                           os.path.join(d, f"run_{method}_{lr}"), "--methods", method, "--bucket-mb",
-                           str(a.bucket_mb), "--port", str(a.port), "--hang-s", str(a.hang_s)]
-                    with open(os.path.join(d, f"{method}_{lr}.log"), "w+") as log:
-                        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
-                        log.seek(0)
-                        text = log.read()
-                    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-                    if rc != 0 or not lines:
-                        raise SystemExit(f"the trainer ranks failed:\n{text[-6000:]}")
+                    res = run_workers(a, ["--delta", "--lr", lr, "--steps", str(a.steps), "--model", model, "--url",
+                                          url, "--run-dir", os.path.join(d, f"run_{method}_{lr}"), "--methods", method],
+                                      os.path.join(d, f"{method}_{lr}.log"), 3600)
                 finally:
                     handle.stop()
-                res = json.loads(lines[-1][len("RESULT "):])
                 for i, r in enumerate(res["rows"]):
                     kind = "delta" if r["perf/weight_sync_delta"] else "full"
                     frac = "" if i == 0 else f"{100 * r['perf/weight_sync_changed_frac']:.2f}%"
                     print(f"| {method} | {lr} | {i + 1} | {kind} | {r['perf/weight_sync_bytes'] / 1e6:.2f} MB | "
                           f"{r['s']:.2f} | {frac} |", flush=True)
+
+
+def run_workers(a, args: list, log_path: str, timeout_s: int) -> dict:
+    """torchrun --worker on a.ranks ranks with `args` (plus the shared --code, --bucket-mb, --port, --hang-s) -> the
+    RESULT line rank 0 printed; the ranks' output goes to log_path, and its tail is the error when they fail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.ranks),
+           os.path.abspath(__file__), "--worker", "--code", a.code, "--bucket-mb", str(a.bucket_mb), "--port",
+           str(a.port), "--hang-s", str(a.hang_s), *args]
+    # to a file, not a pipe: torch_shm_manager (tensor on CPU) inherits it and outlives torchrun
+    with open(log_path, "w+") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        log.seek(0)
+        text = log.read()
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    if rc != 0 or not lines:
+        raise SystemExit(f"the trainer ranks failed:\n{text[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main() -> None:
@@ -205,22 +212,11 @@ def main() -> None:
         for method in a.methods.split(","):  # a fresh engine and trainer per method: every rank runs its config
             url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600)
             try:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                       str(a.ranks), os.path.abspath(__file__), "--worker", "--code", a.code, "--model", model,
-                       "--url", url, "--run-dir", os.path.join(d, "run"), "--methods", method, "--bucket-mb",
-                       str(a.bucket_mb), "--repeats", str(a.repeats), "--port", str(a.port), "--hang-s",
-                       str(a.hang_s)]
-                # to a file, not a pipe: torch_shm_manager (tensor on CPU) inherits it and outlives torchrun
-                with open(os.path.join(d, f"{method}.log"), "w+") as log:
-                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
-                    log.seek(0)
-                    text = log.read()
-                lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-                if rc != 0 or not lines:
-                    raise SystemExit(f"the trainer ranks failed:\n{text[-6000:]}")
+                one = run_workers(a, ["--model", model, "--url", url, "--run-dir", os.path.join(d, "run"),
+                                      "--methods", method, "--repeats", str(a.repeats)],
+                                  os.path.join(d, f"{method}.log"), 1800)
             finally:
                 handle.stop()
-            one = json.loads(lines[-1][len("RESULT "):])
             res["bytes"] = one["bytes"]
             res["times"].update(one["times"])
     gb = res["bytes"] / 1e9
