@@ -274,7 +274,6 @@ class WeightSync:
         the first error, naming its rank, and its caller may retry with a fresh push that pairs with a fresh one on
         every rank; the other ranks say it in one line and return."""
         method, delta = self.cfg.weight_sync.method, self.cfg.weight_sync.delta
-        self.version = version
         if method == "disk" and not delta:
             path = os.path.join(self.cfg.run_dir, "sync_weights")
             self.export(path, self.dtype)
@@ -399,10 +398,11 @@ class WeightSync:
             return p
         try:
             entries = self.delta.encode(bucket.named)
-            desc = {"base": None if self.delta.full else self.delta.version, "version": self.version,
+            target = self.delta.target  # the version this sync makes (DeltaSender.begin)
+            desc = {"base": None if self.delta.full else self.delta.version, "version": target,
                     "last": version is not None}
             if ws.method == "disk":
-                d = os.path.abspath(os.path.join(self.cfg.run_dir, "sync_weights", f"v{self.version}"))
+                d = os.path.abspath(os.path.join(self.cfg.run_dir, "sync_weights", f"v{target}"))
                 os.makedirs(d, exist_ok=True)
                 desc.update(transport="disk", path=os.path.join(d, f"bucket_{len(os.listdir(d))}.safetensors"))
                 self.last_bytes += weight_delta.write_file(desc["path"], entries, desc)
