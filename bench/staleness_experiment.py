@@ -65,6 +65,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import logprobs  # noqa: E402
 import losses  # noqa: E402
 from standins import tiny_model  # noqa: E402
 
@@ -319,11 +320,10 @@ def make_probe(model, tok, s: Setup) -> dict:
 
 @torch.no_grad()
 def kl_to_base(model, probe: dict) -> float:
-    """KL(pi_t || pi_0) = sum_v pi_t(v) (log pi_t(v) - log pi_0(v)), exact over the vocabulary, averaged over the
-    probe's response positions (contexts fixed: the base's own samples)."""
+    """KL(pi_t || pi_0), exact over the vocabulary (logprobs.kl_rows, the trainer's train/kl_to_start), averaged
+    over the probe's response positions (contexts fixed: the base's own samples)."""
     cur = _seq_logprobs(model, probe["ids"], probe["attn"], probe["pos"], probe["start"], full=True)
-    kl = (cur.exp() * (cur - probe["ref"])).sum(-1)
-    return float(kl[probe["mask"]].mean())
+    return float(logprobs.kl_rows(cur[probe["mask"]], probe["ref"][probe["mask"]]).mean())
 
 
 def _mean_metrics(per_batch: list[dict]) -> dict:
