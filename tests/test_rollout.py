@@ -746,14 +746,17 @@ class RecordingBuffer(buffer.Exchange):
 
 
 @contextlib.contextmanager
-def producer(cfg, tokenizer, state=None):
+def producer(cfg, tokenizer, state=None, ignore_eos=False):
     """A PipelineServer over the task's train prompts (resumed from the buffer `state`: its state_dict), a Fleet, a
-    started Rollout; all stopped afterwards."""
+    started Rollout; all stopped afterwards. ignore_eos=True: every request runs to max_new_tokens (SGLang's
+    sampling_params.ignore_eos), so a test that pauses on requests it saw running is not raced by the tiny model's
+    end token (a random model: some responses end within a few tokens of any moment)."""
     buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")]))
     if state is not None:
         buf.load_state_dict(state)
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tokenizer)
+    ro.sampling_params["ignore_eos"] = ignore_eos
     try:
         ro.start()
         yield buf, ro, sync
@@ -819,7 +822,7 @@ def test_groups_end_to_end_with_shapes_versions_and_the_clamp(server, tokenizer)
 def test_partial_pause_restores_and_finishes_across_a_weight_update(server, tokenizer):
     cfg = make_cfg(server["url"], "rollout.partial=true", "rollout.mask_offpolicy_in_partial_rollout=true",
                    "rollout.sampling.max_new_tokens=400")  # long: a warm engine decodes ~1 token/ms
-    with producer(cfg, tokenizer) as (buf, ro, sync):
+    with producer(cfg, tokenizer, ignore_eos=True) as (buf, ro, sync):
         # pause once some request is 8+ tokens into its response (prompts are at most 6 tokens long)
         wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
         pause = ro.pause()
@@ -866,7 +869,7 @@ def test_kept_pause_continues_every_request_across_a_weight_update(server, token
     wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 10, "the previous test's requests to end")
     v0 = sglang_client.parse_version(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"],
                                "/model_info")  # earlier tests'
-    with producer(cfg, tokenizer) as (buf, ro, sync):
+    with producer(cfg, tokenizer, ignore_eos=True) as (buf, ro, sync):
         wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
         pause = ro.pause()
         kept = buf.stats(keys=True)["in_flight_keys"]
@@ -914,11 +917,11 @@ def test_a_pause_before_a_checkpoint_brings_every_request_back_and_a_resumed_run
     weights), continues each trajectory from its saved tokens: its first k tokens, log-probs and versions are the
     saved ones, the rest are new tokens of the resumed weights; a finished one is trained as it was saved."""
     cfg = make_cfg(server["url"], "rollout.partial=true", f"rollout.pause_mode={mode}",
-                   "rollout.sampling.max_new_tokens=400")
+                   "rollout.sampling.max_new_tokens=1000")  # >= 0.9 s from the first pause to any end (ignore_eos)
     wait_until(lambda: engine_load(server["url"])[:2] == (0, 0), 10, "the previous test's requests to end")
     v0 = sglang_client.parse_version(requests.get(server["url"] + "/model_info", timeout=5).json()["weight_version"],
                                      "/model_info")
-    with producer(cfg, tokenizer) as (buf, ro, sync):
+    with producer(cfg, tokenizer, ignore_eos=True) as (buf, ro, sync):
         wait_until(lambda: engine_load(server["url"])[2] >= 14, 60, "a request 8 tokens into its response")
         assert "rollout/kept_in_flight_groups" in ro.pause()  # a boundary without a checkpoint keeps them
         sync.update_weights_from_disk(server["model"], v0 + 1, cfg.flush_on_update)
@@ -989,7 +992,7 @@ def test_partial_pause_stops_requests_in_every_state_within_seconds(strict_serve
     headers = {"Authorization": f"Bearer {KEY}"}  # every Fleet call must send it, or the engine answers 401
     cfg = make_cfg(strict_server, "rollout.partial=true", "rollout.sampling.max_new_tokens=200",
                    f"rollout.sglang_args.api_key={KEY}")
-    with producer(cfg, tokenizer) as (buf, ro, sync):
+    with producer(cfg, tokenizer, ignore_eos=True) as (buf, ro, sync):
         deadline = time.monotonic() + 60
         while True:  # consume (so that groups keep being dispatched) until all three states are seen at once
             running, waiting, _ = engine_load(strict_server, headers)
