@@ -461,16 +461,10 @@ def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor, o
     cleaned = b._replace(log_probs=lp.detach(), old_log_probs=old, rollout_log_probs=clean(b.rollout_log_probs),
                          advantages=torch.where(adv_seq.isfinite(), adv_seq, 0.0), loss_mask=ok)
 
+    corrections = [correction(cleaned, getattr(s, name)) for name, correction in CORRECTIONS.items()
+                   if getattr(s, name).enable] + ([extra(cleaned)] if extra is not None else [])
     keep, weight, metrics = ok, torch.ones_like(lp), {}
-    for name, correction in CORRECTIONS.items():
-        section = getattr(s, name)
-        if section.enable:
-            corr = correction(cleaned, section)
-            keep = keep & corr.keep
-            weight = weight if corr.weight is None else weight * corr.weight
-            metrics.update(corr.metrics)
-    if extra is not None:
-        corr = extra(cleaned)
+    for corr in corrections:
         keep = keep & corr.keep
         weight = weight if corr.weight is None else weight * corr.weight
         metrics.update(corr.metrics)
