@@ -110,17 +110,16 @@ class DeltaSender:
             self.stats["numel"] += t.numel()
             self.stats["changed"] += t.numel() if pos is None else pos.numel()
             if self.full or pos is None:
-                e = {"name": name, "shape": list(t.shape), "dtype": t.dtype, "pos": None, "val": t.reshape(-1)}
+                pos = None
                 self.copy.pop(name, None)  # replaced at commit; freed now, so a full sync holds one copy
             elif pos.numel() == 0:
                 continue
-            else:
-                pdt = _pos_dtype(t.numel())
-                if pos.numel() * (pdt.itemsize + t.element_size()) >= t.numel() * t.element_size():
-                    e = {"name": name, "shape": list(t.shape), "dtype": t.dtype, "pos": None, "val": t.reshape(-1)}
-                else:
-                    e = {"name": name, "shape": list(t.shape), "dtype": t.dtype, "pos": pos.to(pdt),
-                         "val": t.reshape(-1)[pos]}
+            elif pos.numel() * (_pos_dtype(t.numel()).itemsize + t.element_size()) >= t.numel() * t.element_size():
+                pos = None  # whole: fewer bytes than positions + values
+            flat = t.reshape(-1)
+            e = {"name": name, "shape": list(t.shape), "dtype": t.dtype,
+                 "pos": None if pos is None else pos.to(_pos_dtype(t.numel())),
+                 "val": flat if pos is None else flat[pos]}
             self.pending[name] = e
             self.stats["bytes"] += entry_bytes(e)
             out.append(e)

@@ -6,7 +6,8 @@ weight-update group formed again when they change, and one retry by every rank t
 weight_sync.method:
   distributed: trainer rank 0 is rank 0 of a broadcast group with every server rank (SGLang
       /init_weights_update_group); each bucket is one /update_weights_from_distributed call (load_format
-      flattened_bucket) while rank 0 broadcasts the bucket's flat buffer as bytes: one broadcast per bucket. NCCL refuses two ranks on one GPU, so not for colocate on GPUs.
+      flattened_bucket) while rank 0 broadcasts the bucket's flat buffer as bytes: one broadcast per bucket. NCCL
+      refuses two ranks on one GPU, so not for colocate on GPUs.
   tensor: colocate. Each bucket is one /update_weights_from_tensor call carrying, per server TP rank, a
       MultiprocessingSerializer payload of (name, tensor) views of one flat buffer: CUDA IPC handles made by the
       trainer rank on that GPU (server s, TP rank j <- trainer rank (first rank of s + j) % world), shared-memory
@@ -169,6 +170,7 @@ class WeightSync:
         # weight_sync.delta: rank 0's host copy of the servers' weights (weight_delta.DeltaSender)
         self.delta = weight_delta.DeltaSender() if cfg.weight_sync.delta and self.rank == 0 else None
         self.full_reason: Optional[str] = None  # rank 0, delta: why this sync is full (None: a delta)
+        self.copy_logged = False  # rank 0, delta: the host copy's size was printed (after the first full sync)
 
     # ---- one sync: the push, retried once with a new group ----
     def sync(self, version: int, services=None) -> dict:
@@ -225,8 +227,8 @@ class WeightSync:
             st = self.delta.stats
             out["perf/weight_sync_delta"] = float(self.full_reason is None)
             out["perf/weight_sync_changed_frac"] = st["changed"] / max(st["numel"], 1)
-            if self.delta.full_version == version and not getattr(self, "_copy_logged", False):
-                self._copy_logged = True
+            if self.delta.full_version == version and not self.copy_logged:
+                self.copy_logged = True
                 print(f"[train] weight_sync.delta: trainer rank 0 holds a host copy of the servers' weights, "
                       f"{self.delta.nbytes / 2 ** 30:.2f} GiB in {self.dtype}", flush=True)
         if services is not None:
