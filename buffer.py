@@ -248,7 +248,8 @@ class BufferSettings:
 
     @property
     def group_floor(self) -> int:
-        """rollout.min_group_size as it applies (rollout.filter failed): the default N // 2, at least 2, 1 when N = 1."""
+        """rollout.min_group_size as it applies (rollout.filter failed): the default N // 2, at least 2, 1 when
+        N = 1."""
         n, value = self.num_trajectories_per_prompt, self.min_group_size
         validate_min_group_size(value, n)
         return value if value is not None else 1 if n == 1 else max(2, n // 2)

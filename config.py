@@ -487,7 +487,8 @@ def validate(cfg: Config) -> Config:
                              ) from None
     if fa.enable:
         if cfg.colocate:
-            raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own GPUs")
+            raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own "
+                             "GPUs")
         if cfg.run_mode != "default":
             raise ValueError(f"fully_async.enable=true supports only run_mode=default, got run_mode={cfg.run_mode}")
         if len(cfg.data_sources) != 1:
@@ -790,7 +791,8 @@ def validate_server_layout(cfg: Config) -> None:
         if method in ("distributed", "tensor") and s.pp > 1:
             raise ValueError(f"{key}.pp={s.pp} with weight_sync.method={method}: SGLang joins every pipeline stage "
                              "to the weight-update group as rank_offset + tp_rank, so the stages collide and the "
-                             "broadcast hangs; use pp=1 servers (several behind the router), or weight_sync.method=disk")
+                             "broadcast hangs; use pp=1 servers (several behind the router), or "
+                             "weight_sync.method=disk")
         for g in s.gpus:
             if (s.node, g) in taken:
                 raise ValueError(f"{key} and rollout.server_layout[{taken[s.node, g]}] both use GPU {g} of node "

@@ -45,7 +45,8 @@ def plot(metrics_path: str, out: str, dpi: int = 100) -> str:
 
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    panels = [(t, [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]) for t, keys in PLOT_PANELS]
+    panels = [(t, [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)])
+              for t, keys in PLOT_PANELS]
     panels = [(t, keys) for t, keys in panels if keys]
     cols = 2
     fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(12, 3.2 * ((len(panels) + 1) // cols)),

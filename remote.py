@@ -54,7 +54,8 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: f
     # TCP (libuv) only, and tensors over that same connection. TensorPipe's shared-memory transport busy-polls one
     # core per process even when idle, and its default channels listen on 16 more ephemeral TCP ports per process; a
     # stray connection to any TensorPipe port (an HTTP health probe of a port that was free a moment ago) aborts the
-    # process with std::bad_alloc, so the fewer the better: one per process. Our messages are small CPU tensors; neither buys anything here.
+    # process with std::bad_alloc, so the fewer the better: one per process. Our messages are small CPU tensors;
+    # neither buys anything here.
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
                                            num_worker_threads=num_worker_threads, _transports=["uv"],
                                            _channels=["basic"])

@@ -206,7 +206,8 @@ def check_gpu_overlap(cfg, node: int, use_cuda: bool, visible: Optional[str]) ->
         shared = sorted(str(g) for g in s.gpus if str(g) in trainer) if s.node == node else []
         if shared:
             raise ValueError(f"rollout.server_layout[{i}] uses GPU {', '.join(shared)} of node {node}, which the "
-                             f"node's {n} trainer ranks use (CUDA_VISIBLE_DEVICES={visible or f'unset, GPUs 0-{n - 1}'}); "
+                             f"node's {n} trainer ranks use "
+                             f"(CUDA_VISIBLE_DEVICES={visible or f'unset, GPUs 0-{n - 1}'}); "
                              "give the servers other GPUs, start torchrun with CUDA_VISIBLE_DEVICES naming the "
                              "trainer's, or set colocate=true to share them")
 

@@ -403,7 +403,8 @@ class PrimeRL(Preset):
     <= 1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups
     accepted so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight
     rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B, so requests beyond the fleet's
-    concurrency queue in the servers as in prime-rl; rollout.async_max_concurrent_samples lowers it); (b) drop queued groups whose start version < v - M,
+    concurrency queue in the servers as in prime-rl; rollout.async_max_concurrent_samples lowers it); (b) drop
+    queued groups whose start version < v - M,
     M = max_off_policy_steps (param None: 1; prime-rl's default 8): what bounds the staleness; (c) keep in flight
     (pause mode keep), but first abort whole groups that would be older than M under the new weights. Its loss
     (trainer/rl/loss.py default_loss_fn: the ratio to the inference log-probs, tokens masked by probability
