@@ -152,8 +152,9 @@ class Actor:
         if self.rank == 0:
             metrics["train/loss_tokens"] = float(sum(mb["mask"].sum() for p in plans for mb in p))
         if self.probe is not None and call == self.cfg.calls_per_step and (step + 1) % t.kl_probe_every == 0:
+            t1 = time.perf_counter()
             metrics.update(self.kl_to_start())
-            probe_s += metrics.pop("timing/kl_probe")
+            probe_s += time.perf_counter() - t1
         if probe_s:
             metrics["timing/kl_probe"] = probe_s
         return metrics
@@ -176,17 +177,14 @@ class Actor:
         return time.perf_counter() - t0
 
     def kl_to_start(self) -> dict:
-        """Every rank: the probe forward of the live weights; rank 0: train/kl_to_start, the mean over the probe
-        positions of KL(pi_t || pi_0) (logprobs.kl_rows), and timing/kl_probe."""
-        t0 = time.perf_counter()
+        """Every rank: the probe forward of the live weights; rank 0: {train/kl_to_start: the mean over the probe
+        positions of KL(pi_t || pi_0) (logprobs.kl_rows)}, the other ranks {}."""
         live = self.probe.logits(self.model, self.cfg.trainer, self.device)
-        out = {"timing/kl_probe": 0.0}
-        if self.rank == 0:
-            kl = logprobs.kl_rows(live, self.probe.ref, self.cfg.rollout.sampling.temperature,
-                                  self.cfg.trainer.logprob_chunk_tokens)
-            out["train/kl_to_start"] = float(kl.mean())
-        out["timing/kl_probe"] = time.perf_counter() - t0
-        return out
+        if self.rank != 0:
+            return {}
+        kl = logprobs.kl_rows(live, self.probe.ref, self.cfg.rollout.sampling.temperature,
+                              self.cfg.trainer.logprob_chunk_tokens)
+        return {"train/kl_to_start": float(kl.mean())}
 
     def plan(self, groups: list) -> tuple:
         """Rank 0: the groups -> each rank's collated micro-batches (balanced by tokens, padded with DUMMY rows to
