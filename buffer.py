@@ -690,7 +690,7 @@ class PipelineServer(Exchange):
                                                                                else [])
                     verdict = self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=aborts)
                     if verdict.action == KEEP and stale is not None:  # its requests were aborted: restored whole
-                        trajs, verdict = self._partial_now(key, pg, back[key]), Verdict(RESTORE, "partial")
+                        trajs, verdict = self._partial_now(key, pg, back.get(key, ())), Verdict(RESTORE, "partial")
                         self._take(key)
                     self._apply(KEPT_IN_FLIGHT, key, pg, trajs, verdict)
             else:

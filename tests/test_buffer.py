@@ -435,6 +435,26 @@ def test_a_boundary_before_a_checkpoint_restores_kept_groups_whole_into_a_weight
     assert second.partial[0].routed_experts.dtype == torch.uint8
 
 
+def test_a_checkpoint_boundary_restores_a_complete_group_the_window_holds_in_flight():
+    """windowed-fifo keeps a complete group outside its window in flight (in TrajQueue, not collected): a
+    checkpoint boundary of a keeping pause (retract / in_place; nothing of it was handed back, all of it was put)
+    restores it whole, as put, with the unfinished group and its handed-back trajectories (it raised KeyError)."""
+    srv = make_server(B=2, N=2, window="windowed-fifo", n_prompts=40,
+                      overrides=["rollout.partial=true", "rollout.pause_mode=retract"])
+    g0, g1, g2, g3 = srv.dispatch()
+    srv.put(finish(g1, 2) + finish(g2, 2) + finish(g3, 2))  # g2, g3: seq - oldest uncompleted (g0) >= B, held
+    assert srv.stats()["held"] == 2
+    back = [aborted(g0, 0), aborted(g0, 1)]
+    m = srv.step_boundary(back, keep_in_flight=True, stale=srv.update_aborts())
+    assert m["rollout/restored_groups"] == 3 and m["rollout/partial_restored_count"] == 6
+    st = srv.stats(keys=True)
+    assert st["in_flight_keys"] == [] and st["lane_keys"] == [(0, 0), (0, 2), (0, 3)]
+    assert st["buffered_keys"] == [(0, 1)]
+    lane = {g.prompt_id: g for g in srv.dispatch()}
+    assert all(_same(a, b) for a, b in zip(lane[(0, 0)].partial, back))
+    assert all(_same(a, b) for g in (g2, g3) for a, b in zip(lane[g.prompt_id].partial, finish(g, 2)))
+
+
 def test_trajectories_pickle_short_tensors_as_bytes_and_come_back_equal():
     """_WireState: what RPC sends. Short token tensors travel as bytes (no tensor in the pickle's state), long ones as
     tensors; either way the copy has the same values, dtypes and metadata, and owns its storage."""
