@@ -5,7 +5,6 @@ torchrun --max-restarts finishes through a kill -9 of trainer rank 0 with every 
 Run: .venv/bin/python -m pytest -q tests/test_restart.py
 """
 import contextlib
-import json
 import os
 import random
 import re
@@ -24,6 +23,8 @@ sys.path.insert(0, ROOT)
 import config  # noqa: E402
 import lease  # noqa: E402
 import services  # noqa: E402
+from test_resume_in_flight import _rank0  # noqa: E402
+from test_train import _pids, _read_rows, tiny_model  # noqa: E402,F401 (tiny_model: a fixture)
 
 PY = sys.executable
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -38,15 +39,6 @@ def _wait(pred, timeout: float, what: str, poll: float = 0.05):
 
 def _gone(pid: int) -> bool:
     return lease.start_time(pid) is None
-
-
-def _pids(fragment: str) -> list:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-            if fragment in f.read().replace(b"\0", b" ").decode(errors="replace"):
-                out.append(int(pid))
-    return out
 
 
 def _kill_all(pids) -> None:
@@ -171,13 +163,6 @@ def test_recorded_servers_are_kept_only_alive_with_this_runs_arguments(tmp_path,
         _kill_all([p.pid for p in procs])
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from standins import tiny_model
-
-    return tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
-
-
 def test_takeover_brings_a_paused_engine_in_a_weight_update_to_a_known_state(tiny_model):
     """lease.takeover on what a trainer killed at a step boundary leaves: the engine paused in place with a
     request in it and a weight-update session open (its /health would wait for a token: SGLang 0.5.23
@@ -208,15 +193,6 @@ def test_takeover_brings_a_paused_engine_in_a_weight_update_to_a_known_state(tin
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: torchrun --max-restarts through a kill -9 of trainer rank 0 at a random step
 
-def _rank_pid(rank: int, run_dir: str) -> int:
-    for pid in _pids(f"run_dir={run_dir}"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            if env.get(b"RANK") == str(rank).encode() and b"LOCAL_RANK" in env:
-                return pid
-    raise AssertionError(f"trainer rank {rank} of {run_dir} not found")
-
-
 def test_torchrun_restarts_after_kill_9_of_rank_0_reusing_the_server_and_trains_every_prompt_once(tmp_path,
                                                                                                    tiny_model):
     """`torchrun --max-restarts 1 ... trainer.resume=auto`, trainer rank 0 killed with kill -9 at a random step
@@ -243,7 +219,7 @@ def test_torchrun_restarts_after_kill_9_of_rank_0_reusing_the_server_and_trains_
         for line in p.stdout:
             lines.append(line)
             if re.match(rf"step {kill_at}/", line):
-                os.kill(_rank_pid(0, run_dir), signal.SIGKILL)
+                os.kill(_rank0(run_dir), signal.SIGKILL)
                 break
         lines += p.stdout.readlines()
         p.wait(60)
@@ -258,8 +234,7 @@ def test_torchrun_restarts_after_kill_9_of_rank_0_reusing_the_server_and_trains_
         assert int(reused[0][0]) == server and int(reused[0][1]) >= kill_at, (seed, kill_at, reused)
         assert f"resumed from {run_dir}/checkpoints/step_{ckpt:06d} at step {ckpt}" in out, (seed, out[-3000:])
         assert f"weights version {ckpt} on the servers" in out
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _read_rows(run_dir)
         assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, steps + 1)), seed
         trained = sorted(tuple(i) for r in rows for i in r.get("data/prompt_ids", []))
         assert trained == [(0, i) for i in range(4 * steps)], (seed, kill_at, trained)

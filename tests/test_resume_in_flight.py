@@ -33,18 +33,12 @@ sys.path.insert(0, ROOT)
 
 import checkpoint  # noqa: E402
 import services as services_lib  # noqa: E402
+from test_train import tiny_model  # noqa: E402,F401 (a fixture)
 
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 PROMPTS, STEPS, SAVE_FREQ = 24, 6, 2  # one epoch of 24 prompts, B=4 a step; checkpoints after steps 2, 4 and 6
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from standins import tiny_model
-
-    return tiny_model.make_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
 
 
 @pytest.fixture(scope="module")
