@@ -850,7 +850,11 @@ class PipelineServer(Exchange):
                 if len(self.pbuf) < self.pbuf.max_groups:
                     pg.partial = []
                     self.pbuf.put(Group(pg, trajs))
-                else:  # a smaller capacity than the saving run's: the rest is collected again from the lane
+                else:  # a smaller capacity than the saving run's: the rest goes through the lane again (all N
+                    # slots: the survivors of a group the failed filter shortened as they are, the others anew)
+                    have = {t.index: t for t in trajs}
+                    pg.partial = [have[i] if i in have else Trajectory(pg.epoch, pg.seq, i, pg.prompt_ids,
+                                                                       status=ABORTED) for i in range(self.N)]
                     self.data.restore([pg])
             self.version = int(sd["weight_version"])
             self._end_step_locked()  # the strategy stands where the saving run's did after its step boundary

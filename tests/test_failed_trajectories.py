@@ -160,3 +160,23 @@ def test_min_group_size_defaults_to_half_of_n_at_least_2_and_is_validated_in_one
         assert str(e.value) == f"rollout.min_group_size must be {accepted} or null (N // 2, at least 2), got {value}"
     with pytest.raises(ValueError, match=r"^rollout.min_group_size must be from 2 to .* got 0$"):
         buffer.BufferSettings(num_trajectories_per_prompt=4, min_group_size=0).group_floor
+
+
+def test_a_shortened_buffered_group_that_a_smaller_resumed_capacity_sends_to_the_lane_has_all_n_slots():
+    """A checkpoint's buffered groups beyond a resumed run's capacity go to the restored lane; one the failed filter
+    shortened (6 of 8 trained) comes out of it with all 8 slots, its survivors as saved and the 2 failed ones as
+    empty aborted trajectories, generated anew (the rollout refuses a restored group of fewer than N)."""
+    _, srv = _server(8, ["rollout.filter=[failed]"], B=2, stale=1.0)
+    gs = srv.dispatch()
+    for k, g in enumerate(gs[:3]):
+        srv.put([traj(g, i, status=FAILED if k == 2 and i in (1, 5) else COMPLETED) for i in range(8)])
+    state = srv.state_dict()
+    assert [len(d["partial"]) for d in state["buffered"]] == [8, 8, 6]
+    _, small = _server(8, ["rollout.filter=[failed]"], B=1, stale=1.0)  # capacity 2 groups, not 4
+    small.load_state_dict(state)
+    assert small.stats(keys=True)["buffered_keys"] == [gs[0].prompt_id, gs[1].prompt_id]
+    small.get(1, timeout=0)  # a slot of the capacity free again
+    back, = small.dispatch(1)
+    assert back.prompt_id == gs[2].prompt_id and [t.index for t in back.partial] == list(range(8))
+    assert [t.status for t in back.partial] == [COMPLETED, "aborted"] + [COMPLETED] * 3 + ["aborted"] + [COMPLETED] * 2
+    assert all(len(back.partial[i].response_ids) == 0 for i in (1, 5))
