@@ -152,10 +152,10 @@ class Lease:
             return
         self.renew()
 
-        def loop():
-            while not self.stopped:
-                with contextlib.suppress(OSError):  # the run directory gone: the servers will stop
-                    self.renew()
+        def loop():  # only the mtime: a lease file removed (a clean close, or the run directory gone) stays gone,
+            while not self.stopped:  # and the servers stop after rollout.server_keepalive_s
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
                 time.sleep(RENEW_S)
         self.thread = threading.Thread(target=loop, name="server-lease", daemon=True)
         self.thread.start()
