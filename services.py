@@ -366,6 +366,13 @@ class Services:
         self.record = {"node": node, "weight_group": None, "servers": {}}
         self.lease = self.lease or lease.Lease(lease_path)
         self.lease.start()
+        ours = {f"server_{i}" for i, layout in enumerate(r.server_layout) if layout.node == node}
+        for name, old in earlier.get("servers", {}).items():  # kept alive by our lease, which no one would end
+            proc = None if name in ours else lease.adopt(old)
+            if proc is not None:
+                print(f"[train] stopping {name} (pid {proc.pid}), which an earlier attempt launched: this run's "
+                      f"rollout.server_layout has no {name} on node {node}", flush=True)
+                lease.stop(proc)
         urls = {}
         for i, layout in enumerate(r.server_layout):
             if layout.node != node:

@@ -120,20 +120,20 @@ def _cfg(tmp_path, *overrides):
 def test_recorded_servers_are_kept_only_alive_with_this_runs_arguments(tmp_path, reuse, capsys):
     """Services._spawn_servers with a record of three servers an earlier attempt launched: server_0 still runs
     with this run's arguments (kept: no new process, its pid and weight version taken over), server_1 runs with
-    other arguments (stopped, launched anew), server_2's process is gone (launched anew);
-    rollout.reuse_servers=false stops and relaunches every one. Sleeping processes under lease.py stand for the
-    servers. ~1 s."""
+    other arguments (stopped, launched anew), server_2's process is gone (launched anew), server_3 is not in this
+    run's layout (stopped: our lease would keep it alive); rollout.reuse_servers=false stops and relaunches every
+    one. Sleeping processes under lease.py stand for the servers. ~1 s."""
     cfg = _cfg(tmp_path, f"rollout.reuse_servers={str(reuse).lower()}")
     svc = services.Services(cfg)
     record_path, lease_path = lease.paths(str(tmp_path), 0)
     lease.Lease(lease_path).renew()
     procs = [subprocess.Popen([PY, os.path.join(ROOT, "lease.py"), "--lease", lease_path, "--keepalive-s", "60",
-                               "--", "sleep", "120"], start_new_session=True) for _ in range(3)]
+                               "--", "sleep", "120"], start_new_session=True) for _ in range(4)]
     try:
         procs[2].kill()
         procs[2].wait()
         layout = cfg.rollout.server_layout[0]
-        cmds = [services._launch_args(svc._server_command(layout, BASE + i, 7)[0]) for i in range(3)]
+        cmds = [services._launch_args(svc._server_command(layout, BASE + i, 7)[0]) for i in range(4)]
         cmds[1][cmds[1].index("--port") + 1] = "25999"  # launched with another port
         lease.write_record(record_path, {"node": 0, "weight_group": "weight_update_group", "servers": {
             f"server_{i}": {"pid": p.pid, "started": lease.start_time(p.pid) or "0", "cmd": cmds[i], "gpus": None,
@@ -157,6 +157,8 @@ def test_recorded_servers_are_kept_only_alive_with_this_runs_arguments(tmp_path,
             assert "rollout.reuse_servers is false" in out
             assert procs[0].wait(15) is not None
         assert procs[1].wait(15) is not None  # stopped, not left beside the new one
+        assert procs[3].wait(15) is not None and (f"stopping server_3 (pid {procs[3].pid}), which an earlier attempt "
+                                                  "launched: this run's rollout.server_layout has no server_3") in out
         assert "server_2" not in out  # a dead one is simply launched
     finally:
         svc.lease.stop()
