@@ -128,6 +128,8 @@ RULES = [
     (["device=cuda"], None, ["colocate=true", "weight_sync.method=distributed", "device=cuda", "method=tensor"]),
     (["weight_sync.bucket_mb=0"], None, ["weight_sync.bucket_mb"]),
     (["weight_sync.dtype=float16"], None, ["weight_sync.dtype", "bfloat16", "float32"]),
+    (["weight_sync.delta=true", "weight_sync.method=tensor"], None, ["weight_sync.delta=true needs"]),
+    (["weight_sync.delta_full_every=0"], None, ["weight_sync.delta_full_every must be an integer >= 1"]),
     (["weight_sync.timeout_s=0"], None, ["weight_sync.timeout_s"]),
     (["buffer.get_timeout_s=0"], None, ["buffer.get_timeout_s"]),
     (["buffer.rpc_timeout_s=0"], None, ["buffer.rpc_timeout_s"]),

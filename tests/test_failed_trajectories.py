@@ -59,7 +59,6 @@ def test_a_group_of_8_with_3_failed_trains_on_its_5_survivors_advantages_and_los
 
     std = math.sqrt(0.3)
     want = [0.4 / (std + 1e-6), -0.6 / (std + 1e-6), -0.6 / (std + 1e-6), 0.4 / (std + 1e-6), 0.4 / (std + 1e-6)]
-    assert want[0] == pytest.approx(0.7303, abs=1e-4) and want[1] == pytest.approx(-1.0954, abs=1e-4)
     seqs = batching.make_sequences([group], cfg)
     assert [s["adv"] for s in seqs] == pytest.approx(want, abs=1e-6)
     assert [len(s["response"]) for s in seqs] == [3, 4, 5, 3, 4]

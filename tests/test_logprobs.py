@@ -20,17 +20,23 @@ def naive_logprobs(logits, targets, temperature):
     return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
 
+def row_log_softmax(row: list, t: float) -> list:
+    """Plain-Python log_softmax(row / t): math.exp / math.log on floats."""
+    s = [v / t for v in row]
+    m = max(s)
+    lse = m + math.log(sum(math.exp(v - m) for v in s))
+    return [v - lse for v in s]
+
+
 def loop_logprobs(logits, targets, temperature):
     """Plain-Python reference: one token at a time, math.exp / math.log on floats."""
     t = 1.0 if temperature < 1e-6 else temperature
     rows = logits.reshape(-1, logits.shape[-1]).tolist()
     logp, ent = [], []
     for row, y in zip(rows, targets.reshape(-1).tolist()):
-        s = [v / t for v in row]
-        m = max(s)
-        lse = m + math.log(sum(math.exp(v - m) for v in s))
-        logp.append(s[y] - lse)
-        ent.append(-sum(math.exp(v - lse) * (v - lse) for v in s))
+        lp = row_log_softmax(row, t)
+        logp.append(lp[y])
+        ent.append(-sum(math.exp(x) * x for x in lp))
     return (torch.tensor(logp, dtype=torch.float64).view(targets.shape),
             torch.tensor(ent, dtype=torch.float64).view(targets.shape))
 
@@ -380,9 +386,8 @@ def loop_kl(logits, ref, temperature):
     t = logprobs.effective_temperature(temperature)
     out = []
     for a, b in zip(logits.reshape(-1, logits.shape[-1]).tolist(), ref.reshape(-1, ref.shape[-1]).tolist()):
-        lse_a = max(v / t for v in a) + math.log(sum(math.exp(v / t - max(w / t for w in a)) for v in a))
-        lse_b = max(v / t for v in b) + math.log(sum(math.exp(v / t - max(w / t for w in b)) for v in b))
-        out.append(sum(math.exp(x / t - lse_a) * ((x / t - lse_a) - (y / t - lse_b)) for x, y in zip(a, b)))
+        lpa, lpb = row_log_softmax(a, t), row_log_softmax(b, t)
+        out.append(sum(math.exp(x) * (x - y) for x, y in zip(lpa, lpb)))
     return torch.tensor(out, dtype=torch.float64).view(logits.shape[:-1])
 
 

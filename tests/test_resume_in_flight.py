@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 import checkpoint  # noqa: E402
 import services as services_lib  # noqa: E402
-from test_train import tiny_model  # noqa: E402,F401 (a fixture)
+from test_train import held_prompts, tiny_model  # noqa: E402,F401 (tiny_model: a fixture)
 
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -152,7 +152,7 @@ def check_continued_and_trained_once(r: dict) -> dict:
     assert cut, (seed, f"the checkpoint after step {step} holds no trajectory cut mid-response")
     assert [row["step"] for row in r["rows"]] == list(range(1, STEPS + 1)), seed
     trained = [tuple(pid) for row in r["rows"] for pid in row["data/prompt_ids"]]  # (c)
-    held = {(g["epoch"], g["data_index"]) for g in r["last"]["data"]["lane"] + r["last"]["buffered"]}
+    held = held_prompts(r["last"])
     assert len(set(trained)) == len(trained) == STEPS * 4 and not held & set(trained), (seed, step, trained, held)
     assert {(0, i) for i in range(PROMPTS)} <= set(trained) | held, (seed, step, trained, held)
     final: dict = {}

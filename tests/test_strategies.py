@@ -817,7 +817,7 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
 
     import checkpoint
     from standins import tiny_model
-    from test_train import TINY, TORCHRUN, _read_rows, _run_overrides
+    from test_train import TINY, TORCHRUN, _read_rows, _run_overrides, held_prompts
 
     model = tiny_model.make_tiny_model(str(tmp_path / "model"))
     run_dir = tmp_path / "run"
@@ -837,7 +837,7 @@ def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_pr
                                                    "rollout/policy_drop", "rollout/update_dropped_groups"))
     buffer_state = checkpoint.load_run_state(checkpoint.latest_checkpoint(str(run_dir)))["buffer"]
     state = buffer_state["data"]
-    pending = {(g["epoch"], g["data_index"]) for g in state["lane"] + buffer_state["buffered"]}
+    pending = held_prompts(buffer_state)
     assert not pending & set(trained)
     assert len(trained) + dropped + len(pending) == state["next_seq"], (len(trained), dropped, pending, state)
     assert all(row["rollout/staleness_max"] == 0 for row in rows)  # M = 0: nothing older than the trainer's weights
@@ -921,9 +921,9 @@ def test_a_resumed_buffer_goes_on_as_the_one_that_saved_the_checkpoint(name):
     settings = [a.rollout_settings for a in actions] or [(True, "abort"), (True, "retract"), (False, "abort")]
     for partial, mode in settings:
         def server():
-            over = [f"rollout.partial={str(partial).lower()}", f"rollout.pause_mode={mode}"]
             if issubclass(cls, strategies.Preset):
-                return make_server(B=2, N=2, stale=0.0, window=name, overrides=over, n_prompts=40)
+                return preset(name, B=2, N=2, pause_mode=mode, partial=partial)
+            over = [f"rollout.partial={str(partial).lower()}", f"rollout.pause_mode={mode}"]
             return make_server(B=2, N=2, stale=1.0, window=name, overrides=over, n_prompts=40)
 
         a = _FakeRollout(server(), 7, partial, mode)

@@ -92,6 +92,12 @@ def _read_rows(run_dir) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def held_prompts(buffer_state: dict) -> set:
+    """The (epoch, data_index) of every prompt a checkpoint's buffer state still holds: its restored lane (in
+    flight at the checkpoint) and its buffered groups, none of them trained yet."""
+    return {(g["epoch"], g["data_index"]) for g in buffer_state["data"]["lane"] + buffer_state["buffered"]}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Pure helpers
 
@@ -396,7 +402,8 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *overrides, "trainer.eval_freq=0"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_steps(str(run_dir), 2, p)
-    [server] = _pids("standins.engine", f"--port {overrides[2].split('=')[1]} ")
+    port = next(a for a in overrides if a.startswith("rollout.base_port=")).split("=")[1]
+    [server] = _pids("standins.engine", f"--port {port} ")
     [pid] = _pids("workers.py buffer", str(run_dir))
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -562,7 +569,7 @@ def test_kl_to_start_is_0_at_the_start_grows_with_updates_and_a_resumed_run_logs
     (rank 0) and logs at step 4 what the uninterrupted run logs there; trainer.kl_probe_every=2 skips step 3."""
     r0, r1 = actor_checks["kl"]["rank0"], actor_checks["kl"]["rank1"]
     assert r0["positions"] == 20 and r0["prompts"][0] != r0["prompts"][1] and r0["prompts"] == r1["prompts"], r0
-    assert r0["ref_shape"][0] == 20 and r1["ref_shape"] is None
+    assert r0["ref_shape"][0] == 20 and r1["ref_shape"] is None and r0["taken_s"] > 0 and r1["taken_s"] > 0
     assert r0["ref_vs_full"] < 1e-5 and r0["packed_vs_full"] < 1e-4, r0
     assert r0["at_start"] == 0.0 and r1["at_start"] is None
     assert all(first is None and kl > 1e-6 for first, kl in r0["kl"]), r0["kl"]
@@ -781,7 +788,7 @@ def _kl_groups(seed: int) -> list:
 def _kl_probe_checks(args) -> dict:
     """actor.KLProbe on 2 ranks (2 training calls a step): the probe set and pi_0 taken at the run's first call, 0
     at pi_0, > 0 after updates; its logits are the full forward's at the probe positions, packed or padded; a run
-    resumed from the checkpoint after step 2 logs at step 3 what the uninterrupted run logs there; every=2 skips odd
+    resumed from the checkpoint after step 2 logs at step 4 what the uninterrupted run logs there; every=2 skips odd
     steps."""
     import dataclasses
 
@@ -798,7 +805,7 @@ def _kl_probe_checks(args) -> dict:
     probe = actor.probe
     out["positions"] = sum(sum(s["mask"]) for s in probe.seqs)
     out["prompts"] = [s["prompt"] for s in probe.seqs]
-    out["ref_shape"] = list(probe.ref.shape) if rank == 0 else None
+    out["ref_shape"] = None if probe.ref is None else list(probe.ref.shape)  # pi_0: on rank 0 only
     with torch.no_grad():  # the whole forward's logits at the probe positions
         b = batching.collate(probe.seqs)
         full = actor.model(input_ids=b["ids"], attention_mask=b["attn"]).logits[:, :-1][b["mask"] > 0]
@@ -995,13 +1002,11 @@ def test_keep_checkpoints_2_leaves_the_newest_two_and_the_one_before_the_newest_
     assert r["ckpts"] == ["step_000007", "step_000008"], (r["seed"], r["ckpts"])
 
 
-def test_prune_keeps_the_newest_and_never_a_later_one():
+def test_prune_keeps_the_newest_and_never_a_later_one(tmp_path):
     """checkpoint.prune after step 5 is committed, keep=2: steps 1-3 go (oldest first), 4 and 5 stay, as does step
     12 (a later run's, resume=auto's pick: never removed), numbers compared as numbers (step 1000000 > 999999); every
     .tmp goes; keep=0 removes only the .tmp."""
-    import tempfile
-
-    root = tempfile.mkdtemp()
+    root = str(tmp_path)
     for name in ("step_000001", "step_000002", "step_000003", "step_000004", "step_000005", "step_000006.tmp",
                  "step_000012", "step_000009.tmp"):
         os.makedirs(os.path.join(root, name))
@@ -1088,7 +1093,7 @@ def test_resume_after_sigkill_trains_every_prompt_of_the_epoch_once(resumed_run)
     assert state["step"] == 8 and state["weight_version"] == 8
     # Each prompt once; every prompt of epoch 0 trained, or still held by the last checkpoint (a window strategy
     # may train a group of epoch 1 before the last one of epoch 0 is complete): none lost, none repeated.
-    held = {(g["epoch"], g["data_index"]) for g in state["buffer"]["data"]["lane"] + state["buffer"]["buffered"]}
+    held = held_prompts(state["buffer"])
     assert len(trained) == len(set(trained)) == 32 and not set(trained) & held, (r["seed"], r["killed_at"], trained)
     assert {(0, i) for i in range(32)} <= set(trained) | held, (r["seed"], r["killed_at"], trained, held)
     assert os.path.exists(os.path.join(r["run_dir"], "hf", "model.safetensors"))
