@@ -82,11 +82,13 @@ class Adopted:
         self.gone = False
 
     def poll(self):
-        self.gone = self.gone or start_time(self.pid) != self.started
-        return None if not self.gone else self.returncode
+        """None, as Popen.poll of a running process, and also once it is gone (its exit status is not ours): ask
+        exited()."""
+        self.exited()
+        return None
 
     def exited(self) -> bool:
-        self.poll()
+        self.gone = self.gone or start_time(self.pid) != self.started
         return self.gone
 
     def _signal(self, sig: int) -> None:
@@ -181,7 +183,7 @@ def takeover(url: str, api_key: Optional[str], wait_s: float, pause_timeout_s: f
     /flush_cache drops the KV of the weights it held (the checkpoint's come at the first sync); then
     /continue_generation. What it generated after the checkpoint never reaches the new run: its buffer and
     rollout processes are new and restore from the checkpoint. The weight-update group the dead trainer formed
-    is destroyed by the trainer's first sync (services.Services.wait_fleet)."""
+    is destroyed before the trainer's first sync (services.Services.wait_fleet)."""
     import requests
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -104,10 +104,13 @@ def stop_here(group, steps_done: int, total: int) -> bool:
 def _warn_over_grace() -> None:
     """Once: the longest step period plus the last checkpoint's time is longer than torchrun's grace, so a SIGTERM
     there would end in SIGKILL before its checkpoint (the one before stays what resume=auto loads)."""
-    grace = grace_s()
-    save = checkpoint.last_save_s or 0.0
+    if _state["warned"]:
+        return
+    if "grace" not in _state:  # torchrun's command line and environment: read once (stop_here runs every step)
+        _state["grace"] = grace_s()
+    grace, save = _state["grace"], checkpoint.last_save_s or 0.0
     need = _state["period"] + save
-    if _state["warned"] or grace is None or need <= grace:
+    if grace is None or need <= grace:
         return
     _state["warned"] = True
     print(f"[train] warning: after a SIGTERM this run needs up to {need:.0f} s to reach its next step boundary and "

@@ -230,7 +230,7 @@ class Proxy:
             wait = kwargs.get("timeout", args[at] if len(args) > at else None)
             if wait is None:
                 raise ValueError(f"{method} over RPC needs its timeout (argument {at + 1}): the call waits "
-                                 f"{self.timeout} s (buffer.rpc_timeout_s) plus that")
+                                 f"{self.timeout} s ({self.timeout_name}) plus that")
         own, bound = self.waits.get(method, (0.0, ""))
         timeout = self.timeout + wait + own
         call = f"{self.worker}.{method}()"

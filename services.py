@@ -278,7 +278,8 @@ class Services:
         return p
 
     def exited(self) -> list[str]:
-        return [name for name, (p, _) in self.procs.items() if p.poll() is not None or getattr(p, "gone", False)]
+        return [name for name, (p, _) in self.procs.items()
+                if (p.exited() if isinstance(p, lease.Adopted) else p.poll() is not None)]
 
     def report(self, name: str, tail: int = 15) -> str:
         """One line naming the child, how it ended and its log, then the log's last `tail` lines."""

@@ -36,7 +36,7 @@ from services import free_port  # noqa: E402
 
 
 def rank_wrapper(argv: list) -> None:
-    """`preemption.py --rank RC_DIR train.py ...` (torchrun runs this as each rank): run the rank, record its exit
+    """`preemption_bench.py --rank RC_DIR train.py ...` (torchrun runs this as each rank): run the rank, record its exit
     code and the time it exited in RC_DIR/rank_<RANK>, exit with it. SIGTERM is ignored here only: the rank installs
     its own handler."""
     rc_dir, cmd = argv[0], argv[1:]
@@ -101,8 +101,8 @@ def repetition(i: int, args, work: str, rng: random.Random) -> dict:
     part2 = [tuple(x) for r in all_rows if stopped is not None and r["step"] > stopped
              for x in r.get("data/prompt_ids", [])]
     return {"rep": i, "signal_after_step": at, "stopped_at": stopped, "seconds": seconds, "ranks_s": ranks_s,
-            "to_checkpoint": next((r["time"] - wall for r in rows(run_dir) if r["step"] == stopped), float("nan")),
-            "during": next((r["step"] for r in rows(run_dir) if r["step"] > 0 and r["time"] > wall), None),
+            "to_checkpoint": next((r["time"] - wall for r in all_rows if r["step"] == stopped), float("nan")),
+            "during": next((r["step"] for r in all_rows if r["time"] > wall), None),
             "torchrun_rc": rc,
             "ranks_rc": ranks, "sigkill": "forcefully exiting" in text, "checkpoints": ckpts,
             "checkpoint_of_stop": stopped is not None and f"step_{stopped:06d}" in ckpts,

@@ -497,7 +497,8 @@ class Server:
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
         self.tasks: set = set()  # handlers of abandoned requests (see _gated)
         max_body = int(args.max_request_mb * 2 ** 20)
-        self.app = web.Application(client_max_size=max_body, middlewares=[self._test_hang, self._auth, self._errors])
+        self.app = web.Application(client_max_size=max_body, middlewares=[  # _test_hang: only when a test asks
+            *([self._test_hang] if TEST_HANG else []), self._auth, self._errors])
         self.app["max_body"] = max_body
         # the most characters a token stands for (a byte-level token's string has one per byte): a longer text than
         # context_len times this cannot fit the context (for normalizers that delete no characters: BPE, SentencePiece)
@@ -909,11 +910,9 @@ class Server:
             named = deserialize_named_tensors(payloads[0])
         except Exception as e:
             raise BadRequest(f"field `serialized_named_tensors`: payload 0 does not deserialize: {e}") from None
-        if load_format in custom:
-            return await self._update(lambda: self._run(lambda: self._custom_load(load_format, named, options[2])),
-                                      options, "Success")
-        return await self._update(lambda: self._run(lambda: self.sched.load_tensors(named, options[2])), options,
-                                  "Success")
+        load = ((lambda: self._custom_load(load_format, named, options[2])) if load_format in custom else
+                (lambda: self.sched.load_tensors(named, options[2])))
+        return await self._update(lambda: self._run(load), options, "Success")
 
     def _custom_load(self, load_format: str, named: list, version: Optional[str]) -> None:
         """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
@@ -946,7 +945,7 @@ class Server:
             p = params.get(name)
             if p is None and name == "lm_head.weight":
                 p = self.sched.model.get_input_embeddings().weight
-            return None if p is None else p.detach().cpu().to(torch.float32).numpy().tolist()[:size]
+            return None if p is None else p.detach()[:size].cpu().to(torch.float32).numpy().tolist()
         out = await self._run(read)
         if out is None:
             return _error("Get parameter by name failed")
