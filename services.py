@@ -724,14 +724,20 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
         else:
             print(f"error: {message}", file=sys.stderr, flush=True)
 
+    def wait_for_torchrun() -> None:  # to stop this rank; after a SIGTERM it is stopping every rank already
+        if not preemption.requested():
+            time.sleep(RANK0_EXIT_WAIT_S)
+
+    first = str(e).splitlines()[0][:300] if str(e) else ""  # (an exception with no message has no first line)
+
     if isinstance(e, buffer.NothingToTrain):
         say(str(e))
         return 2
     if isinstance(e, checkpoint.CheckpointWriteError):  # raised on every rank: rank 0 says it
         if rank == 0:
             say(str(e))
-        elif not preemption.requested():  # wait for torchrun to stop this rank (a SIGTERM came: it is stopping it)
-            time.sleep(RANK0_EXIT_WAIT_S)
+        else:
+            wait_for_torchrun()
         return 1
     # Root cause first: a dead child's report, not the RPC / socket error its death caused here.
     cause = str(e) if isinstance(e, ChildExited) else services.root_cause(GRACE_S) if services else None
@@ -741,14 +747,12 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
         # takes seconds after its sockets may already be closed, and a rank that exited first would be torchrun's
         # "first observed failure" in place of rank 0's (its exit code 2 for a run that cannot train, say).
         print(f"[train] rank {rank}: lost trainer rank 0 (it failed, exited, or did not answer within the "
-              f"control group's timeout): {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
-              file=sys.stderr, flush=True)
-        if not preemption.requested():  # (a SIGTERM came already: torchrun is stopping every rank)
-            time.sleep(RANK0_EXIT_WAIT_S)
+              f"control group's timeout): {first or type(e).__name__}", file=sys.stderr, flush=True)
+        wait_for_torchrun()
         return 1
     if cause is None and preemption.requested():  # torchrun's SIGTERM came first: it stops the run (its summary)
-        print(f"[train] rank {rank}: stopped by SIGTERM, then {type(e).__name__}: "
-              f"{str(e).splitlines()[0][:300] if str(e) else ''}", file=sys.stderr, flush=True)
+        print(f"[train] rank {rank}: stopped by SIGTERM, then {type(e).__name__}: {first}", file=sys.stderr,
+              flush=True)
         return 1
     if cause is None and isinstance(e, remote.RemoteError):  # its first line names the call, the process, the cause
         line, _, trace = str(e).partition("\n")
@@ -759,5 +763,5 @@ def failure_exit_code(e: Exception, services: Optional[Services], rank: int) -> 
     if cause is None:
         raise  # (called from the except clause: the exception being handled)
     services.print_error_once(cause if isinstance(e, ChildExited) else f"{cause}\n(what it made fail here: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]})")
+                              f"{type(e).__name__}: {first})")
     return 1

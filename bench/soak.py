@@ -34,6 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import checkpoint  # noqa: E402
 from services import free_port  # noqa: E402  (below the kernel's ephemeral ports, as train.py's own)
 
 QUEUES = {"buf": "rollout/pipeline_buf_size", "R": "rollout/in_flight_groups", "gen": "rollout/generating_groups",
@@ -135,11 +136,10 @@ def disk(run_dir: str) -> dict:
     for name in os.listdir(run_dir):
         part = name if name in PARTS else "other"
         out[part] += _size(os.path.join(run_dir, name))
-    ckpts = sorted(d for d in os.listdir(os.path.join(run_dir, "checkpoints"))
-                   if not d.endswith(".tmp")) if os.path.isdir(os.path.join(run_dir, "checkpoints")) else []
+    done = checkpoint.steps_of(os.path.join(run_dir, "checkpoints"))  # complete ones, oldest first
     out["total"] = sum(out[p] for p in PARTS)
-    out["checkpoint_count"] = len(ckpts)
-    out["checkpoint_bytes"] = _size(os.path.join(run_dir, "checkpoints", ckpts[-1])) if ckpts else 0
+    out["checkpoint_count"] = len(done)
+    out["checkpoint_bytes"] = _size(done[-1][1]) if done else 0
     return out
 
 
@@ -183,7 +183,7 @@ def judge(samples: list, steps: int) -> list[dict]:
         k = slope(xs, ys)
         grow = k * span
         level = sum(ys) / len(ys)
-        first = get(samples[0])
+        first = next((y for y in map(get, samples) if y is not None), None)  # a process may start later
         if kind == "disk":  # append-only logs grow by design: reported, not flagged
             flag = k > DISK_FLAG_BYTES_PER_STEP and not name.endswith(APPEND_ONLY)
         else:
