@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import contextlib
 import math
 import os
 
@@ -186,6 +187,17 @@ def forward_inputs(model, b: dict) -> tuple[dict, dict]:
     return b, kwargs
 
 
+@contextlib.contextmanager
+def _output_layer(head: torch.nn.Module, forward):
+    """head.forward replaced by `forward` for the run of model(...) inside the block (an instance attribute over
+    the class's method, removed after)."""
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 @torch.no_grad()
 def position_logits(model, b: dict) -> torch.Tensor:
     """The logits [n, V], as the model returns them (bf16 on cuda, float32 on CPU), of the n loss positions of
@@ -200,11 +212,8 @@ def position_logits(model, b: dict) -> torch.Tensor:
     def head_forward(hidden):  # the last hidden states [rows, L, H] -> the kept positions' logits [1, n, V]
         return forward((hidden[0, rows] if rows is not None else hidden[:, :-1][keep])[None])
 
-    head.forward = head_forward
-    try:
+    with _output_layer(head, head_forward):
         return model(input_ids=b["ids"], **kwargs).logits[0]
-    finally:
-        del head.forward
 
 
 def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_entropy: bool = False,
@@ -236,11 +245,8 @@ def token_logprobs(model, b: dict, temperature: float, chunk_tokens: int, with_e
             rest = [t for t in rest if t is not None]  # entropy, log-mass
             return torch.stack([logp, *rest], -1) if rest else logp
 
-        head.forward = head_forward
-        try:
+        with _output_layer(head, head_forward):
             out = model(input_ids=b["ids"], **kwargs).logits
-        finally:
-            del head.forward
         parts = out.unbind(-1) if out.dim() > targets.dim() else (out,)
         logp, ent = parts[0], parts[1] if with_entropy else None
         mass = parts[-1].detach() if len(parts) > 1 + with_entropy else None  # (a slice of the model's output)
