@@ -29,11 +29,17 @@ import tasks  # noqa: E402
 from standins import engine, tiny_model  # noqa: E402
 
 
+TRACE_FROM = 20  # tracing starts after this step: the producer's start-up allocations stay out of the comparison
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--at", type=int, nargs="+", default=[100, 300, 1000])
     p.add_argument("--model", default=os.path.join(ROOT, "runs", "tiny-base"), help="made if missing")
     a = p.parse_args(argv)
+    if len(set(a.at)) < 2 or min(a.at) < TRACE_FROM:
+        p.error(f"--at needs two or more distinct steps >= {TRACE_FROM} (tracing starts after step {TRACE_FROM}), "
+                f"got {a.at}")
     from transformers import AutoTokenizer
 
     if not os.path.exists(os.path.join(a.model, "config.json")):
@@ -60,7 +66,7 @@ def main(argv=None) -> None:
             buf.step_metrics()
             ro.resume(step)
             ro.step_metrics()
-            if step == 20:
+            if step == TRACE_FROM:
                 tracemalloc.start(8)
             if step in a.at:
                 gc.collect()
