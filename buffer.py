@@ -248,8 +248,7 @@ class BufferSettings:
 
     @property
     def group_floor(self) -> int:
-        """rollout.min_group_size as it applies (rollout.filter failed): the default N // 2, at least 2, 1 when
-        N = 1."""
+        """rollout.min_group_size as it applies (rollout.filter failed): by default N // 2, >= 2 (1 when N = 1)."""
         n, value = self.num_trajectories_per_prompt, self.min_group_size
         validate_min_group_size(value, n)
         return value if value is not None else 1 if n == 1 else max(2, n // 2)
@@ -850,8 +849,7 @@ class PipelineServer(Exchange):
                 if len(self.pbuf) < self.pbuf.max_groups:
                     pg.partial = []
                     self.pbuf.put(Group(pg, trajs))
-                else:  # a smaller capacity than the saving run's: the rest goes through the lane again (all N
-                    # slots: the survivors of a group the failed filter shortened as they are, the others anew)
+                else:  # beyond a smaller capacity: to the lane, all N slots (a shortened group's failed ones anew)
                     have = {t.index: t for t in trajs}
                     pg.partial = [have[i] if i in have else Trajectory(pg.epoch, pg.seq, i, pg.prompt_ids,
                                                                        status=ABORTED) for i in range(self.N)]
