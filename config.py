@@ -4,7 +4,8 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
 
     torchrun train.py --config configs/tiny.yaml fully_async.enable=true trainer.total_steps=50
 
-Unknown keys, wrong types and invalid combinations fail at start-up with one sentence naming the key.
+Unknown keys, wrong types, non-finite floats (check_finite) and invalid combinations fail at start-up with one
+sentence naming the key.
 Key names follow the spec restated in docs/design.md exactly (B = data_source.num_prompts_per_step,
 N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
 `algorithm` is losses.LossSettings, `buffer` is buffer.BufferConfig, and `Config.buffer_settings()` gives the
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import buffer
 import losses
+import scoring
 import strategies
 from buffer import BufferConfig, validate_concurrency
 from losses import LossSettings
@@ -165,7 +167,7 @@ class RolloutConfig:
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
     retry_backoff_s: float = 0.5  # first /generate retry (and failed abort) delay; doubles each time, capped at 30 s
     router_max_concurrent_requests: Optional[int] = None  # the router's concurrency limit; null = unlimited
-    reward_pool: str = "auto"  # auto (process for a reward that may hang: math; else thread) | thread | process | inline
+    reward_pool: str = "auto"  # auto (process if the reward may hang: math; else thread) | thread | process | inline
     reward_workers: int = 4  # threads or processes scoring rewards off the rollout event loop
     reward_timeout_s: float = 30.0  # reward_pool process: a call longer than this is killed and fails its trajectory
     startup_timeout_s: float = 300.0  # wait this long for launched servers to report healthy
@@ -595,14 +597,14 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"rollout.max_retries must be >= 0, got {r.max_retries}")
     if r.router_max_concurrent_requests is not None:
         _positive(r.router_max_concurrent_requests, "rollout.router_max_concurrent_requests")
-    if r.reward_pool not in ("auto", "thread", "process", "inline"):
-        raise ValueError(f"rollout.reward_pool must be auto, thread, process or inline, got '{r.reward_pool}'")
+    if r.reward_pool not in scoring.POOLS:
+        raise ValueError(f"rollout.reward_pool must be one of {', '.join(scoring.POOLS)}, got '{r.reward_pool}'")
     if r.reward_pool in ("thread", "inline"):  # a reward that may hang needs a pool whose workers can be killed
         import tasks
 
         for i, ds in enumerate(cfg.data_sources):
             name = ds.reward or tasks.default_reward(ds.task)
-            if getattr(tasks.get_reward_fn(name), "may_hang", False):
+            if scoring.may_hang(tasks.get_reward_fn(name)):
                 key = "data_source.reward" if len(cfg.data_sources) == 1 else f"data_sources[{i}].reward"
                 raise ValueError(f"{key} {name} may run for minutes (math-verify's sympy on an answer such as "
                                  f"9^{{9^{{9^{{9}}}}}}) and must run where it can be killed: rollout.reward_pool="

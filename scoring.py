@@ -43,7 +43,10 @@ WORKER_START_S = 120.0  # a reward worker process that has not imported its func
 
 def reward_value(value: Any) -> float:
     """value as a float when it is a finite real number (ACCEPTED), else ValueError: what it is and why not."""
-    x = value.item() if getattr(value, "shape", None) == () and hasattr(value, "item") else value
+    try:  # a numpy or torch scalar: its Python number
+        x = value.item() if getattr(value, "shape", None) == () and hasattr(value, "item") else value
+    except Exception:
+        x = value
     if not isinstance(x, numbers.Real):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise ValueError(f"returned {shown} ({type(value).__name__}), not a real number; accepted: {ACCEPTED}")
@@ -82,7 +85,8 @@ class _Worker:
         here = os.path.dirname(os.path.abspath(__file__))
         code = "import sys; sys.path.insert(0, sys.argv[1]); import scoring; scoring._serve(*map(int, sys.argv[2:]))"
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code, here, str(to_child), str(from_child)],
+            self.proc = subprocess.Popen([sys.executable, "-c", code, here, str(to_child), str(from_child),
+                                          str(os.getpid())],
                                          pass_fds=(to_child, from_child), start_new_session=True,
                                          stdin=subprocess.DEVNULL)
         finally:
@@ -129,9 +133,16 @@ class _Worker:
         self.conn_in.close()
 
 
-def _serve(read_fd: int, write_fd: int) -> None:
+def _serve(read_fd: int, write_fd: int, parent: int) -> None:
     """A reward worker process: load the functions (and their preload modules), then answer calls until EOF, each
-    with (True, the checked reward) or (False, why it failed)."""
+    with (True, the checked reward) or (False, why it failed). On Linux it dies with the thread that started it (the
+    rollout process's reward thread), even in the middle of a hung call."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the rollout process was gone before that took effect
+        return
     conn_in, conn_out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
         sys.path[:] = conn_in.recv()

@@ -72,7 +72,7 @@ def test_a_reward_that_is_not_a_finite_number_fails_its_trajectory_counted_and_n
             assert traj.status == COMPLETED and traj.reward == ACCEPTED[label] and type(traj.reward) is float, label
         else:
             assert traj.status == FAILED, label
-            assert traj.metadata["error"].startswith("the reward function test_bad_values:value_reward returned "), label
+            assert traj.metadata["error"].startswith("the reward function test_bad_values:value_reward returned ")
     assert got["nan"].metadata["error"].endswith("returned nan, not a finite number")
     assert got["nan_tensor"].metadata["error"].endswith("returned nan, not a finite number")
     assert got["str"].metadata["error"].endswith("returned ' 2 ' (str), not a real number; accepted: an int, float "
