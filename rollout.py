@@ -92,9 +92,9 @@ import torch
 
 import losses
 import moe
-from env_steps import EnvStepFailed, EnvSteps
 import scoring
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
+from env_steps import EnvStepFailed, EnvSteps
 from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response  # noqa: F401 (Fleet: re-exported)
 
 log = logging.getLogger("rollout")
