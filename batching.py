@@ -12,12 +12,17 @@ import torch
 def make_sequences(groups: list, cfg) -> list[dict]:
     """Groups -> one dict per trajectory (plain lists: cheap to sort, split and collate) with its GRPO advantage,
     taken over the trajectories the group holds: all N, or the survivors of failures (buffer.Group), whose mean and
-    std are then the baseline and the scale."""
+    std are then the baseline and the scale. A non-finite reward is refused (ValueError naming the group): it would
+    turn the group's advantages to NaN, whose tokens the loss leaves out without a word."""
     import losses
 
     out = []
     for g in groups:
         rewards = torch.tensor([[t.reward for t in g.trajectories]], dtype=torch.float32)
+        if not rewards.isfinite().all():  # one would make every advantage of the group NaN, which the loss drops
+            raise ValueError(f"group {g.prompt_id} reached the trainer with rewards {rewards[0].tolist()}: a reward "
+                             "must be a finite number, and the rollout fails a trajectory whose reward is not "
+                             "(scoring.reward_value): these came another way, e.g. a saved rollout edited by hand")
         adv = losses.compute_advantages(rewards, cfg.algorithm.adv.std_normalize, cfg.algorithm.adv.eps)[0]
         for t, a in zip(g.trajectories, adv.tolist()):
             out.append({"prompt": t.prompt_ids.tolist(), "response": t.response_ids.tolist(),

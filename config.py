@@ -4,7 +4,8 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
 
     torchrun train.py --config configs/tiny.yaml fully_async.enable=true trainer.total_steps=50
 
-Unknown keys, wrong types and invalid combinations fail at start-up with one sentence naming the key.
+Unknown keys, wrong types, non-finite floats (check_finite) and invalid combinations fail at start-up with one
+sentence naming the key.
 Key names follow the spec restated in docs/design.md exactly (B = data_source.num_prompts_per_step,
 N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
 `algorithm` is losses.LossSettings, `buffer` is buffer.BufferConfig, and `Config.buffer_settings()` gives the
@@ -14,6 +15,7 @@ where it reads YAML. No role file imports this one (train.py, workers.py and ser
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 import buffer
 import losses
+import scoring
 import strategies
 from buffer import BufferConfig, validate_concurrency
 from losses import LossSettings
@@ -148,6 +151,7 @@ class RolloutConfig:
     env_step_timeout_s: float = 60.0  # one environment step longer than this fails its trajectory
     env_fail_stop_steps: int = 64  # stop the run when this many environment steps in a row failed (0: never)
     env_retries: int = 0  # times a step that raised or timed out is run again (idempotent tools only)
+    env_max_obs_tokens: int = 2048  # an environment observation is cut to this many tokens (counted), before it is kept
     partial: bool = False  # keep in-flight work across the step boundary (how: pause_mode) instead of waiting for it
     pause_mode: str = "abort"  # abort (restore complete groups, re-send) | retract | in_place (servers keep requests)
     mask_offpolicy_in_partial_rollout: bool = False  # loss mask 0 on restored tokens from older weight versions
@@ -163,8 +167,9 @@ class RolloutConfig:
     max_retries: int = 5  # retries of a /generate call on connection errors and 5xx
     retry_backoff_s: float = 0.5  # first /generate retry (and failed abort) delay; doubles each time, capped at 30 s
     router_max_concurrent_requests: Optional[int] = None  # the router's concurrency limit; null = unlimited
-    reward_pool: str = "thread"  # thread | process (slow GIL-bound verifiers) | inline (on the event loop: cheap rewards)
+    reward_pool: str = "auto"  # auto (process if the reward may hang: math; else thread) | thread | process | inline
     reward_workers: int = 4  # threads or processes scoring rewards off the rollout event loop
+    reward_timeout_s: float = 30.0  # reward_pool process: a call longer than this is killed and fails its trajectory
     startup_timeout_s: float = 300.0  # wait this long for launched servers to report healthy
     pause_timeout_s: float = 600.0  # a longer pause fails the run; also each /pause_generation, /continue_generation call's timeout
     reuse_servers: bool = True  # a restarted attempt reuses the launched servers the crashed one left running
@@ -426,7 +431,34 @@ def _positive(value, key: str) -> None:
         raise ValueError(f"{key} must be > 0, got {value!r}")
 
 
+# Float fields where +inf means something no finite value does (every other "no limit" is null or 0): the
+# behaviour weight pi_prox / mu kept uncapped, and no upper PPO clip.
+INFINITY_ACCEPTED = {"algorithm.decoupled_ppo.behav_imp_weight_cap": "an uncapped behaviour weight",
+                     "algorithm.clip_high": "no upper clip"}
+
+
+def check_finite(obj, prefix: str = "") -> None:
+    """Every float of a dataclass tree (nested dataclasses, lists and tuples of either included) is a finite number:
+    NaN never, +-inf only where INFINITY_ACCEPTED names the key (and only +inf); else one sentence naming the key."""
+    for f in dataclasses.fields(obj):
+        _check_finite_value(getattr(obj, f.name), prefix + f.name)
+
+
+def _check_finite_value(value, key: str) -> None:
+    if dataclasses.is_dataclass(value):
+        check_finite(value, key + ".")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite_value(v, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        if value == math.inf and key in INFINITY_ACCEPTED:
+            return
+        also = f" (.inf is accepted only by {', '.join(INFINITY_ACCEPTED)})" if math.isinf(value) else ""
+        raise ValueError(f"config key '{key}' must be a finite number, got {value!r}{also}")
+
+
 def validate(cfg: Config) -> Config:
+    check_finite(cfg)
     B, N, M = cfg.B, cfg.N, cfg.M
     for i, ds in enumerate(cfg.data_sources):
         _positive(ds.num_prompts_per_step, f"data_sources[{i}].num_prompts_per_step")
@@ -538,7 +570,8 @@ def validate(cfg: Config) -> Config:
     if r.sampling.top_k != -1 and r.sampling.top_k < 1:  # SGLang's own rule (sampling_params.py: verify)
         raise ValueError(f"rollout.sampling.top_k must be -1 (off) or at least 1, got {r.sampling.top_k}")
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
-                "retry_backoff_s", "reward_workers", "env_max_concurrent", "env_step_timeout_s"):
+                "retry_backoff_s", "reward_workers", "reward_timeout_s", "env_max_concurrent", "env_step_timeout_s",
+                "env_max_obs_tokens"):
         _positive(getattr(r, key), f"rollout.{key}")
     if r.env_retries < 0:
         raise ValueError(f"rollout.env_retries must be >= 0 (0: a failed step is not run again), got {r.env_retries}")
@@ -564,8 +597,18 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"rollout.max_retries must be >= 0, got {r.max_retries}")
     if r.router_max_concurrent_requests is not None:
         _positive(r.router_max_concurrent_requests, "rollout.router_max_concurrent_requests")
-    if r.reward_pool not in ("thread", "process", "inline"):
-        raise ValueError(f"rollout.reward_pool must be thread, process or inline, got '{r.reward_pool}'")
+    if r.reward_pool not in scoring.POOLS:
+        raise ValueError(f"rollout.reward_pool must be one of {', '.join(scoring.POOLS)}, got '{r.reward_pool}'")
+    if r.reward_pool in ("thread", "inline"):  # a reward that may hang needs a pool whose workers can be killed
+        import tasks
+
+        for i, ds in enumerate(cfg.data_sources):
+            name = ds.reward or tasks.default_reward(ds.task)
+            if scoring.may_hang(tasks.get_reward_fn(name)):
+                key = "data_source.reward" if len(cfg.data_sources) == 1 else f"data_sources[{i}].reward"
+                raise ValueError(f"{key} {name} may run for minutes (math-verify's sympy on an answer such as "
+                                 f"9^{{9^{{9^{{9}}}}}}) and must run where it can be killed: rollout.reward_pool="
+                                 f"process or auto, not {r.reward_pool}")
     for i, ds in enumerate(cfg.data_sources[1:], start=1):
         if ds.num_trajectories_per_prompt != N:
             raise ValueError(f"data_sources[{i}].num_trajectories_per_prompt ({ds.num_trajectories_per_prompt}) must "

@@ -3,8 +3,10 @@
 - The HTTP client of the servers (`Fleet`, its blocking `SyncFleet`, FleetError, response parsing) is
   sglang_client.py; its names are also importable from here.
 - `Rollout`: the producer of docs/design.md. On the SyncFleet's event-loop thread it
-  asks the buffer for prompt groups (`buffer.dispatch`), generates N trajectories per group, scores them (inline or
-  in a pool off the loop) and puts every finished trajectory to the buffer. With the built-in `single_turn` a group
+  asks the buffer for prompt groups (`buffer.dispatch`), generates N trajectories per group, scores them
+  (scoring.py: inline, on threads, or in worker processes killed at rollout.reward_timeout_s; a reward that raises,
+  times out or is not a finite number fails its trajectory, counted) and puts every finished trajectory to the
+  buffer. With the built-in `single_turn` a group
   is one /generate list request (one item per trajectory; the reply lists them in order when all have finished; an
   abort by rid ends one item): one task, one HTTP call and one scoring pass per group.
   Other rollout functions (`rollout.function`) run one request per trajectory.
@@ -53,7 +55,8 @@ A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> No
 threads, off the event loop), each within rollout.env_step_timeout_s; a step that raises or times out is run again up
 to rollout.env_retries times (default 0), then fails its trajectory (counted, the first of each kind logged; the
 buffer trains its group on the survivors, rollout.min_group_size), and rollout.env_fail_stop_steps failures in a row
-stop the run (a trajectory's metadata["stop"], which the buffer hands to the trainer). Built in: `single_turn`,
+stop the run (a trajectory's metadata["stop"], which the buffer hands to the trainer); an observation is capped at
+rollout.env_max_obs_tokens before it is recorded or tokenized in full (env_steps.py). Built in: `single_turn`,
 `multi_turn_tool`. Or rollout.function=module:function. docs/agents.md.
 
 Simplifications: one request per trajectory at a time (turns are sequential; `sampling_params.n` is never used, since
@@ -70,13 +73,11 @@ Run (workers.py reads the config; this file does not import config.py):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import dataclasses
 import inspect
 import json
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -91,7 +92,9 @@ import torch
 
 import losses
 import moe
+import scoring
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
+from env_steps import EnvStepFailed, EnvSteps
 from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response  # noqa: F401 (Fleet: re-exported)
 
 log = logging.getLogger("rollout")
@@ -201,6 +204,7 @@ class RolloutContext:
         self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
         self.task = rollout.cfg.data_sources[group.source].task
         self.max_new_tokens = rollout.max_new_tokens
+        self._obs: Optional[tuple] = None  # (text, ids) of env_step's last observation, tokenized off the loop
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -212,9 +216,12 @@ class RolloutContext:
         return (await self.rollout._generate(self._active, [traj]))[0]
 
     def append_env(self, traj: Trajectory, text: str) -> bool:
-        """Environment tokens (loss mask 0, log-prob 0, the version of the turn before them). False, and status
-        truncated, when they do not fit in the remaining budget (nothing is appended then)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        """Environment tokens (loss mask 0, log-prob 0, the version of the turn before them), at most
+        rollout.env_max_obs_tokens of them (a longer text is cut, counted in rollout/env_obs_truncated_count; the
+        observation env_step returned was cut and tokenized there). False, and status truncated, when they do not
+        fit in the remaining budget (nothing is appended then)."""
+        obs, self._obs = self._obs, None
+        ids = obs[1] if obs is not None and obs[0] is text else self.rollout.envs.cap(text)[1]
         start = len(traj.response_ids)
         if start + len(ids) > self.max_new_tokens:
             traj.status = TRUNCATED
@@ -236,11 +243,16 @@ class RolloutContext:
     async def env_step(self, env, traj: Trajectory, turn_text: str) -> Optional[str]:
         """env.step(turn_text), sync (in a thread) or async, once one of rollout.env_max_concurrent slots is free,
         within rollout.env_step_timeout_s. Returns the observation (None: the episode ends) and records
-        [turn_text, observation] in traj.metadata["env_turns"]. A step that raises or times out is run again up to
+        [turn_text, observation] in traj.metadata["env_turns"]; an observation over rollout.env_max_obs_tokens is
+        cut to it (counted) before it is recorded. A step that raises or times out is run again up to
         rollout.env_retries times; one that still does, or returns neither a str nor None, marks traj failed (the
         reason in metadata["error"] and ["env_error"]) and raises EnvStepFailed, which ends the rollout function; the
         run goes on."""
-        return await self.rollout._env_step(self, env, traj, turn_text)
+        observation = await self.rollout.envs.step(self, env, traj, turn_text)
+        if observation is not None:
+            self._obs = await self.rollout.envs.observation(observation)
+            traj.metadata.setdefault("env_turns", []).append([turn_text, self._obs[0]])
+        return observation if observation is None else self._obs[0]
 
     async def restore_env(self, env, traj: Trajectory) -> int:
         """Bring a fresh environment to where a restored trajectory's finished turns left it, without running their
@@ -261,11 +273,6 @@ class RolloutContext:
             if inspect.isawaitable(out):
                 await out
         return len(spans)
-
-
-class EnvStepFailed(Exception):
-    """An environment step raised, timed out or returned something other than str or None: its trajectory is
-    marked failed (RolloutContext.env_step) and this ends the rollout function."""
 
 
 async def single_turn(ctx: RolloutContext, traj: Trajectory) -> None:
@@ -317,8 +324,7 @@ def _new_stats() -> dict:
     return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
             "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0,
-            "aborts_without_routes": 0, "env_steps": 0, "env_wait_s": 0.0, "env_step_s": 0.0, "env_in_use_max": 0,
-            "env_errors": 0, "env_timeouts": 0, "env_retries": 0}
+            "aborts_without_routes": 0, "reward_errors": 0, "reward_timeouts": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -346,7 +352,8 @@ class Rollout:
         self.fn = resolve_rollout_function(r.function)
         import tasks
 
-        self.reward_fns = [tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task)) for ds in cfg.data_sources]
+        self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_sources]
+        self.reward_fns = [tasks.get_reward_fn(name) for name in self.reward_names]
         self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
                                 "top_k": r.sampling.top_k,
                                 "stop_token_ids": tasks.stop_token_ids(tokenizer, cfg.model.path)}
@@ -383,20 +390,9 @@ class Rollout:
         self._started = False
         self._in_flight, self._in_flight_t = 0, time.monotonic()  # trajectories in live requests (self._active)
         self._retries_seen = self._down_seen = 0
-        self._pool: Optional[concurrent.futures.Executor] = None  # reward_pool inline: scored on the event loop
-        if r.reward_pool == "process":
-            self._pool = concurrent.futures.ProcessPoolExecutor(r.reward_workers,
-                                                                mp_context=multiprocessing.get_context("spawn"))
-        elif r.reward_pool == "thread":
-            self._pool = concurrent.futures.ThreadPoolExecutor(r.reward_workers, thread_name_prefix="reward")
-        # Environment steps: at most env_max_concurrent at once (the slots, made on the loop by _start); a sync step
-        # runs on one of as many threads, so one that outlives its timeout still holds a thread, and the environment
-        # never sees more steps at once than that.
-        self._env_threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._env_in_use = 0
-        self._env_fail_run, self._env_fail_first = 0, ""  # env steps failed in a row since the last good one; the first
-        self._env_logged: set = set()  # the kinds of env failure already logged (the first of each is)
-        self._env_stopped = False
+        self.scorer = scoring.Scorer(r.reward_pool, r.reward_workers, r.reward_timeout_s, self.reward_fns)
+        self._failure_logged: set = set()  # the kinds of reward failure already logged (the first of each is)
+        self.envs = EnvSteps(r, tokenizer)  # tool environment steps: slots, threads, counters, the observation cap
 
     # ---- public, synchronous ----
     def start(self) -> None:
@@ -431,10 +427,8 @@ class Rollout:
         """Abort everything of ours in flight, stop the producer and the reward pool (the fleet stays open)."""
         if self.sync.loop.is_running():
             self.sync.run(self._stop(), 60.0, "Rollout.stop")
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._env_threads is not None:
-            self._env_threads.shutdown(wait=False, cancel_futures=True)
+        self.scorer.close()
+        self.envs.close()
 
     # ---- on the loop ----
     def _raise_error(self) -> None:
@@ -460,7 +454,6 @@ class Rollout:
         self._wake, self._idle, self._outbox_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._dispatch_lock = asyncio.Lock()
-        self._env_slots = asyncio.Semaphore(self.cfg.rollout.env_max_concurrent)
         self._dispatching = True
         self._spawn(self._guard(self._produce()))
         self._spawn(self._guard(self._flush()))
@@ -693,80 +686,6 @@ class Rollout:
             if traj.status != ABORTED:
                 self._emit(traj)
 
-    async def _env_step(self, ctx: RolloutContext, env, traj: Trajectory, text: str) -> Optional[str]:
-        """RolloutContext.env_step: one step within a slot and the timeout, run again up to rollout.env_retries times
-        (in the same slot) when it raises or times out; failures counted, the first of each kind logged, and after
-        rollout.env_fail_stop_steps failures in a row the run is stopped through the buffer."""
-        r, s = self.cfg.rollout, self.stats
-        turn = len(traj.metadata.get("env_spans", [])) + 1
-        t0 = time.monotonic()
-        async with self._env_slots:
-            t1 = time.monotonic()
-            s["env_steps"] += 1
-            s["env_wait_s"] += t1 - t0
-            self._env_in_use += 1
-            s["env_in_use_max"] = max(s["env_in_use_max"], self._env_in_use)
-            try:
-                for attempt in range(r.env_retries + 1):
-                    kind = None
-                    try:
-                        observation = await asyncio.wait_for(self._call_step(env, text), r.env_step_timeout_s)
-                        if observation is not None and not isinstance(observation, str):  # not retried: a bug
-                            kind, why = "error", f"returned {type(observation).__name__}, not a str or None"
-                        break
-                    except asyncio.TimeoutError:
-                        kind, why = "timeout", (f"did not return within rollout.env_step_timeout_s="
-                                                f"{r.env_step_timeout_s:g} s")
-                    except Exception as e:
-                        kind, why = "error", f"raised {e!r}"
-                    if attempt < r.env_retries:
-                        s["env_retries"] += 1
-                if kind is not None and attempt:
-                    why += f" (the last of {attempt + 1} attempts, rollout.env_retries={r.env_retries})"
-            finally:
-                self._env_in_use -= 1
-                s["env_step_s"] += time.monotonic() - t1
-        if kind is None:
-            self._env_fail_run = 0
-            if observation is not None:
-                traj.metadata.setdefault("env_turns", []).append([text, observation])
-            return observation
-        name = f"rollout.env={r.env}" if r.env else f"{type(env).__name__} (data_source.task {ctx.task}'s own)"
-        message = f"the tool environment {name}: its step of turn {turn} {why}"
-        traj.status = FAILED
-        traj.metadata["error"] = message
-        traj.metadata["env_error"] = {"kind": kind, "turn": turn, "message": message}
-        s["env_timeouts" if kind == "timeout" else "env_errors"] += 1
-        if kind not in self._env_logged:
-            self._env_logged.add(kind)
-            log.warning("first environment %s (counted in rollout/env_%s_count, not logged again): %s; prompt %r, "
-                        "turn %d text %r; the trajectory failed, the run goes on", kind,
-                        "timeout" if kind == "timeout" else "error", message,
-                        ctx.decode(traj.prompt_ids)[-200:], turn, text[-200:])
-        self._env_fail_run += 1
-        if self._env_fail_run == 1:
-            self._env_fail_first = f"its step of turn {turn} {why}"
-        stop = r.env_fail_stop_steps
-        if stop and self._env_fail_run >= stop and not self._env_stopped:
-            self._env_stopped = True
-            traj.metadata["stop"] = (f"nothing can be trained: the tool environment {name} failed each of its last "
-                                     f"{self._env_fail_run} steps; the first of them: {self._env_fail_first}; "
-                                     "fix the environment (or raise rollout.env_fail_stop_steps; 0 turns this "
-                                     "stop off)")
-            log.error("%s", traj.metadata["stop"])
-        raise EnvStepFailed(message)
-
-    async def _call_step(self, env, text: str):
-        """env.step(text): awaited when it is async, else run on the environment threads (and awaited if what it
-        returns is awaitable)."""
-        if inspect.iscoroutinefunction(env.step):
-            return await env.step(text)
-        if self._env_threads is None:
-            self._env_threads = concurrent.futures.ThreadPoolExecutor(self.cfg.rollout.env_max_concurrent,
-                                                                      thread_name_prefix="env")
-        out = await asyncio.get_running_loop().run_in_executor(self._env_threads, env.step, text)
-        return await out if inspect.isawaitable(out) else out
-
     def _on_timeout(self, active: _Active, task: asyncio.Task) -> None:
         active.timed_out = True
         active.stop.set()
@@ -776,31 +695,24 @@ class Rollout:
             self._spawn(self.fleet.abort(rid))
 
     async def _score(self, g: PromptGroup, trajs: list) -> None:
-        """Rewards of trajs (one batch_decode): inline on the event loop (reward_pool inline: no task per trajectory)
-        or in the pool, concurrently. A reward function that raises fails its trajectory."""
-        fn = self.reward_fns[g.source]
+        """Rewards of trajs (one batch_decode) through the Scorer (rollout.reward_pool). A reward function that
+        raises, times out, or returns anything but a finite real number fails its trajectory: the reason, naming
+        the function and the value, in metadata["error"], counted, the first of each kind logged."""
+        name = self.reward_names[g.source]
         texts = self.tokenizer.batch_decode([t.response_ids.tolist() for t in trajs], skip_special_tokens=True)
         args = [(text, g.label, t.status == COMPLETED) for text, t in zip(texts, trajs)]
-        if self._pool is None:
-            rewards = []
-            for a in args:
-                try:
-                    rewards.append(fn(*a))
-                except Exception as e:
-                    rewards.append(e)
-        else:
-            loop = asyncio.get_running_loop()
-            rewards = await asyncio.gather(*[loop.run_in_executor(self._pool, fn, *a) for a in args],
-                                           return_exceptions=True)
-        for traj, reward in zip(trajs, rewards):
-            try:
-                if isinstance(reward, Exception):
-                    raise reward
-                traj.reward = float(reward)
-            except Exception as e:
-                traj.status = FAILED
-                traj.metadata["error"] = f"reward function failed: {e!r}"
-                log.warning("reward of trajectory %s failed: %r", traj.prompt_id, e)
+        for traj, (reward, failure) in zip(trajs, await self.scorer.score(self.reward_fns[g.source], args)):
+            if failure is None:
+                traj.reward = reward
+                continue
+            kind, why = failure
+            traj.status, traj.metadata["error"] = FAILED, f"the reward function {name} {why}"
+            self.stats["reward_timeouts" if kind == "timeout" else "reward_errors"] += 1
+            if kind not in self._failure_logged:
+                self._failure_logged.add(kind)
+                log.warning("first reward %s (counted in rollout/reward_%s_count, not logged again): trajectory %s: "
+                            "%s; it failed, the run goes on", kind, kind, traj.prompt_id + (traj.index,),
+                            traj.metadata["error"])
 
     def _emit(self, traj: Trajectory) -> None:
         s = self.stats
@@ -956,6 +868,8 @@ class Rollout:
             "rollout/trajectories_finished": s["finished"],
             "rollout/failed_count": s["failed"],
             "rollout/timeout_count": s["timeouts"],
+            "rollout/reward_error_count": s["reward_errors"],
+            "rollout/reward_timeout_count": s["reward_timeouts"],
             "rollout/retry_count": self.fleet.retries - self._retries_seen,
             "rollout/server_down_count": self.fleet.down_events - self._down_seen,
             "rollout/in_flight_trajectories_max": s["in_flight_max"],
@@ -966,11 +880,7 @@ class Rollout:
         }
         self._retries_seen, self._down_seen = self.fleet.retries, self.fleet.down_events
         if self.fn is not single_turn:  # tool environments: steps, the wait for a slot, failures
-            steps = max(1, s["env_steps"])
-            out.update({"rollout/env_steps": s["env_steps"], "rollout/env_wait_s_mean": s["env_wait_s"] / steps,
-                        "rollout/env_step_s_mean": s["env_step_s"] / steps,
-                        "rollout/env_in_use_max": s["env_in_use_max"], "rollout/env_error_count": s["env_errors"],
-                        "rollout/env_timeout_count": s["env_timeouts"], "rollout/env_retry_count": s["env_retries"]})
+            out.update(self.envs.metrics())
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
         return out

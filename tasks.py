@@ -18,7 +18,9 @@ r"""tasks.py: the prompts, the rewards and the tool environments of a run.
                     The tokenizer's chat template is applied with add_generation_prompt=True.
 - `get_reward_fn(name)(response_text, label, stopped) -> float`: "reverse_digits", "calc_tool", "math",
   "last_number", or any
-  "module:function"; `default_reward(task)` names each task's own.
+  "module:function"; `default_reward(task)` names each task's own. A reward is a finite real number (scoring.py
+  checks it; anything else fails its trajectory). A reward function whose attribute `may_hang` is true (math's:
+  sympy can run for minutes) runs in the worker processes of rollout.reward_pool, killed at its timeout.
 - `make_env(task, label, metadata, env)`: the tool environment of a multi-turn task (calc_tool, calc_py), or
   rollout.env's; the interface is in its docstring.
 The tiny model the toy tasks train (its character tokenizer, its pretraining) is standins/tiny_model.py's.
@@ -459,7 +461,8 @@ def math_equal(answer: str, truth: str) -> bool:
         return False
     from math_verify import parse, verify
 
-    # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere they are off.
+    # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere they are off. Neither bounds
+    # sympy holding the GIL (9^{9^{9^{9}}}): math_reward runs in rollout.reward_pool=process, killed at its timeout.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
         gold, pred = parse(f"${t}$", parsing_timeout=timeout), parse(f"${a}$", parsing_timeout=timeout)
@@ -474,6 +477,10 @@ def math_reward(response_text: str, label: str, stopped: bool) -> float:
     (examples/length_penalty_reward.py)."""
     answer = extract_answer(response_text)
     return float(answer is not None and math_equal(answer, str(label)))
+
+
+math_reward.may_hang = True  # rollout.reward_pool auto runs it in worker processes, killed at rollout.reward_timeout_s
+math_reward.preload = ("math_verify",)  # imported by a worker before its first call (~1 s), outside the timeout
 
 
 # A number as a chat model writes one: a sign, thousands separators ("1,234"), decimals; a trailing "." ends a
