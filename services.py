@@ -430,9 +430,11 @@ class Services:
         if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
             cmd += ["--enable-return-routed-experts"]
         if self.cfg.weight_sync.delta:  # weight_delta.py's loader applies the deltas; the server imports it from here
-            cmd += ["--custom-weight-loader", "weight_delta.load_delta"]
-            here = os.path.dirname(os.path.abspath(__file__))
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+            import weight_delta  # and reads disk deltas from under the run's sync directory only
+
+            cmd += ["--custom-weight-loader", weight_delta.LOADER]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+            env[weight_delta.SYNC_DIR_ENV] = os.path.abspath(os.path.join(self.cfg.run_dir, "sync_weights"))
         if r.launch == "sglang":
             if a.mem_fraction_static:
                 cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]

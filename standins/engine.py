@@ -916,14 +916,20 @@ class Server:
 
     def _custom_load(self, load_format: str, named: list, version: Optional[str]) -> None:
         """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
-        checkpoint names (scheduler.load_tensors) and the payload's pairs. An exception ends this server, as in
-        0.5.23, where nothing on the scheduler's path catches it (managers/scheduler.py run_scheduler_process:
-        "Scheduler hit an exception", SIGQUIT to the server, killpg)."""
+        checkpoint names (scheduler.load_tensors) and the payload's pairs. A refusal of weight_delta.py's loader
+        (DeltaRefused: the bucket was checked before anything of it was applied) answers success false; any other
+        exception ends this server, as in 0.5.23, where nothing on the scheduler's path catches it
+        (managers/scheduler.py run_scheduler_process: "Scheduler hit an exception", SIGQUIT to the server, killpg),
+        a refusal included (weight_delta.py's docstring)."""
         import importlib
+
+        from weight_delta import DeltaRefused
 
         module, _, fn = load_format.rpartition(".")
         try:
             getattr(importlib.import_module(module), fn)(_LoaderModel(self.sched), named)
+        except DeltaRefused:
+            raise  # answered by _update: success false, the message
         except BaseException:
             import traceback
             log.error("Scheduler hit an exception: %s", traceback.format_exc())
