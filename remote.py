@@ -55,7 +55,8 @@ _SCHEME = "asyncrl-loopback"  # the rendezvous init_rpc uses for a tcp:// init m
 def loopback_init(init_method: str) -> tuple[str, int]:
     """(host, port) of an RPC init method tcp://HOST:PORT whose HOST is a loopback address; anything else is refused:
     torch RPC runs any pickled callable a peer sends (rpc_sync(worker, os.system, ...)) without authentication, so its
-    ports listen on loopback only, and the three processes that use it (trainer rank 0, buffer, rollout) share node 0."""
+    ports listen on loopback only, and the three processes that use it (trainer rank 0, buffer, rollout) share
+    node 0."""
     url = urlparse(init_method)
     try:
         loopback = url.scheme == "tcp" and url.port is not None and ipaddress.ip_address(url.hostname).is_loopback

@@ -159,6 +159,92 @@ def test_rpc_init_method_off_loopback_is_refused():
     assert remote.loopback_init("tcp://[::1]:29500") == ("::1", 29500)
 
 
+# ---- the launched servers' api key ----
+def test_launched_servers_are_keyed_by_a_0600_file_that_no_command_line_record_config_or_log_shows(tmp_path):
+    """Services launches the stand-in as train.py does (through lease.py, on loopback, no key configured): it gets
+    the run's key, made in run_dir/servers/api_key.yaml with mode 0600 and passed as SGLang's --config file (0.5.23
+    server_args.py prepare_server_args -> utils/server_args_config_parser.py ConfigArgumentMerger: the YAML becomes
+    --api-key inside the server). Without the key the server answers 401 (not on /health); the run's clients
+    (sglang_client.Fleet from the config, lease.takeover) send it. The key is in no process's command line (`ps`),
+    and in no file of run_dir but its key file: not servers/node0.json, config.yaml or the logs."""
+    import requests
+
+    import config
+    import lease
+    import services
+    import sglang_client
+    from standins import tiny_model
+
+    model = tiny_model.make_tiny_model(str(tmp_path / "model"))
+    run_dir = tmp_path / "run"
+    cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        f"run_dir={run_dir}", f"model.path={model}", f"rollout.base_port={services.free_port(span=1)}",
+        "rollout.startup_timeout_s=120"])
+    svc = services.Services(cfg)
+    try:
+        fleet = svc.start_fleet(0, launched=True)  # as train.py: launched, then rank 0's client, waited healthy
+        assert len(fleet.server_infos()) == 1  # the client sends the key
+        (url,) = cfg.rollout.servers
+        assert requests.get(url + "/health", timeout=30).status_code == 200
+        for path in ("/model_info", "/server_info"):
+            assert requests.get(url + path, timeout=30).status_code == 401, path
+        assert requests.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path)},
+                             timeout=30).status_code == 401
+        key_file = run_dir / "servers" / "api_key.yaml"
+        assert cfg.rollout.sglang_args.api_key_file == str(key_file)
+        assert os.stat(key_file).st_mode & 0o777 == 0o600
+        key = sglang_client.read_key_file(str(key_file))
+        assert len(key) >= 32
+        assert "model_path" in lease.takeover(url, key, 30, 30)
+        svc.write_config()
+        ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=30).stdout
+        assert "--config" in ps and str(key_file) in ps  # the server's command line names the file ...
+        assert key not in ps  # ... never the key
+        shown = [str(p) for p in run_dir.rglob("*") if p.is_file() and p != key_file
+                 and key in p.read_text(errors="replace")]
+        assert shown == [], f"the servers' key is written in {shown}"
+        assert {"config.yaml", "servers/node0.json", "logs/server_0.log"} <= {
+            str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()}
+    finally:
+        if svc.fleet is not None:
+            svc.fleet.close()
+        svc.stop_children()
+
+
+def test_key_settings_are_refused_where_a_key_would_show():
+    """A key in the config (rollout.sglang_args.api_key, or --api-key / --config in extra) is refused in one sentence
+    naming rollout.sglang_args.api_key_file; a key file open to group or others is refused naming chmod 600."""
+    import config
+
+    with pytest.raises(ValueError, match="is now rollout.sglang_args.api_key_file"):
+        config.load_config(None, ["rollout.sglang_args.api_key=SECRET"])
+    for flag in ("--api-key", "--config", "--api-key=SECRET"):
+        with pytest.raises(ValueError, match="api_key_file.*never on a command line"):
+            config.load_config(None, [f'rollout.sglang_args.extra=["{flag}", "x"]'])
+
+
+def test_a_key_file_open_to_others_or_of_another_form_is_refused(tmp_path):
+    import sglang_client
+
+    path = str(tmp_path / "api_key.yaml")
+    assert sglang_client.make_key_file(path) == sglang_client.make_key_file(path)  # made once, then kept
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert sglang_client.make_key_file(path, "other") == "other" == sglang_client.read_key_file(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="mode 0644, open to group or others; chmod 600"):
+        sglang_client.read_key_file(path)
+    os.chmod(path, 0o600)
+    with open(path, "w") as f:
+        f.write("api_key: x\n")
+    with pytest.raises(ValueError, match="one line `api-key: KEY`"):
+        sglang_client.read_key_file(path)
+    txt = str(tmp_path / "key.txt")
+    with open(os.open(txt, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("api-key: x\n")
+    with pytest.raises(ValueError, match="must end in .yaml or .yml"):
+        sglang_client.read_key_file(txt)
+
+
 if __name__ == "__main__":  # the namespace's processes (the test above starts them)
     sys.path.insert(0, ROOT)
     if sys.argv[1] == "probe":

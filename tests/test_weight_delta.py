@@ -86,8 +86,9 @@ def test_refused_deltas_change_nothing_and_the_server_keeps_serving(tmp_path):
         written = os.path.realpath(desc["path"])
         weight_delta.write_file(written if os.path.isdir(os.path.dirname(written)) else desc["path"], [entry], desc)
         assert post(url, "/begin_weight_update", {}).json()["success"] is True
-        r = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [weight_delta.control_payload(desc)],
-                                                      "load_format": weight_delta.LOADER, "weight_version": str(version)})
+        body = {"serialized_named_tensors": [weight_delta.control_payload(desc)], "load_format": weight_delta.LOADER,
+                "weight_version": str(version)}
+        r = post(url, "/update_weights_from_tensor", body)
         assert post(url, "/end_weight_update", {}).json()["success"] is True
         assert handle.proc.poll() is None, handle.log_tail()
         return r.json()
