@@ -34,7 +34,7 @@ version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema 
 prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
 too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
 tensor weight updates need a begin/end_weight_update session; --api-key (or `api-key:` in a --config YAML file, as
-services.py passes it) guards all but /health*, /metrics;
+services.py passes it) guards all but /health*, /ready, /metrics;
 `logit_bias` is added to the logits before sampling and before the reported log-probs; --max-queued-requests
 refuses with 503 what finds the queue full, not counting requests the free running slots take this iteration; a
 request ended in the queue is answered in _handle_abort_req's form (no routed_experts).
@@ -543,9 +543,10 @@ class Server:
 
     @web.middleware
     async def _auth(self, request, handler):
-        """SGLang's --api-key check: every path but /health* and /metrics needs the bearer token."""
+        """SGLang's --api-key check (utils/auth.py decide_request_auth): every path but /health*, /ready*, /metrics
+        needs the bearer token."""
         key = self.args.api_key
-        if (key and request.method != "OPTIONS" and not request.path.startswith(("/health", "/metrics"))
+        if (key and request.method != "OPTIONS" and not request.path.startswith(("/health", "/ready", "/metrics"))
                 and request.headers.get("Authorization") != f"Bearer {key}"):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
