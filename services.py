@@ -405,7 +405,6 @@ class Services:
         dead trainer had their memory released is unknown); any other recorded one still running is stopped."""
         r = self.cfg.rollout
         self.node = node
-        key_file(self.cfg)
         path, lease_path = lease.paths(self.cfg.run_dir, node)
         earlier = lease.read_record(path)
         self.stale_group = earlier.get("weight_group")
@@ -468,7 +467,7 @@ class Services:
         cmd += ["--dtype", "bfloat16" if ws_dtype == "auto" and r.launch != "engine" else ws_dtype]
         if a.max_running_requests:
             cmd += ["--max-running-requests", str(a.max_running_requests)]
-        cmd += ["--config", a.api_key_file]  # the key: SGLang's --config YAML, read inside the server (key_file)
+        cmd += ["--config", key_file(self.cfg)]  # the key: SGLang's --config YAML, read inside the server
         if self.cfg.colocate:  # a released weights region comes back undefined, buffers (rotary caches) too,
             cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
         if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
