@@ -113,8 +113,8 @@ class SamplerConfig:
 class SGLangArgs:
     max_running_requests: Optional[int] = None  # per-server concurrency limit passed to each server we launch
     mem_fraction_static: Optional[float] = None  # SGLang --mem-fraction-static for servers we launch
-    host: str = "127.0.0.1"  # --host of servers we launch (their weight-loading endpoints have no other guard)
-    api_key: Optional[str] = None  # --api-key of servers we launch; every client call sends it as a Bearer token
+    host: str = "127.0.0.1"  # --host of servers we launch (0.0.0.0: reachable by other machines, keyed as always)
+    api_key_file: Optional[str] = None  # 0600 file `api-key: KEY` (null: run_dir/servers/api_key.yaml, made per run)
     extra: list = field(default_factory=list)  # any other launch flags, as strings: ["--context-length", "32768"]
 
 
@@ -326,6 +326,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 RENAMED_KEYS = {  # a config key this project no longer has -> the sentence that refuses it, naming the new one
+    "rollout.sglang_args.api_key": "rollout.sglang_args.api_key is now rollout.sglang_args.api_key_file, a file of "
+                                   "mode 0600 holding one line `api-key: KEY` (a key in the config would be in "
+                                   "run_dir/config.yaml and on the servers' command lines); servers the run launches "
+                                   "get a key of their own without it",
     "algorithm.m2po.enable": "algorithm.m2po.enable is now algorithm.m2_mask.enable (with algorithm.m2_mask.tau): "
                              "AReaL's M2PO mask of log(pi_old / mu) inside the PPO clip; the published M2PO, ratio "
                              "pi_theta / mu and no clip, is algorithm.policy_loss=m2po (algorithm.m2po.tau)",
@@ -563,6 +567,11 @@ def validate(cfg: Config) -> Config:
     validate_server_layout(cfg)
     if r.sglang_args.max_running_requests is not None:
         _positive(r.sglang_args.max_running_requests, "rollout.sglang_args.max_running_requests")
+    keyed = [f for f in r.sglang_args.extra if str(f).split("=")[0] in ("--api-key", "--admin-api-key", "--config")]
+    if keyed:
+        raise ValueError(f"rollout.sglang_args.extra may not hold {keyed[0].split('=')[0]}: the launch passes the "
+                         "servers' key as SGLang's --config file (rollout.sglang_args.api_key_file, default "
+                         "run_dir/servers/api_key.yaml), never on a command line")
     _positive(r.sampling.max_new_tokens, "rollout.sampling.max_new_tokens")
     _positive(r.sampling.temperature, "rollout.sampling.temperature")
     if not 0 < r.sampling.top_p <= 1:

@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import datetime
 import functools
+import ipaddress
 import os
+import socket
 import sys
 import threading
 import time
 from typing import Any, Callable, ContextManager, Optional
+from urllib.parse import parse_qsl, urlparse
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch.distributed.constants import default_pg_timeout
 
 from buffer import PipelineServer
 
@@ -41,26 +47,75 @@ def __getattr__(name: str):  # a name that moved is refused naming where it went
     raise AttributeError(_MOVED.get(name, f"module 'remote' has no attribute '{name}'"))
 
 
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface: where TensorPipe listens (TP_SOCKET_IFNAME, read by torch's
+# tensorpipe_agent.cpp guessAddress; without it TensorPipe listens on the address the hostname resolves to)
+_SCHEME = "asyncrl-loopback"  # the rendezvous init_rpc uses for a tcp:// init method (_loopback_rendezvous)
+
+
+def loopback_init(init_method: str) -> tuple[str, int]:
+    """(host, port) of an RPC init method tcp://HOST:PORT whose HOST is a loopback address; anything else is refused:
+    torch RPC runs any pickled callable a peer sends (rpc_sync(worker, os.system, ...)) without authentication, so its
+    ports listen on loopback only, and the three processes that use it (trainer rank 0, buffer, rollout) share
+    node 0."""
+    url = urlparse(init_method)
+    try:
+        loopback = url.scheme == "tcp" and url.port is not None and ipaddress.ip_address(url.hostname).is_loopback
+    except (TypeError, ValueError):  # no host, a host name, or a port out of range
+        loopback = False
+    if not loopback:
+        raise ValueError(f"RPC init method {init_method!r}: expected tcp://<loopback address>:<port>, e.g. "
+                         "tcp://127.0.0.1:29500 (RPC listens on loopback only: any peer that reaches it can run code "
+                         "in every process)")
+    return url.hostname, url.port
+
+
+def _loopback_rendezvous(url: str, timeout: datetime.timedelta = default_pg_timeout, **kwargs):
+    """torch.distributed.rendezvous handler of _SCHEME: the RPC's TCPStore, its server (rank 0) listening on the
+    loopback address of the URL only. torch's own tcp:// handler starts a TCPStore server listening on every
+    interface (its host is where clients connect, not where it binds); a socket bound here and handed over as
+    master_listen_fd is the store's only listener."""
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    host, port = parsed.hostname, parsed.port
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listen_fd = socket.create_server((host, port), family=family).detach()  # the store owns and closes it
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+    yield store, rank, world_size
+    raise RuntimeError(f"{_SCHEME}:// rendezvous: a second rendezvous on the same store is not supported")
+
+
+with contextlib.suppress(RuntimeError):  # (already registered: this module imported twice under two names)
+    dist.register_rendezvous_handler(_SCHEME, _loopback_rendezvous)
+
+
 def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float,
              num_worker_threads: int = 32, startup_timeout: Optional[float] = None,
              while_waiting: Optional[Callable[[], None]] = None, hint: str = "") -> None:
-    """rpc.init_rpc with a start-up timeout (a worker that never shows up fails the run instead of hanging it).
+    """rpc.init_rpc on loopback, with a start-up timeout (a worker that never shows up fails the run instead of
+    hanging it).
 
-    `timeout` is every later RPC's timeout and, unless `startup_timeout` is given, the start-up's too.
-    `while_waiting` is called about every 0.2 s during start-up (the trainer checks there that its children are
-    still alive); `hint` is appended to the timeout message. Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes the
-    tcp:// rendezvous look for torchrun's store; it is removed from the environment around this call only.
+    `init_method` is tcp://<loopback address>:<port> (loopback_init); rank 0 serves the rendezvous store there,
+    bound to that address only (_loopback_rendezvous), and every worker's TensorPipe listens on the loopback
+    interface (TP_SOCKET_IFNAME, set around this call). `timeout` is every later RPC's timeout and, unless
+    `startup_timeout` is given, the start-up's too. `while_waiting` is called about every 0.2 s during start-up (the
+    trainer checks there that its children are still alive); `hint` is appended to the timeout message.
     """
+    host, port = loopback_init(init_method)
     # TCP (libuv) only, and tensors over that same connection. TensorPipe's shared-memory transport busy-polls one
     # core per process even when idle, and its default channels listen on 16 more ephemeral TCP ports per process; a
     # stray connection to any TensorPipe port (an HTTP health probe of a port that was free a moment ago) aborts the
     # process with std::bad_alloc, so the fewer the better: one per process. Our messages are small CPU tensors;
     # neither buys anything here.
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"{_SCHEME}://{netloc}", rpc_timeout=timeout,
                                            num_worker_threads=num_worker_threads, _transports=["uv"],
                                            _channels=["basic"])
     startup_timeout = timeout if startup_timeout is None else startup_timeout
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    saved = os.environ.get("TP_SOCKET_IFNAME")
+    os.environ["TP_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     errors: list = []
 
     def run() -> None:
@@ -78,8 +133,10 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: f
                 while_waiting()
             th.join(min(0.2, max(0.0, deadline - time.monotonic())))
     finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+        if saved is None:
+            os.environ.pop("TP_SOCKET_IFNAME", None)
+        else:
+            os.environ["TP_SOCKET_IFNAME"] = saved
     if th.is_alive():
         raise TimeoutError(f"RPC start-up: worker '{name}' (rank {rank}) waited {startup_timeout:.0f}s at "
                            f"{init_method} and not all {world_size} workers (trainer, buffer, rollout) joined; check "

@@ -172,7 +172,7 @@ def server_address(host: str, node: int) -> str:
     if node != 0 and _loopback(host) and not _loopback(node_address()):
         raise ValueError(f"rollout.sglang_args.host={host} binds the servers of node {node} to loopback, where "
                          "trainer rank 0 on another machine cannot reach them; set rollout.sglang_args.host=0.0.0.0 "
-                         "(with rollout.sglang_args.api_key) or this node's address")
+                         "or this node's address")
     return host
 
 
@@ -216,6 +216,49 @@ def _launch_args(cmd: list) -> list:
     """A server's command line without its --weight-version: what must match for a recorded server to be reused."""
     at = cmd.index("--weight-version")
     return cmd[:at] + cmd[at + 2:]
+
+
+KEY_FILE = "api_key.yaml"  # under run_dir/servers: the launched servers' key, when rollout.sglang_args.api_key_file
+# is not set
+
+
+def key_file(cfg) -> str:
+    """The launched servers' key file (sglang_client.make_key_file: one line `api-key: KEY`, mode 0600): the run's
+    rollout.sglang_args.api_key_file, else run_dir/servers/api_key.yaml, made with a new key if missing and kept for
+    the run's later attempts (their servers are reused). Every launched server gets a key, on loopback too: a local
+    user or a process in another network namespace then cannot load weights into it, move its weight version or
+    join its weight-update group. It reaches the server as SGLang's --config file and the clients (sglang_client.
+    Fleet, lease.takeover) read it there; it is on no command line, in no record and not in config.yaml, which
+    names the file (this sets rollout.sglang_args.api_key_file to it)."""
+    import sglang_client
+
+    a = cfg.rollout.sglang_args
+    path = os.path.abspath(a.api_key_file or os.path.join(cfg.run_dir, "servers", KEY_FILE))
+    if a.api_key_file:
+        sglang_client.read_key_file(path)  # refused here, before a server starts, if unreadable or open to others
+    else:
+        sglang_client.make_key_file(path)
+    a.api_key_file = path
+    return path
+
+
+def share_key(cfg, rank: int, local_rank: int, group) -> None:
+    """Every trainer rank, before any server starts: with launched servers on other nodes than 0 and no
+    rollout.sglang_args.api_key_file, rank 0's key (key_file) is handed to each other node's local rank 0 over the
+    control group, which writes it to its own run_dir/servers/api_key.yaml (the nodes' run_dir may be disks of
+    their own): every server of the run, and rank 0's clients, share one key."""
+    import torch.distributed as dist
+
+    import sglang_client
+
+    r = cfg.rollout
+    launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
+    if not launched or r.sglang_args.api_key_file or all(s.node == 0 for s in r.server_layout):
+        return
+    box = [sglang_client.read_key_file(key_file(cfg)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    if rank != 0 and local_rank == 0:
+        sglang_client.make_key_file(os.path.join(cfg.run_dir, "servers", KEY_FILE), box[0])
 
 
 class ChildExited(RuntimeError):
@@ -268,7 +311,8 @@ class Services:
         if server:
             cmd = [sys.executable, os.path.join(ROOT, "lease.py"), "--lease", self.lease.path, "--keepalive-s",
                    str(self.cfg.rollout.server_keepalive_s), "--", *cmd]
-        with open(log, "ab") as f:
+        # a server's log is its owner's alone: SGLang 0.5.23 logs its resolved arguments, the api key included
+        with open(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600 if server else 0o644), "ab") as f:
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                  start_new_session=True, preexec_fn=None if server else _die_with_parent)
         self.procs[name] = (p, log)
@@ -423,16 +467,17 @@ class Services:
         cmd += ["--dtype", "bfloat16" if ws_dtype == "auto" and r.launch != "engine" else ws_dtype]
         if a.max_running_requests:
             cmd += ["--max-running-requests", str(a.max_running_requests)]
-        if a.api_key:
-            cmd += ["--api-key", a.api_key]
+        cmd += ["--config", key_file(self.cfg)]  # the key: SGLang's --config YAML, read inside the server
         if self.cfg.colocate:  # a released weights region comes back undefined, buffers (rotary caches) too,
             cmd += ["--enable-weights-cpu-backup"]  # and no update restores those (sgl-project/sglang#15246)
         if self.cfg.algorithm.routing_replay:  # meta_info["routed_experts"] (sglang 0.5.23's server switch)
             cmd += ["--enable-return-routed-experts"]
         if self.cfg.weight_sync.delta:  # weight_delta.py's loader applies the deltas; the server imports it from here
-            cmd += ["--custom-weight-loader", "weight_delta.load_delta"]
-            here = os.path.dirname(os.path.abspath(__file__))
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+            import weight_delta  # and reads disk deltas from under the run's sync directory only
+
+            cmd += ["--custom-weight-loader", weight_delta.LOADER]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+            env[weight_delta.SYNC_DIR_ENV] = os.path.abspath(os.path.join(self.cfg.run_dir, "sync_weights"))
         if r.launch == "sglang":
             if a.mem_fraction_static:
                 cmd += ["--mem-fraction-static", str(a.mem_fraction_static)]
@@ -443,12 +488,15 @@ class Services:
     def _take_over(self, urls: dict) -> dict:
         """The kept servers of an earlier attempt brought to a known state (lease.takeover); one that does not get
         there is stopped and launched anew. Returns {index: how it is reused} of those that are."""
+        import sglang_client
+
         r, reused = self.cfg.rollout, {}
         for name in sorted(self.adopted):
             i = int(name.split("_")[1])
             proc, t0 = self.procs[name][0], time.monotonic()
             try:
-                info = lease.takeover(urls[i], r.sglang_args.api_key, r.startup_timeout_s, r.pause_timeout_s)
+                info = lease.takeover(urls[i], sglang_client.read_key_file(r.sglang_args.api_key_file),
+                                      r.startup_timeout_s, r.pause_timeout_s)
                 reused[i] = (f", an earlier attempt's: it held weight version {info.get('weight_version')}, taken "
                              f"over in {time.monotonic() - t0:.1f} s")
             except Exception as e:
@@ -623,19 +671,25 @@ class Services:
         (run_dir/config.yaml); join_rpc joins them as "trainer" (rank 0). They wait for it in init_rpc for up to
         rollout.startup_timeout_s + buffer.rpc_timeout_s (workers.py), so whatever rank 0 does in between (the
         servers' /health) is bounded by rollout.startup_timeout_s."""
-        import yaml
-
-        import config as config_lib
-
-        resolved_config = os.path.join(self.cfg.run_dir, "config.yaml")
-        with open(resolved_config, "w") as f:
-            yaml.safe_dump(config_lib.to_dict(self.cfg), f, sort_keys=False)
+        resolved_config = self.write_config()
         self.rpc_init = f"tcp://127.0.0.1:{free_port()}"
         for rank, (name, cmd) in enumerate([("buffer", [os.path.join(ROOT, "workers.py"), "buffer"]),
                                             ("rollout", [os.path.join(ROOT, "workers.py"), "rollout"])], start=1):
             env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
             self.spawn(name, [sys.executable, *cmd, "--config", resolved_config, "--rpc-init", self.rpc_init,
                               "--rank", str(rank), "--world-size", "3"], env)
+
+    def write_config(self) -> str:
+        """run_dir/config.yaml: the run's resolved config, which the buffer and rollout processes load. It names the
+        servers' key file (rollout.sglang_args.api_key_file), never holds a key."""
+        import yaml
+
+        import config as config_lib
+
+        path = os.path.join(self.cfg.run_dir, "config.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config_lib.to_dict(self.cfg), f, sort_keys=False)
+        return path
 
     def join_rpc(self) -> None:
         """RPC as "trainer" (rank 0) with the workers of spawn_rpc_workers, watching both while it waits."""

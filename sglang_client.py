@@ -6,14 +6,15 @@ Imports only the standard library, aiohttp and orjson, so it copies into another
   (its workers are listed with GET /workers). `/generate` goes to the least-loaded server (or to the router), with
   retries and exponential backoff on connection errors and 5xx. Control calls (abort, pause/continue, flush, weight
   updates, memory release) fan out to every worker, because a router forwards none of them. Every call carries
-  `Authorization: Bearer <api_key>` when one is set. At start-up `wait_healthy` also checks each server's sglang
-  version (SUPPORTED_SGLANG_VERSIONS). Aborts to a worker that does not answer back off (doubling) and are reported
-  once per server per pause, with their count. A server that cannot be reached leaves the /generate rotation until
-  its /health answers again.
+  `Authorization: Bearer <key>` when the servers have a key (`api_key_file`, read_key_file). At start-up
+  `wait_healthy` also checks each server's sglang version (SUPPORTED_SGLANG_VERSIONS). Aborts to a worker that does
+  not answer back off (doubling) and are reported once per server per pause, with their count. A server that cannot
+  be reached leaves the /generate rotation until its /health answers again.
 - `SyncFleet`: a Fleet on its own event-loop thread, so that synchronous code (the trainer, the weight sync, tests)
   calls it too: each coroutine method of Fleet is a blocking method of the same name there (`run` for any
   coroutine, `submit` to start a call without waiting). The rollout producer runs its coroutines on that same loop.
 - `parse_generate_response`: a /generate reply as token ids, log-probs, per-token weight versions and finish type.
+- `make_key_file` / `read_key_file`: the servers' api key, in a 0600 file of SGLang's --config form.
 
 Weight versions are ints ("default", SGLang's until the first update, is 0); a response's `weight_versions` spans
 (end-exclusive) give each token's version.
@@ -34,6 +35,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -106,6 +108,62 @@ def parse_generate_response(out: dict) -> Generation:
 # ---------------------------------------------------------------------------------------------------------------
 # The fleet client
 
+KEY_FILE_SETTING = "rollout.sglang_args.api_key_file"
+
+
+def read_key_file(path: str) -> str:
+    """The api key in `path`: SGLang's --config form, one line `api-key: KEY` (server_args.py prepare_server_args ->
+    utils/server_args_config_parser.py ConfigArgumentMerger, which turns it into --api-key KEY inside the server,
+    off its command line). Refused when the file is open to group or others (it must be mode 0600 or stricter)."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{KEY_FILE_SETTING}: cannot read the servers' key file {path}: {e}") from None
+    if not path.endswith((".yaml", ".yml")):  # SGLang refuses a --config file of any other name
+        raise ValueError(f"{KEY_FILE_SETTING}: {path} must end in .yaml or .yml (SGLang reads it as --config)")
+    if mode & 0o077:
+        raise ValueError(f"{KEY_FILE_SETTING}: {path} (the servers' api key) has mode {mode:04o}, open to group or "
+                         f"others; chmod 600 {path}")
+    keys = [v.strip().strip("'\"") for k, _, v in (ln.partition(":") for ln in text.splitlines())
+            if k.strip() == "api-key"]
+    if len(keys) != 1 or not keys[0]:
+        raise ValueError(f"{KEY_FILE_SETTING}: {path} must hold one line `api-key: KEY` (SGLang's --config YAML), "
+                         f"found {len(keys)} api-key line(s)")
+    return keys[0]
+
+
+def make_key_file(path: str, key: Optional[str] = None) -> str:
+    """The key in `path` (read_key_file) if it has one, else a new one (32 random bytes as hex) written there, mode
+    0600 from its creation on (os.open), linked into place (two processes racing to make it agree on one key).
+    With `key`: the file holds that key (replaced if it held another). Returns the key."""
+    import secrets
+
+    if os.path.exists(path) and (key is None or read_key_file(path) == key):
+        return read_key_file(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"api-key: {key or secrets.token_hex(32)}\n")
+        if key is not None:
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(FileExistsError):  # another process made it first: its key is the run's
+                os.link(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return read_key_file(path)
+
+
+def key_headers(key_file: Optional[str]) -> dict:
+    """The Authorization header of the key in key_file ({} without one)."""
+    return {"Authorization": f"Bearer {read_key_file(key_file)}"} if key_file else {}
+
+
 class FleetError(RuntimeError):
     """A fleet call failed for good: retries exhausted, an HTTP 4xx, a timeout, or a worker answered success=false."""
 
@@ -123,7 +181,7 @@ class Fleet:
     def __init__(self, urls: Optional[list[str]] = None, router_url: Optional[str] = None, *,
                  request_timeout_s: float = 1500.0, control_timeout_s: float = 600.0, max_retries: int = 5,
                  retry_backoff_s: float = 0.5, router_max_concurrent_requests: Optional[int] = None,
-                 api_key: Optional[str] = None, startup_timeout_s: float = 300.0):
+                 api_key_file: Optional[str] = None, startup_timeout_s: float = 300.0):
         if bool(urls) == bool(router_url):
             raise ValueError("the fleet needs either rollout.servers (a list of URLs) or rollout.router_url, "
                              f"not both and not neither; got servers={urls!r}, router_url={router_url!r}")
@@ -137,7 +195,7 @@ class Fleet:
         self.skip: set = set()  # workers left out of control calls (see live_workers)
         self._probes: set = set()
         self.router_max_concurrent_requests = router_max_concurrent_requests
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = key_headers(api_key_file)  # the key is read here, never kept in a config
         self.in_flight = {u: 0 for u in self.urls}  # samples of our /generate requests per server (least-loaded)
         self.requests_in_flight = 0  # samples of our /generate requests in flight, all servers together
         self.retries = 0  # /generate retries since the Fleet was made
@@ -154,7 +212,7 @@ class Fleet:
         return cls(r.servers, r.router_url, request_timeout_s=r.request_timeout_s,
                    control_timeout_s=cfg.weight_sync.timeout_s, max_retries=r.max_retries,
                    retry_backoff_s=r.retry_backoff_s, router_max_concurrent_requests=r.router_max_concurrent_requests,
-                   api_key=r.sglang_args.api_key, startup_timeout_s=r.startup_timeout_s)
+                   api_key_file=r.sglang_args.api_key_file, startup_timeout_s=r.startup_timeout_s)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # limit=0: our own bound (groups in flight) decides the concurrency, not aiohttp's

@@ -274,6 +274,7 @@ def main(argv: Optional[list[str]] = None) -> None:
               "steps)", flush=True)
         tiny_model.make_tiny_for(cfg)
     dist.barrier(group=ctrl)
+    services_lib.share_key(cfg, rank, local_rank, ctrl)  # launched servers on several nodes: one key for all
 
     services, ok, failed, crashed, actor, logger, fleet = None, False, 0, False, None, None, None
     buf = ro = evaluate = None

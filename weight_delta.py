@@ -21,11 +21,20 @@ weight-update group /init_weights_update_group made (found by name in torch.dist
 init_custom_process_group's _new_process_group_helper puts it). The loader keeps a host store of every checkpoint
 tensor in the server's dtype (per server process: every TP rank holds the whole model's size on its host), applies
 the bucket to it and hands each changed tensor whole to `model.load_weights`, so TP sharding, fused qkv / gate_up and
-per-expert MoE names go through the server's own loader. Every delta names its base version; a store at another
-version (empty after a restart, or behind) refuses it by raising, which in 0.5.23 ends the server's scheduler (its
-event loop catches nothing: managers/scheduler.py run_scheduler_process) -- the trainer checks each server's
-weight_version first, so this is the last guard against serving wrong weights under the right label, never the path
-a sync takes. Imports torch and safetensors only.
+per-expert MoE names go through the server's own loader. Disk buckets are read from under the server's sync
+directory only (SYNC_DIR_ENV in its environment, run_dir/sync_weights as services.py launches it; the payload names
+a file there, never the directory). Every bucket is checked whole before any of it is applied (DeltaRefused: a
+file outside that directory, a layout that does not fit its buffer, positions out of range or of the wrong dtype or
+length, a tensor the store lacks or holds in another shape or dtype, or a delta on another base version: the store
+is empty after a restart, or behind); a refusal leaves the store without a base, so the next sync must be full.
+SGLang 0.5.23 cannot answer a custom loader's refusal as success false: its scheduler ignores the loader's return
+value and catches none of its exceptions (model_executor/model_runner_components/weight_updater.py
+update_weights_from_tensor returns (True, "Success") after `custom_loader(...)`; managers/scheduler.py
+run_scheduler_process ends the server on any exception), so there a refusal ends the server (its log names why;
+services.py relaunches it, and the relaunched server is synced in full). The stand-in answers it as success false
+and keeps serving (standins/engine.py _custom_load). The trainer checks each server's weight_version first, so a
+refusal is never the path a sync takes; with the servers' api key (services.py), only the trainer can send one.
+Imports torch and safetensors only.
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ from typing import Optional
 import torch
 
 LOADER = "weight_delta.load_delta"  # the load_format and the --custom-weight-loader value
+SYNC_DIR_ENV = "WEIGHT_DELTA_SYNC_DIR"  # the server's environment: the directory disk deltas may be read from
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ALIGN = 8  # every segment of a packed bucket starts at a multiple of this many bytes
 
@@ -166,18 +176,80 @@ def pack(entries: list) -> tuple:
     return layout, flat
 
 
+class DeltaRefused(ValueError):
+    """A bucket the loader refuses before it changes anything: a file outside the sync directory, a layout that does
+    not fit its buffer, positions out of range, a tensor the store lacks or holds in another shape or dtype, or a
+    delta on another base version."""
+
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                                      torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
+                                                      torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_POS_DTYPES = ("int32", "int64")
+
+
 def unpack(layout: list, flat: torch.Tensor) -> list:
+    """pack's inverse; a layout that pack cannot have made (a segment past the buffer's end or unaligned, an
+    unknown dtype, a count that is not the shape's for a whole tensor) is refused (DeltaRefused)."""
     out = []
-    for name, shape, dtype, n, pdt, off in layout:
-        dt = getattr(torch, dtype)
-        pos = None
+    if not isinstance(layout, list):
+        raise DeltaRefused(f"weight_delta: the layout is a {type(layout).__name__}, not a list")
+    for item in layout:
+        try:
+            name, shape, dtype, n, pdt, off = item
+        except (TypeError, ValueError):
+            raise DeltaRefused(f"weight_delta: a layout entry {str(item)[:80]} is not [name, shape, dtype, count, "
+                               "position dtype, offset]") from None
+        ints = [n, off, *shape] if isinstance(shape, list) else None
+        if (not isinstance(name, str) or ints is None or not all(type(i) is int and i >= 0 for i in ints)
+                or dtype not in _DTYPES or pdt not in (None, *_POS_DTYPES)):
+            raise DeltaRefused(f"weight_delta: the layout entry of {str(name)[:80]} is malformed: shape {shape}, "
+                               f"dtype {dtype}, count {n}, position dtype {pdt}, offset {off}")
+        if pdt is None and n != _numel(shape):
+            raise DeltaRefused(f"weight_delta: {name} is sent whole with {n} values for shape {shape}")
+        dt, pos = _DTYPES[dtype], None
         if pdt is not None:
             p = getattr(torch, pdt)
-            pos = flat[off:off + n * p.itemsize].view(p)
+            pos = _segment(flat, off, n * p.itemsize, name).view(p)
             off += n * p.itemsize + (-(n * p.itemsize) % _ALIGN)
-        val = flat[off:off + n * dt.itemsize].view(dt)
+        val = _segment(flat, off, n * dt.itemsize, name).view(dt)
         out.append({"name": name, "shape": shape, "dtype": dt, "pos": pos, "val": val})
     return out
+
+
+def _numel(shape: list) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _segment(flat: torch.Tensor, off: int, nbytes: int, name: str) -> torch.Tensor:
+    if off % _ALIGN or off + nbytes > flat.numel():
+        raise DeltaRefused(f"weight_delta: {name}'s segment at byte {off} ({nbytes} bytes) is unaligned or past the "
+                           f"end of the {flat.numel()}-byte buffer")
+    return flat[off:off + nbytes]
+
+
+def check_entries(store: dict, entries: list) -> None:
+    """Refuse (DeltaRefused) a bucket whose positions do not all address the store's tensor of that name: each
+    delta's tensor held in the store with the entry's shape and dtype, its positions a flat int32 / int64 tensor of
+    the values' length, each in [0, numel). Nothing is applied before every entry of the bucket passed."""
+    for e in entries:
+        if e["pos"] is None:
+            continue
+        cur = store.get(e["name"])
+        if cur is None or list(cur.shape) != list(e["shape"]) or cur.dtype != e["dtype"]:
+            held = "nothing" if cur is None else f"{list(cur.shape)} {cur.dtype}"
+            raise DeltaRefused(f"weight_delta: a delta of {e['name']} ({e['shape']} {e['dtype']}) on a store holding "
+                               f"{held} there")
+        pos = e["pos"]
+        if pos.dtype not in (torch.int32, torch.int64) or pos.dim() != 1 or pos.numel() != e["val"].numel():
+            raise DeltaRefused(f"weight_delta: {e['name']}'s positions are {pos.dtype} of shape {list(pos.shape)} "
+                               f"for {e['val'].numel()} values; expected a flat int32 / int64 tensor of as many")
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cur.numel()):
+            raise DeltaRefused(f"weight_delta: {e['name']}'s positions span [{int(pos.min())}, {int(pos.max())}], "
+                               f"outside [0, {cur.numel()}) of the tensor")
 
 
 def write_file(path: str, entries: list, desc: dict) -> int:
@@ -220,12 +292,25 @@ def _group(name: str):
     raise ValueError(f"weight_delta: no process group named {name!r} (call /init_weights_update_group first)")
 
 
+def sync_dir() -> str:
+    """The only directory this server reads deltas from (SYNC_DIR_ENV, set by how it was launched: services.py gives
+    run_dir/sync_weights; never the payload's to choose)."""
+    root = os.environ.get(SYNC_DIR_ENV)
+    if not root:
+        raise DeltaRefused(f"weight_delta: this server was launched without {SYNC_DIR_ENV} (the run's sync_weights "
+                           "directory), so it reads no delta from disk")
+    return os.path.realpath(root)
+
+
 def _receive(desc: dict) -> list:
     if desc["transport"] == "disk":
-        fdesc, entries = read_file(desc["path"])
+        root, path = sync_dir(), os.path.realpath(str(desc["path"]))
+        if os.path.commonpath([root, path]) != root:
+            raise DeltaRefused(f"weight_delta: refused to read {desc['path']}: outside {root} ({SYNC_DIR_ENV})")
+        fdesc, entries = read_file(path)
         if (fdesc["base"], fdesc["version"]) != (desc["base"], desc["version"]):
-            raise ValueError(f"weight_delta: {desc['path']} holds {fdesc['base']} -> {fdesc['version']}, the call "
-                             f"named {desc['base']} -> {desc['version']}")
+            raise DeltaRefused(f"weight_delta: {desc['path']} holds {fdesc['base']} -> {fdesc['version']}, the call "
+                               f"named {desc['base']} -> {desc['version']}")
         return entries
     if desc["nbytes"] == 0:
         return []
@@ -244,20 +329,30 @@ def _receive(desc: dict) -> list:
 def load_delta(model, named_tensors: list) -> None:
     """The custom weight loader (sglang: `custom_loader(self.get_model(), named_tensors)`): each pair's name is a
     bucket's description (base, version, last, transport); its bucket is applied to this process's store and the
-    tensors it touched go whole to model.load_weights. Raises when the store is not at the named base."""
+    tensors it touched go whole to model.load_weights. A bucket is checked whole before any of it is applied
+    (check_entries, unpack, the sync directory); a refused one (DeltaRefused) leaves the store without a base, so no
+    later delta lands on a half-applied sync: the next sync must be full."""
     with _LOCK:
         for desc_json, _ in named_tensors:
-            desc = json.loads(desc_json)
-            base, version, s = desc["base"], desc["version"], _STORE
+            s = _STORE
+            try:
+                desc = json.loads(desc_json)
+                base, version = desc["base"], desc["version"]
+            except (TypeError, ValueError, KeyError):
+                raise DeltaRefused(f"weight_delta: a bucket description {str(desc_json)[:80]!r} is not JSON with "
+                                   "base and version") from None
             if base is not None and not (s["version"] == base or s["building"] == (base, version)):
-                raise RuntimeError(f"weight_delta: refused the delta {base} -> {version}: this server's store holds "
+                raise DeltaRefused(f"weight_delta: refused the delta {base} -> {version}: this server's store holds "
                                    f"version {s['version'] if s['building'] is None else s['building']} "
                                    "(empty after a restart, or another version); the trainer must send a full sync")
             if s["building"] != (base, version):
                 s["building"], s["version"] = (base, version), None  # mid-sync: no base until the last bucket
-            entries = _receive(desc)
-            if any(e["pos"] is not None and e["name"] not in s["tensors"] for e in entries):
-                raise RuntimeError(f"weight_delta: the delta {base} -> {version} changes tensors this store lacks")
+            try:
+                entries = _receive(desc)
+                check_entries(s["tensors"], entries)
+            except DeltaRefused:
+                s["building"] = s["version"] = None
+                raise
             touched = [(e["name"], apply_entry(s["tensors"], e)) for e in entries]
             if touched:
                 model.load_weights(touched)

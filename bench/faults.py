@@ -48,6 +48,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import sglang_client  # noqa: E402
 from services import free_port  # noqa: E402  (below the kernel's ephemeral ports, as train.py's own)
 
 B, N, M = 4, 4, 8
@@ -266,15 +267,16 @@ def case_oversized(args, model: str, work: str, rng: random.Random) -> dict:
     run = Run(os.path.join(work, "oversized"), model, args.steps)
     run.wait_step(rng.randint(2, args.steps - 6))
     url = f"http://127.0.0.1:{run.port}/generate"
+    auth = sglang_client.key_headers(os.path.join(run.run_dir, "servers", "api_key.yaml"))  # the run's servers' key
     t_fault = run.now()
     with socket.create_connection(("127.0.0.1", run.port), timeout=30) as s:  # 40 MiB announced, never sent
         t0 = time.perf_counter()
         s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {40 << 20}\r\n\r\n".encode())
+                  f"Authorization: {auth['Authorization']}\r\nContent-Length: {40 << 20}\r\n\r\n".encode())
         head = s.recv(65536).decode(errors="replace")
         body_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    text = requests.post(url, data=json.dumps({"text": "1" * (10 << 20)}), timeout=60)
+    text = requests.post(url, data=json.dumps({"text": "1" * (10 << 20)}), headers=auth, timeout=60)
     text_s = time.perf_counter() - t0
     row = finish(args, model, run, t_fault, "40 MiB body, then a 10 MB text, to the engine")
     message = json.loads(head.split("\r\n\r\n", 1)[1])["error"]["message"] if "\r\n\r\n" in head else head[:80]

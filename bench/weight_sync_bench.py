@@ -144,11 +144,13 @@ def main_delta(a) -> None:
         print("| method | lr | sync | kind | bytes | s | changed share |\n|---|---|---|---|---|---|---|")
         for method in [m for m in a.methods.split(",") if m != "tensor"]:  # delta: refused with tensor
             for lr in a.lrs.split(","):
+                run_dir = os.path.join(d, f"run_{method}_{lr}")  # disk deltas: read from its sync_weights only
                 url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600, dtype="bfloat16",
-                                            custom_weight_loader="weight_delta.load_delta", weight_version=0)
+                                            custom_weight_loader="weight_delta.load_delta", weight_version=0,
+                                            env={"WEIGHT_DELTA_SYNC_DIR": os.path.join(run_dir, "sync_weights")})
                 try:
                     res = run_workers(a, ["--delta", "--lr", lr, "--steps", str(a.steps), "--model", model, "--url",
-                                          url, "--run-dir", os.path.join(d, f"run_{method}_{lr}"), "--methods", method],
+                                          url, "--run-dir", run_dir, "--methods", method],
                                       os.path.join(d, f"{method}_{lr}.log"), 3600)
                 finally:
                     handle.stop()

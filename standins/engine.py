@@ -6,7 +6,7 @@ versions, memory release, loads), so rollout.py and train.py run one code path a
 
 Run (from the repository root):
        python -m standins.engine --model-path DIR --port 30000 [--max-running-requests 64] [--weight-version default]
-           [--device auto] [--dtype auto] [--host 127.0.0.1] [--api-key KEY] [--max-request-mb 32]
+           [--device auto] [--dtype auto] [--host 127.0.0.1] [--config KEY.yaml] [--max-request-mb 32]
            [--max-queued-requests N]   (SGLANG_REQ_WAITING_TIMEOUT / _RUNNING_TIMEOUT: 503 aborts)
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = scheduler.init_weight_update_group(addr, port, 0, world_size,
@@ -33,7 +33,8 @@ repeats until no request holds the lock; /health generates through the gate; the
 version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
 prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
 too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
-tensor weight updates need a begin/end_weight_update session; --api-key guards all but /health*, /metrics;
+tensor weight updates need a begin/end_weight_update session; --api-key (or `api-key:` in a --config YAML file, as
+services.py passes it) guards all but /health*, /ready, /metrics;
 `logit_bias` is added to the logits before sampling and before the reported log-probs; --max-queued-requests
 refuses with 503 what finds the queue full, not counting requests the free running slots take this iteration; a
 request ended in the queue is answered in _handle_abort_req's form (no routed_experts).
@@ -44,7 +45,8 @@ its uncached tokens and expected decode (new_token_ratio), the cache's least rec
 evicted only when a step lacks slots, and a decode step that still lacks them retracts requests (fewest outputs
 first, re-queued with their tokens, /server_info num_retracted_reqs).
 
-Simplifications against SGLang: the pool counts tokens, not the padded KV slabs the batch really uses (its memory
+Simplifications against SGLang: a custom weight loader's weight_delta.DeltaRefused answers success false (0.5.23
+ends the server: weight_delta.py's docstring); the pool counts tokens, not the padded KV slabs the batch really uses (its memory
 is the cached KV plus those slabs); batches do not stream;
 no penalties, grammars or custom logit processors (accepted at their defaults, else 400);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights move to host memory
@@ -541,9 +543,10 @@ class Server:
 
     @web.middleware
     async def _auth(self, request, handler):
-        """SGLang's --api-key check: every path but /health* and /metrics needs the bearer token."""
+        """SGLang's --api-key check (utils/auth.py decide_request_auth): every path but /health*, /ready*, /metrics
+        needs the bearer token."""
         key = self.args.api_key
-        if (key and request.method != "OPTIONS" and not request.path.startswith(("/health", "/metrics"))
+        if (key and request.method != "OPTIONS" and not request.path.startswith(("/health", "/ready", "/metrics"))
                 and request.headers.get("Authorization") != f"Bearer {key}"):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
@@ -916,14 +919,20 @@ class Server:
 
     def _custom_load(self, load_format: str, named: list, version: Optional[str]) -> None:
         """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
-        checkpoint names (scheduler.load_tensors) and the payload's pairs. An exception ends this server, as in
-        0.5.23, where nothing on the scheduler's path catches it (managers/scheduler.py run_scheduler_process:
-        "Scheduler hit an exception", SIGQUIT to the server, killpg)."""
+        checkpoint names (scheduler.load_tensors) and the payload's pairs. A refusal of weight_delta.py's loader
+        (DeltaRefused: the bucket was checked before anything of it was applied) answers success false; any other
+        exception ends this server, as in 0.5.23, where nothing on the scheduler's path catches it
+        (managers/scheduler.py run_scheduler_process: "Scheduler hit an exception", SIGQUIT to the server, killpg),
+        a refusal included (weight_delta.py's docstring)."""
         import importlib
+
+        from weight_delta import DeltaRefused
 
         module, _, fn = load_format.rpartition(".")
         try:
             getattr(importlib.import_module(module), fn)(_LoaderModel(self.sched), named)
+        except DeltaRefused:
+            raise  # answered by _update: success false, the message
         except BaseException:
             import traceback
             log.error("Scheduler hit an exception: %s", traceback.format_exc())
@@ -1158,12 +1167,44 @@ def launch(model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
                        f"{handle.log_tail()}")
 
 
+def with_config(argv: list) -> list:
+    """SGLang 0.5.23's --config (server_args.py prepare_server_args -> utils/server_args_config_parser.py
+    ConfigArgumentMerger.merge_config_with_args): a .yaml / .yml file of `flag-name: value` read inside the server,
+    its flags put before the command line's (which win): `true` is a bare flag, `false` none, a list its values.
+    How services.py gives a server its api key (`api-key: KEY`) off the command line."""
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if argv.count("--config") > 1 or at == len(argv) - 1:
+        raise SystemExit("--config: give one YAML file (SGLang: 'Multiple config files specified! Only one allowed.')")
+    path = argv[at + 1]
+    if not path.lower().endswith((".yaml", ".yml")):
+        raise SystemExit(f"--config: Config file must be YAML format, got: {os.path.splitext(path)[1]}")
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SystemExit("--config: Config file must contain a dictionary at root level")
+    flags = []
+    for key, value in data.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif isinstance(value, list):
+            flags += [f"--{key}", *map(str, value)] if value else []
+        elif value is not False:
+            flags += [f"--{key}", str(value)]
+    return flags + argv[:at] + argv[at + 2:]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, weights, tokenizer)")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not on /health*), as SGLang")
+    p.add_argument("--config", default=None, help="a YAML file of flags (SGLang's): `api-key: KEY` keeps the key off\n"
+                   "the command line")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-running-requests", type=int, default=None,
                    help=f"requests decoded together; the rest queue (default {DEFAULT_MAX_RUNNING}; /server_info\n"
@@ -1208,7 +1249,7 @@ def main(argv=None):
                    help="import paths (module.func) /update_weights_from_tensor may name as load_format; each is\n"
                         "called with (model, named_tensors) (SGLang's flag; e.g. weight_delta.load_delta)")
     p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
+    args = p.parse_args(with_config(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     for name, v in (("--max-running-requests", args.max_running_requests),
                     ("--max-prefill-tokens", args.max_prefill_tokens),

@@ -968,9 +968,18 @@ KEY = "k3y"
 
 
 @pytest.fixture(scope="module")
-def strict_server(server):
-    """standins/engine.py with --api-key, 2 running requests and a 1 s window between registration and dispatch."""
-    url, handle = engine.launch(server["model"], max_running_requests=2, dispatch_delay_s=1.0, api_key=KEY,
+def key_file(tmp_path_factory):
+    """The servers' key as services.py passes it: a 0600 file `api-key: KEY`, SGLang's --config form."""
+    path = str(tmp_path_factory.mktemp("key") / "api_key.yaml")
+    sglang_client.make_key_file(path, KEY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def strict_server(server, key_file):
+    """standins/engine.py keyed by a --config file, 2 running requests and a 1 s window between registration and
+    dispatch."""
+    url, handle = engine.launch(server["model"], max_running_requests=2, dispatch_delay_s=1.0, config=key_file,
                                 num_threads=1)
     yield url
     handle.stop()
@@ -988,10 +997,10 @@ def assert_accounted(buf, since, n):
     assert sorted(got) == sorted(k + (i,) for k in buf.dispatched[d:] for i in range(n))
 
 
-def test_partial_pause_stops_requests_in_every_state_within_seconds(strict_server, tokenizer):
+def test_partial_pause_stops_requests_in_every_state_within_seconds(strict_server, key_file, tokenizer):
     headers = {"Authorization": f"Bearer {KEY}"}  # every Fleet call must send it, or the engine answers 401
     cfg = make_cfg(strict_server, "rollout.partial=true", "rollout.sampling.max_new_tokens=200",
-                   f"rollout.sglang_args.api_key={KEY}")
+                   f"rollout.sglang_args.api_key_file={key_file}")
     with producer(cfg, tokenizer, ignore_eos=True) as (buf, ro, sync):
         deadline = time.monotonic() + 60
         while True:  # consume (so that groups keep being dispatched) until all three states are seen at once

@@ -157,7 +157,7 @@ def test_sglang_command_per_server_has_its_layout_gpus_and_the_extra_flags(tmp_p
     assert name == "server_0" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     flags = " ".join(cmd[cmd.index("--port"):])
     assert flags == ("--port 25000 --host 127.0.0.1 --tp-size 2 --dp-size 2 --pp-size 1 --weight-version 7 "
-                     "--dtype bfloat16 --ep-size 2 --context-length 32768")
+                     f"--dtype bfloat16 --config {tmp_path}/servers/api_key.yaml --ep-size 2 --context-length 32768")
 
 
 def test_free_ports_are_drawn_below_the_ephemeral_range_and_the_fixed_defaults():

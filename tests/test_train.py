@@ -676,7 +676,8 @@ def _sync_checks(args) -> dict:
     try:
         if rank == 0:
             urls = services.launch_fleet(0)
-            actor.fleet = services.fleet = sglang_client.SyncFleet(sglang_client.Fleet(urls))
+            actor.fleet = services.fleet = sglang_client.SyncFleet(  # the launched servers' key (services.key_file)
+                sglang_client.Fleet(urls, api_key_file=cfg.rollout.sglang_args.api_key_file))
         for version, method in ((1, "distributed"), (2, "tensor"), (3, "disk")):
             cfg.weight_sync.method = method
             with torch.no_grad():  # move the trainer's weights away from the engine's
@@ -689,7 +690,7 @@ def _sync_checks(args) -> dict:
             def engine_vs_trainer():
                 msg = [None]
                 if rank == 0:
-                    out = requests.post(urls[0] + "/generate", timeout=60, json={
+                    out = requests.post(urls[0] + "/generate", timeout=60, headers=actor.fleet.fleet.headers, json={
                         "input_ids": [5, 6, 7, 8, 9], "return_logprob": True,
                         "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}).json()
                     msg = [{"ids": out["output_ids"], "lp": [x[0] for x in out["meta_info"]["output_token_logprobs"]],

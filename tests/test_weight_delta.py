@@ -6,8 +6,9 @@ model_executor/model_runner_components/weight_updater.py update_weights_from_ten
 named_tensors)` for a load_format listed by --custom-weight-loader; arg_groups/fields/model.py custom_weight_loader),
 read back through /get_weights_by_name (0.5.23 http_server.py get_weights_by_name, models/llama.py
 get_weights_by_name: float32 nested lists) and compared as bf16 bit patterns, after real AdamW steps at RL learning
-rates. A loader exception ends the server, as in 0.5.23 (managers/scheduler.py run_scheduler_process: nothing on the
-scheduler's path catches it).
+rates. A delta the loader refuses (weight_delta.DeltaRefused) is answered success false by the stand-in; any other
+loader exception ends it, as in 0.5.23 (managers/scheduler.py run_scheduler_process: nothing on the scheduler's path
+catches it, a refusal included: weight_delta.py's docstring).
 Run: .venv/bin/python -m pytest -q tests/test_weight_delta.py
 """
 import json
@@ -60,33 +61,68 @@ def test_bit_patterns_count_signed_zero_and_nan_payloads_and_only_changes_are_se
     assert e["pos"] is None
 
 
-# ---- the server's refusal of a delta on the wrong base ----
-def test_a_delta_on_another_base_is_refused_and_ends_the_server(tmp_path):
-    """A store seeded at version 1 (one full bucket from a file), then a delta naming base 7: the loader refuses it
-    by raising, which ends the server (0.5.23: the scheduler does not catch it), its weights never touched."""
+# ---- the server's refusals: checked before anything is applied, answered as success false ----
+def test_refused_deltas_change_nothing_and_the_server_keeps_serving(tmp_path):
+    """The store seeded by a full bucket (a file in the server's sync directory, WEIGHT_DELTA_SYNC_DIR) before each
+    delta the loader must refuse: positions negative, at numel, of a float dtype; a base the store does not hold; a
+    file outside the sync directory (named directly, through a path that climbs out, through a symlink in it). Each
+    is answered success false naming why, the server stays up and the tensor keeps its values; a refusal leaves the
+    store without a base, so a well-formed delta right after one is refused too (the next sync must be full)."""
     model = tiny_model.make_tiny_model(str(tmp_path / "m"))
-    url, handle = engine.launch(model, dtype="bfloat16", custom_weight_loader=weight_delta.LOADER, wait_timeout=60)
+    sync, outside = tmp_path / "sync_weights", tmp_path / "outside"
+    sync.mkdir()
+    outside.mkdir()
+    url, handle = engine.launch(model, dtype="bfloat16", custom_weight_loader=weight_delta.LOADER, wait_timeout=60,
+                                env={weight_delta.SYNC_DIR_ENV: str(sync)})
+    name = "model.embed_tokens.weight"
+
+    def held() -> torch.Tensor:
+        r = post(url, "/get_weights_by_name", {"name": name, "truncate_size": 10 ** 6})
+        return torch.tensor(r.json(), dtype=torch.float32).to(torch.bfloat16)
+
+    def send(base, version: int, entry: dict, where=None) -> dict:
+        desc = {"base": base, "version": version, "last": True, "transport": "disk",
+                "path": str(where or sync / f"v{version}.safetensors")}
+        written = os.path.realpath(desc["path"])
+        weight_delta.write_file(written if os.path.isdir(os.path.dirname(written)) else desc["path"], [entry], desc)
+        assert post(url, "/begin_weight_update", {}).json()["success"] is True
+        body = {"serialized_named_tensors": [weight_delta.control_payload(desc)], "load_format": weight_delta.LOADER,
+                "weight_version": str(version)}
+        r = post(url, "/update_weights_from_tensor", body)
+        assert post(url, "/end_weight_update", {}).json()["success"] is True
+        assert handle.proc.poll() is None, handle.log_tail()
+        return r.json()
+
     try:
-        w = torch.ones(3, dtype=torch.bfloat16)
-        for base, version, words in ((None, 1, None), (7, 8, "refused the delta 7 -> 8")):
-            desc = {"base": base, "version": version, "last": True, "transport": "disk",
-                    "path": str(tmp_path / f"v{version}.safetensors")}
-            entry = {"name": "unknown.weight", "shape": [3], "dtype": w.dtype, "pos": None, "val": w}
-            if base is not None:
-                entry = {**entry, "pos": torch.tensor([0], dtype=torch.int32), "val": w[:1]}
-            weight_delta.write_file(desc["path"], [entry], desc)
-            assert post(url, "/begin_weight_update", {}).json()["success"] is True
-            body = {"serialized_named_tensors": [weight_delta.control_payload(desc)],
-                    "load_format": weight_delta.LOADER, "weight_version": str(version)}
-            if words is None:
-                r = post(url, "/update_weights_from_tensor", body)
-                assert r.status_code == 200 and r.json()["success"] is True, r.text
-                assert post(url, "/end_weight_update", {}).json()["success"] is True
-                continue
-            with pytest.raises(Exception):  # the server goes away without an answer
-                post(url, "/update_weights_from_tensor", body)
-            assert handle.proc.wait(timeout=30) != 0
-            assert words in open(handle.log_path).read()
+        before = held()
+        whole = {"name": name, "shape": list(before.shape), "dtype": torch.bfloat16, "pos": None,
+                 "val": before.reshape(-1)}
+        one = torch.ones(1, dtype=torch.bfloat16)
+        (sync / "link.safetensors").symlink_to(outside / "target.safetensors")
+        cases = [(torch.tensor([-1], dtype=torch.int32), None, "outside [0,"),
+                 (torch.tensor([before.numel()], dtype=torch.int64), None, "outside [0,"),
+                 (torch.tensor([0.0]), None, "malformed"),
+                 (torch.tensor([0], dtype=torch.int32), "base", "refused the delta"),
+                 (torch.tensor([0], dtype=torch.int32), outside / "v.safetensors", "outside"),
+                 (torch.tensor([0], dtype=torch.int32), sync / ".." / "outside" / "up.safetensors", "outside"),
+                 (torch.tensor([0], dtype=torch.int32), sync / "link.safetensors", "outside")]
+        version = 0
+        for pos, how, words in cases:
+            version += 2
+            assert send(None, version - 1, whole)["success"] is True  # a full bucket: the store's base
+            delta = {**whole, "pos": pos, "val": one}
+            base = version - 1 if how != "base" else version + 100
+            r = send(base, version, delta, None if how == "base" else how)
+            assert r["success"] is False and words in r["message"], (pos, how, r)
+            assert torch.equal(weight_delta.bits(held()), weight_delta.bits(before)), (pos, how)
+        # after a refusal the store has no base: a well-formed delta on the last full version is refused as well
+        r = send(version - 1, version + 1, {**whole, "pos": torch.tensor([0], dtype=torch.int32), "val": one})
+        assert r["success"] is False and "refused the delta" in r["message"], r
+        # and a full sync then a delta go through
+        assert send(None, version + 2, whole)["success"] is True
+        r = send(version + 2, version + 3, {**whole, "pos": torch.tensor([0], dtype=torch.int32), "val": one})
+        assert r["success"] is True, r
+        assert held().reshape(-1)[0] == 1 and torch.equal(held().reshape(-1)[1:], before.reshape(-1)[1:])
     finally:
         handle.stop()
 
@@ -166,7 +202,8 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
     act = actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
     port = free_port()
     kw = dict(port=port, dtype="bfloat16", custom_weight_loader=weight_delta.LOADER, weight_version=0,
-              dist_timeout=60, wait_timeout=120)
+              dist_timeout=60, wait_timeout=120,
+              env={weight_delta.SYNC_DIR_ENV: os.path.join(run_dir, "sync_weights")})  # as services.py launches it
     url, handle = engine.launch(model_path, **kw)
     act.fleet = sglang_client.SyncFleet(sglang_client.Fleet([url]))
     assert act.weights.dtype == torch.bfloat16  # weight_sync.dtype: the engine's, pushed and compared in it
