@@ -130,14 +130,29 @@ os._exit(RAISED if err is not None else 0)
 """.replace("RAISED", str(RAISED))
 
 
+class _Capture:
+    """A stream read by the pool: its first (or, tail=True, last) `keep` bytes, and how many came in all."""
+
+    def __init__(self, keep: int, tail: bool):
+        self.keep, self.tail, self.kept, self.total = keep, tail, bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        if self.tail:
+            self.kept += chunk
+            del self.kept[:-self.keep]
+        elif len(self.kept) < self.keep:
+            self.kept += chunk[:self.keep - len(self.kept)]
+
+
 class SandboxUnavailable(RuntimeError):
     """bwrap is missing, or this kernel or container refuses what it needs."""
 
 
 @dataclass
 class Result:
-    """One call's outcome: `output` (stdout, cut), `error` (None or one line), whether the output was cut, the
-    pool's isolation, its wall time, and whether the pool killed it (wall time)."""
+    """One call's outcome: `output` (stdout, cut; what it printed before it was stopped, too), `error` (None or one
+    line), whether the output was cut, the pool's isolation, its wall time, and whether the pool killed it (wall)."""
     output: str
     error: Optional[str]
     truncated: bool = False
@@ -452,12 +467,13 @@ class SandboxPool:
                 os.close(fd)
         with self._lock:
             self._running[proc.pid] = (asyncio.get_running_loop(), proc)
+        out, err = _Capture(4 * self.output_chars + 4, tail=False), _Capture(STDERR_KEEP, tail=True)  # UTF-8: 4 B
         killed = False
         try:
             try:
-                out, err, dropped = await asyncio.wait_for(self._exchange(proc, data), self.wall_s)
+                await asyncio.wait_for(self._exchange(proc, data, out, err), self.wall_s)
             except asyncio.TimeoutError:
-                killed, out, err, dropped = True, b"", b"", False
+                killed = True
         finally:  # also when the caller is cancelled (rollout.env_step_timeout_s): the sandbox never outlives it
             if proc.returncode is None:
                 self._kill(proc)
@@ -469,17 +485,15 @@ class SandboxPool:
                 self._running.pop(proc.pid, None)
             if scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
-        seconds = time.monotonic() - t0
-        if killed:
-            return Result("", f"the call ran longer than {self.wall_s:g} s (wall); it was killed", False,
-                          self.isolation, seconds, killed=True)
-        text = out.decode("utf-8", "replace")
-        output, truncated = text[:self.output_chars], dropped or len(text) > self.output_chars
-        return Result(output, self._error(proc.returncode, err), truncated, self.isolation, seconds)
+        text = bytes(out.kept).decode("utf-8", "replace")  # what it printed, also before a kill
+        output, truncated = text[:self.output_chars], out.total > len(out.kept) or len(text) > self.output_chars
+        error = (f"the call ran longer than {self.wall_s:g} s (wall); it was killed" if killed else
+                 self._error(proc.returncode, bytes(err.kept)))
+        return Result(output, error, truncated, self.isolation, time.monotonic() - t0, killed)
 
-    async def _exchange(self, proc, data: bytes):
-        """Write the code, close stdin, read stdout (the first output_chars' worth) and stderr (its tail) to EOF,
-        wait for the exit."""
+    @staticmethod
+    async def _exchange(proc, data: bytes, out: "_Capture", err: "_Capture") -> None:
+        """Write the code, close stdin, read stdout and stderr to EOF into their captures, wait for the exit."""
         async def write():
             try:
                 proc.stdin.write(data)
@@ -489,22 +503,12 @@ class SandboxPool:
             finally:
                 proc.stdin.close()
 
-        async def read(stream, keep: int, tail: bool):
-            kept, total = bytearray(), 0
+        async def read(stream, capture: _Capture):
             while chunk := await stream.read(1 << 16):
-                total += len(chunk)
-                if tail:
-                    kept += chunk
-                    del kept[:-keep]
-                elif len(kept) < keep:
-                    kept += chunk[:keep - len(kept)]
-            return bytes(kept), total > len(kept)
+                capture.add(chunk)
 
-        keep = 4 * self.output_chars + 4  # UTF-8: at most 4 bytes a character
-        _, (out, dropped), (err, _) = await asyncio.gather(write(), read(proc.stdout, keep, False),
-                                                           read(proc.stderr, STDERR_KEEP, True))
+        await asyncio.gather(write(), read(proc.stdout, out), read(proc.stderr, err))
         await proc.wait()
-        return out, err, dropped
 
     def _kill(self, proc) -> None:
         try:

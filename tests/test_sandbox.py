@@ -43,10 +43,11 @@ def test_limits_are_reported_in_one_line_and_the_pool_keeps_serving(pool):
 def test_wall_time_scratch_and_files(pool):
     pool.wall_s = 1.0
     try:
-        slow = pool.run("import time\ntime.sleep(60)")  # no CPU used: the pool's wall clock kills it
+        slow = pool.run("import time\nprint('before', flush=True)\ntime.sleep(60)")  # no CPU: the wall clock
     finally:
         pool.wall_s = 30
     assert slow.killed and slow.error == "the call ran longer than 1 s (wall); it was killed" and slow.seconds < 10
+    assert slow.output == "before\n"  # what it printed before it was killed
     assert pool.run("open('f', 'w').write('x')\nimport os\nprint(os.listdir('.'))").output == "['f']\n"
     assert pool.run("import os\nprint(os.listdir('.'), os.getcwd())").output == "[] /tmp\n"  # a fresh tmpfs
     big = pool.run("open('f', 'wb').write(b'x' * (32 << 20))")  # RLIMIT_FSIZE 16 MiB (Python ignores SIGXFSZ)
