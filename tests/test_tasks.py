@@ -1,7 +1,9 @@
 """tasks.py: toy tasks and their splits, rewards, the tool env, dataset files (the tiny model: test_tiny_model.py)."""
 import json
+import os
 import pickle
 import re
+import shutil
 import threading
 
 import pyarrow as pa
@@ -187,6 +189,8 @@ def test_calc_tool_turn_sequence():
         tasks.make_env("reverse_digits", "1", {})
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None and os.geteuid() != 0,
+                    reason="bubblewrap is not installed (as root: apt-get install bubblewrap)")
 def test_calc_py_runs_the_models_code_in_the_sandbox_and_restores_without_running_it_again():
     import asyncio
     import random
