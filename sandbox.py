@@ -9,17 +9,18 @@
 - Each call is a fresh `bwrap` process: new user (as a non-root caller), PID, mount, network, IPC, UTS and cgroup
   namespaces; a root of its own holding read-only binds of /usr, the merged-usr links and the interpreter's prefix
   only (not /etc, not the repository, not the run directory, not the host's /proc); its own /proc and a minimal
-  /dev; a size-capped tmpfs /tmp as cwd and HOME; no network but a loopback that is down; no capabilities;
+  /dev; a size-capped tmpfs /tmp as cwd and HOME; no network but its own loopback; no capabilities;
   `no_new_privs`; an environment of PATH, HOME and LANG only; a new session; a seccomp filter compiled here with
   libseccomp (ctypes) that refuses ptrace, process_vm_*, pidfd_*, setns, unshare and namespace flags of clone, the
   mount family, bpf, perf_event_open, keyctl, userfaultfd, io_uring, kexec, modules, ... (DENIED_SYSCALLS).
   Run as root, bwrap keeps only CAP_SETUID/CAP_SETGID for the runner, which drops to uid/gid 65533 - slot (every
   capability gone) before it reads the code: the code's processes never have uid 0 on the host.
 - Inside, a trusted runner (`python -I -S`, stdlib only, _RUNNER) sets hard rlimits (RLIMIT_AS = memory_mb,
-  RLIMIT_CPU = cpu_s rounded up (SIGXCPU, then SIGKILL a second later), RLIMIT_NPROC = processes (threads count),
-  RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE 0), reads the code from stdin, runs it and exits: 0, or RAISED with the
-  error's one line as the last line of stderr. When the runner exits, bwrap's init (PID 1 of the call's namespace)
-  exits and the kernel kills everything left in the namespace (a daemon, a setsid child).
+  RLIMIT_CPU = cpu_s rounded up (SIGKILL at the limit), RLIMIT_NPROC = processes (threads count), RLIMIT_FSIZE,
+  RLIMIT_NOFILE, RLIMIT_CORE 0), reads the code from stdin, runs it and exits: 0, or RAISED with the error's one
+  line as the last line of stderr. When the runner exits, the PID 1 of the call's namespace exits (bwrap's init as
+  root, the runner itself as a user: `--as-pid-1`) and the kernel kills everything left there (a setsid child, a
+  daemon).
 - The reply is the child's stdout (capped as the pool reads it), its exit status and stderr's last line, read by the
   pool for that call alone: whatever the code writes reaches no other call, and a malformed or missing reply is only
   its own call's error. At `wall_s` the pool SIGKILLs bwrap (`--die-with-parent`: the namespace dies with it).

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import socket
-import string
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ PROCESSES = 8
 # $ppid is the pid of the process that holds the pool; the rest come from the test (ctx below).
 PROBES = {
     "spawn": r"""
-import os, subprocess, sys, _posixsubprocess
+import os, subprocess, sys  # subprocess spawns through _posixsubprocess.fork_exec
 child = '''
 import ctypes, os, socket
 st = open("/proc/self/status").read()
