@@ -571,7 +571,7 @@ def main(argv=None) -> None:
     if argv[:1] == ["check"]:
         logging.basicConfig(level=logging.INFO)
         pool = SandboxPool(workers=1)
-        for code in ("6*7", "import os; os.getuid()", "open('/etc/hostname').read()",
+        for code in ("6*7", "__import__('os').getuid()", "open('/etc/hostname').read()",
                      "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1)"):
             r = pool.run(code)
             print(f"{code!r}: output={r.output!r} error={r.error!r} seconds={r.seconds:.3f}")
