@@ -19,3 +19,18 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q -r requirements.txt -r requirements-dev.txt
   touch "$stamp"
 fi
+# The Python tool's sandbox (sandbox.py) runs each call in bubblewrap (bwrap): installed here when it is missing and
+# this is root with apt-get; otherwise one line says how. Nothing else needs it, so its absence fails nothing here.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: installing bubblewrap (apt-get install -y bubblewrap) for the Python tool's sandbox" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+      || echo "setup.sh: apt-get could not install bubblewrap; the sandboxed Python tool (task calc_py) will refuse" \
+              "to run until it is installed" >&2
+  else
+    echo "setup.sh: bubblewrap (bwrap) is missing; the sandboxed Python tool (task calc_py) needs it:" \
+         "apt-get install bubblewrap (as root)" >&2
+  fi
+fi

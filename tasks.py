@@ -131,20 +131,26 @@ class CalcToolEnv:
 
 
 class PyToolEnv:
-    """The Python tool of the calc_py task: a model turn "py CODE" runs CODE in the sandbox (sandbox.py: a worker
-    subprocess with CPU, memory and output limits and no network) and is answered "=OUTPUT\n" (an expression's
-    value, or what the code printed, cut to OUTPUT_CHARS; or the error's one line). Any other turn is the final
-    answer and ends the episode, as does the max_turns-th turn. `step` is async: the code runs in a thread, the
-    rollout's event loop goes on. What each call did is in `calls` ([code, error, network] per call), which the
-    rollout does not need; tests read it.
+    """The Python tool of the calc_py task: a model turn "py CODE" runs CODE in the sandbox (sandbox.py: each call in
+    its own bubblewrap sandbox, with CPU, memory, process, file and output limits, no network, nothing of the host
+    writable) and is answered "=OUTPUT\n" (an expression's value, or what the code printed, cut to OUTPUT_CHARS; or
+    the error's one line). Any other turn is the final answer and ends the episode, as does the max_turns-th turn.
+    `step` is async (an asyncio subprocess: the rollout's event loop and its executor threads go on). What each call
+    did is in `calls` ([code, error, isolation] per call), which the rollout does not need; tests read it.
 
-    One SandboxPool per process, made on first use with the class's limits (a subclass may change them).
+    One SandboxPool per process, made on first use with the class's limits (a subclass may change them; WORKERS is
+    the calls at once, as rollout.env_max_concurrent). ISOLATION "bwrap" is the sandbox: where it cannot run (no
+    bubblewrap, user namespaces off for a non-root user) every step raises sandbox.SandboxUnavailable, whose one
+    sentence says how to install it (the rollout fails the trajectories and stops the run after
+    rollout.env_fail_stop_steps of them). A subclass with ISOLATION = "unsafe" (rollout.env=module:YourEnv) runs the
+    code as a plain subprocess with the same rlimits and isolates nothing.
     A restored episode's finished turns are not run again (`restore`): their observations are in the trajectory.
     """
     max_turns = 3
     CALL = re.compile(r"py (.+)", re.S)
-    WORKERS, CPU_S, MEMORY_MB, OUTPUT_CHARS = 4, 1.0, 256, 32
+    WORKERS, CPU_S, MEMORY_MB, OUTPUT_CHARS, ISOLATION = 4, 1.0, 256, 32, "bwrap"
     _pool = None
+    _unavailable: Optional[Exception] = None
     _pool_lock = threading.Lock()
 
     def __init__(self, label: Any = None, metadata: Optional[dict] = None):
@@ -154,11 +160,17 @@ class PyToolEnv:
     @classmethod
     def pool(cls):
         with cls._pool_lock:
+            if cls._unavailable is not None:
+                raise cls._unavailable  # checked once per process
             if cls._pool is None:
                 import sandbox
 
-                cls._pool = sandbox.SandboxPool(cls.WORKERS, cls.CPU_S, memory_mb=cls.MEMORY_MB,
-                                                output_chars=cls.OUTPUT_CHARS)
+                try:
+                    cls._pool = sandbox.SandboxPool(cls.WORKERS, cls.CPU_S, memory_mb=cls.MEMORY_MB,
+                                                    output_chars=cls.OUTPUT_CHARS, isolation=cls.ISOLATION)
+                except sandbox.SandboxUnavailable as e:
+                    cls._unavailable = e
+                    raise
             return cls._pool
 
     async def step(self, turn_text: str) -> Optional[str]:
@@ -167,7 +179,7 @@ class PyToolEnv:
         if call is None or self.turns >= self.max_turns:
             return None
         result = await self.pool().arun(call[1])
-        self.calls.append([call[1], result.error, result.network])
+        self.calls.append([call[1], result.error, result.isolation])
         return f"={result.output.strip() if result.error is None else result.error}\n"
 
     def restore(self, turns: list) -> None:
