@@ -73,7 +73,8 @@ def check_inputs(cfg) -> None:
     """Rank 0, before anything starts: every dataset file parses row by row (the buffer process would find a bad
     row only after the servers started), its prompts fit rollout.max_prompt_tokens (with the tokenizer of
     model.path; a tiny model not made yet is checked when the buffer loads them), a math dataset's shortest
-    answer fits rollout.sampling.max_new_tokens (tasks.check_answers_fit), and a checkpoint given as
+    answer fits rollout.sampling.max_new_tokens (tasks.check_answers_fit), a tool environment runs here
+    (tasks.check_env: the Python tool's sandbox), and a checkpoint given as
     trainer.resume loads."""
     import tasks
     from standins import tiny_model
@@ -83,6 +84,8 @@ def check_inputs(cfg) -> None:
         for ds in cfg.data_sources:
             tasks.check_data_source(ds)
             tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
+            if cfg.rollout.function != "single_turn":
+                tasks.check_env(ds.task, cfg.rollout.env)
             if tokenizer is None and os.path.isdir(cfg.model.path):
                 from transformers import AutoTokenizer
 

@@ -158,6 +158,16 @@ class PyToolEnv:
         self.calls: list = []
 
     @classmethod
+    def check(cls) -> None:
+        """At start-up (checks.check_inputs): the sandbox runs here, or ValueError in its one sentence."""
+        import sandbox
+
+        try:
+            sandbox.SandboxPool(1, cls.CPU_S, memory_mb=cls.MEMORY_MB, isolation=cls.ISOLATION).close()
+        except sandbox.SandboxUnavailable as e:
+            raise ValueError(f"the {cls.__name__} environment cannot run: {e}") from None
+
+    @classmethod
     def pool(cls):
         with cls._pool_lock:
             if cls._unavailable is not None:
@@ -197,7 +207,9 @@ def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
     The interface (rollout.multi_turn_tool drives it): `max_turns` (model turns per episode, at most) and
     `step(turn_text) -> Optional[str]`, sync or `async def` (the observation, or None to end the episode; the rollout
     runs a sync step in a thread, bounded by rollout.env_max_concurrent, and a step that raises or exceeds
-    rollout.env_step_timeout_s fails its trajectory). Optional `restore(turns)`: a trajectory restored after a pause
+    rollout.env_step_timeout_s fails its trajectory). Optional classmethod `check()`: raises ValueError in one
+    sentence where the environment cannot run on this machine (checks.check_inputs calls it at start-up; exit 2).
+    Optional `restore(turns)`: a trajectory restored after a pause
     gets a fresh environment and its finished turns as [turn_text, observation] pairs, which step is not called
     for again (their side effects happened once); without restore the fresh environment simply goes on."""
     if env is not None:
@@ -208,6 +220,14 @@ def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
         raise ValueError(f"data_source.task '{task}' has no tool environment; multi-turn tasks: {', '.join(ENVS)} "
                          "(or set rollout.env)")
     return ENVS[task](label, metadata)
+
+
+def check_env(task: str, env: Optional[str] = None) -> None:
+    """The start-up check of the tool environment make_env would build for task (its optional `check()`); nothing
+    for a single-turn task."""
+    cls = ENVS.get(env if env is not None else task)
+    if cls is not None and callable(getattr(cls, "check", None)):
+        cls.check()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -93,6 +93,21 @@ def test_without_bwrap_the_pool_refuses_in_one_sentence(monkeypatch):
         sandbox.SandboxPool()
 
 
+def test_the_agent_config_stops_at_start_up_without_the_sandbox(monkeypatch):
+    """configs/tiny_agent.yaml's start-up checks (train.py -> checks.check_inputs -> tasks.check_env ->
+    PyToolEnv.check) refuse it in the sandbox's one sentence, before any server or process starts."""
+    import checks
+    import config as config_lib
+
+    cfg = config_lib.load_config("configs/tiny_agent.yaml", [])
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match=r"^the PyToolEnv environment cannot run: the Python tool's sandbox needs "
+                                         r"bubblewrap \(bwrap\), not found on PATH: install it"):
+        checks.check_inputs(cfg)
+    cfg = config_lib.load_config("configs/tiny.yaml", [])  # a single-turn task asks nothing of the sandbox
+    checks.check_inputs(cfg)
+
+
 def test_unsafe_runs_the_same_runner_with_its_limits_and_says_it_isolates_nothing(caplog):
     with caplog.at_level(logging.ERROR, logger="sandbox"):
         p = sandbox.SandboxPool(workers=1, cpu_s=1, wall_s=5, isolation="unsafe")
