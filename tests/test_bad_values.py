@@ -16,12 +16,13 @@ import torch
 import batching
 import buffer
 import config
+import env_steps
 import rollout
 import sglang_client
 import tasks
 from buffer import COMPLETED, FAILED, Trajectory
 from standins import tiny_model
-from test_rollout import _calc_prompts, _calc_server
+from test_rollout import _run_calc
 
 VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "str": " 2 ", "list": [1.0],
           "tensor1": torch.tensor([1.0]), "none": None,
@@ -189,37 +190,22 @@ def test_an_observation_is_cut_to_env_max_obs_tokens_before_it_is_tokenized_off_
     """A 1 MB observation is cut at rollout.env_max_obs_tokens x 16 characters before any tokenizing, tokenized on
     the observation thread (not the event loop), cut to the cap in tokens, recorded cut in env_turns, and counted in
     rollout/env_obs_truncated_count; a short observation is left as it is."""
-    monkeypatch.setitem(tasks.ENVS, "test_flood", _FloodEnv)
-    server, tok = _calc_server()
+    tok = tiny_model.build_tokenizer()
     encoded = []
-    encode = tok.encode
+    encode = type(tok).encode
 
-    def recording_encode(text, *args, **kwargs):
+    def recording_encode(self, text, *args, **kwargs):
         encoded.append((len(text), threading.current_thread().name))
-        return encode(text, *args, **kwargs)
+        return encode(self, text, *args, **kwargs)
 
-    monkeypatch.setattr(tok, "encode", recording_encode)
-    cfg = config.load_config(None, ["data_source.task=calc_tool", "data_source.num_prompts_per_step=2",
-                                    "data_source.num_trajectories_per_prompt=2", "trainer.mini_batch_size=2",
-                                    "rollout.function=multi_turn_tool", "rollout.env=test_flood",
-                                    "rollout.env_max_obs_tokens=200", "rollout.sampling.max_new_tokens=240",
-                                    f"rollout.servers=[{server.urls[0]}]"])
-    buf = rollout.DatasetBuffer(_calc_prompts(tok, [(2, 3)]), cfg.N)
-    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
-    ro = rollout.Rollout(cfg, buf, sync, tok)
-    try:
-        ro.start()
-        assert buf.done.wait(30), "the episodes did not finish"
-        metrics = ro.step_metrics()
-        short = ro.envs.cap("=5\n")
-    finally:
-        ro.stop()
-        sync.close()
-        server.close()
+    monkeypatch.setattr(type(tok), "encode", recording_encode)  # the rollout's tokenizer is one of this class
+    results, metrics = _run_calc(monkeypatch, _FloodEnv, [(2, 3)], "rollout.env_max_obs_tokens=200",
+                                 "rollout.sampling.max_new_tokens=240")
+    short = env_steps.EnvSteps(config.load_config(None, ["rollout.env_max_obs_tokens=200"]).rollout, tok).cap("=5\n")
     assert max(n for n, _ in encoded) <= 200 * 16  # never the megabyte
     assert all(name.startswith("env-obs") for n, name in encoded if n > 2048)
     assert any(n > 2048 for n, _ in encoded)
-    for t in buf.results[0]:
+    for t in results[0]:
         assert t.status == COMPLETED
         (turn, observation), = t.metadata["env_turns"]
         assert observation == "=" + "7" * 199  # the tiny tokenizer: a token a character
