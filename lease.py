@@ -450,7 +450,8 @@ def main(argv: Optional[list] = None) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     if os.WIFSIGNALED(status):  # exit as the server did: services.Services reports the watchdog's status as its own
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL has no handler to reset)
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     sys.stdout.flush()
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)

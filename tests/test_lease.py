@@ -199,6 +199,24 @@ def test_a_sigterm_to_the_watchdog_stops_the_server_and_its_session_and_exits_as
         _kill(p)
 
 
+def test_the_watchdog_exits_as_its_server_did(tmp_path):
+    """services.Services reports the watchdog's exit status as the server's ("killed by SIGKILL", "exited with code
+    3"): what a relaunch message names."""
+    renewer = lease.Lease(str(tmp_path / "node0.lease"))
+    renewer.start()
+    try:
+        p, server, child = _launch(tmp_path, "60", renewer.path)
+        os.kill(server, signal.SIGKILL)
+        assert p.wait(10) == -signal.SIGKILL
+        _wait(lambda: _gone(child), 5, "the server's child gone")
+        p = subprocess.Popen([PY, LEASE_PY, "--lease", renewer.path, "--keepalive-s", "60", "--", "sh", "-c",
+                              "exit 3"], start_new_session=True)
+        assert p.wait(10) == 3
+    finally:
+        renewer.stop()
+        _kill(p)
+
+
 def test_a_stalled_step_loop_stops_the_servers_within_stall_plus_keepalive(tmp_path):
     """The renewal thread runs, but the step loop beats no more: renewal stops after stall_s, the watchdog stops
     the server keepalive_s later. ~4 s."""
