@@ -13,7 +13,7 @@ was abandoned does not outlive it by more. The trainer renews the lease every RE
 makes progress (`beat`: a wedged trainer stops renewing after rollout.server_stall_s), and records its servers in
 RUN_DIR/servers/node<N>.json (`write_record`; `read_record` validates it), so that the next attempt (torchrun
 restarting the ranks, or a new `torchrun ... trainer.resume=auto`) finds each one (`adopt`: same pid and start time,
-and a command line that is this file running a server: `is_our_server`), brings it to a known state without /health
+and a command line that is this file running a server: `not_our_server`), brings it to a known state without /health
 (`takeover`: a paused real server's /health waits for a token) and reuses it; services.Services decides which.
 Stdlib only (requests for `takeover`): the watchdog starts in ~50 ms.
 """
