@@ -174,6 +174,7 @@ class RolloutConfig:
     pause_timeout_s: float = 600.0  # a longer pause fails the run; also each /pause_generation, /continue_generation call's timeout
     reuse_servers: bool = True  # a restarted attempt reuses the launched servers the crashed one left running
     server_keepalive_s: float = 300.0  # a launched server stops when no trainer renewed its lease for this long
+    server_stall_s: float = 0.0  # no step-loop progress for this long stops the lease's renewal; 0: control timeout
 
 
 @dataclass
@@ -461,6 +462,19 @@ def _check_finite_value(value, key: str) -> None:
         raise ValueError(f"config key '{key}' must be a finite number, got {value!r}{also}")
 
 
+def control_timeout_s(cfg: Config) -> float:
+    """The trainer's control group's timeout: rank 0's longest wait between two collectives (data, pause, server
+    start-up, a weight sync), which the other ranks spend in it, plus 600 s for everything else between them."""
+    return (cfg.buffer.get_timeout_s + cfg.rollout.pause_timeout_s + cfg.rollout.startup_timeout_s
+            + cfg.weight_sync.timeout_s + 600)
+
+
+def server_stall_s(cfg: Config) -> float:
+    """How long the step loop may go without progress before the servers' lease is no longer renewed
+    (rollout.server_stall_s; 0: control_timeout_s, past which a multi-rank run fails by itself)."""
+    return cfg.rollout.server_stall_s or control_timeout_s(cfg)
+
+
 def validate(cfg: Config) -> Config:
     check_finite(cfg)
     B, N, M = cfg.B, cfg.N, cfg.M
@@ -713,6 +727,14 @@ def validate(cfg: Config) -> Config:
     _positive(ws.timeout_s, "weight_sync.timeout_s")
     _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")
     _positive(cfg.buffer.rpc_timeout_s, "buffer.rpc_timeout_s")
+    waits = {"buffer.get_timeout_s": cfg.buffer.get_timeout_s, "rollout.pause_timeout_s": r.pause_timeout_s,
+             "rollout.startup_timeout_s": r.startup_timeout_s, "weight_sync.timeout_s": ws.timeout_s}
+    longest = max(waits, key=waits.get)
+    if r.server_stall_s != 0 and r.server_stall_s < waits[longest]:
+        raise ValueError(f"rollout.server_stall_s must be 0 (the control group's timeout, "
+                         f"{control_timeout_s(cfg):g} s) or at least the longest wait's own timeout ({longest}="
+                         f"{waits[longest]:g}): a trainer waiting within its timeouts is not wedged, got "
+                         f"{r.server_stall_s!r}")
     if cfg.logging.wait_line_s < 0:
         raise ValueError(f"logging.wait_line_s must be >= 0 (0: no waiting lines), got {cfg.logging.wait_line_s}")
     if cfg.logging.train_samples < -1:

@@ -5,14 +5,17 @@ stops a rank with killpg of the rank's process group) nor the death of trainer r
 
     python lease.py --lease RUN_DIR/servers/node0.lease --keepalive-s 300 -- python -m standins.engine --port ...
 
-The process forks a watchdog and then becomes the server (exec: the server keeps this pid, which services.py
-supervises as before). The watchdog (`python lease.py watch`, dying with the server by PR_SET_PDEATHSIG) stops the
-server's session (SIGTERM, SIGKILL after STOP_GRACE_S) once the lease file's mtime is older than --keepalive-s
-(rollout.server_keepalive_s): a server whose run was abandoned does not outlive it by more. The trainer renews the
-lease every RENEW_S (`Lease`) and records its servers in RUN_DIR/servers/node<N>.json (`write_record`), so that the
-next attempt (torchrun restarting the ranks, or a new `torchrun ... trainer.resume=auto`) finds each one (`adopt`),
-brings it to a known state without /health (`takeover`: a paused real server's /health waits for a token) and
-reuses it; services.Services decides which. Stdlib only (requests for `takeover`): the watchdog starts in ~50 ms.
+This process is the watchdog and the server's parent (services.py supervises its pid; it exits as the server did):
+it forks the server, which dies with it (PR_SET_PDEATHSIG SIGKILL, so a watchdog killed outright takes its server
+along), forwards a SIGTERM to it, and stops the session (SIGTERM to the server, SIGKILL to the session after
+STOP_GRACE_S) once the lease file's mtime is older than --keepalive-s (rollout.server_keepalive_s): a server whose run
+was abandoned does not outlive it by more. The trainer renews the lease every RENEW_S (`Lease`) while its step loop
+makes progress (`beat`: a wedged trainer stops renewing after rollout.server_stall_s), and records its servers in
+RUN_DIR/servers/node<N>.json (`write_record`; `read_record` validates it), so that the next attempt (torchrun
+restarting the ranks, or a new `torchrun ... trainer.resume=auto`) finds each one (`adopt`: same pid and start time,
+and a command line that is this file running a server: `not_our_server`), brings it to a known state without /health
+(`takeover`: a paused real server's /health waits for a token) and reuses it; services.Services decides which.
+Stdlib only (requests for `takeover`): the watchdog starts in ~50 ms.
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ from typing import Optional
 
 RENEW_S = 1.0  # how often the trainer renews the lease (the watchdog looks as often)
 STOP_GRACE_S = 10.0  # a server told to stop (SIGTERM) is killed (SIGKILL) after this
+TICK_S = 0.1  # how often the watchdog looks whether its server exited or was told to stop
+HERE = os.path.realpath(__file__)
+# what services.Services launches under this file: a recorded pid is signalled only when it runs one of these
+SERVER_MODULES = ("standins.engine", "sglang.launch_server")
 
 
 def paths(run_dir: str, node: int) -> tuple[str, str]:
@@ -41,15 +48,70 @@ def paths(run_dir: str, node: int) -> tuple[str, str]:
 # The record (trainer side)
 # ---------------------------------------------------------------------------------------------------------------
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# field -> (check, what is accepted); the first three are required in every server's entry
+_ENTRY = {
+    "pid": (lambda v: _is_int(v) and v > 1, "an integer > 1"),
+    "started": (lambda v: isinstance(v, str) and v.isdigit(), "a string of digits (/proc/PID/stat field 22)"),
+    "cmd": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v),
+            "a non-empty list of strings"),
+    "url": (lambda v: isinstance(v, str), "a string"),
+    "gpus": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "model": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "weight_version": (lambda v: v is None or _is_int(v) and v >= 0, "an integer >= 0 or null"),
+    "launched_by": (lambda v: v is None or isinstance(v, dict), "a mapping or null"),
+}
+_REQUIRED = ("pid", "started", "cmd")
+
+
+def record_error(data) -> Optional[str]:
+    """What is wrong with a record (`field: what is accepted, got what`), None if it is valid."""
+    if not isinstance(data, dict):
+        return f"the record must be a mapping, got {type(data).__name__}"
+    if not _is_int(data.get("node")) or data["node"] < 0:
+        return f"node must be an integer >= 0, got {data.get('node')!r}"
+    if data.get("weight_group") is not None and not isinstance(data["weight_group"], str):
+        return f"weight_group must be a string or null, got {data['weight_group']!r}"
+    servers = data.get("servers")
+    if not isinstance(servers, dict):
+        return f"servers must be a mapping of server name to entry, got {servers!r}"
+    for name, entry in servers.items():
+        if not isinstance(entry, dict):
+            return f"servers.{name} must be a mapping, got {entry!r}"
+        for field, (ok, accepted) in _ENTRY.items():
+            if field not in entry and field in _REQUIRED:
+                return f"servers.{name}.{field} is missing (must be {accepted})"
+            if field in entry and not ok(entry[field]):
+                return f"servers.{name}.{field} must be {accepted}, got {entry[field]!r}"
+    return None
+
+
 def read_record(path: str) -> dict:
-    """The record an earlier attempt wrote ({} if none, or if it does not parse: its servers are then unknown and
-    are not reused; the lease stops them)."""
+    """The record an earlier attempt wrote, validated ({} if there is none). One that does not parse or is not
+    valid (record_error) is refused in one line naming the file and the field, and set aside as PATH.bad (kept for
+    a look, never deleted); the start then goes on as if there were none: its servers are not reused or signalled
+    (their pids are not trusted), the node's servers are launched anew, and one of its servers still holding its
+    port stops the start there (services.Services: "port ... is already in use")."""
     try:
         with open(path) as f:
             data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as e:
+        why = f"it could not be read as JSON ({e})"
+    else:
+        why = record_error(data)
+        if why is None:
+            return data
+    aside = path + ".bad"
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+    print(f"[train] warning: the server record {path} is refused: {why}; kept as {aside}, its servers are not reused "
+          "and the node's servers are launched anew", file=sys.stderr, flush=True)
+    return {}
 
 
 def write_record(path: str, record: dict) -> None:
@@ -72,10 +134,31 @@ def start_time(pid: int) -> Optional[str]:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+def not_our_server(pid: int) -> Optional[str]:
+    """Why process `pid` is not a watchdog of this file running a server services.py launches (None if it is): its
+    command line (/proc/PID/cmdline) must be `PYTHON <this lease.py> ... -- PYTHON -m <SERVER_MODULES> ...` and it
+    must lead its own session and process group (what `stop` kills with killpg)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")[:-1]
+        group, session = os.getpgid(pid), os.getsid(pid)
+    except (OSError, ProcessLookupError):
+        return "it is gone"
+    shown = " ".join(argv)[:200] or "empty"
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    if len(argv) < 2 or os.path.realpath(argv[1]) != HERE or cmd[1:2] != ["-m"] or cmd[2:3] not in (
+            [m] for m in SERVER_MODULES):
+        return f"its command line ({shown}) is not {HERE} running one of {', '.join(SERVER_MODULES)}"
+    if group != pid or session != pid:
+        return f"it does not lead its own session and process group (group {group}, session {session})"
+    return None
+
+
 class Adopted:
     """A server that an earlier attempt launched, as services.Services supervises its own (subprocess.Popen's
-    pid / poll / terminate / kill / wait). Not our child: its exit status went to the attempt that launched it
-    (returncode None once it is gone), and it is reaped by init."""
+    pid / poll / terminate / kill / wait): the pid of its watchdog (main), which the server dies with. Not our
+    child: its exit status went to the attempt that launched it (returncode None once it is gone), and it is reaped
+    by init."""
 
     def __init__(self, pid: int, started: str):
         self.pid, self.started, self.returncode = pid, started, None
@@ -113,51 +196,127 @@ class Adopted:
         return self.returncode
 
 
-def adopt(entry: Optional[dict]) -> Optional[Adopted]:
-    """The recorded server if its process still runs (same pid and start time), else None."""
-    if not entry or not isinstance(entry.get("pid"), int):
+def adopt(entry: Optional[dict], name: str = "a recorded server") -> Optional[Adopted]:
+    """The recorded server (an entry read_record validated) if its process still runs (same pid and start time) and
+    is one of ours (not_our_server), else None. A live process with the recorded pid and start time that is not one
+    of ours is left alone, with a warning: it is never signalled."""
+    if not entry or not _is_int(entry.get("pid")) or entry["pid"] <= 1:
         return None
     started = start_time(entry["pid"])
-    return Adopted(entry["pid"], started) if started is not None and started == entry.get("started") else None
+    if started is None or started != entry.get("started"):
+        return None
+    why = not_our_server(entry["pid"])
+    if why is not None:
+        print(f"[train] warning: {name}'s recorded pid {entry['pid']} runs but is not a server this run launched "
+              f"({why}); it is left alone", file=sys.stderr, flush=True)
+        return None
+    return Adopted(entry["pid"], started)
+
+
+def _leads_group(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return os.getpgid(pid) == pid
+    return False
 
 
 def stop(proc, grace_s: float = STOP_GRACE_S) -> None:
-    """Stop a server and everything in its session: SIGTERM, then SIGKILL to the session after grace_s."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(proc.pid, signal.SIGTERM)
+    """Stop a server and everything in its session: SIGTERM, then SIGKILL to its process group after grace_s, only
+    while the process leads that group (a watchdog leads its session; an Adopted was checked by adopt, and its start
+    time is checked again before each signal)."""
+    if isinstance(proc, Adopted):
+        proc.terminate()
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, signal.SIGTERM)
     with contextlib.suppress(Exception):
         proc.wait(grace_s)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # its session (it leads it): what the server itself started
+    if not isinstance(proc, Adopted) or not proc.exited() and _leads_group(proc.pid):  # a Popen: spawned to lead it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its session (it leads it): what the server itself started
     with contextlib.suppress(Exception):
         proc.wait(grace_s)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The lease (trainer side): renewed while the step loop makes progress
+# ---------------------------------------------------------------------------------------------------------------
+
+_beat = [time.monotonic(), 0.0]  # the step loop's last sign of progress (monotonic s), and the extra time declared
+
+
+def beat(expect_s: float = 0.0) -> None:
+    """The step loop made progress (train.run_steps beats at each phase and while it waits for groups; the
+    evaluator while trajectories finish); expect_s: the next beat may come this much later than the stall bound
+    (a phase that declares its own duration)."""
+    _beat[:] = [time.monotonic(), float(expect_s)]
+
+
+def stalled_s() -> float:
+    """Seconds since the last beat, less what the last beat declared it might take."""
+    return time.monotonic() - _beat[0] - _beat[1]
+
+
+def owner() -> dict:
+    """This process as a lease's owner: pid, start time, and torchrun's attempt on this node."""
+    return {"pid": os.getpid(), "started": start_time(os.getpid()),
+            "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
 
 
 class Lease:
-    """The trainer side of the lease: a thread that sets the lease file's mtime to now every RENEW_S."""
+    """The trainer side of the lease: a thread that sets the lease file's mtime to now every RENEW_S while the step
+    loop beats (stall_s: no beat for that long (rollout.server_stall_s) and renewal stops, so a wedged but live
+    trainer's servers stop rollout.server_keepalive_s later; a beat after that renews again). The file holds its
+    owner (`owner`): a clean close removes only a lease that is its own."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, stall_s: Optional[float] = None):
+        self.path, self.stall_s = path, stall_s
         self.stopped = False
         self.thread = None
+        self.lapsed = False  # renewal stopped for a stall (printed once per stall)
 
     def renew(self) -> None:
+        """Take the lease: write this process as its owner (atomically) and set its mtime to now."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "a"):
-            pass
-        os.utime(self.path)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(owner(), f)
+        os.replace(tmp, self.path)
+
+    def owned(self) -> bool:
+        """Whether the lease file names this process as its owner."""
+        try:
+            with open(self.path) as f:
+                return json.load(f) == owner()
+        except (OSError, ValueError):
+            return False
+
+    def tick(self) -> bool:
+        """One look of the renewal thread: renew unless the step loop stalled; True if it renewed."""
+        idle = stalled_s()
+        if self.stall_s is not None and idle > self.stall_s:
+            if not self.lapsed:
+                self.lapsed = True
+                print(f"[train] warning: the step loop made no progress for {idle:.0f} s (rollout.server_stall_s="
+                      f"{self.stall_s:g}); the servers' lease {self.path} is no longer renewed and they stop after "
+                      "rollout.server_keepalive_s unless the loop goes on", file=sys.stderr, flush=True)
+            return False
+        self.lapsed = False
+        with contextlib.suppress(OSError):  # only the mtime: a lease file removed (a clean close, or the run
+            os.utime(self.path)  # directory gone) stays gone, and the servers stop after rollout.server_keepalive_s
+            return True
+        return False
 
     def start(self) -> None:
         import threading
 
         if self.thread is not None:
             return
+        beat()
         self.renew()
 
-        def loop():  # only the mtime: a lease file removed (a clean close, or the run directory gone) stays gone,
-            while not self.stopped:  # and the servers stop after rollout.server_keepalive_s
-                with contextlib.suppress(OSError):
-                    os.utime(self.path)
+        def loop():
+            while not self.stopped:
+                self.tick()
                 time.sleep(RENEW_S)
         self.thread = threading.Thread(target=loop, name="server-lease", daemon=True)
         self.thread.start()
@@ -217,57 +376,85 @@ def takeover(url: str, api_key: Optional[str], wait_s: float, pause_timeout_s: f
 # The server side: the launcher and its watchdog
 # ---------------------------------------------------------------------------------------------------------------
 
-def _watch(server_pid: int, lease: str, keepalive_s: float) -> None:
-    """The watchdog: until the server exits (PR_SET_PDEATHSIG ends this process then) or its lease expires."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the session's stop below reaches this process too
-    last = time.time()
+def _session_others(session: int) -> list[int]:
+    """The processes of process group `session` other than this one (/proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) == session:
+                        out.append(int(entry))
+    return out
+
+
+def _watch(server: int, lease: str, keepalive_s: float) -> int:
+    """The watchdog, the server's parent: until the server exits, a SIGTERM comes (forwarded), or the lease is not
+    renewed for keepalive_s (the session stopped). Returns the server's wait status."""
+    told = []
+    signal.signal(signal.SIGTERM, lambda *_: told.append(signal.SIGTERM))
+    last, look = time.time(), 0.0
     while True:
-        time.sleep(min(RENEW_S, keepalive_s / 4))
-        if os.getppid() != server_pid:
-            return
-        with contextlib.suppress(OSError):
-            last = max(last, os.stat(lease).st_mtime)
-        if time.time() - last > keepalive_s:
+        pid, status = os.waitpid(server, os.WNOHANG)
+        if pid == server:
+            return status
+        if told:
             break
-    print(f"lease.py: {lease} was not renewed for {keepalive_s:g} s (rollout.server_keepalive_s): no trainer uses "
-          f"this server any more; stopping it (pid {server_pid})", file=sys.stderr, flush=True)
+        if time.monotonic() >= look:
+            look = time.monotonic() + min(RENEW_S, keepalive_s / 4)
+            with contextlib.suppress(OSError):
+                last = max(last, os.stat(lease).st_mtime)
+            if time.time() - last > keepalive_s:
+                print(f"lease.py: {lease} was not renewed for {keepalive_s:g} s (rollout.server_keepalive_s): no "
+                      f"trainer uses this server any more; stopping it (pid {server})", file=sys.stderr, flush=True)
+                break
+        time.sleep(TICK_S)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(server_pid, signal.SIGTERM)
-    deadline = time.time() + STOP_GRACE_S
-    while os.getppid() == server_pid and time.time() < deadline:
-        time.sleep(0.1)
+        os.kill(server, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(server, os.WNOHANG)
+        if pid == server:
+            return status
+        time.sleep(TICK_S)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(server_pid, signal.SIGKILL)  # this process too
+        os.kill(server, signal.SIGKILL)
+    return os.waitpid(server, 0)[1]
 
 
 def main(argv: Optional[list] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "watch":
-        p = argparse.ArgumentParser(prog="lease.py watch")
-        p.add_argument("--server-pid", type=int, required=True)
-        p.add_argument("--lease", required=True)
-        p.add_argument("--keepalive-s", type=float, required=True)
-        a = p.parse_args(argv[1:])
-        _watch(a.server_pid, a.lease, a.keepalive_s)
-        os._exit(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lease", required=True, help="the lease file whose mtime the trainer renews")
     p.add_argument("--keepalive-s", type=float, required=True, help="stop the server when the lease is this old")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the server's command line")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
-    if not command or a.keepalive_s <= 0:
-        p.error("needs --keepalive-s > 0 and a command after --")
+    if not command or not 0 < a.keepalive_s < float("inf"):
+        p.error("needs a finite --keepalive-s > 0 and a command after --")
     with contextlib.suppress(PermissionError):  # a session of its own (already so when services.py starts it)
         os.setsid()
-    server = os.getpid()
-    if os.fork() == 0:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the watchdog ends with the server
-        if os.getppid() != server:  # the server failed to start before the line above
-            os._exit(0)
-        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), "watch", "--server-pid", str(server),
-                                  "--lease", a.lease, "--keepalive-s", str(a.keepalive_s)])
-    os.execvp(command[0], command)  # this pid becomes the server's
+    watchdog = os.getpid()
+    server = os.fork()
+    if server == 0:
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the server ends with its watchdog
+            if os.getppid() != watchdog:  # the watchdog died before the line above
+                os._exit(1)
+            os.execvp(command[0], command)
+        except BaseException as e:
+            print(f"lease.py: could not start {command[0]}: {e}", file=sys.stderr, flush=True)
+        os._exit(127)
+    status = _watch(server, a.lease, a.keepalive_s)
+    for pid in _session_others(watchdog):  # what the server started in its session and left behind
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if os.WIFSIGNALED(status):  # exit as the server did: services.Services reports the watchdog's status as its own
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL has no handler to reset)
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.stdout.flush()
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
 if __name__ == "__main__":

@@ -968,6 +968,8 @@ def generate_dataset(cfg, prompts: list[dict], sync: SyncFleet, tokenizer, progr
                      ) -> tuple[DatasetBuffer, dict]:
     """Generate and score N trajectories for every prompt; returns the filled DatasetBuffer and a summary dict.
     Unset rollout.async_max_concurrent_samples means the fleet's concurrency here (there is no capacity C)."""
+    import lease
+
     if cfg.rollout.async_max_concurrent_samples is None:
         cfg.rollout.async_max_concurrent_samples = sync.concurrency()
     buf = DatasetBuffer(prompts, cfg.N)
@@ -976,12 +978,14 @@ def generate_dataset(cfg, prompts: list[dict], sync: SyncFleet, tokenizer, progr
     rollout.start()
     finished = -1
     try:
+        lease.beat(progress_timeout_s)  # the servers' lease (the evaluator): progress is a trajectory finishing
         while not buf.done.wait(progress_timeout_s):
             now = sum(len(v) for v in buf.results.values())
             if now == finished:
                 raise TimeoutError(f"no trajectory finished in {progress_timeout_s} s ({now} of "
                                    f"{cfg.N * len(prompts)} done); are the servers in rollout.servers alive?")
             finished = now
+            lease.beat(progress_timeout_s)
         metrics = rollout.step_metrics()
     finally:
         rollout.stop()

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Optional
 
+import config as config_lib
 import lease
 import remote
 
@@ -409,11 +410,11 @@ class Services:
         earlier = lease.read_record(path)
         self.stale_group = earlier.get("weight_group")
         self.record = {"node": node, "weight_group": None, "servers": {}}
-        self.lease = self.lease or lease.Lease(lease_path)
+        self.lease = self.lease or lease.Lease(lease_path, config_lib.server_stall_s(self.cfg))
         self.lease.start()
         ours = {f"server_{i}" for i, layout in enumerate(r.server_layout) if layout.node == node}
         for name, old in earlier.get("servers", {}).items():  # kept alive by our lease, which no one would end
-            proc = None if name in ours else lease.adopt(old)
+            proc = None if name in ours else lease.adopt(old, name)
             if proc is not None:
                 print(f"[train] stopping {name} (pid {proc.pid}), which an earlier attempt launched: this run's "
                       f"rollout.server_layout has no {name} on node {node}", flush=True)
@@ -427,7 +428,7 @@ class Services:
             urls[i] = f"http://{server_address(r.sglang_args.host, node)}:{port}"
             self.servers[name] = (cmd, env, urls[i])
             old = earlier.get("servers", {}).get(name)
-            proc = lease.adopt(old)
+            proc = lease.adopt(old, name)
             if proc is not None:
                 why = ("rollout.reuse_servers is false" if not r.reuse_servers else
                        "colocated servers are not reused" if self.cfg.colocate else
@@ -684,8 +685,6 @@ class Services:
         servers' key file (rollout.sglang_args.api_key_file), never holds a key."""
         import yaml
 
-        import config as config_lib
-
         path = os.path.join(self.cfg.run_dir, "config.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(config_lib.to_dict(self.cfg), f, sort_keys=False)
@@ -736,12 +735,12 @@ class Services:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
-            if name in self.servers:  # what the server started, in its session
-                with contextlib.suppress(ProcessLookupError, PermissionError):
+            if name in self.servers and not isinstance(p, lease.Adopted):  # what the server started, in the
+                with contextlib.suppress(ProcessLookupError, PermissionError):  # session it leads (spawn made it)
                     os.killpg(p.pid, signal.SIGKILL)
-        if self.lease is not None:
+        if self.lease is not None:  # the record and lease, unless another process took the lease meanwhile
             self.lease.stop()
-            for path in () if keep_servers else lease.paths(self.cfg.run_dir, self.node):
+            for path in () if keep_servers or not self.lease.owned() else lease.paths(self.cfg.run_dir, self.node):
                 with contextlib.suppress(OSError):
                     os.remove(path)
 

@@ -50,6 +50,7 @@ import buffer as buffer_lib  # noqa: E402
 import checkpoint  # noqa: E402
 import checks  # noqa: E402
 import config as config_lib  # noqa: E402
+import lease  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import preemption  # noqa: E402
@@ -74,6 +75,7 @@ def fetch(cfg, buffer, k: int, step: int, logger, servers: Optional[Callable[[],
     t0 = time.monotonic()
     mark = every or limit
     while True:
+        lease.beat()  # waiting within buffer.get_timeout_s is progress (the servers' lease: lease.beat)
         w = buffer.wait(k, max(0.0, t0 + min(mark, limit) - time.monotonic()))
         if w.get("stop"):
             raise buffer_lib.NothingToTrain(w["stop"])
@@ -127,6 +129,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
     if rank == 0:
         rollout.start()  # idempotent; the producer starts filling the buffer with the current weights
     for step in range(start_step, total):
+        lease.beat()  # each phase below beats as it starts: the servers' lease is renewed while the loop goes on
         t_step = time.perf_counter()
         m: dict = {}
         records: list[dict] = []  # one per training call, aggregated by the spec's naming rule
@@ -158,6 +161,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
                 rec.update(trained_group_metrics(groups))
                 prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
                 samples += train_samples(groups, cfg.logging.train_samples, len(samples))
+            lease.beat()
             t0 = time.perf_counter()
             out = actor.train_minibatch(groups, step) or {}
             rec["timing/train"] = time.perf_counter() - t0 - out.get("timing/process_traj", 0.0)
@@ -167,6 +171,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         save = save or stop
 
         # ---- pause: the producer stops at the step boundary (colocate: the servers take their weights back) ----
+        lease.beat()
         if rank == 0 and not sync_mode:  # before a checkpoint every request comes back, to be in it
             m.update(rollout.pause(save))
         if sync_mode and cfg.colocate:
@@ -177,12 +182,14 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 
         # ---- checkpoint (buffer state taken while paused: unconsumed, in-flight and restored groups are in it) ----
         if save:
+            lease.beat()
             t0 = time.perf_counter()
             run_state = {"step": done, "weight_version": done, "buffer": buffer.state_dict()} if rank == 0 else None
             actor.save_checkpoint(done, run_state)
             m["timing/save_ckpt"] = time.perf_counter() - t0
 
         # ---- weight sync (servers flush their cache unless in_place, serve version step + 1) ----
+        lease.beat()
         t0 = time.perf_counter()
         out = {} if stop else dict(actor.sync_weights(done) or {})
         m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
@@ -199,6 +206,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         m["timing/step"] = time.perf_counter() - t_step
         m["perf/wait_ratio"] = min(1.0, max(0.0, 1.0 - m.get("timing/train", 0.0) / max(m["timing/step"], 1e-9)))
         if evaluate is not None and ((cfg.trainer.eval_freq and done % cfg.trainer.eval_freq == 0) or done == total):
+            lease.beat()  # the evaluator beats as its trajectories finish (rollout.generate_dataset)
             m.update(evaluate(done) if not stop else {})
         m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
         logger.log(done, m)
@@ -262,8 +270,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                                          if store is not None else {}))
     # The control group's timeout covers rank 0's longest wait between two collectives (data, pause, server
     # start-up), which the other ranks spend in it.
-    ctrl_s = b.get_timeout_s + r.pause_timeout_s + r.startup_timeout_s + cfg.weight_sync.timeout_s + 600
-    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctrl_s))
+    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config_lib.control_timeout_s(cfg)))
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -324,6 +331,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             services = services_lib.for_node(cfg, local_rank, launched)
 
         # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) ----
+        lease.beat()
         run_state = None
         if resume_path:
             run_state = actor.load_checkpoint(resume_path) if actor else checkpoint.load_run_state(resume_path)
@@ -355,6 +363,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 buf.load_state_dict(run_state["buffer"])
 
         # ---- the servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step ----
+        lease.beat()
         t0 = time.perf_counter()
         if isinstance(actor, Actor) and actor.colocate.released:
             actor.memory_to_servers()
@@ -377,6 +386,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         # ---- final HF export ----
         if cfg.trainer.export_hf and isinstance(actor, Actor) and not preemption.stopped():
+            lease.beat()
             actor.export_hf(os.path.join(cfg.run_dir, "hf"))
             if rank == 0:
                 print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)

@@ -81,27 +81,27 @@ def test_every_torchrun_attempt_agrees_on_a_key_prefix_of_its_own():
 
 
 def test_a_server_whose_lease_lapses_stops_by_itself_with_its_session(tmp_path):
-    """lease.py: while the lease is renewed the server runs past --keepalive-s; once it is not, the watchdog stops
-    the server and what it started in its session, and ends with it. ~6 s."""
+    """lease.py: while the lease is renewed the server runs past --keepalive-s; once it is not, the watchdog (the
+    server's parent, the pid services.py supervises) stops the server and what it started in its session, and exits
+    as the server did. ~6 s."""
     path = str(tmp_path / "node0.lease")
     renewer = lease.Lease(path)
     renewer.start()
     # the "server": a shell that starts a child of its own in its session, as SGLang starts its schedulers
     p = subprocess.Popen([PY, os.path.join(ROOT, "lease.py"), "--lease", path, "--keepalive-s", "1.5", "--", "sh",
-                          "-c", "sleep 120 & echo $! > child; wait"], cwd=tmp_path, start_new_session=True,
-                         stderr=subprocess.PIPE, text=True)
+                          "-c", "echo $$ > server; sleep 120 & echo $! > child; wait"], cwd=tmp_path,
+                         start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip(), 10, "the child")
-        child = int((tmp_path / "child").read_text())
-        _wait(lambda: _pids(f"lease.py watch --server-pid {p.pid}"), 10, "the watchdog")
-        [watchdog] = _pids(f"lease.py watch --server-pid {p.pid}")
+        _wait(lambda: all((tmp_path / f).exists() and (tmp_path / f).read_text().strip() for f in ("server", "child")),
+              10, "the server and its child")
+        server, child = int((tmp_path / "server").read_text()), int((tmp_path / "child").read_text())
         time.sleep(3.0)  # twice the keepalive: renewed, so still up
-        assert p.poll() is None and not _gone(child)
+        assert p.poll() is None and not _gone(server) and not _gone(child)
         renewer.stop()
         t0 = time.monotonic()
         p.wait(15)
         assert time.monotonic() - t0 < 1.5 + lease.RENEW_S + 7.5  # the keepalive, a look, margin for a loaded CI
-        _wait(lambda: _gone(child) and _gone(watchdog), 5, "the server's child and its watchdog gone")
+        _wait(lambda: _gone(server) and _gone(child), 5, "the server and its child gone")
         assert p.returncode == -signal.SIGTERM
         assert "was not renewed for 1.5 s (rollout.server_keepalive_s)" in p.stderr.read()
     finally:
@@ -122,13 +122,19 @@ def test_recorded_servers_are_kept_only_alive_with_this_runs_arguments(tmp_path,
     with this run's arguments (kept: no new process, its pid and weight version taken over), server_1 runs with
     other arguments (stopped, launched anew), server_2's process is gone (launched anew), server_3 is not in this
     run's layout (stopped: our lease would keep it alive); rollout.reuse_servers=false stops and relaunches every
-    one. Sleeping processes under lease.py stand for the servers. ~1 s."""
+    one. Sleeping processes under lease.py stand for the servers. ~2 s."""
     cfg = _cfg(tmp_path, f"rollout.reuse_servers={str(reuse).lower()}")
     svc = services.Services(cfg)
     record_path, lease_path = lease.paths(str(tmp_path), 0)
     lease.Lease(lease_path).renew()
+    fake = tmp_path / "fake" / "sglang"  # `python -m sglang.launch_server` that sleeps: a server's command line
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text("import time\ntime.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake")}
     procs = [subprocess.Popen([PY, os.path.join(ROOT, "lease.py"), "--lease", lease_path, "--keepalive-s", "60",
-                               "--", "sleep", "120"], start_new_session=True) for _ in range(4)]
+                               "--", PY, "-m", "sglang.launch_server"], env=env, start_new_session=True)
+             for _ in range(4)]
     try:
         procs[2].kill()
         procs[2].wait()

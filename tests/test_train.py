@@ -429,8 +429,9 @@ def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tm
                           "data_source.num_prompts=20", "trainer.total_steps=5"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_steps(str(run_dir), 1, p)
-    [pid] = _pids("standins.engine", tiny_model)
-    os.kill(pid, signal.SIGKILL)
+    [pid] = _pids("lease.py", "standins.engine", tiny_model)  # the watchdog, which services.py supervises
+    [server] = [q for q in _pids("standins.engine", tiny_model) if q != pid]  # its child, the engine
+    os.kill(server, signal.SIGKILL)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 0, err[-3000:]
     assert f"the server_0 process (pid {pid}) was killed by SIGKILL; relaunching it" in err, err[-3000:]
