@@ -69,15 +69,25 @@ def claim(cfg) -> Claim:
         elif resume != "none":
             path = resume
         fresh = path is None and (resume == "none" or dir_id is None)
+        # this run's inputs, never results: a model, or the saved groups run_mode=train-only trains on
+        inputs = (cfg.model.path, cfg.trainer.rollout_dir or (os.path.join(run_dir, "rollouts")
+                                                             if cfg.run_mode == "train-only" else None))
         if fresh:
-            found = results(run_dir)
+            found = results(run_dir, skip=inputs)
+            if found and cfg.run_mode == "train-only" and not cfg.trainer.rollout_dir:
+                raise RunDirError(f"run_dir {run_dir} holds another run's results ({describe(dir_id, found)}); "
+                                  "run_mode=train-only trains in a run_dir of its own on a rollout-only run's groups: "
+                                  f"give run_dir=<new directory> trainer.rollout_dir={run_dir}/rollouts")
             if found and not cfg.trainer.overwrite:
+                steps = checkpoint.steps_of(os.path.join(run_dir, "checkpoints"))
+                more = (f" with a trainer.total_steps above {steps[-1][0]}"
+                        if steps and steps[-1][0] >= cfg.trainer.total_steps else "")
                 raise RunDirError(f"run_dir {run_dir} holds another run's results ({describe(dir_id, found)}); add "
-                                  "trainer.resume=auto to continue it, or trainer.overwrite=true to start over (its "
-                                  f"files are moved into {run_dir}/old-<time>/, nothing is deleted), or give another "
-                                  "run_dir")
+                                  f"trainer.resume=auto{more} to continue it, or trainer.overwrite=true to start "
+                                  f"over (its files are moved into {run_dir}/old-<time>/, nothing is deleted), or "
+                                  "give another run_dir")
             if found:
-                moved_to, names = move_aside(run_dir, keep=(cfg.model.path, cfg.trainer.rollout_dir))
+                moved_to, names = move_aside(run_dir, keep=inputs)
                 print(f"[train] trainer.overwrite=true: the results of the run before ({describe(dir_id, found)}) "
                       f"moved into {moved_to}/: {', '.join(names)}", flush=True)
             run_id = new_run_id()
@@ -180,9 +190,10 @@ def _write_holder(fd: int, run_id: Optional[str]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # What run_dir holds
 
-def results(run_dir: str) -> list[str]:
-    """What of a run's results run_dir holds, each in a few words (empty: nothing a fresh start would hide)."""
-    found = []
+def results(run_dir: str, skip=()) -> list[str]:
+    """What of a run's results run_dir holds, each in a few words (empty: nothing a fresh start would hide); a path
+    in `skip` (this run's inputs) is not one."""
+    found, skip = [], [os.path.realpath(p) for p in skip if p]
     steps = [s for s, _ in checkpoint.steps_of(os.path.join(run_dir, "checkpoints"))]
     if steps:
         found.append(f"checkpoints of steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else
@@ -196,7 +207,7 @@ def results(run_dir: str) -> list[str]:
     for name, what in (("waiting.jsonl", "waiting.jsonl"), ("samples", "samples/"), ("rollouts", "saved rollouts"),
                        ("hf", "an HF export (hf/)")):
         p = os.path.join(run_dir, name)
-        if _nonempty(p):
+        if _nonempty(p) and os.path.realpath(p) not in skip:
             found.append(what)
     return found
 

@@ -15,7 +15,11 @@ import fractions
 import hashlib
 import json
 import os
+import select
 import socket
+import subprocess
+import sys
+import time
 
 import numpy
 import pytest
@@ -29,7 +33,7 @@ import rundir
 from buffer import COMPLETED, FAILED, Trajectory
 from run_modes import RolloutRecorder
 from test_bad_values import _rollout
-from test_train import TINY, _expect_exit, _write_checkpoint
+from test_train import ROOT, TINY, _expect_exit, _write_checkpoint
 
 
 def _cfg(run_dir, *overrides):
@@ -90,6 +94,44 @@ def test_a_second_run_in_a_run_dir_whose_lock_is_held_is_refused_naming_the_hold
         again.release()
 
 
+_HOLD = """
+import sys, time
+import config, rundir
+cfg = config.load_config(None, [f"run_dir={sys.argv[1]}", f"model.path={sys.argv[1]}/base"])
+claim = rundir.claim(cfg)
+print(claim.run_id, flush=True)
+time.sleep(120)
+"""
+
+
+def test_another_process_holding_run_dir_refuses_this_one_until_it_is_killed(tmp_path):
+    """Two processes: while one holds run_dir (as rank 0 of a live run does), a claim from this one, fresh or with
+    resume=auto or overwrite, is refused at once naming the holder's pid and host, and changes no file; once the
+    holder is SIGKILLed the kernel has let go, and resume=auto continues its run id at once."""
+    run_dir = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, run_dir], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], 60)
+        run_id = holder.stdout.readline().strip() if ready else ""
+        assert run_id, "the holding process printed no run id within 60 s"
+        before = _digest(run_dir)
+        for extra in ([], ["trainer.resume=auto"], ["trainer.overwrite=true"]):
+            t0 = time.monotonic()
+            with pytest.raises(rundir.RunDirError) as e:
+                rundir.claim(_cfg(run_dir, *extra))
+            assert time.monotonic() - t0 < 2
+            assert f"run_dir {run_dir} is in use by run {run_id} (pid {holder.pid} on {socket.gethostname()}" \
+                in str(e.value)
+        assert _digest(run_dir) == before
+    finally:
+        holder.kill()
+        holder.wait(30)
+    t0 = time.monotonic()
+    claim = rundir.claim(_cfg(run_dir, "trainer.resume=auto"))
+    claim.release()
+    assert claim.run_id == run_id and time.monotonic() - t0 < 2
+
+
 def test_a_lock_file_whose_recorded_holder_is_gone_is_taken(tmp_path):
     """A run.lock left by a process that died (its flock went with it) holds nothing."""
     run_dir = tmp_path / "run"
@@ -135,6 +177,28 @@ def test_a_fresh_run_refuses_another_runs_results_and_overwrite_moves_them_aside
         assert [json.loads(ln)["step"] for ln in open(os.path.join(run_dir, "metrics.jsonl"))] == [1]
     finally:
         claim.release()
+
+
+def test_train_only_keeps_its_input_and_is_sent_to_a_run_dir_of_its_own(tmp_path):
+    """run_mode=train-only: run_dir/rollouts is its input (trainer.rollout_dir unset), not a result; in a rollout-only
+    run's run_dir it is refused naming the settings that work, even with overwrite (which would move its input away);
+    a run_dir holding only the saved groups starts, and overwrite keeps them."""
+    run_dir = str(tmp_path / "run")
+    _a_finished_run(run_dir)
+    os.makedirs(os.path.join(run_dir, "rollouts"))
+    with open(os.path.join(run_dir, "rollouts", "step_000000.pt"), "wb") as f:
+        f.write(b"x")
+    for extra in ([], ["trainer.overwrite=true"]):
+        with pytest.raises(rundir.RunDirError) as e:
+            rundir.claim(_cfg(run_dir, "run_mode=train-only", "fully_async.enable=false", *extra))
+        assert f"give run_dir=<new directory> trainer.rollout_dir={run_dir}/rollouts" in str(e.value)
+    assert os.path.exists(os.path.join(run_dir, "rollouts", "step_000000.pt"))
+    alone = str(tmp_path / "alone")
+    os.makedirs(alone)
+    os.rename(os.path.join(run_dir, "rollouts"), os.path.join(alone, "rollouts"))
+    claim = rundir.claim(_cfg(alone, "run_mode=train-only", "fully_async.enable=false"))
+    claim.release()
+    assert claim.fresh and os.path.exists(os.path.join(alone, "rollouts", "step_000000.pt"))
 
 
 def test_train_py_refuses_a_second_fresh_run_in_one_sentence(tmp_path, capsys):

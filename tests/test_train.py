@@ -303,7 +303,8 @@ def test_latest_checkpoint_skips_those_that_do_not_load(tmp_path, capsys):
     _truncate(os.path.join(cut_shard, shard))
     cut_state = _write_checkpoint(run_dir, 3)
     _truncate(os.path.join(cut_state, "run_state.pt"))
-    code = _write_checkpoint(run_dir, 4, shards=False, state={"step": 4, "x": _RunsCode(tmp_path / "ran")})
+    code = _write_checkpoint(run_dir, 4)  # its run_state.pt replaced by one that would run code (commit refuses it)
+    torch.save({"step": 4, "x": _RunsCode(tmp_path / "ran")}, os.path.join(code, "run_state.pt"))
     os.makedirs(os.path.join(run_dir, "checkpoints", "step_000005.tmp"))  # a save in progress
     capsys.readouterr()
     assert checkpoint.latest_checkpoint(run_dir) == good
