@@ -280,12 +280,7 @@ def _write_checkpoint(run_dir, step: int, shards: bool = True, state=None) -> st
     os.makedirs(path + ".tmp")
     if shards:
         dcp.save({"model": {"w": torch.arange(4096.0)}}, checkpoint_id=path + ".tmp", no_dist=True)
-    state = state or {"step": step, "rng": [checkpoint.rng_state()]}
-    if checkpoint.unloadable(state, "run_state") is None:
-        checkpoint.commit(path + ".tmp", path, state)
-    else:  # a forged run_state.pt, which commit would refuse to write
-        torch.save(state, os.path.join(path + ".tmp", "run_state.pt"))
-        os.replace(path + ".tmp", path)
+    checkpoint.commit(path + ".tmp", path, state or {"step": step, "rng": [checkpoint.rng_state()]})
     return path
 
 
