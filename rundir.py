@@ -174,7 +174,8 @@ def _busy(run_dir: str, path: str, holder) -> str:
     who = "another process"
     if isinstance(holder, dict) and "pid" in holder:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("time", 0)))
-        who = f"run {holder.get('run_id')} (pid {holder['pid']} on {holder.get('host')}, since {since})"
+        who = (f"run {holder['run_id']}" if holder.get("run_id") else "a run") + \
+            f" (pid {holder['pid']} on {holder.get('host')}, since {since})"
     return (f"run_dir {run_dir} is in use by {who}, which holds its lock {path}; wait for that run to end or stop "
             f"it, or give this run another run_dir (`fuser -v {path}` names the process holding it)")
 

@@ -162,6 +162,9 @@ def test_a_fresh_run_refuses_another_runs_results_and_overwrite_moves_them_aside
         f"run_dir {run_dir} holds another run's results (run 20240101-000000-aaaaaa: checkpoints of steps 2-4, "
         "metrics.jsonl to step 4, samples/); add trainer.resume=auto to continue it, or trainer.overwrite=true to "
         f"start over (its files are moved into {run_dir}/old-<time>/, nothing is deleted), or give another run_dir")
+    with pytest.raises(rundir.RunDirError, match="add trainer.resume=auto with a trainer.total_steps above 4 to "
+                       "continue it, or trainer.overwrite=true"):
+        rundir.claim(_cfg(run_dir, "trainer.total_steps=4"))  # a finished run: resume=auto alone has nothing left
     assert {k: v for k, v in _digest(run_dir).items() if k != rundir.LOCK} == before
     claim = rundir.claim(_cfg(run_dir, "trainer.overwrite=true"))
     try:
@@ -319,8 +322,9 @@ def test_commit_refuses_a_run_state_that_a_weights_only_load_cannot_read(tmp_pat
 
 
 def test_plain_run_state_passes_and_commits(tmp_path):
-    plain = {"s": "x", "i": 1, "f": 0.5, "b": True, "n": None, "by": b"x", "t": torch.arange(3), "l": list(range(10000)),
-             "tu": (1, "a"), "set": {1, 2}, "nested": {"k": [{"v": torch.zeros(2)}]}, 3: "int key"}
+    plain = {"s": "x", "i": 1, "f": 0.5, "b": True, "n": None, "by": b"x", "t": torch.arange(3),
+             "l": list(range(10000)), "tu": (1, "a"), "set": {1, 2}, "nested": {"k": [{"v": torch.zeros(2)}]},
+             3: "int key"}
     assert checkpoint.unloadable(plain, "run_state") is None
     tmp = tmp_path / "step_000001.tmp"
     tmp.mkdir()
