@@ -120,13 +120,19 @@ def resume_auto(run_dir: str, shards: bool) -> Optional[str]:
 
 def resumed_run_id(run_dir: str, dir_id: Optional[str], path: Optional[str]) -> str:
     """The run id a resume continues: run_dir's (run.json), which the checkpoint `path` must carry if it carries
-    one; a checkpoint in a run_dir of none gives its own; one of neither gets a new id."""
+    one (one that carries none, from before run ids, must be in run_dir/checkpoints); a checkpoint in a run_dir of
+    none gives its own; one of neither gets a new id."""
     ckpt_id = checkpoint.load_run_state(path).get("run_id") if path else None
     if ckpt_id and dir_id and ckpt_id != dir_id:
         raise RunDirError(f"checkpoint {path} is of run {ckpt_id} but run_dir {run_dir} holds run {dir_id} "
                           f"({os.path.join(run_dir, RECORD)}): a run resumes only its own checkpoints; resume it in "
                           f"a run_dir of its own (trainer.resume={path} run_dir=...), or give a checkpoint of run "
                           f"{dir_id}")
+    ours = path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(os.path.join(run_dir, "checkpoints"))
+    if path and not ckpt_id and dir_id and not ours:
+        raise RunDirError(f"checkpoint {path} carries no run id (written before run ids) and is not in run_dir "
+                          f"{run_dir}, which holds run {dir_id}: nothing says it is of that run; resume it in a "
+                          f"run_dir of its own (trainer.resume={path} run_dir=...)")
     run_id = dir_id or ckpt_id or new_run_id()
     if path and not ckpt_id:
         print(f"[train] {path} carries no run id (written before run ids): resumed as run {run_id}; the checkpoints "

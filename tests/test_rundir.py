@@ -259,6 +259,10 @@ def test_checkpoints_carry_the_run_id_and_a_resume_refuses_another_runs(tmp_path
     assert claim.resume.endswith("step_000005") and json.load(open(os.path.join(old, rundir.RECORD)))["run_id"] == \
         claim.run_id
     assert "carries no run id (written before run ids): resumed as run" in capsys.readouterr().out
+    legacy = os.path.join(old, "checkpoints", "step_000005")  # into a run_dir of another run: nothing says whose
+    with pytest.raises(rundir.RunDirError, match=f"checkpoint {legacy} carries no run id .* is not in run_dir "
+                                                 f"{run_dir}, which holds run run-a"):
+        rundir.claim(_cfg(run_dir, "run_mode=rollout-only", "fully_async.enable=false", f"trainer.resume={legacy}"))
 
 
 def test_resume_auto_stops_naming_every_checkpoint_that_does_not_load(tmp_path, capsys):
