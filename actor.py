@@ -115,6 +115,7 @@ class Actor:
         self.services: Optional["Services"] = None  # rank 0: the launched servers (relaunched when they die)
         self.colocate = colocate_lib.Colocate(model, optimizer, device, ctrl)
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+        self.run_id: Optional[str] = None  # the run's id (rundir.claim): in every checkpoint's run_state
         self.probe: Optional[KLProbe] = None  # train/kl_to_start's probe set (every rank; pi_0 on rank 0)
         self.calls = (-1, 0)  # (step, training calls of it so far): the probe runs after a step's last one
 
@@ -309,7 +310,9 @@ class Actor:
 
     # ---- checkpoints (checkpoint.py): sharded model + optimizer (DCP) + run state ----
     def save_checkpoint(self, steps_done: int, run_state: Optional[dict]) -> None:
-        """run_state (rank 0's) with the KL probe set and its pi_0 logits, when there is one."""
+        """run_state (rank 0's) with the run id and the KL probe set and its pi_0 logits, when there is one."""
+        if run_state is not None:
+            run_state = {**run_state, "run_id": self.run_id}
         if run_state is not None and self.probe is not None:
             run_state = {**run_state, "kl_probe": self.probe.state()}
         checkpoint.save(self.model, self.opt, self.sched, self.ckpt_root, steps_done, run_state, self.ctrl,

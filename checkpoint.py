@@ -4,12 +4,17 @@ version, the buffer's state, the LR scheduler and every rank's RNG state). A dir
 renamed once complete (commit), so one without ".tmp" always loads; latest_checkpoint finds the newest that does.
 After each commit, prune keeps the newest trainer.keep_checkpoints and removes the .tmp of writes that failed; a write
 that fails (the disk full, partway through a shard) stops every rank with CheckpointWriteError, the previous
-checkpoint untouched. The final model as an HF checkpoint directory is hf_export.py's.
+checkpoint untouched. run_state.pt is loaded back (torch.load weights_only=True) before the rename, so every
+checkpoint that commits loads: a value a weights_only load refuses (a numpy scalar, a datetime, a frozenset) fails the
+write naming where it is. run_state carries the run's id (rundir.py; a resume refuses another run's). The final model
+as an HF checkpoint directory is hf_export.py's.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import glob
+import itertools
 import os
 import random
 import shutil
@@ -207,12 +212,24 @@ def set_rng_state(s: dict) -> None:
 
 
 def commit(tmp: str, path: str, run_state: dict) -> None:
-    """Write run_state.pt into the finished directory `tmp` and rename it to `path`, each step on disk before the
-    next (DCP fsyncs its own files): after a crash at any point, a directory without ".tmp" is complete."""
+    """Write run_state.pt into the finished directory `tmp`, load it back as resume will (weights_only), and rename
+    `tmp` to `path`, each step on disk before the next (DCP fsyncs its own files): after a crash at any point, a
+    directory without ".tmp" is complete and loads. A run_state holding what a weights_only load refuses raises
+    ValueError naming where, and nothing is renamed."""
+    problem = unloadable(run_state, "run_state")
+    if problem is not None:
+        raise ValueError(f"{problem}, so the checkpoint would not load")
     with open(os.path.join(tmp, "run_state.pt"), "wb") as f:
         torch.save(run_state, f)
         f.flush()
         os.fsync(f.fileno())
+    try:
+        load_run_state(tmp)
+    except Exception as e:  # what unloadable does not know of: torch's own word, its "Unsupported global" line
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        raise ValueError(f"run_state.pt does not load back (torch.load weights_only=True): {type(e).__name__}: "
+                         f"{why[:300]}") from e
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     fd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -222,14 +239,46 @@ def commit(tmp: str, path: str, run_state: dict) -> None:
         os.close(fd)
 
 
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, complex, torch.Size, torch.dtype, torch.device,
+                     torch.Tensor, torch.nn.Parameter})
+_SEQUENCES = (list, tuple, set)
+
+
+def unloadable(value, where: str) -> Optional[str]:
+    """Where in `value` (named `where`) the first thing is that torch.load(weights_only=True) refuses, and what it
+    is, e.g. "metadata['score'] holds a numpy.float64 (0.5)"; None when it is all plain data: str, int, float, bool,
+    None, bytes, complex, tensors, and lists, tuples, sets and dicts of them. Types are matched exactly: a numpy
+    scalar or an IntEnum subclasses int or float and is refused, as is a frozenset, a datetime or a Fraction."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        kind = type(v)
+        if kind in _LEAVES:
+            continue
+        if kind in _SEQUENCES:
+            if not set(map(type, v)) <= _LEAVES:  # (a long list of numbers is one C-level pass)
+                stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+            continue
+        if kind is dict or kind is collections.OrderedDict:
+            stack.extend(itertools.chain.from_iterable(((k, f"{at} key {k!r}"), (x, f"{at}[{k!r}]"))
+                                                       for k, x in v.items()))
+            continue
+        text = repr(v)
+        return (f"{at} holds a {kind.__module__}.{kind.__qualname__} ({text[:60]}{'...' if len(text) > 60 else ''}), "
+                "which torch.load(weights_only=True) refuses: only str, int, float, bool, None, bytes, tensors and "
+                "lists, tuples, sets and dicts of them")
+    return None
+
+
 def load_run_state(path: str) -> dict:
     """run_state.pt of a checkpoint directory: plain data only (weights_only=True: loading runs no code)."""
     return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)
 
 
-def checkpoint_problem(path: str) -> Optional[str]:
+def checkpoint_problem(path: str, shards: bool = True) -> Optional[str]:
     """Why the checkpoint directory `path` would not load, or None: run_state.pt unreadable, or the DCP shards
-    (when there are any; rollout-only checkpoints have none) without their metadata or shorter than it says."""
+    without their metadata or shorter than it says, or (shards: a training run resumes it) none at all: a directory
+    with run_state.pt alone is a rollout-only run's, or a training run's whose shards were lost."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -237,7 +286,8 @@ def checkpoint_problem(path: str) -> Optional[str]:
     except Exception as e:
         return f"run_state.pt does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if not glob.glob(os.path.join(path, "*.distcp")) and not os.path.exists(os.path.join(path, ".metadata")):
-        return None
+        return ("it has run_state.pt but no model and optimizer shards (no .metadata, no *.distcp): a rollout-only "
+                "run's, or its shards were removed") if shards else None
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:
@@ -252,16 +302,26 @@ def checkpoint_problem(path: str) -> Optional[str]:
     return None
 
 
-def latest_checkpoint(run_dir: str) -> Optional[str]:
-    """The newest run_dir/checkpoints/step_* that loads (being written ones end in .tmp), or None. Newer ones
-    that do not load are skipped with a warning naming each and why."""
+def newest_loading(run_dir: str, shards: bool = True) -> tuple[Optional[str], list]:
+    """(the newest run_dir/checkpoints/step_* that loads, or None; [(path, why)] of the newer ones that do not, newest
+    first). Directories being written end in .tmp and are not checkpoints."""
+    skipped = []
     for _, path in reversed(steps_of(os.path.join(run_dir, "checkpoints"))):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, shards)
         if problem is None:
-            return path
-        print(f"[train] warning: skipping checkpoint {path}: {problem}; trying the previous one", file=sys.stderr,
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def latest_checkpoint(run_dir: str, shards: bool = True) -> Optional[str]:
+    """The newest run_dir/checkpoints/step_* that loads, or None. Newer ones that do not load are skipped with a
+    warning naming each and why (trainer.resume=auto: rundir.claim, which stops when none loads)."""
+    path, skipped = newest_loading(run_dir, shards)
+    for bad, problem in skipped:
+        print(f"[train] warning: skipping checkpoint {bad}: {problem}; trying the previous one", file=sys.stderr,
               flush=True)
-    return None
+    return path
 
 
 _MOVED = {n: f"checkpoint.{n} is now hf_export.{n}, the code weight_sync.py shares"

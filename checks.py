@@ -98,7 +98,7 @@ def check_inputs(cfg) -> None:
                 for split in ("train", "eval"):
                     tasks.load_prompts(ds, tokenizer, split, cfg.rollout.max_prompt_tokens)
     if cfg.trainer.resume not in ("none", "auto"):
-        problem = checkpoint.checkpoint_problem(cfg.trainer.resume)
+        problem = checkpoint.checkpoint_problem(cfg.trainer.resume, shards=cfg.run_mode != "rollout-only")
         if problem is not None:
             raise ValueError(f"trainer.resume checkpoint '{cfg.trainer.resume}' does not load: {problem}; give "
                              "another checkpoint directory, auto or none")

@@ -71,7 +71,8 @@ class TrainerConfig:
     save_freq: int = 0  # checkpoint every this many steps (0 = only at the end)
     keep_checkpoints: int = 3  # the newest this many checkpoints stay, older ones go after each save (0 = keep all)
     eval_freq: int = 0  # greedy evaluation on held-out prompts every this many steps (0 = off)
-    resume: str = "none"  # none | auto (latest checkpoint in run_dir) | a checkpoint directory
+    resume: str = "none"  # none | auto (newest checkpoint in run_dir that loads; none loading: stop) | a checkpoint dir
+    overwrite: bool = False  # a fresh run in a run_dir of another run's results moves them to run_dir/old-<time>/
     num_nodes: int = 1  # training nodes
     num_gpus_per_node: int = 8  # training GPUs per node (on CPU: trainer processes)
     use_rollout_log_probs: bool = False  # use the engine's log-probs as old_log_probs (skips a forward)

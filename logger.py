@@ -103,24 +103,34 @@ class Logger:
     run_dir/samples/: `step_NNNNNN.jsonl` (every greedy eval response after NNNNNN steps) and `train.jsonl` (a few
     trained trajectories per step, with per-token weight versions); with wandb, the same as tables.
 
-    On resume, lines of steps after the checkpoint are dropped, so metrics.jsonl is the history of the weights
-    being trained (a step whose checkpoint was lost is trained again and logged again).
+    A fresh run (keep_until None) appends to them and never truncates: a file already holding lines is another
+    run's, and is refused (rundir.claim refuses such a run_dir before anything starts, or moves those files aside).
+    A resumed run keeps its own lines up to step keep_until and drops those after it, so metrics.jsonl is the history
+    of the weights being trained (a step whose checkpoint was lost is trained again and logged again; -1: the run
+    starts again from step 0 and keeps none).
     """
 
-    def __init__(self, cfg, keep_until: int = -1, tokenizer=None):
+    def __init__(self, cfg, keep_until: Optional[int] = None, tokenizer=None):
         self.cfg, self.total, self.tokenizer = cfg, cfg.trainer.total_steps, tokenizer
         self.samples_dir = os.path.join(cfg.run_dir, "samples")
         os.makedirs(self.samples_dir, exist_ok=True)
         self.path = os.path.join(cfg.run_dir, "metrics.jsonl")
         self.train_samples = os.path.join(self.samples_dir, "train.jsonl")
         self.waiting_path = os.path.join(cfg.run_dir, "waiting.jsonl")
-        for path in (self.path, self.train_samples, self.waiting_path):  # a resumed run keeps its history
+        for path in (self.path, self.train_samples, self.waiting_path):
+            if keep_until is None:
+                if os.path.exists(path) and os.path.getsize(path):
+                    raise RuntimeError(f"{path} holds another run's lines and this run starts fresh; it is not "
+                                       "truncated: resume that run (trainer.resume=auto) or start over "
+                                       "(trainer.overwrite=true moves its files aside)")
+                continue
             kept = []
-            if keep_until >= 0 and os.path.exists(path):
+            if os.path.exists(path):
                 with open(path) as f:
                     kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
-            with open(path, "w") as f:
+            with open(path + ".tmp", "w") as f:  # (a crash while trimming leaves the file whole)
                 f.writelines(kept)
+            os.replace(path + ".tmp", path)
         self.t0, self.first_step = time.time(), None
         self.start = time.time()
         self.length_warned = False

@@ -90,6 +90,7 @@ from typing import Any, Callable, Optional
 import numpy
 import torch
 
+import checkpoint
 import losses
 import moe
 import scoring
@@ -324,7 +325,7 @@ def _new_stats() -> dict:
     return {"t0": time.monotonic(), "finished": 0, "scored": 0, "reward_sum": 0.0, "length_sum": 0,
             "length_max": 0, "truncated": 0, "failed": 0, "timeouts": 0, "generated_tokens": 0,
             "in_flight_max": 0, "in_flight_area": 0.0, "old_version_responses": 0,
-            "aborts_without_routes": 0, "reward_errors": 0, "reward_timeouts": 0}
+            "aborts_without_routes": 0, "reward_errors": 0, "reward_timeouts": 0, "metadata_errors": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,7 +392,7 @@ class Rollout:
         self._in_flight, self._in_flight_t = 0, time.monotonic()  # trajectories in live requests (self._active)
         self._retries_seen = self._down_seen = 0
         self.scorer = scoring.Scorer(r.reward_pool, r.reward_workers, r.reward_timeout_s, self.reward_fns)
-        self._failure_logged: set = set()  # the kinds of reward failure already logged (the first of each is)
+        self._failure_logged: set = set()  # the kinds of reward failure (and "metadata") already logged, once each
         self.envs = EnvSteps(r, tokenizer)  # tool environment steps: slots, threads, counters, the observation cap
 
     # ---- public, synchronous ----
@@ -666,6 +667,9 @@ class Rollout:
             elif traj.status == ABORTED and not (self._stopping or g.prompt_id in self._aborting):
                 traj.status = FAILED
                 traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
+            problem = checkpoint.unloadable(traj.metadata, "metadata")
+            if problem is not None:  # every checkpoint holding it would fail: refused here, named and counted
+                self._unloadable_metadata(traj, problem)
             if traj.response_ids.numel():
                 traj.start_version, traj.end_version = traj.versions[[0, -1]].tolist()
             if was_restored:
@@ -685,6 +689,21 @@ class Rollout:
         for traj in trajs:
             if traj.status != ABORTED:
                 self._emit(traj)
+
+    def _unloadable_metadata(self, traj: Trajectory, problem: str) -> None:
+        """The rollout function left in traj.metadata what a checkpoint cannot hold (checkpoint.unloadable: a numpy
+        scalar, a datetime, a frozenset...): the trajectory fails without those entries, counted in
+        rollout/metadata_error_count, the first logged."""
+        traj.metadata = {k: v for k, v in traj.metadata.items() if checkpoint.unloadable((k, v), "") is None}
+        traj.status = FAILED
+        traj.metadata["error"] = (f"rollout.function {self.cfg.rollout.function}: the trajectory's {problem}; a "
+                                  "checkpoint holding it would not load")
+        self.stats["metadata_errors"] += 1
+        if "metadata" not in self._failure_logged:
+            self._failure_logged.add("metadata")
+            log.warning("first trajectory metadata a checkpoint cannot hold (counted in rollout/metadata_error_count,"
+                        " not logged again): trajectory %s: %s; it failed, the run goes on",
+                        traj.prompt_id + (traj.index,), traj.metadata["error"])
 
     def _on_timeout(self, active: _Active, task: asyncio.Task) -> None:
         active.timed_out = True
@@ -870,6 +889,7 @@ class Rollout:
             "rollout/timeout_count": s["timeouts"],
             "rollout/reward_error_count": s["reward_errors"],
             "rollout/reward_timeout_count": s["reward_timeouts"],
+            "rollout/metadata_error_count": s["metadata_errors"],
             "rollout/retry_count": self.fleet.retries - self._retries_seen,
             "rollout/server_down_count": self.fleet.down_events - self._down_seen,
             "rollout/in_flight_trajectories_max": s["in_flight_max"],

@@ -26,6 +26,7 @@ class RolloutRecorder:
         self.dir = os.path.join(cfg.run_dir, "rollouts")
         os.makedirs(self.dir, exist_ok=True)
         self.calls: dict = {}
+        self.run_id = None  # the run's id (rundir.claim): in every checkpoint's run_state
 
     def train_minibatch(self, groups, step):
         call = self.calls[step] = self.calls.get(step, -1) + 1
@@ -41,7 +42,8 @@ class RolloutRecorder:
         path = os.path.join(self.cfg.run_dir, "checkpoints", f"step_{steps_done:06d}")
         shutil.rmtree(path + ".tmp", ignore_errors=True)
         os.makedirs(path + ".tmp")
-        checkpoint.commit(path + ".tmp", path, {**run_state, "scheduler": {}, "rng": [checkpoint.rng_state()]})
+        checkpoint.commit(path + ".tmp", path, {**run_state, "run_id": self.run_id, "scheduler": {},
+                                                    "rng": [checkpoint.rng_state()]})
         checkpoint.prune(os.path.dirname(path), self.cfg.trainer.keep_checkpoints, path)
 
     def memory_to_trainer(self):

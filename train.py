@@ -1,6 +1,7 @@
 """train.py: the RL trainer, one SPMD program: every trainer rank runs the same `main()` and the same step loop.
 
-main: config and start-up checks (checks.py) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group)
+main: config and start-up checks (checks.py) -> rank 0 claims run_dir (rundir.py: its lock for the process's life; a
+fresh run, or the checkpoint of this run to resume) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group)
 -> the policy, FSDP2-sharded, and AdamW (model.py; actor.py drives them) -> rank 0 starts the inference servers
 (standins/engine.py on CPU, SGLang on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process
 and the rollout process (services.py) -> resume (checkpoint.py) -> run_steps, the step loop (docs/design.md):
@@ -16,7 +17,7 @@ boundary and exits 0 (preemption.py). Under torchrun --max-restarts with trainer
 resumes from the checkpoint and reuses the servers the crashed one left.
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
-    torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [fully_async.enable=false]
+    torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [trainer.resume=auto]
     python plot.py runs/tiny                           # metrics.jsonl -> runs/tiny/metrics.png
 Multi-node (GPU), on each trainer node K (its local rank 0 launches its servers of rollout.server_layout):
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank K --rdzv_backend static --master_addr HEAD \
@@ -54,6 +55,7 @@ import lease  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import preemption  # noqa: E402
+import rundir  # noqa: E402
 import services as services_lib  # noqa: E402
 import strategies  # noqa: E402
 from actor import Actor  # noqa: E402
@@ -231,11 +233,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     # ---- config: every start-up check before anything starts; errors are one sentence ----
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    claim = None
     try:
         cfg = config_lib.load_config(args.config, overrides)
         checks.check_launch(cfg, world)
         if rank == 0:
             checks.check_inputs(cfg)
+            # run_dir's lock, held until this process ends, before anything is written there; a fresh run or
+            # which checkpoint of which run resumes (rundir.py: one run per run directory)
+            claim = rundir.claim(cfg)
     except (ValueError, FileNotFoundError) as e:
         # Every rank reads the config; one line for the run, not one per rank. Rank 0 prints it and exits 2 first:
         # a rank that exited first would have torchrun stop rank 0 before its line was out (seen under load).
@@ -287,14 +293,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     buf = ro = evaluate = None
     launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
     try:
-        # ---- the checkpoint to resume: rank 0 picks it (warning once about those that do not load) ----
-        box = [None]
-        if rank == 0 and cfg.trainer.resume == "auto":
-            box = [checkpoint.latest_checkpoint(cfg.run_dir)]
-        elif rank == 0 and cfg.trainer.resume != "none":
-            box = [cfg.trainer.resume]
+        # ---- the checkpoint to resume and the run's id: rank 0's claim on run_dir decided them ----
+        box = [(claim.resume, claim.run_id) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
-        resume_path = box[0]
+        resume_path, run_id = box[0]
 
         # ---- colocate: the servers start first and release their memory before the model loads; otherwise they
         # start now and the model loads during their start-up (minutes for SGLang at scale), waited for below ----
@@ -326,6 +328,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type),
                                                       cfg.trainer.total_steps * cfg.calls_per_step)
             actor = Actor(cfg, model, opt, sched, device, ctrl)
+            actor.run_id = run_id
             actor.colocate.released = colocated
         if rank != 0 and services is None:  # (colocate started them before the model loaded)
             services = services_lib.for_node(cfg, local_rank, launched)
@@ -344,7 +347,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            logger = Logger(cfg, keep_until=start_step if run_state else -1, tokenizer=tokenizer)
+            # a fresh run never trims; a resumed one drops its own lines after the step it resumes (-1: all)
+            logger = Logger(cfg, keep_until=None if claim.fresh else start_step if run_state else -1,
+                            tokenizer=tokenizer)
             if cfg.run_mode == "train-only":
                 buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
                 ro = NoRollout()
@@ -356,6 +361,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 buf, ro = services.start_workers(start_step, launched, wait_servers=waiting)
                 if actor is None:
                     actor = RolloutRecorder(cfg, fleet)
+                    actor.run_id = run_id
                 else:
                     actor.fleet, actor.services = fleet, services
                 evaluate = make_evaluator(cfg, fleet, tokenizer) if cfg.trainer.eval_freq else None
@@ -407,6 +413,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 # has them open can abort at exit ("terminate called without an active exception").
                 dist.barrier(group=ctrl)
                 dist.destroy_process_group()
+        if claim is not None:
+            claim.release()  # (the process ends next; a caller of main() in-process gets run_dir back)
     if failed:
         sys.exit(failed)
 

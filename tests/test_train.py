@@ -13,6 +13,7 @@ import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -297,7 +298,8 @@ def test_latest_checkpoint_skips_those_that_do_not_load(tmp_path, capsys):
     _truncate(os.path.join(cut_shard, shard))
     cut_state = _write_checkpoint(run_dir, 3)
     _truncate(os.path.join(cut_state, "run_state.pt"))
-    code = _write_checkpoint(run_dir, 4, shards=False, state={"step": 4, "x": _RunsCode(tmp_path / "ran")})
+    code = _write_checkpoint(run_dir, 4)  # its run_state.pt replaced by one that would run code (commit refuses it)
+    torch.save({"step": 4, "x": _RunsCode(tmp_path / "ran")}, os.path.join(code, "run_state.pt"))
     os.makedirs(os.path.join(run_dir, "checkpoints", "step_000005.tmp"))  # a save in progress
     capsys.readouterr()
     assert checkpoint.latest_checkpoint(run_dir) == good
@@ -308,7 +310,7 @@ def test_latest_checkpoint_skips_those_that_do_not_load(tmp_path, capsys):
     assert cut_shard in warnings[2] and f"shard {shard} has" in warnings[2] and "its metadata expects" in warnings[2]
     assert not (tmp_path / "ran").exists()  # loading it ran nothing
     _write_checkpoint(run_dir, 6, shards=False)  # a rollout-only checkpoint: run state only, no shards
-    assert checkpoint.latest_checkpoint(run_dir).endswith("step_000006")
+    assert checkpoint.latest_checkpoint(run_dir, shards=False).endswith("step_000006")
 
 
 def test_resume_from_a_checkpoint_that_does_not_load_names_it(tmp_path, capsys):
@@ -970,6 +972,19 @@ def resumed_run(tmp_path_factory, tiny_model):
         assert p.poll() is None and time.monotonic() < deadline, (seed, p.stdout.read()[-3000:] if p.poll() else "")
         time.sleep(0.1)
     time.sleep(rng.uniform(0.0, 0.5))
+    # A second run started in the same run_dir while this one is live (held still, so that its files can be compared):
+    # refused at once naming rank 0, which holds run_dir's lock, and this run's metrics and checkpoints byte-identical
+    run = _pids(str(run_dir))
+    for pid in run:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    before = _files(run_dir)
+    holder = json.load(open(os.path.join(run_dir, "run.lock")))
+    t0 = time.monotonic()
+    second = subprocess.run([PY, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
+                             "trainer.num_gpus_per_node=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    second = {"code": second.returncode, "err": second.stderr, "s": time.monotonic() - t0, "holder": holder,
+              "run": run, "same": _files(run_dir) == before, "files": sorted(before)}
     # The whole run at once, as a lost node: torchrun, and the ranks and rank 0's children, which run in sessions of
     # their own (a killpg of torchrun's group alone would leave the ranks training on, orphaned, beside the resume).
     # The launched server survives by design (lease.py) and is taken over by the resumed run.
@@ -991,7 +1006,31 @@ def resumed_run(tmp_path_factory, tiny_model):
     assert p2.returncode == 0, (seed, p2.stdout[-3000:] + p2.stderr[-5000:])
     assert f"skipping checkpoint {newest}: run_state.pt does not load" in p2.stderr, (seed, p2.stderr[-3000:])
     return {"run_dir": str(run_dir), "killed_at": killed_at, "seed": seed, "out": p2.stdout,
-            "rows": _read_rows(run_dir), "ckpts_at_kill": ckpts_at_kill, "ckpts": _ckpts(run_dir)}
+            "rows": _read_rows(run_dir), "ckpts_at_kill": ckpts_at_kill, "ckpts": _ckpts(run_dir), "second": second}
+
+
+def _files(run_dir) -> dict:
+    """{path: bytes} of metrics.jsonl and every file under checkpoints/."""
+    paths = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(run_dir, "checkpoints")) for n in names]
+    return {p: open(p, "rb").read() for p in [os.path.join(run_dir, "metrics.jsonl"), *paths]}
+
+
+def test_a_second_run_beside_a_live_one_is_refused_and_its_files_stay_byte_identical(resumed_run):
+    """rundir.py: a fresh run started in the run_dir of a live run (the fixture's first run, held still) exits 2 in one
+    sentence naming the directory and the holder (trainer rank 0 of the live run, by pid and host), within a few
+    seconds; metrics.jsonl and every checkpoint file of the live run are byte-identical afterwards. Every checkpoint
+    carries the run id of run_dir/run.json, which the resume kept."""
+    r, s = resumed_run, resumed_run["second"]
+    assert s["code"] == 2, s["err"][-3000:]
+    lines = [ln for ln in s["err"].splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and f"run_dir {r['run_dir']} is in use by run {s['holder']['run_id']} (pid " \
+        f"{s['holder']['pid']} on {socket.gethostname()}" in lines[0], s["err"][-3000:]
+    assert s["holder"]["pid"] in s["run"] and s["s"] < 60, s
+    assert s["same"] and any("step_" in f for f in s["files"]), s["files"]
+    run_id = json.load(open(os.path.join(r["run_dir"], "run.json")))["run_id"]
+    assert s["holder"]["run_id"] == run_id
+    for ck in checkpoint.steps_of(os.path.join(r["run_dir"], "checkpoints")):
+        assert checkpoint.load_run_state(ck[1])["run_id"] == run_id, ck
 
 
 def test_keep_checkpoints_2_leaves_the_newest_two_and_the_one_before_the_newest_resumes(resumed_run):
