@@ -799,11 +799,11 @@ def test_a_preset_run_with_another_peers_loss_says_so_once_at_start_up(tmp_path,
     monkeypatch.setattr(train.dist, "init_process_group", stop)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # main() would set it for a plain `python train.py`
     base = ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "trainer.num_gpus_per_node=1",
-            f"run_dir={tmp_path}/run", f"model.path={tmp_path}/model", "fully_async.sliding_window=pipelinerl",
+            f"model.path={tmp_path}/model", "fully_async.sliding_window=pipelinerl",
             "fully_async.stale_steps=0", "rollout.pause_mode=in_place"]
-    for extra, lines in (([], 1), (strategies.peer_overrides("pipelinerl"), 0)):
-        with pytest.raises(RuntimeError, match="stopped after start-up"):
-            train.main(base + extra)
+    for i, (extra, lines) in enumerate((([], 1), (strategies.peer_overrides("pipelinerl"), 0))):
+        with pytest.raises(RuntimeError, match="stopped after start-up"):  # (this process keeps run_dir's lock)
+            train.main(base + [f"run_dir={tmp_path}/run{i}"] + extra)
         out = capsys.readouterr().out
         assert out.count("fully_async.sliding_window=pipelinerl runs with") == lines, out
 
