@@ -13,8 +13,9 @@ was abandoned does not outlive it by more. The trainer renews the lease every RE
 makes progress (`beat`: a wedged trainer stops renewing after rollout.server_stall_s), and records its servers in
 RUN_DIR/servers/node<N>.json (`write_record`; `read_record` validates it), so that the next attempt (torchrun
 restarting the ranks, or a new `torchrun ... trainer.resume=auto`) finds each one (`adopt`: same pid and start time,
-and a command line that is this file running a server: `not_our_server`), brings it to a known state without /health
-(`takeover`: a paused real server's /health waits for a token) and reuses it; services.Services decides which.
+and a command line that is this file running a server under this lease: `not_our_server`; one no record names is
+found by that command line: `watchdogs`), brings it to a known state without /health (`takeover`: a paused real
+server's /health waits for a token) and reuses it; services.Services decides which.
 Stdlib only (requests for `takeover`): the watchdog starts in ~50 ms.
 """
 from __future__ import annotations
@@ -92,9 +93,9 @@ def record_error(data) -> Optional[str]:
 def read_record(path: str) -> dict:
     """The record an earlier attempt wrote, validated ({} if there is none). One that does not parse or is not
     valid (record_error) is refused in one line naming the file and the field, and set aside as PATH.bad (kept for
-    a look, never deleted); the start then goes on as if there were none: its servers are not reused or signalled
-    (their pids are not trusted), the node's servers are launched anew, and one of its servers still holding its
-    port stops the start there (services.Services: "port ... is already in use")."""
+    a look, never deleted); the start then goes on as if there were none: its pids are not trusted, the node's
+    servers are launched anew, and its servers that still run are found by their command line (watchdogs) and
+    stopped (services.Services._spawn_servers)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -134,13 +135,25 @@ def start_time(pid: int) -> Optional[str]:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def not_our_server(pid: int) -> Optional[str]:
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace").split("\0")[:-1]
+
+
+def _lease_of(argv: list[str]) -> Optional[str]:
+    """The --lease of a watchdog's command line (before its `--`), resolved; None if it has none."""
+    opts = argv[:argv.index("--")] if "--" in argv else argv
+    at = opts.index("--lease") + 1 if "--lease" in opts else len(opts)
+    return os.path.realpath(opts[at]) if at < len(opts) else None
+
+
+def not_our_server(pid: int, lease: Optional[str] = None) -> Optional[str]:
     """Why process `pid` is not a watchdog of this file running a server services.py launches (None if it is): its
-    command line (/proc/PID/cmdline) must be `PYTHON <this lease.py> ... -- PYTHON -m <SERVER_MODULES> ...` and it
-    must lead its own session and process group (what `stop` kills with killpg)."""
+    command line (/proc/PID/cmdline) must be `PYTHON <this lease.py> --lease LEASE ... -- PYTHON -m <SERVER_MODULES>
+    ...`, LEASE the given lease file (this node's of this run_dir: a record copied with its run directory names
+    another run's servers), and it must lead its own session and process group (what `stop` kills with killpg)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")[:-1]
+        argv = _cmdline(pid)
         group, session = os.getpgid(pid), os.getsid(pid)
     except (OSError, ProcessLookupError):
         return "it is gone"
@@ -149,9 +162,24 @@ def not_our_server(pid: int) -> Optional[str]:
     if len(argv) < 2 or os.path.realpath(argv[1]) != HERE or cmd[1:2] != ["-m"] or cmd[2:3] not in (
             [m] for m in SERVER_MODULES):
         return f"its command line ({shown}) is not {HERE} running one of {', '.join(SERVER_MODULES)}"
+    if lease is not None and _lease_of(argv) != os.path.realpath(lease):
+        return f"it watches the lease {_lease_of(argv)}, not {lease}: another run's"
     if group != pid or session != pid:
         return f"it does not lead its own session and process group (group {group}, session {session})"
     return None
+
+
+def watchdogs(lease: str) -> list[int]:
+    """The pids of the watchdogs on this machine that run a server under lease file `lease` (not_our_server),
+    whatever any record says: what renewing that file keeps alive."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) > 1:
+            with contextlib.suppress(OSError):
+                argv = _cmdline(int(entry))
+                if len(argv) > 1 and argv[1].endswith("lease.py") and not_our_server(int(entry), lease) is None:
+                    out.append(int(entry))
+    return out
 
 
 class Adopted:
@@ -196,16 +224,16 @@ class Adopted:
         return self.returncode
 
 
-def adopt(entry: Optional[dict], name: str = "a recorded server") -> Optional[Adopted]:
+def adopt(entry: Optional[dict], name: str = "a recorded server", lease: Optional[str] = None) -> Optional[Adopted]:
     """The recorded server (an entry read_record validated) if its process still runs (same pid and start time) and
-    is one of ours (not_our_server), else None. A live process with the recorded pid and start time that is not one
-    of ours is left alone, with a warning: it is never signalled."""
+    is one of ours (not_our_server; with `lease`, a watchdog of that lease file), else None. A live process with the
+    recorded pid and start time that is not one of ours is left alone, with a warning: it is never signalled."""
     if not entry or not _is_int(entry.get("pid")) or entry["pid"] <= 1:
         return None
     started = start_time(entry["pid"])
     if started is None or started != entry.get("started"):
         return None
-    why = not_our_server(entry["pid"])
+    why = not_our_server(entry["pid"], lease)
     if why is not None:
         print(f"[train] warning: {name}'s recorded pid {entry['pid']} runs but is not a server this run launched "
               f"({why}); it is left alone", file=sys.stderr, flush=True)

@@ -365,8 +365,8 @@ class Services:
             while not self.closing.wait(WATCH_S):
                 dead = self.exited()
                 try:
-                    for name in dead:
-                        if name in self.servers:
+                    for name in dead:  # not while the lease lapsed for a stalled step loop: its servers stop
+                        if name in self.servers and not (self.lease and self.lease.lapsed):
                             self.relaunch(name)
                     dead = [n for n in dead if n not in self.servers]
                 except Exception as e:  # the relaunched server did not come up: no replacement, stop the run
@@ -414,11 +414,18 @@ class Services:
         self.lease.start()
         ours = {f"server_{i}" for i, layout in enumerate(r.server_layout) if layout.node == node}
         for name, old in earlier.get("servers", {}).items():  # kept alive by our lease, which no one would end
-            proc = None if name in ours else lease.adopt(old, name)
+            proc = None if name in ours else lease.adopt(old, name, lease_path)
             if proc is not None:
                 print(f"[train] stopping {name} (pid {proc.pid}), which an earlier attempt launched: this run's "
                       f"rollout.server_layout has no {name} on node {node}", flush=True)
                 lease.stop(proc)
+        named = {old["pid"] for old in earlier.get("servers", {}).values()}
+        for pid in lease.watchdogs(lease_path):  # under our lease but in no record (a refused one's): kept alive by
+            started = lease.start_time(pid)  # our renewal, unknown to us
+            if pid not in named and started is not None:
+                print(f"[train] stopping pid {pid}, a server under this node's lease {lease_path} that no record "
+                      "names", flush=True)
+                lease.stop(lease.Adopted(pid, started))
         urls = {}
         for i, layout in enumerate(r.server_layout):
             if layout.node != node:
@@ -428,7 +435,7 @@ class Services:
             urls[i] = f"http://{server_address(r.sglang_args.host, node)}:{port}"
             self.servers[name] = (cmd, env, urls[i])
             old = earlier.get("servers", {}).get(name)
-            proc = lease.adopt(old, name)
+            proc = lease.adopt(old, name, lease_path)
             if proc is not None:
                 why = ("rollout.reuse_servers is false" if not r.reuse_servers else
                        "colocated servers are not reused" if self.cfg.colocate else

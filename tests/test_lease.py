@@ -47,7 +47,7 @@ def _kill(*procs) -> None:
 def _fake_sglang(tmp_path) -> dict:
     """An environment whose `python -m sglang.launch_server` sleeps: a process with a server's command line."""
     pkg = tmp_path / "fake" / "sglang"
-    pkg.mkdir(parents=True)
+    pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "launch_server.py").write_text("import time\ntime.sleep(120)\n")
     return {**os.environ, "PYTHONPATH": str(tmp_path / "fake")}
@@ -143,6 +143,80 @@ def test_pid_1_and_a_process_that_is_not_our_server_are_never_adopted_or_signall
         assert f"server_0's recorded pid {other.pid} runs but is not a server this run launched" in err
     finally:
         _kill(other, ours)
+
+
+def _watchdog(tmp_path, lease_path: str):
+    p = subprocess.Popen([PY, LEASE_PY, "--lease", lease_path, "--keepalive-s", "60", "--", PY, "-m",
+                          "sglang.launch_server"], env=_fake_sglang(tmp_path), start_new_session=True)
+    _wait(lambda: lease.not_our_server(p.pid) is None, 10, "the watchdog")
+    return p
+
+
+def test_a_record_copied_from_another_run_dir_never_touches_that_runs_servers(tmp_path, capsys):
+    """`cp -r runs/a runs/b` while run a runs: run b's start reads a record naming run a's live servers (pid, start
+    time and command line all match) and must neither adopt nor stop them: they watch another lease file."""
+    other = _watchdog(tmp_path, str(tmp_path / "a" / "servers" / "node0.lease"))
+    try:
+        svc = _svc(tmp_path / "b", "rollout.server_layout=[{node: 0}]")
+        record_path, lease_path = lease.paths(str(tmp_path / "b"), 0)
+        entry = {"pid": other.pid, "started": lease.start_time(other.pid), "cmd": ["python", "-m", "standins.engine"]}
+        lease.write_record(record_path, {"node": 0, "weight_group": None, "servers": {"server_0": entry,
+                                                                                      "server_7": entry}})
+        try:
+            svc._spawn_servers(0, 0)
+        finally:
+            svc.lease.stop()
+        assert svc.spawned == ["server_0"] and not svc.adopted
+        time.sleep(0.3)
+        assert other.poll() is None  # neither stopped as server_0 nor as server_7 (not in this run's layout)
+        assert f"watches the lease {tmp_path / 'a' / 'servers' / 'node0.lease'}" in capsys.readouterr().err
+    finally:
+        _kill(other)
+
+
+def test_a_server_under_this_nodes_lease_that_no_record_names_is_stopped_at_start(tmp_path, capsys):
+    """A refused record's servers are unknown by pid, but our renewal of the same lease file would keep them alive
+    for the whole run: the start stops every watchdog of this node's lease that the record does not name (found by
+    its command line), and no other one."""
+    record_path, lease_path = lease.paths(str(tmp_path), 0)
+    stray = _watchdog(tmp_path, lease_path)
+    elsewhere = _watchdog(tmp_path, str(tmp_path / "other.lease"))
+    try:
+        lease.write_record(record_path, {"node": 0, "weight_group": None, "servers": {"server_0": {"pid": 1}}})
+        svc = _svc(tmp_path, "rollout.server_layout=[{node: 0}]")
+        try:
+            svc._spawn_servers(0, 0)
+        finally:
+            svc.lease.stop()
+        assert stray.wait(15) is not None and elsewhere.poll() is None
+        assert svc.spawned == ["server_0"] and lease.watchdogs(lease_path) == []
+        assert f"stopping pid {stray.pid}, a server under this node's lease" in capsys.readouterr().out
+    finally:
+        _kill(stray, elsewhere)
+
+
+def test_the_watcher_does_not_relaunch_a_server_while_the_lease_is_lapsed(tmp_path):
+    """A wedged trainer's servers stop when its lease lapses; its watcher thread (alive) must not launch them again
+    (each relaunch would live rollout.server_keepalive_s more, for ever). Once the loop beats again, it does."""
+    svc = _svc(tmp_path)
+    svc.lease = lease.Lease(str(tmp_path / "node0.lease"), stall_s=60)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    svc.servers["server_0"] = (["x"], {}, "http://127.0.0.1:1")
+    svc.procs["server_0"] = (dead, str(tmp_path / "server_0.log"))
+    relaunched = []
+    svc.relaunch = lambda name: (relaunched.append(name), svc.procs.update(server_0=(subprocess.Popen(
+        ["sleep", "30"]), "log")))
+    svc.lease.lapsed = True
+    svc.watch()
+    try:
+        time.sleep(4 * services.WATCH_S)
+        assert relaunched == []
+        svc.lease.lapsed = False  # the loop beat again and the renewal thread renewed
+        _wait(lambda: relaunched == ["server_0"], 5, "the relaunch")
+    finally:
+        svc.closing.set()
+        svc.procs["server_0"][0].kill()
 
 
 def test_a_watchdog_that_does_not_lead_its_group_is_not_ours(tmp_path, monkeypatch):
