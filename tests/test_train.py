@@ -405,7 +405,8 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_steps(str(run_dir), 2, p)
     port = next(a for a in overrides if a.startswith("rollout.base_port=")).split("=")[1]
-    [server] = _pids("standins.engine", f"--port {port} ")
+    server = _pids("standins.engine", f"--port {port} ")  # the watchdog (lease.py) and its child, the engine
+    assert len(server) == 2, server
     [pid] = _pids("workers.py buffer", str(run_dir))
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -419,7 +420,7 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
         assert noise not in err[:first], err[:first][-2000:]
     assert err[first:].splitlines()[1].startswith("  | ")  # the log's last lines follow
     assert _wait_session_gone(p.pid)
-    assert server not in _pids("standins.engine")  # no torchrun restart to come: the server stopped with the run
+    assert not set(server) & set(_pids("standins.engine"))  # no torchrun restart to come: both stopped with the run
 
 
 def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tmp_path, tiny_model):
