@@ -527,7 +527,16 @@ class Fleet:
         return await self._fan_out("POST", "/resume_memory_occupation", {} if tags is None else {"tags": tags})
 
     async def server_infos(self) -> list[dict]:
+        """GET /server_info of every worker: the launch configuration (its weight_version is the launch
+        --weight-version, never moved by an update) plus live scheduler state."""
         return await self._fan_out("GET", "/server_info")
+
+    async def weight_versions(self) -> list[int]:
+        """Every worker's live weight version: /model_info's weight_version (0.5.23 entrypoints/http_server.py
+        model_info reads the tokenizer manager's, which each weight update moves; /server_info's is the launch
+        value)."""
+        infos = await self._fan_out("GET", "/model_info")
+        return [parse_version(i.get("weight_version"), "/model_info") for i in infos]
 
     async def loads(self) -> list[dict]:
         """GET /v1/loads of every worker (running and waiting requests, per DP rank)."""
@@ -624,7 +633,8 @@ def server_concurrency(info: dict) -> Optional[int]:
 class SyncFleet:
     """A Fleet on its own event-loop thread, callable from synchronous code: every coroutine method of Fleet is a
     blocking method of the same name and arguments here (__getattr__ runs it on the loop, bounded by
-    call_timeout_s): generate, workers, live_workers, health, wait_healthy, check_versions, server_infos, loads,
+    call_timeout_s): generate, workers, live_workers, health, wait_healthy, check_versions, server_infos,
+    weight_versions, loads,
     concurrency, context_limits, abort, pause, continue_, flush_cache, release_memory, resume_memory,
     update_weights_from_disk, update_weight_version, engine_ranks, init_weights_update_group, begin_weight_update,
     end_weight_update, destroy_weights_update_group, update_weights_from_distributed, update_weights_from_tensor

@@ -386,9 +386,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         with preemption.steps():  # SIGTERM in it: the next step boundary checkpoints and ends the run
             run_steps(cfg, actor, buf, ro, logger, start_step, evaluate, servers=health)
         if rank == 0 and services is not None and services.fleet is not None:
-            infos = services.fleet.server_infos()
             print(f"[train] weight versions on the servers at the end: "
-                  f"{dict(zip(services.fleet.workers(), (i.get('weight_version') for i in infos)))}", flush=True)
+                  f"{dict(zip(services.fleet.workers(), services.fleet.weight_versions()))}", flush=True)
 
         # ---- final HF export ----
         if cfg.trainer.export_hf and isinstance(actor, Actor) and not preemption.stopped():

@@ -238,13 +238,10 @@ class WeightSync:
 
     def _full_reason(self, version: int) -> tuple:
         """Rank 0, delta: (why the sync of `version` goes whole, or None for a delta; whether a server is not at
-        the last acknowledged version), from the host copy's base and each server's weight_version (/server_info),
-        so a delta is never sent to a server at another version."""
-        import sglang_client
-
+        the last acknowledged version), from the host copy's base and each server's live weight version
+        (/model_info), so a delta is never sent to a server at another version."""
         try:
-            versions = [sglang_client.parse_version(i.get("weight_version"), "/server_info")
-                        for i in self.fleet.server_infos()]
+            versions = self.fleet.weight_versions()
         except Exception as e:  # unreadable: whole, which needs no base
             return f"the servers' weight versions are unreadable ({e})", True
         restarted = self.delta.version is not None and any(v != self.delta.version for v in versions)

@@ -460,7 +460,7 @@ def make_app(rep: Replica, wait_timeout_s: float) -> web.Application:
 
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response({"model_path": "sim", "max_running_requests": rep.max_running,
-                                  "tp_size": rep.gpus, "weight_version": str(rep.version),
+                                  "tp_size": rep.gpus, "weight_version": "default",  # the launch value, as SGLang
                                   "simulated": {"compression": rep.k, "token_scale": scale,
                                                 "workload": dataclasses.asdict(wl)}})
 

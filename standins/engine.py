@@ -1042,9 +1042,12 @@ class Server:
             "root": self.model_path, "parent": None, "max_model_len": self.sched.context_len}]})
 
     async def server_info(self, request):
+        """The launch arguments plus live scheduler state (0.5.23 entrypoints/http_server.py server_info:
+        utils/common.py build_server_info over server_args): its weight_version is the launch --weight-version, which
+        no update moves; the live one is /model_info's."""
         info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "report_version")}
         info.update({"version": self.args.report_version, "tp_size": 1, "dp_size": 1, "device": str(self.sched.device),
-                     "weight_version": self.sched.weight_version, **self.limits(),
+                     **self.limits(),
                      "internal_states": [{"last_gen_throughput": self.sched.throughput,
                                           "effective_max_running_requests_per_dp": self.sched.max_running,
                                           "max_total_num_tokens": self.sched.max_total_tokens,

@@ -526,6 +526,17 @@ def test_update_weight_version_flush_and_memory_release(url):
         out = blocked.result(timeout=30)
         assert requests.get(url + "/health_generate", timeout=30).status_code == 200
     assert out["meta_info"]["weight_version"] == v and out["meta_info"]["finish_reason"]["type"] == "length"
+    # /server_info is the launch configuration: its weight_version stays the launch --weight-version ("default"
+    # here) after any update, as 0.5.23 reports it (entrypoints/http_server.py server_info -> utils/common.py
+    # build_server_info(server_args)); the live one is /model_info's (model_info: the tokenizer manager's), which
+    # the client's weight_versions reads
+    assert requests.get(url + "/server_info", timeout=10).json()["weight_version"] == "default"
+    assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == v
+    fleet = sglang_client.SyncFleet(sglang_client.Fleet([url]))
+    try:
+        assert fleet.weight_versions() == [int(v)]
+    finally:
+        fleet.close()
 
 
 def test_released_weights_come_back_undefined_without_cpu_backup(models):

@@ -107,7 +107,7 @@ def test_two_torchrun_nodes_each_launch_their_engine_and_both_end_at_the_final_v
     assert [a.returncode for a in agents] == [0, 0], "\n=====\n".join(o[-4000:] for o in outs)
     line = next(m for o in outs for m in re.findall(r"weight versions on the servers at the end: (\{.*\})", o))
     urls = [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
-    assert ast.literal_eval(line) == {u: str(steps) for u in urls}
+    assert ast.literal_eval(line) == {u: steps for u in urls}  # /model_info's live versions
     # each agent's rank launched its own node's engine: server_0 by rank 0's, server_1 by the other one's
     rank0 = [i for i, o in enumerate(outs) if "weight versions on the servers" in o]
     assert len(rank0) == 1

@@ -154,7 +154,7 @@ def test_after_each_sync_the_engines_log_probs_are_the_trainers(run, checks):
     # sent nothing, step 2's gap would be that movement
     assert checks["movement"] >= 10 * TOL, checks["movement"]
     ends = re.search(r"weight versions on the servers at the end: (\{.*\})", run["out"])
-    assert ends and set(ast.literal_eval(ends[1]).values()) == {"2"}, run["out"][-2000:]
+    assert ends and set(ast.literal_eval(ends[1]).values()) == {2}, run["out"][-2000:]
 
 
 def test_the_lm_head_stays_tied_and_no_file_or_push_duplicates_it(run, checks, smollm2):
