@@ -116,11 +116,13 @@ def read_record(path: str) -> dict:
 
 
 def write_record(path: str, record: dict) -> None:
-    """Atomically (a crash mid-write leaves the previous record, never half of one)."""
+    """Atomically and durably (a crash mid-write leaves the previous record, never half of one)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

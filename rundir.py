@@ -94,7 +94,7 @@ def claim(cfg) -> Claim:
         else:
             run_id = resumed_run_id(run_dir, dir_id, path)
         if run_id != dir_id:
-            write_json(os.path.join(run_dir, RECORD), {"run_id": run_id, "created": time.time()})
+            lease.write_record(os.path.join(run_dir, RECORD), {"run_id": run_id, "created": time.time()})
         _write_holder(fd, run_id)
         return Claim(run_id, path, fresh, fd)
     except BaseException:
@@ -277,10 +277,3 @@ def read_json(path: str):
     except (OSError, ValueError):
         return None
 
-
-def write_json(path: str, data: dict) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)

@@ -28,6 +28,7 @@ import torch
 import buffer
 import checkpoint
 import config
+import lease
 import logger as logger_lib
 import rundir
 from buffer import COMPLETED, FAILED, Trajectory
@@ -54,7 +55,7 @@ def _a_finished_run(run_dir, run_id="20240101-000000-aaaaaa") -> None:
     """What a run leaves: run.json, checkpoints of steps 2 and 4, metrics to step 4, samples, logs, a config."""
     os.makedirs(os.path.join(run_dir, "samples"))
     os.makedirs(os.path.join(run_dir, "logs"))
-    rundir.write_json(os.path.join(run_dir, rundir.RECORD), {"run_id": run_id})
+    lease.write_record(os.path.join(run_dir, rundir.RECORD), {"run_id": run_id})
     for step in (2, 4):
         _write_checkpoint(run_dir, step, state={"step": step, "run_id": run_id, "rng": [checkpoint.rng_state()]})
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
@@ -242,7 +243,7 @@ def test_checkpoints_carry_the_run_id_and_a_resume_refuses_another_runs(tmp_path
     recorder.save_checkpoint(3, {"step": 3, "weight_version": 3, "buffer": {}})
     path = os.path.join(run_dir, "checkpoints", "step_000003")
     assert checkpoint.load_run_state(path)["run_id"] == "run-a"
-    rundir.write_json(os.path.join(run_dir, rundir.RECORD), {"run_id": "run-b"})
+    lease.write_record(os.path.join(run_dir, rundir.RECORD), {"run_id": "run-b"})
     for resume in ("auto", path):
         with pytest.raises(rundir.RunDirError) as e:
             rundir.claim(_cfg(run_dir, "run_mode=rollout-only", "fully_async.enable=false",
