@@ -152,8 +152,8 @@ def offpolicy_token_mask(versions: Tensor, loss_mask: Tensor) -> Tensor:
 #                                                                    rollout.sampling.max_new_tokens)
 # |o_i| is the number of loss tokens of sequence i in the batch's loss_mask. The numerator is a sum,
 # so it splits over micro-batches and data-parallel ranks; D must not. The trainer therefore computes D once per
-# mini-batch: D = all_reduce_sum over ranks of sum over its micro-batches of loss_denominator(mask, mode, norm_len),
-# and passes that same D to every policy loss call. Then the micro-batch losses of all ranks sum to the
+# mini-batch, on rank 0 when it plans the micro-batches of every rank: D = sum over all ranks' micro-batches of
+# loss_denominator(mask, mode, norm_len), scattered with the plans and passed unchanged to every policy loss call. Then the micro-batch losses of all ranks sum to the
 # mini-batch loss (FSDP averages gradients over the R ranks, so the trainer scales each loss by R).
 # Off-policy masks (NaN, M2PO, MIS, OPSM, the behaviour-weight cap) zero tokens' contributions; they never change D.
 
@@ -502,7 +502,8 @@ def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor, o
 def ppo(batch: TokenBatch, settings: LossSettings, denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """ppo (this project's default): the PPO clip (asymmetric, DAPO) + dual-clip around old_log_probs, with the
     off-policy corrections enabled in algorithm.*: IS correction (token / sequence, truncated, optionally masked),
-    M2PO, OPSM; three loss aggregation modes; NaN/inf tokens counted and excluded (`_clipped_loss`)."""
+    AReaL's M2PO mask (m2_mask), OPSM; four loss aggregation modes (LOSS_AGG); NaN/inf tokens counted and excluded
+    (`_clipped_loss`)."""
     return _clipped_loss(batch, settings, denominator, "ppo")
 
 
