@@ -1,5 +1,5 @@
 """The root's layout: no import cycle among its modules (imports inside functions included), no file over 1,100
-lines and train.py within 600, and a name that moved between them is refused naming where it went."""
+lines and train.py within 600, and no script folder file named like a root module."""
 import ast
 import os
 
