@@ -1,8 +1,9 @@
-"""The docs name code that exists: every `module.function`, `module.Class.method`, `Class.method`, `file.py` and
-`file.py:function` in README.md and docs/*.md (docs/results/ is history: not read), in a code span or a text/python
-code block, that names a root module or a file of standins/, models/, bench/, examples/ or tests/, resolves. Names
-are looked up in the files' syntax trees (nothing is imported but config, whose dataclass tree says which dotted
-names are config keys: `rollout.pause_mode` is a key, not an attribute of rollout.py).
+"""The docs name code that exists: every `module.function`, `module.Class.method`, `Class.method`, `file.py`,
+`file.py:function` and `module:attr` (a plugin) in README.md and docs/*.md (docs/results/ is history: not read), in
+a code span or a text/python code block, that names a root module or a file of standins/, models/, bench/,
+examples/ or tests/, resolves. Names are looked up in the files' syntax trees (nothing is imported but config, whose
+dataclass tree says which dotted names are config keys: `rollout.pause_mode` is a key, not an attribute of
+rollout.py).
 
 Run: .venv/bin/python -m pytest -q -n 0 tests/test_doc_names.py"""
 import ast
@@ -110,6 +111,9 @@ def _class_attrs(module, cls, seen=()):
     return names
 
 
+FOUND = ast.Pass()  # a class attribute found in a base class: defined, and nothing to walk into
+
+
 def _resolves_in(module, parts):
     """parts (attribute names) resolve in module, each defined where the one before it points. A function, an assigned
     value or an imported name ends the walk: what follows is its attribute, not looked up."""
@@ -119,11 +123,8 @@ def _resolves_in(module, parts):
             return node is not None
         if part not in _class_attrs(module, node):
             return False
-        node = _names_in(node.body, {}, self_attrs=True).get(part, FOUND)  # FOUND: in a base class
+        node = _names_in(node.body, {}, self_attrs=True).get(part, FOUND)
     return node is not None
-
-
-FOUND = ast.Pass()
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,7 +169,9 @@ PAGE_ALIASES = {"docs/engine.md": {"engine": "standins.engine", "scheduler": "st
 FILE = r"(?<![\w/.-])((?:(?:" + "|".join(FOLDERS) + r")/)?[A-Za-z_]\w*\.py)"
 FILE_REF = {True: re.compile(FILE + r"(?:::?\s?([A-Za-z_][\w.]*))?"),
             False: re.compile(FILE + r"(?:::?([A-Za-z_][\w.]*))?")}
-# a dotted name not inside a path or a longer dotted name, and not a call's keyword (`f(x=a.b)` is fine to check)
+# `module:attr`, the plugin form (`strict_fifo:StrictFifo`, with PYTHONPATH=examples): a root module or an example's
+PLUGIN = re.compile(r"(?<![\w/.:-])([A-Za-z_]\w*):([A-Za-z_]\w*)\b")
+# a dotted name, not inside a path (`run_dir/config.yaml`), a longer dotted name or after a colon
 DOTTED = re.compile(r"(?<![\w/.:-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*(?:\[\])?)+)(?![\w/-])")
 
 
@@ -183,6 +186,10 @@ def _problems(span, page=None, in_span=True):
         elif name and not _file_defines(path, name):
             out.append(f"{path}:{name}: {path} defines no {name}")
     without_files = FILE_REF[in_span].sub(" ", span)
+    for name, attr in PLUGIN.findall(without_files):
+        module = next((m for m in (name, f"examples.{name}") if m in _modules()), None)
+        if module and not _resolves_in(module, [attr]):
+            out.append(f"{name}:{attr}: {_modules()[module]} defines no {attr}")
     for dotted in DOTTED.findall(without_files):
         parts = [p.removesuffix("[]") for p in dotted.split(".")]
         alias = {**ALIASES, **PAGE_ALIASES.get(page, {})}.get(parts[0])
@@ -232,6 +239,7 @@ def test_every_code_name_in_the_docs_exists():
     ("losses.py:no_such_function", "losses.py defines no no_such_function"),
     ("rollout.no_such_key=3", "rollout.py defines no no_such_key"),
     ("await ctx.no_such_call(traj)", "rollout.py defines no RolloutContext.no_such_call"),
+    ("fully_async.sliding_window=strict_fifo:StrictFifo2", "examples/strict_fifo.py defines no StrictFifo2"),
 ])
 def test_a_renamed_name_is_caught(span, problem):
     found = _problems(span)
@@ -248,6 +256,7 @@ def test_a_code_block_is_read_too_and_a_colon_there_is_prose():
     "buffer.PipelineServer._verdict", "remote.Proxy(worker, timeout, remote.BUFFER_METHODS)", "run_dir/config.yaml",
     "standins.tiny_model.make_tiny_model", "losses.py", "bench/pipeline_sim.py --sweep", "model.path",
     "torch.distributed.checkpoint", "utils/common.py: get_bool_env_var",
+    "fully_async.sliding_window=strict_fifo:StrictFifo", "rollout.env=module:YourEnv",
 ])
 def test_what_exists_and_what_is_not_ours_passes(span):
     assert _problems(span) == []
