@@ -322,11 +322,3 @@ def latest_checkpoint(run_dir: str, shards: bool = True) -> Optional[str]:
         print(f"[train] warning: skipping checkpoint {bad}: {problem}; trying the previous one", file=sys.stderr,
               flush=True)
     return path
-
-
-_MOVED = {n: f"checkpoint.{n} is now hf_export.{n}, the code weight_sync.py shares"
-          for n in ("export_hf", "export_dtype", "full_parameter")}
-
-
-def __getattr__(name: str):  # a name that moved is refused naming where it went
-    raise AttributeError(_MOVED.get(name, f"module 'checkpoint' has no attribute '{name}'"))

@@ -327,7 +327,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-RENAMED_KEYS = {  # a config key this project no longer has -> the sentence that refuses it, naming the new one
+# A config key, or a key=value, this project no longer has -> the sentence that refuses it, naming the new one;
+# _from_dict consults it for every key it reads.
+RENAMED_SETTINGS = {
     "rollout.sglang_args.api_key": "rollout.sglang_args.api_key is now rollout.sglang_args.api_key_file, a file of "
                                    "mode 0600 holding one line `api-key: KEY` (a key in the config would be in "
                                    "run_dir/config.yaml and on the servers' command lines); servers the run launches "
@@ -335,6 +337,10 @@ RENAMED_KEYS = {  # a config key this project no longer has -> the sentence that
     "algorithm.m2po.enable": "algorithm.m2po.enable is now algorithm.m2_mask.enable (with algorithm.m2_mask.tau): "
                              "AReaL's M2PO mask of log(pi_old / mu) inside the PPO clip; the published M2PO, ratio "
                              "pi_theta / mu and no clip, is algorithm.policy_loss=m2po (algorithm.m2po.tau)",
+    "algorithm.policy_loss=recompute": "algorithm.policy_loss=recompute is now decoupled_ppo, AReaL's decoupled PPO as "
+                                       "published (behaviour weight pi_prox / mu masked above "
+                                       "algorithm.decoupled_ppo.behav_imp_weight_cap, not clamped at "
+                                       "algorithm.is_correction.clip; behav_imp_weight_action=clamp for AReaL's clamp)",
 }
 
 
@@ -343,8 +349,9 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
-        if prefix + k in RENAMED_KEYS:
-            raise ValueError(RENAMED_KEYS[prefix + k])
+        for old in (prefix + k, f"{prefix}{k}={v}" if isinstance(v, str) else None):
+            if old in RENAMED_SETTINGS:
+                raise ValueError(RENAMED_SETTINGS[old])
         if k not in names:
             raise ValueError(f"unknown config key '{prefix}{k}'; {cls.__name__} accepts: {', '.join(sorted(names))}")
         tp = hints[k]
@@ -818,12 +825,6 @@ def _takes(obj, n: int) -> bool:
 def _builtin(registry) -> str:
     """The names of a role's registry without the `module:attr` entries load_plugins added (for error messages)."""
     return ", ".join(name for name in registry if ":" not in name)
-
-
-def __getattr__(name: str):
-    if name == "POLICY_LOSSES":  # this file's copy of the names is gone: refused naming the one registry
-        raise AttributeError("config.POLICY_LOSSES is now losses.POLICY_LOSSES (the registry of policy losses)")
-    raise AttributeError(f"module 'config' has no attribute '{name}'")
 
 
 def validate_server_layout(cfg: Config) -> None:

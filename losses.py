@@ -152,8 +152,8 @@ def offpolicy_token_mask(versions: Tensor, loss_mask: Tensor) -> Tensor:
 #                                                                    rollout.sampling.max_new_tokens)
 # |o_i| is the number of loss tokens of sequence i in the batch's loss_mask. The numerator is a sum,
 # so it splits over micro-batches and data-parallel ranks; D must not. The trainer therefore computes D once per
-# mini-batch: D = all_reduce_sum over ranks of sum over its micro-batches of loss_denominator(mask, mode, norm_len),
-# and passes that same D to every policy loss call. Then the micro-batch losses of all ranks sum to the
+# mini-batch, on rank 0 when it plans the micro-batches of every rank: D = sum over all ranks' micro-batches of
+# loss_denominator(mask, mode, norm_len), scattered with the plans and passed unchanged to every policy loss call. Then the micro-batch losses of all ranks sum to the
 # mini-batch loss (FSDP averages gradients over the R ranks, so the trainer scales each loss by R).
 # Off-policy masks (NaN, M2PO, MIS, OPSM, the behaviour-weight cap) zero tokens' contributions; they never change D.
 
@@ -394,18 +394,9 @@ def declaration(fn: PolicyLoss) -> LossDeclaration:
     return getattr(fn, "declaration", LossDeclaration())
 
 
-RENAMED_POLICY_LOSSES = {  # an old algorithm.policy_loss value -> the sentence that refuses it, naming the new one
-    "recompute": "algorithm.policy_loss=recompute is now decoupled_ppo, AReaL's decoupled PPO as published (behaviour "
-                 "weight pi_prox / mu masked above algorithm.decoupled_ppo.behav_imp_weight_cap, not clamped at "
-                 "algorithm.is_correction.clip; behav_imp_weight_action=clamp for AReaL's clamp)",
-}
-
-
 def check_policy_loss(settings: LossSettings, use_rollout_log_probs: bool) -> None:
     """config.validate's check of algorithm.policy_loss: a registered name, and the loss's own declared check of the
     settings; raises its one-sentence refusal as a ValueError."""
-    if settings.policy_loss in RENAMED_POLICY_LOSSES:
-        raise ValueError(RENAMED_POLICY_LOSSES[settings.policy_loss])
     if settings.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)} or module:function, got "
                          f"'{settings.policy_loss}'")
@@ -511,7 +502,8 @@ def _clipped_loss(b: TokenBatch, s: LossSettings, denominator: float | Tensor, o
 def ppo(batch: TokenBatch, settings: LossSettings, denominator: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """ppo (this project's default): the PPO clip (asymmetric, DAPO) + dual-clip around old_log_probs, with the
     off-policy corrections enabled in algorithm.*: IS correction (token / sequence, truncated, optionally masked),
-    M2PO, OPSM; three loss aggregation modes; NaN/inf tokens counted and excluded (`_clipped_loss`)."""
+    AReaL's M2PO mask (m2_mask), OPSM; four loss aggregation modes (LOSS_AGG); NaN/inf tokens counted and excluded
+    (`_clipped_loss`)."""
     return _clipped_loss(batch, settings, denominator, "ppo")
 
 
@@ -787,29 +779,3 @@ def offpolicy_warning(cfg) -> Optional[str]:
             "this step's snapshot and nothing corrects for the staleness." + note + " Set "
             "trainer.use_rollout_log_probs=false and enable algorithm.is_correction or algorithm.m2_mask, or enable "
             f"algorithm.opsm.\n{bar}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Names this file no longer has: refused in one sentence naming the new one, not a bare AttributeError
-# ---------------------------------------------------------------------------------------------------------
-
-_SIGNATURE = "every policy loss is fn(batch: TokenBatch, settings, denominator) -> (loss, metrics)"
-_MOVED = {
-    **{name: f"logprobs.{name} (the log-prob kernels have a file of their own)"
-       for name in ("GREEDY_TEMPERATURE", "effective_temperature", "token_logprobs", "linear_token_logprobs")},
-    "chosen_policy_loss": f"losses.POLICY_LOSSES[name] ({_SIGNATURE})",
-    "policy_loss": f"losses.ppo, losses.gspo or losses.cispo, by objective ({_SIGNATURE})",
-    "truncated_is_loss": f"losses.truncated_is, with epsilon_high = settings.truncated_is.epsilon_high ({_SIGNATURE})",
-    "proximal_log_probs": "inside losses.decoupled_ppo (pi_prox = old_log_probs) and losses.loglinear (pi_prox = "
-                          "losses.loglinear_proximal_log_probs)",
-    "recompute": f"losses.decoupled_ppo, its behaviour weight masked above the cap, not clamped ({_SIGNATURE})",
-    "m2po_mask": "losses.m2_mask (the correction, algorithm.m2_mask); the published M2PO is the loss losses.m2po",
-    **{f"{name}_choice": f"losses.{name} ({_SIGNATURE})"
-       for name in ("ppo", "gspo", "cispo", "truncated_is", "decoupled_ppo", "loglinear", "m2po")},
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"losses.{name} is now {_MOVED[name]}")
-    raise AttributeError(f"module 'losses' has no attribute '{name}'")

@@ -38,14 +38,6 @@ BUFFER_METHODS = {"dispatch": 1, "put": None, "exchange": None, "get": 1, "wait"
                   "step_metrics": None, "stats": None, "state_dict": None, "load_state_dict": None}
 ROLLOUT_METHODS = {"start": None, "pause": None, "resume": None, "step_metrics": None, "stop": None}
 
-_MOVED = {"RemoteBuffer": "remote.RemoteBuffer(worker, timeout) is now remote.Proxy(worker, timeout, "
-                          "remote.BUFFER_METHODS)",
-          "serve": "remote.serve (the buffer process) is now remote.serve_buffer, with the same arguments"}
-
-
-def __getattr__(name: str):  # a name that moved is refused naming where it went
-    raise AttributeError(_MOVED.get(name, f"module 'remote' has no attribute '{name}'"))
-
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface: where TensorPipe listens (TP_SOCKET_IFNAME, read by torch's
 # tensorpipe_agent.cpp guessAddress; without it TensorPipe listens on the address the hostname resolves to)

@@ -937,13 +937,6 @@ def rpc_waits(cfg) -> dict:
 
 
 # The rollout process is served by workers.serve_rollout (remote.serve_object), its client is remote.Proxy.
-_MOVED = {"RemoteRollout": "rollout.RemoteRollout(worker, timeout) is now remote.Proxy(worker, timeout, "
-                           "remote.ROLLOUT_METHODS)",
-          "serve": "rollout.serve (the rollout process) is now workers.serve_rollout, with the same arguments"}
-
-
-def __getattr__(name: str):  # a name that moved is refused naming where it went
-    raise AttributeError(_MOVED.get(name, f"module 'rollout' has no attribute '{name}'"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

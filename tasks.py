@@ -549,15 +549,6 @@ def get_reward_fn(name: str) -> Callable[[str, Any, bool], float]:
         return REWARDS[name]
     raise ValueError(f"data_source.reward '{name}' is unknown; accepted: {', '.join(REWARDS)} or module:function")
 
-_MOVED = {n: f"tasks.{n} is now standins.tiny_model.{n} (the tiny model left tasks.py)"
-          for n in ("PAD", "EOS", "BOS_TURN", "UNK", "SPECIAL_TOKENS", "CHARS", "CHAT_TEMPLATE", "build_tokenizer",
-                    "make_tiny_model", "make_sharp_model", "PRETRAIN_TASKS", "PRETRAIN_TASK_OF", "RECIPE_FILE",
-                    "RECIPE_KEYS", "tiny_recipe", "make_tiny_for", "check_tiny_base", "pretrain")}
-
-
-def __getattr__(name: str):  # a name that moved is refused naming where it went
-    raise AttributeError(_MOVED.get(name, f"module 'tasks' has no attribute '{name}'"))
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Command line

@@ -418,13 +418,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(failed)
 
 
-_MOVED = {n: f"train.{n} is now actor.{n}, the model side of the step loop" for n in ("micro_batch_loss",)}
-
-
-def __getattr__(name: str):  # a name that moved is refused naming where it went
-    raise AttributeError(_MOVED.get(name, f"module 'train' has no attribute '{name}'"))
-
-
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack

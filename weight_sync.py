@@ -508,11 +508,3 @@ def _future_error(fut) -> str:
     if not fut.done():
         return "no answer yet"
     return repr(fut.exception()) if fut.exception() is not None else "answered ok"
-
-
-_MOVED = {n: f"weight_sync.{n} is now hf_export.{n}, the code the final export shares"
-          for n in ("fsdp_units", "to_checkpoint", "SHARD_BYTES")}
-
-
-def __getattr__(name: str):  # a name that moved is refused naming where it went
-    raise AttributeError(_MOVED.get(name, f"module 'weight_sync' has no attribute '{name}'"))

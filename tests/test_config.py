@@ -409,3 +409,14 @@ def test_auto_attention_on_cuda_takes_flash_attention_2_only_where_transformers_
         for f in caches:
             f.cache_clear()
         sys.modules.pop("flash_attn", None)
+
+
+@pytest.mark.parametrize("old", config.RENAMED_SETTINGS)
+def test_a_renamed_setting_is_refused_with_its_own_sentence(old):
+    """config.RENAMED_SETTINGS is the one table of renamed keys and renamed values (key=value): each is refused at
+    load with its own sentence, which names the old setting first."""
+    key, _, value = old.partition("=")
+    with pytest.raises(ValueError) as refused:
+        config.load_config(None, [old if value else f"{key}=1"])
+    assert str(refused.value) == config.RENAMED_SETTINGS[old]
+    assert str(refused.value).startswith(f"{old} is now ")

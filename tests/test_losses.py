@@ -11,7 +11,6 @@ import inspect
 import json
 import math
 import os
-import re
 from types import SimpleNamespace
 
 import pytest
@@ -653,22 +652,6 @@ def test_register_refuses_a_taken_name_and_a_non_function_in_one_sentence():
     with pytest.raises(TypeError, match="check=3"):
         losses.register("mine", check=3)(losses.ppo)
     assert "mine" not in losses.POLICY_LOSSES and losses.register("ppo")(losses.ppo) is losses.ppo  # again: fine
-
-
-@pytest.mark.parametrize("old,new", [
-    ("chosen_policy_loss", "losses.POLICY_LOSSES[name]"), ("ppo_choice", "losses.ppo"),
-    ("loglinear_choice", "losses.loglinear"), ("policy_loss", "losses.ppo, losses.gspo or losses.cispo"),
-    ("truncated_is_loss", "losses.truncated_is"), ("proximal_log_probs", "inside losses.decoupled_ppo"),
-    ("recompute", "losses.decoupled_ppo"), ("m2po_mask", "losses.m2_mask"),
-    ("token_logprobs", "logprobs.token_logprobs"), ("GREEDY_TEMPERATURE", "logprobs.GREEDY_TEMPERATURE"),
-])
-def test_a_name_losses_no_longer_has_is_refused_naming_the_new_one(old, new):
-    with pytest.raises(AttributeError, match=f"^losses.{old} is now {re.escape(new)}"):
-        getattr(losses, old)
-    with pytest.raises(AttributeError, match="module 'losses' has no attribute 'no_such_name'"):
-        losses.no_such_name
-    with pytest.raises(AttributeError, match=r"^config.POLICY_LOSSES is now losses.POLICY_LOSSES"):
-        config.POLICY_LOSSES
 
 
 @pytest.mark.parametrize("overrides,fragment", [
