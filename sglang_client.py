@@ -503,7 +503,7 @@ class Fleet:
 
     async def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,
                                          flush_cache: bool = True, load_format: Optional[str] = None) -> list:
-        """Worker i loads payloads[i]: one MultiprocessingSerializer payload per TP rank (weight_sync.py), inside a
+        """Worker i loads payloads[i]: one MultiprocessingSerializer payload per TP rank (sync_tensor.py), inside a
         begin_weight_update ... end_weight_update session. load_format: None (the model's load_weights), or a
         custom loader the server was launched with (--custom-weight-loader; weight_delta.LOADER)."""
         urls = await self.workers()

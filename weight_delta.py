@@ -1,5 +1,5 @@
 """weight_delta.py: delta weight sync -- detect, encode and apply the elements whose value in the servers' dtype
-changed since the version the servers hold (weight_sync.delta; weight_sync.py is the transport).
+changed since the version the servers hold (weight_sync.delta; sync_delta.py is the transport that sends them).
 
 Trainer side (DeltaSender, on the sending rank): a host copy of every checkpoint tensor in the servers' dtype as the
 servers last acknowledged it. Each bucket's tensors are compared with it as bit patterns (viewed as an integer dtype

@@ -132,6 +132,7 @@ def delta_worker(a, cfg, model, opt, actor, rank) -> None:
 
 def main_delta(a) -> None:
     """--delta: per method and lr, a fresh bf16 engine with the delta loader and fresh trainer ranks."""
+    import weight_delta
     from standins import engine
 
     with tempfile.TemporaryDirectory() as d:
@@ -139,15 +140,15 @@ def main_delta(a) -> None:
         if not a.model:
             make_model(model, a.moe)
         print(f"model {a.model or 'random ~100M Qwen3'}; {a.ranks} trainer ranks (gloo, CPU), one standins/engine.py "
-              f"--dtype bfloat16 --custom-weight-loader weight_delta.load_delta; bucket_mb {a.bucket_mb}; AdamW, "
+              f"--dtype bfloat16 --custom-weight-loader {weight_delta.LOADER}; bucket_mb {a.bucket_mb}; AdamW, "
               "weight_decay 0", flush=True)
         print("| method | lr | sync | kind | bytes | s | changed share |\n|---|---|---|---|---|---|---|")
         for method in [m for m in a.methods.split(",") if m != "tensor"]:  # delta: refused with tensor
             for lr in a.lrs.split(","):
                 run_dir = os.path.join(d, f"run_{method}_{lr}")  # disk deltas: read from its sync_weights only
                 url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600, dtype="bfloat16",
-                                            custom_weight_loader="weight_delta.load_delta", weight_version=0,
-                                            env={"WEIGHT_DELTA_SYNC_DIR": os.path.join(run_dir, "sync_weights")})
+                                            custom_weight_loader=weight_delta.LOADER, weight_version=0,
+                                            env={weight_delta.SYNC_DIR_ENV: os.path.join(run_dir, "sync_weights")})
                 try:
                     res = run_workers(a, ["--delta", "--lr", lr, "--steps", str(a.steps), "--model", model, "--url",
                                           url, "--run-dir", run_dir, "--methods", method],

@@ -11,7 +11,7 @@ Run (from the repository root):
 From Python (tests, benchmarks): `url, handle = engine.launch(model_path, max_running_requests=8)`; `handle.stop()`.
 Trainer side of the weight-update group: `pg = scheduler.init_weight_update_group(addr, port, 0, world_size,
 group_name, backend)` then `scheduler.broadcast_tensors(pg, tensors)` while POSTing /update_weights_from_distributed;
-colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[weight_sync.serialize_named_tensors(named)]`.
+colocate: POST /update_weights_from_tensor, `serialized_named_tensors=[sync_tensor.serialize_named_tensors(named)]`.
 
 Log-prob convention (0.5.23's, layers/sampler.py: Sampler.forward; the one logprobs.token_logprobs uses):
 `output_token_logprobs` holds, per sampled token, log_softmax(logits / temperature)[token] in float32 over the whole

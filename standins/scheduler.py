@@ -404,7 +404,7 @@ class _TensorUnpickler(pickle.Unpickler):
 
 
 def _rebuild_cuda_tensor(*args):
-    """torch's CUDA IPC rebuild, with the device given by UUID (weight_sync.serialize_named_tensors, SGLang's
+    """torch's CUDA IPC rebuild, with the device given by UUID (sync_tensor.serialize_named_tensors, SGLang's
     patch_torch): the sender's CUDA_VISIBLE_DEVICES numbers the GPUs differently."""
     from torch.multiprocessing import reductions
     dev = args[6]
@@ -421,7 +421,7 @@ def _load_storage(data: bytes):
 
 
 def deserialize_named_tensors(payload: str) -> list:
-    """A /update_weights_from_tensor payload (weight_sync.serialize_named_tensors) -> [(name, tensor)]."""
+    """A /update_weights_from_tensor payload (sync_tensor.serialize_named_tensors) -> [(name, tensor)]."""
     import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
     named = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
     if not (isinstance(named, list) and all(isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], str)

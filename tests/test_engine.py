@@ -29,7 +29,7 @@ import logprobs
 import sglang_client
 from standins import scheduler
 from standins import tiny_model
-import weight_sync
+import sync_tensor
 from services import free_port  # noqa: E402
 
 MAX_RUNNING = 8
@@ -471,7 +471,7 @@ def test_update_weights_from_shared_tensors(url, models, restore_weights):
         views.append((n, flat[off:off + t.numel()].view(t.shape)))
         off += t.numel()
     v = str(version(url) + 1)
-    body = {"serialized_named_tensors": [weight_sync.serialize_named_tensors(views)], "weight_version": v}
+    body = {"serialized_named_tensors": [sync_tensor.serialize_named_tensors(views)], "weight_version": v}
     r = post(url, "/update_weights_from_tensor", body)
     assert r.status_code == 400 and "update_weights_from_tensor must run between" in r.json()["message"]
     assert post(url, "/begin_weight_update", {}).json()["success"] is True

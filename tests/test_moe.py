@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -33,6 +34,9 @@ import batching
 import checks
 import hf_export
 import model as model_lib
+import sync_disk
+import sync_distributed
+import sync_tensor
 import weight_sync
 from test_engine import first_chunk_stream, generate, last_chunk, loads, make_model, post, version
 from services import free_port  # noqa: E402
@@ -188,8 +192,9 @@ def test_flattened_bucket_is_one_broadcast_per_bucket_and_refuses_what_sglang_re
 
 
 def test_only_the_sending_rank_builds_buckets(moe, monkeypatch):
-    """WeightSync.push: every rank joins each unit's all-gather, but with the distributed (and disk) method only rank
-    0 sends, so the other ranks build no bucket (no flat buffer, no checkpoint conversion): join_gather alone."""
+    """WeightSync.push: every rank joins each unit's all-gather, but with the distributed method (and the delta)
+    only rank 0 sends, so the other ranks build no bucket (no flat buffer, no checkpoint conversion): join_gather
+    alone."""
     _, _, ref = moe
     calls = []
     monkeypatch.setattr(weight_sync, "gather_bucket", lambda *a: calls.append("build"))
@@ -199,6 +204,7 @@ def test_only_the_sending_rank_builds_buckets(moe, monkeypatch):
     ws.model, ws.device, ws.dtype, ws.rank, ws.world, ws.fleet = no_fsdp(ref), torch.device("cpu"), torch.float32, 1, \
         1, None
     ws.cfg.weight_sync.bucket_mb = 0  # (refused in a config) one unit a bucket: 2 layers and the root
+    ws.delta, ws.transports = None, {"distributed": sync_distributed.DistributedTransport(ws)}
     ws.push(3)
     assert calls == ["join"] * 3 and ws.last_bytes == sum(p.numel() * 4 for p in ref.parameters())
 
@@ -208,7 +214,7 @@ def test_colocate_tensor_path_pushes_checkpoint_names(moe):
     its flat buffer as one payload; fused names the same way are skipped."""
     url, paths, ref = moe
     def push(named):
-        body = {"serialized_named_tensors": [weight_sync.serialize_named_tensors(named)]}
+        body = {"serialized_named_tensors": [sync_tensor.serialize_named_tensors(named)]}
         r = post(url, "/update_weights_from_tensor", body)
         assert r.status_code == 200 and r.json()["success"] is True, r.text
     assert post(url, "/begin_weight_update", {}).json()["success"] is True
@@ -224,24 +230,32 @@ def test_colocate_tensor_path_pushes_checkpoint_names(moe):
     assert post(url, "/update_weights_from_disk", {"model_path": paths["A"]}).json()["success"] is True
 
 
-def test_export_writes_save_pretrained_keys_that_the_engine_and_from_pretrained_load(moe, tmp_path):
-    """WeightSync.export (the disk method and run_dir/hf): save_pretrained's keys and shapes, loadable by
-    from_pretrained with the same logits, and by standins/engine.py's /update_weights_from_disk."""
+def test_disk_method_writes_save_pretrained_keys_that_the_engine_and_from_pretrained_load(moe, tmp_path):
+    """sync_disk.DiskTransport.push (hf_export.export_hf, as run_dir/hf is written): save_pretrained's keys and
+    shapes in run_dir/sync_weights, loadable by from_pretrained with the same logits, and by standins/engine.py's
+    /update_weights_from_disk, which the push asks every server for."""
     url, paths, ref = moe
-    ws = object.__new__(weight_sync.WeightSync)
-    ws.model, ws.device, ws.rank = no_fsdp(ref), torch.device("cpu"), 0
-    ws.cfg = type("C", (), {"weight_sync": type("W", (), {"bucket_mb": 1})(), "model": type("M", (), {
-        "path": paths["B"]})()})()
-    ws.export(str(tmp_path / "hf"), torch.float32)
+    asked = []
+
+    def update_weights_from_disk(path, version, flush):
+        asked.append((path, version, flush))
+        assert post(url, "/update_weights_from_disk", {"model_path": path}).json()["success"] is True
+    ws = types.SimpleNamespace(model=no_fsdp(ref), dtype=torch.float32, rank=0,
+                               fleet=types.SimpleNamespace(update_weights_from_disk=update_weights_from_disk),
+                               cfg=types.SimpleNamespace(run_dir=str(tmp_path), flush_on_update=True,
+                                                         model=types.SimpleNamespace(path=paths["B"])))
+    nbytes = sync_disk.DiskTransport(ws).push(3)
+    hf = tmp_path / "sync_weights"
+    assert asked == [(str(hf), 3, True)] and nbytes == os.path.getsize(hf / "model.safetensors") - 8 - int.from_bytes(
+        open(hf / "model.safetensors", "rb").read(8), "little")  # the tensors' bytes: the file less its header
     def keys(d):
         with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert keys(tmp_path / "hf") == keys(paths["B"])
-    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert keys(hf) == keys(paths["B"])
+    again = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
     ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref(ids).logits)
-    assert post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "hf")}).json()["success"] is True
     assert gap(url, ref) < 1e-5
 
 

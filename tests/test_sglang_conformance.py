@@ -8,6 +8,7 @@ them stays short. Tests that change its weights restore A and flush. Run:
 .venv/bin/python -m pytest -q tests/test_sglang_conformance.py
 """
 import concurrent.futures as cf
+import contextlib
 import json
 import time
 import types
@@ -252,18 +253,20 @@ def test_the_last_weight_bucket_carries_tensors_the_version_and_the_flush(tmp_pa
     ws.cfg = types.SimpleNamespace(weight_sync=types.SimpleNamespace(method="distributed", bucket_mb=root_mb,
                                                                      delta=False), flush_on_update=True)
     ws.model, ws.device, ws.dtype, ws.rank, ws.world = model, torch.device("cpu"), torch.float32, 0, 1
-    ws.group, ws.group_name, ws.last_bytes = object(), "g", 0
     calls, pushes = [], []
     ws.fleet = types.SimpleNamespace(begin_weight_update=lambda: calls.append("begin"),
                                      end_weight_update=lambda *a: calls.append("end"))
     monkeypatch.setattr(weight_sync, "gather_bucket", lambda m, spec, dtype, device: weight_sync.Bucket(spec, dtype,
                                                                                                        device))
-    ws._start = lambda bucket, version, targets, error: pushes.append(([n for n, _ in bucket.named], version)) or {}
-    ws._finish = lambda p, error: error
+    transport = types.SimpleNamespace(  # the distributed transport's interface, recording instead of sending
+        bucketed=True, begin=lambda version: calls.append("transport"), buckets=lambda: contextlib.nullcontext({0}),
+        start=lambda bucket, version, error: pushes.append(([n for n, _ in bucket.named], version)) or {},
+        finish=lambda p, error: error)
+    ws.delta, ws.transports = None, {"distributed": transport}
     ws.push(7)
     assert len(pushes) >= 2 and all(names for names, _ in pushes), pushes
     assert [v for _, v in pushes] == [None] * (len(pushes) - 1) + [7]  # the version (and the flush) on the last
-    assert pushes[-1][0] == units[-1][1] and calls == ["begin", "end"]
+    assert pushes[-1][0] == units[-1][1] and calls == ["transport", "begin", "end"]
     assert [n for names, _ in pushes for n in names] == [n for _, names in units for n in names]
 
 

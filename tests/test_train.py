@@ -719,7 +719,8 @@ def _sync_checks(args) -> dict:
             cfg.weight_sync.method = "distributed"
             name, param = next(iter(actor.model.named_parameters()))  # (full_tensor would be a collective)
             bucket = weight_sync.Bucket([(None, [(name, tuple(param.shape))])], torch.float32, torch.device("cpu"))
-            err = actor.weights._finish(actor.weights._start(bucket, 4, [[0]], None), None)
+            transport = actor.weights.distributed
+            err = transport.finish(transport.start(bucket, 4, None), None)
             results["no_session"] = {"error": str(err), "seconds": time.monotonic() - t0}
     finally:
         if services is not None:
@@ -850,7 +851,7 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
     bucket for bucket; without that the ranks are a bucket apart and the retry hangs."""
     import torch.distributed as dist
 
-    import weight_sync
+    import sync_tensor
 
     cfg.weight_sync.bucket_mb = 0  # one FSDP unit per bucket: the fault lands mid-push
     out = {}
@@ -862,7 +863,7 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
             for p in actor.model.parameters():
                 p.to_local().add_(torch.randn(p.to_local().shape, generator=gen) * 0.05)
         calls = [0]
-        owner, name = (dist, "broadcast") if method == "distributed" else (weight_sync, "serialize_named_tensors")
+        owner, name = (dist, "broadcast") if method == "distributed" else (sync_tensor, "serialize_named_tensors")
         real = getattr(owner, name)
 
         class FailingWait:  # the broadcast reached the server; waiting for it raises, as on a broken group
@@ -881,7 +882,7 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
                 calls[0] += 1
                 if calls[0] == 2:  # the second bucket's payload
                     raise RuntimeError("injected fault on rank 0")
-            elif k.get("group") is actor.weights.group:
+            elif k.get("group") is actor.weights.distributed.group:
                 calls[0] += 1
                 if calls[0] == 2:  # the second bucket's broadcast (one per bucket: load_format flattened_bucket)
                     return FailingWait(real(*a, **k))
@@ -897,7 +898,7 @@ def _push_fault_checks(cfg, rank, actor, engine_vs_trainer) -> dict:
         dist.all_gather_object(agreed, error is not None, group=_CTRL)
         error = None if error is None else str(error)
         if rank == 0 and method == "distributed":
-            actor.weights.drop_group()  # what WeightSync.sync's retry does (the tensor path has no group)
+            actor.weights.distributed.drop()  # what WeightSync.sync's retry does (the tensor path has no group)
         assert actor.weights._push_agreed(version) is None
         after, msg = engine_vs_trainer()
         out[method] = {"error": error, "agreed": agreed, "faults": calls[0], "after_retry": after,

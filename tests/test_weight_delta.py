@@ -242,7 +242,7 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
             n += mine_t.numel()
         out.append({"what": what, "delta": m["perf/weight_sync_delta"], "bytes": m["perf/weight_sync_bytes"],
                     "changed_frac": m["perf/weight_sync_changed_frac"], "mismatched": bad, "compared": n,
-                    "changed": act.weights.delta.stats["changed"], "bf16_flips": flips, "fp32_moved": moved,
+                    "changed": act.weights.delta.sender.stats["changed"], "bf16_flips": flips, "fp32_moved": moved,
                     "tensors": len(now)})
 
     with torch.no_grad():  # the weights as a bf16 checkpoint ships them (real models' are): the engine's
@@ -255,7 +255,7 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
         for _ in range(3):
             step(1e-5)
             sync("step")
-        act.weights.delta = weight_delta.DeltaSender()  # a resume: the host copy starts empty
+        act.weights.delta.sender = weight_delta.DeltaSender()  # a resume: the host copy starts empty
         step(1e-5)
         sync("resume")
         step(1e-5)
