@@ -511,7 +511,8 @@ class Exchange:
 
 
 class PipelineServer(Exchange):
-    """The buffer process's object: the rollout calls dispatch/put/step_boundary, the trainer get/step_metrics.
+    """The buffer process's object: the rollout calls dispatch/put/boundary_aborts/step_boundary, the trainer
+    get/step_metrics. What happens to each group (its verdict) is staleness.py's: decide and carry_out.
     Bounds (in prompt groups unless said otherwise, all in step_metrics()): C = int(B * (1 + stale_steps)) in
     fully-async mode, B + num_oversample in synchronous mode; R + Q <= C (synchronous: consumed this step + R + Q
     <= C), so TrajQueue holds <= C groups (<= C * N trajectories), PipelineBuffer and the restored lane <= C groups
@@ -619,6 +620,19 @@ class PipelineServer(Exchange):
                 self._pending = True
                 self._cond.notify_all()
 
+    def boundary_aborts(self, kind: str) -> list:
+        """The groups in flight that the coming step boundary of `kind` (a staleness.Boundary) drops as too old under
+        the next weights (staleness.decide, BEFORE_PAUSE: the update action's abort by staleness), oldest first; the
+        decision is recorded for step_boundary. The rollout asks once, before it pauses: with keep it aborts the
+        requests of exactly these groups; with checkpoint its pause aborts every request, these groups are dropped
+        and the others restored. abort and drain decide at step_boundary from what comes back: [] here."""
+        kind = Boundary(kind)
+        with self._cond:
+            keys = sorted(key for key, pg in self._in_flight.items() if kind in KEEPING and staleness.decide(
+                self, BEFORE_PAUSE, Group(pg, self.queue.slots(key))).action == DROP)
+            self._boundary_decision = (kind, frozenset(keys))
+            return keys
+
     def step_boundary(self, returned: list, kind: str = Boundary.ABORT) -> dict:
         """After the rollout paused: settle every group in flight for the boundary `kind` (a staleness.Boundary),
         clear TrajQueue, reset the strategy; the dict counts what happened. PipelineBuffer keeps its groups.
@@ -713,19 +727,6 @@ class PipelineServer(Exchange):
                     "filter_drop": sum(w["reasons"].values()), "drop_reasons": dict(w["reasons"]),
                     "seconds": time.monotonic() - w["t0"],
                     "stop": self._stop_message() if len(self.pbuf) < k and self._cannot_train() else None}
-
-    def boundary_aborts(self, kind: str) -> list:
-        """The groups in flight that the coming step boundary of `kind` (a staleness.Boundary) drops as too old under
-        the next weights (staleness.decide, BEFORE_PAUSE: the update action's abort by staleness), oldest first; the
-        decision is recorded for step_boundary. The rollout asks once, before it pauses: with keep it aborts the
-        requests of exactly these groups; with checkpoint its pause aborts every request, these groups are dropped
-        and the others restored. abort and drain decide at step_boundary from what comes back: [] here."""
-        kind = Boundary(kind)
-        with self._cond:
-            keys = sorted(key for key, pg in self._in_flight.items() if kind in KEEPING and staleness.decide(
-                self, BEFORE_PAUSE, Group(pg, self.queue.slots(key))).action == DROP)
-            self._boundary_decision = (kind, frozenset(keys))
-            return keys
 
     def set_weight_version(self, v: int) -> None:
         """The rollout now generates with weights `v`; buffered groups beyond the strategy's
