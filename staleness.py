@@ -19,7 +19,9 @@ first. Every drop is counted once, under DROP_METRICS[reason].
 
 The step boundary's kind is one value, `Boundary` (boundary_kind: from rollout.partial, rollout.pause_mode and
 whether a checkpoint follows). rollout.Rollout.pause asks PipelineServer.boundary_aborts(kind) once, aborts the
-requests that kind aborts, and hands what came back to PipelineServer.step_boundary(returned, kind).
+requests that kind aborts (keep: those of the abort list, Rollout._abort_groups; abort, checkpoint: every one; drain:
+none), and hands what came back to PipelineServer.step_boundary(returned, kind), which carries out the recorded
+decision.
 
 The functions take the PipelineServer `srv` (its lock held by the caller) and read the buffer's objects by attribute:
 this file imports the standard library and strategies.py only, and copies with buffer.py (docs/copy_a_piece.md).
