@@ -2,16 +2,16 @@
 
 Data types (Trajectory, PromptGroup, Group), the DataSource (seeded epoch order, monotonic sequence numbers, the
 restored lane), TrajQueue (trajectories -> complete groups), the collector thread, the bounded PipelineBuffer (oldest
-(epoch, seq) first) and the PipelineServer facade that the rollout and the trainer call. What happens to a group is
-decided by one function, PipelineServer._verdict (rollout.filter, the strategy's rollout.max_weight_staleness rule and
-its keep, the update action), and carried out and counted by one, PipelineServer._apply, at collection, at the weight
-update and at the step boundary. Semantics: docs/design.md, counted in prompt groups (R in flight, Q buffered, C
-capacity; strategies.py holds the dispatch/collection/keep rules and the update actions). One lock guards all state
+(epoch, seq) first) and the PipelineServer facade that the rollout and the trainer call. What happens to a group at
+collection, at the weight update, before a pause and at the step boundary is decided by staleness.decide and carried
+out and counted by staleness.carry_out (staleness.py). Semantics: docs/design.md, counted in prompt groups (R in
+flight, Q buffered, C capacity; strategies.py holds the dispatch/collection/keep rules and the update actions). One
+lock guards all state
 (every operation is O(groups in flight), a few hundred at most). Settings: `BufferSettings` (defaults included), so a
 PipelineServer runs with one's own producer and consumer without the run's config (docs/copy_a_piece.md). workers.py
 starts the buffer process: python workers.py buffer --config RESOLVED.yaml --rpc-init tcp://host:port --rank R
---world-size W. Tests: tests/test_buffer.py, tests/test_strategies.py. Imports the standard library, torch and
-strategies.py (itself stdlib-only) only.
+--world-size W. Tests: tests/test_buffer.py, tests/test_strategies.py. Imports the standard library, torch,
+strategies.py and staleness.py (both stdlib-only) only.
 """
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+import staleness
 import strategies
+from staleness import (BEFORE_PAUSE, BUFFERED, CHECKPOINTED, COLLECTED, COMPLETE_DROPS, COUNTERS, DROP, DROP_METRICS,
+                       KEEPING, KEPT_IN_FLIGHT, Boundary)
 
 # Trajectory status values. A trajectory is terminal in every one of them; "aborted" ones may be restored.
 COMPLETED, TRUNCATED, ABORTED, FAILED = "completed", "truncated", "aborted", "failed"
@@ -130,7 +133,8 @@ class Group:
     """The trajectories of one prompt, as the collector writes them into PipelineBuffer; also what a strategy's keep,
     keep_buffered and consumed are asked about (strategies.Strategy.keep lists what they read). All N of them, or
     fewer: with rollout.filter `failed`, a failed trajectory leaves its group, which is trained on the at least
-    rollout.min_group_size that survive (PipelineServer._trained)."""
+    rollout.min_group_size that survive (staleness.trained). staleness.decide also gets a group in flight as a Group
+    of its TrajQueue slots (None where no trajectory arrived yet)."""
     prompt: PromptGroup
     trajectories: list  # list[Trajectory], N of them or the survivors, sorted by index
 
@@ -468,42 +472,6 @@ class PipelineBuffer:
 # PipelineServer: dispatch -> TrajQueue -> collector -> PipelineBuffer -> trainer, with the step boundary
 # ---------------------------------------------------------------------------------------------------------
 
-# What happens to a group, decided by one function (PipelineServer._verdict) and carried out by one
-# (PipelineServer._apply), at collection, at every weight update and at every step boundary, with the reason. A group
-# dropped is not trained, and its prompt is not dispatched again this epoch (the data source moves on); a restored or
-# requeued one is dispatched again first (the restored lane).
-KEEP, RESTORE, RESTART, REQUEUE, DROP = "keep", "restore", "restart", "requeue", "drop"
-# place of the group asked about
-COLLECTED = "collected"  # complete, leaving TrajQueue for PipelineBuffer
-BUFFERED = "buffered"  # in PipelineBuffer at a weight update
-IN_FLIGHT = "in_flight"  # dispatched and not collected, at a step boundary whose pause aborted the requests
-KEPT_IN_FLIGHT = "kept_in_flight"  # the same, at a boundary whose servers kept their requests (retract, in_place)
-# why a group is dropped -> the one metric that counts it (groups). The reasons of COMPLETE_DROPS are decided at
-# collection and at the weight update (counted per step); the other two at the step boundary (its metrics).
-DROP_METRICS = {"filter": "rollout/filter_drop", "max_weight_staleness": "rollout/staleness_drop",
-                "strategy": "rollout/policy_drop", "stale_after": "rollout/update_dropped_groups",
-                "incomplete": "rollout/partial_dropped_incomplete_groups"}
-COMPLETE_DROPS = ("filter", "max_weight_staleness", "strategy")  # why a complete group is dropped (view.dropped)
-# the counters of one step (PipelineServer._counts, popped by step_metrics): the drops of COMPLETE_DROPS; trajectories
-# that arrived for a group no longer in flight (dropped or restored at a step boundary, or duplicates: not a verdict);
-# the group flow; response tokens thrown away by every drop, restart and failed trajectory taken out of its group;
-# the `failed` filter's work: failed trajectories taken out of their groups at collection, the groups it dropped
-# with fewer than rollout.min_group_size survivors (of rollout/filter_drop), groups handed to the trainer short
-COUNTERS = (*(DROP_METRICS[r] for r in COMPLETE_DROPS), "rollout/late_drop", "rollout/dispatched_groups",
-            "rollout/collected_groups", "rollout/consumed_groups", "rollout/discarded_tokens",
-            "rollout/failed_removed_count", "rollout/min_group_size_drop", "rollout/trained_short_groups")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """keep | restore (abort, continue from the partial trajectories) | restart (abort, generate from the prompt
-    again) | requeue (nothing generated: dispatched again as it was) | drop, and why (a DROP_METRICS key for a
-    drop; `detail` says more, e.g. the filter's sentence)."""
-    action: str
-    reason: str
-    detail: str = ""
-
-
 def _check_trajectory(t: Trajectory, n: int) -> None:
     if not 0 <= t.index < n:
         raise ValueError(f"trajectory {t.prompt_id} has index {t.index}; data_source.num_trajectories_per_prompt "
@@ -543,7 +511,8 @@ class Exchange:
 
 
 class PipelineServer(Exchange):
-    """The buffer process's object: the rollout calls dispatch/put/step_boundary, the trainer get/step_metrics.
+    """The buffer process's object: the rollout calls dispatch/put/boundary_aborts/step_boundary, the trainer
+    get/step_metrics. What happens to each group (its verdict) is staleness.py's: decide and carry_out.
     Bounds (in prompt groups unless said otherwise, all in step_metrics()): C = int(B * (1 + stale_steps)) in
     fully-async mode, B + num_oversample in synchronous mode; R + Q <= C (synchronous: consumed this step + R + Q
     <= C), so TrajQueue holds <= C groups (<= C * N trajectories), PipelineBuffer and the restored lane <= C groups
@@ -572,7 +541,7 @@ class PipelineServer(Exchange):
         self.get_timeout = float(s.get_timeout_s)
         self.strategy = strategies.build(s.sliding_window, self.B, self.C, self.fully_async, s.policy_param, self.N,
                                          max_weight_staleness=s.max_weight_staleness)
-        self.action = self.strategy.action(s.partial, s.pause_mode)  # (c), at step_boundary
+        self.action = self.strategy.action(s.partial, s.pause_mode)  # the update-time action (staleness.decide)
         ds = s.sources
         self.data = DataSource(prompts_per_source, [d.weight for d in ds], [d.seed for d in ds],
                                [d.shuffle for d in ds])
@@ -582,12 +551,13 @@ class PipelineServer(Exchange):
         self._in_flight: dict = {}  # key -> PromptGroup: dispatched, not yet collected (R)
         self._complete: set = set()  # in-flight keys with all N trajectories in TrajQueue: not generating
         self._consumed_step = 0  # groups handed out since the last step boundary
-        self._counts: Counter = Counter()  # this step's counters, by metric name (COUNTERS), popped by step_metrics()
+        self.counts: Counter = Counter()  # this step's counters, by metric name (COUNTERS), popped by step_metrics()
         self._totals: Counter = Counter()  # the popped counts, summed over the run (PipelineView.dropped)
         self._consumed_trajs: list = []  # (start_version, end_version, version at consumption) since last metrics
-        self._boundary: Counter = Counter()  # what the last step boundary did, by metric name, reported once
-        self._waited: dict = self._new_wait_counts()  # for the trainer's waiting line, popped by wait()
-        self._dropped = self._new_drop_run()  # groups the filter dropped since the last one it let through
+        self.boundary_counts: Counter = Counter()  # what the last step boundary did, by metric name, reported once
+        self._boundary_decision: Optional[tuple] = None  # (kind, abort list) of the last boundary_aborts call
+        self.waited: dict = self._new_wait_counts()  # for the trainer's waiting line, popped by wait()
+        self.drop_run = staleness.new_drop_run()  # groups the filter dropped since the last one it let through
         self._producer_stop: Optional[str] = None  # a trajectory's metadata["stop"]: the producer says the run ends
         self._cond = threading.Condition()
         self._pending = False  # put() added trajectories the collector has not looked at yet
@@ -625,7 +595,7 @@ class PipelineServer(Exchange):
                 view.oldest_uncompleted = min(pg.seq, pg.seq if view.oldest_uncompleted is None
                                               else view.oldest_uncompleted)
                 out.append(pg)
-            self._counts["rollout/dispatched_groups"] += len(out)
+            self.counts["rollout/dispatched_groups"] += len(out)
             return out
 
     def put(self, trajs: list) -> None:
@@ -643,71 +613,76 @@ class PipelineServer(Exchange):
             for t in trajs:
                 self._add_locked(t)
                 self._producer_stop = self._producer_stop or t.metadata.get("stop")  # e.g. a tool env that fails
-            self._waited["generated"] += len(trajs)
+            self.waited["generated"] += len(trajs)
             if self._thread is None:
                 self._collect_locked()
             else:
                 self._pending = True
                 self._cond.notify_all()
 
-    def step_boundary(self, returned: list, keep_in_flight: bool = False, stale: Optional[list] = None) -> dict:
-        """After the rollout paused: restore complete groups, drop incomplete ones, clear TrajQueue, reset strategy.
+    def boundary_aborts(self, kind: str) -> list:
+        """The groups in flight that the coming step boundary of `kind` (a staleness.Boundary) drops as too old under
+        the next weights (staleness.decide, BEFORE_PAUSE: the update action's abort by staleness), oldest first; the
+        decision is recorded for step_boundary. The rollout asks once, before it pauses: with keep it aborts the
+        requests of exactly these groups; with checkpoint its pause aborts every request, these groups are dropped
+        and the others restored. abort and drain decide at step_boundary from what comes back: [] here."""
+        kind = Boundary(kind)
+        with self._cond:
+            keys = sorted(key for key, pg in self._in_flight.items() if kind in KEEPING and staleness.decide(
+                self, BEFORE_PAUSE, Group(pg, self.queue.slots(key))).action == DROP)
+            self._boundary_decision = (kind, frozenset(keys))
+            return keys
 
-        `returned`: the trajectories the pause handed back (aborted partial ones, possibly finished ones). A group with
-        all N trajectories goes to the restored lane with them as `partial`, one with none goes back as dispatched, one
-        with some but not all is dropped; PipelineBuffer keeps its groups. keep_in_flight=True (pause_mode retract /
-        in_place: the servers kept every request) leaves in-flight groups as they are but those of update_aborts(),
-        whose trajectories `returned` holds and which are dropped. `stale` given (a checkpoint follows: the pause
-        aborted every request, rollout.Rollout.pause): the groups of `stale` are dropped as keeping drops them, every
-        other one goes to the lane with all N trajectories (put, handed back or not started): nothing stays in flight.
-        The update action (self.action) applies to what is restored (restart: partial tokens thrown away; abort by
-        staleness). Every group in flight gets a verdict (_verdict) that _apply carries out; the dict counts them."""
+    def step_boundary(self, returned: list, kind: str = Boundary.ABORT) -> dict:
+        """After the rollout paused: settle every group in flight for the boundary `kind` (a staleness.Boundary),
+        clear TrajQueue, reset the strategy; the dict counts what happened. PipelineBuffer keeps its groups.
+
+        `returned`: the trajectories the pause handed back (aborted partial ones). abort / drain: a group with all N
+        trajectories goes to the restored lane with them as `partial` (restart: without them), one with none goes
+        back as dispatched, one with some but not all is dropped, one too old for the update action is dropped.
+        keep (pause_mode retract / in_place: the servers kept their requests): the groups of boundary_aborts(keep)
+        are dropped, `returned` holds their trajectories; every other group stays in flight. checkpoint (the same
+        pause before a checkpoint: every request aborted): the groups of boundary_aborts(checkpoint) are dropped,
+        every other one goes to the lane with all N trajectories (put, handed back or not started): nothing stays in
+        flight. staleness.decide decides for each group (keep, checkpoint: from the recorded abort list), and
+        staleness.carry_out carries it out."""
+        kind = Boundary(kind)
         for t in returned:
             _check_trajectory(t, self.N)
         with self._cond:
-            if keep_in_flight:
-                stray = {t.prompt_id for t in returned} - set(self._in_flight)
-                if stray:
-                    raise ValueError(f"step_boundary(keep_in_flight=True) got trajectories of groups {sorted(stray)} "
-                                     "that are not in flight; a boundary that keeps in-flight groups takes back only "
-                                     "those of update_aborts()")
+            aborts = self._recorded_aborts(kind, self._boundary_decision, {t.prompt_id for t in returned})
+            self._boundary_decision = None
             self._collect_locked()  # whatever the strategy allows now goes to PipelineBuffer first
-            if keep_in_flight:
-                # The groups the rollout aborted (those of an earlier update_aborts() call) are dropped whatever
-                # update_aborts() says now: a trajectory that finished in between, having waited in a server's
-                # queue, can carry a later start version and take its group out of the list.
-                back: dict = {}  # key -> the trajectories the rollout handed back
-                for t in returned:
-                    back.setdefault(t.prompt_id, []).append(t)
-                aborts = frozenset(back) if stale is None else frozenset(tuple(k) for k in stale)
-                self._boundary = Counter(dict.fromkeys(("rollout/kept_in_flight_groups",
-                                                        "rollout/update_dropped_groups"), 0))
-                for key in sorted(self._in_flight):
-                    # the verdict sees what the keeping boundary would: the trajectories put (and those handed back
-                    # of a group aborted by staleness); the requests on the servers are unknown to it
-                    pg, trajs = self._in_flight[key], self.queue.slots(key) + (back.get(key, []) if key in aborts
-                                                                               else [])
-                    verdict = self._verdict(KEPT_IN_FLIGHT, pg, trajs, returned=aborts)
-                    if verdict.action == KEEP and stale is not None:  # its requests were aborted: restored whole
-                        trajs, verdict = self._partial_now(key, pg, back.get(key, ())), Verdict(RESTORE, "partial")
-                        self._take(key)
-                    self._apply(KEPT_IN_FLIGHT, key, pg, trajs, verdict)
-            else:
-                for t in returned:
-                    self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
-                self._boundary = Counter(dict.fromkeys((
-                    "rollout/partial_restored_count", "rollout/update_dropped_groups", "rollout/restarted_groups",
-                    "rollout/partial_dropped_incomplete_count", "rollout/partial_dropped_incomplete_groups",
-                    "rollout/restored_groups", "rollout/requeued_unstarted_groups"), 0))
-                for key in sorted(self._in_flight):
-                    pg, trajs = self._take(key)
-                    self._apply(IN_FLIGHT, key, pg, trajs, self._verdict(IN_FLIGHT, pg, trajs))
-                if len(self.queue):  # only in-flight groups can have trajectories queued (put() checks)
-                    raise RuntimeError(f"TrajQueue still holds {len(self.queue)} groups after the step boundary")
+            for t in returned:
+                self._add_locked(t)  # (may mark a group complete; everything in flight is settled below)
+            place = staleness.BOUNDARY_PLACE[kind]
+            self.boundary_counts = Counter(dict.fromkeys(staleness.BOUNDARY_METRICS[place], 0))
+            for key in sorted(self._in_flight):
+                pg = self._in_flight[key]
+                group = Group(pg, self._partial_now(key, pg) if place == CHECKPOINTED else self.queue.slots(key))
+                staleness.carry_out(self, place, group, staleness.decide(self, place, group, aborted=aborts))
+            if place != KEPT_IN_FLIGHT and len(self.queue):  # only groups in flight have trajectories queued
+                raise RuntimeError(f"TrajQueue still holds {len(self.queue)} groups after the step boundary")
             self._end_step_locked()
-            self._boundary["rollout/pipeline_buf_size"] = len(self.pbuf)
+            self.boundary_counts["rollout/pipeline_buf_size"] = len(self.pbuf)
             self._cond.notify_all()
-            return dict(self._boundary)
+            return dict(self.boundary_counts)
+
+    def _recorded_aborts(self, kind: Boundary, decision: Optional[tuple], returned: set) -> frozenset:
+        """The abort list boundary_aborts recorded for a keep / checkpoint boundary (empty for abort / drain), after
+        checking that it was asked for this kind and that `returned` holds only what this kind hands back."""
+        if kind not in KEEPING:
+            return frozenset()
+        if decision is None or decision[0] != kind:
+            raise ValueError(f"step_boundary(kind={kind.value}) needs the abort list of boundary_aborts("
+                             f"{kind.value}), asked before the pause; got "
+                             f"{'none' if decision is None else 'one for ' + decision[0].value}")
+        stray = returned - (decision[1] if kind == Boundary.KEEP else set(self._in_flight))
+        if stray:
+            where = "on the abort list of boundary_aborts(keep)" if kind == Boundary.KEEP else "in flight"
+            raise ValueError(f"step_boundary(kind={kind.value}) got trajectories of groups {sorted(stray)} that are "
+                             f"not {where}; this boundary takes back only those")
+        return decision[1]
 
     # ---- trainer side ----
     def get(self, k: int, timeout: Optional[float] = None) -> list:
@@ -729,8 +704,8 @@ class PipelineServer(Exchange):
             groups = self.pbuf.pop(k)
             view = self._view()
             self._consumed_step += k
-            self._counts["rollout/consumed_groups"] += k
-            self._counts["rollout/trained_short_groups"] += sum(len(g.trajectories) < self.N for g in groups)
+            self.counts["rollout/consumed_groups"] += k
+            self.counts["rollout/trained_short_groups"] += sum(len(g.trajectories) < self.N for g in groups)
             for g in groups:
                 self.strategy.consumed(g, view)
                 for t in g.trajectories:
@@ -746,24 +721,17 @@ class PipelineServer(Exchange):
         raises it as NothingToTrain (wait() never raises it, so the sentence crosses RPC as plain data)."""
         with self._cond:
             self._cond.wait_for(lambda: self._closed or len(self.pbuf) >= k or self._cannot_train(), timeout)
-            w, self._waited = self._waited, self._new_wait_counts()
+            w, self.waited = self.waited, self._new_wait_counts()
             return {"ready": len(self.pbuf), "needed": k, "generated": w["generated"],
                     "in_flight": len(self._in_flight) * self.N - self.queue.num_trajectories,
                     "filter_drop": sum(w["reasons"].values()), "drop_reasons": dict(w["reasons"]),
                     "seconds": time.monotonic() - w["t0"],
                     "stop": self._stop_message() if len(self.pbuf) < k and self._cannot_train() else None}
 
-    def update_aborts(self) -> list:
-        """The in-flight groups the strategy's update-time action aborts and drops at the coming weight update
-        (abort by staleness: started more than stale_after versions before version + 1), oldest first. The rollout
-        asks before pausing with rollout.pause_mode in_place / retract and hands their trajectories back to
-        step_boundary; with abort every group comes back and step_boundary drops these itself."""
-        with self._cond:
-            return self._update_aborts_locked()
-
     def set_weight_version(self, v: int) -> None:
         """The rollout now generates with weights `v`; buffered groups beyond the strategy's
-        rollout.max_weight_staleness rule, or that its keep_buffered no longer keeps, go (_verdict, _apply)."""
+        rollout.max_weight_staleness rule, or that its keep_buffered no longer keeps, go (staleness.decide,
+        staleness.carry_out)."""
         with self._cond:
             if v < self.version:
                 raise ValueError(f"set_weight_version({v}): weight versions only grow; the current one is "
@@ -771,8 +739,7 @@ class PipelineServer(Exchange):
             self.version = int(v)
             view = self._view()
             for g in self.pbuf.groups():
-                self._apply(BUFFERED, g.prompt_id, g.prompt, g.trajectories,
-                            self._verdict(BUFFERED, g.prompt, g.trajectories, view))
+                staleness.carry_out(self, BUFFERED, g, staleness.decide(self, BUFFERED, g, view), view)
             self._cond.notify_all()
 
     # ---- metrics, checkpoints ----
@@ -788,8 +755,8 @@ class PipelineServer(Exchange):
         with self._cond:
             v = self._view()
             m = {"rollout/pipeline_buf_size": len(self.pbuf)}
-            m.update(self._boundary)
-            m.update({k: self._counts[k] for k in COUNTERS})
+            m.update(self.boundary_counts)
+            m.update({k: self.counts[k] for k in COUNTERS})
             m.update({"rollout/in_flight_groups": v.R, "rollout/generating_groups": v.generating,
                       "rollout/held_groups": len(self._complete), "rollout/trajqueue_groups": len(self.queue),
                       "rollout/trajqueue_trajectories": self.queue.num_trajectories,
@@ -802,10 +769,10 @@ class PipelineServer(Exchange):
                 m.update(consumed_metrics(self._consumed_trajs))
             m.update(self.strategy.counts)
             self.strategy.counts = {}
-            self._totals.update(self._counts)
-            self._counts.clear()
+            self._totals.update(self.counts)
+            self.counts.clear()
             self._consumed_trajs = []
-            self._boundary = Counter()
+            self.boundary_counts = Counter()
             return m
 
     def stats(self, keys: bool = False) -> dict:
@@ -883,115 +850,18 @@ class PipelineServer(Exchange):
             next_seq=self.data.next_seq, oldest_uncollected=min(seqs, default=None),
             oldest_uncompleted=min((k[1] for k in self._in_flight if k not in self._complete), default=None),
             version=self.version, lane=len(self.data.lane),
-            dropped=sum(self._totals[DROP_METRICS[r]] + self._counts[DROP_METRICS[r]] for r in COMPLETE_DROPS))
+            dropped=sum(self._totals[DROP_METRICS[r]] + self.counts[DROP_METRICS[r]] for r in COMPLETE_DROPS))
 
     def _end_step_locked(self) -> None:
         self.strategy.reset()
         self._consumed_step = 0
         self.strategy.at_boundary(self._view())
 
-    def _verdict(self, place: str, pg: PromptGroup, trajs: list, view: Optional[strategies.PipelineView] = None,
-                 returned: frozenset = frozenset()) -> Verdict:
-        """What happens to one group, and why: the one place that decides, from rollout.filter and the strategy's
-        rules ((b) rollout.max_weight_staleness, within_max_weight_staleness, and keep / keep_buffered; (c) the update
-        action: abort by staleness `stale_after`, restart or resume partial), in this order of precedence:
-          COLLECTED       filter -> within_max_weight_staleness -> strategy.keep(view) -> keep (of the group's
-                          survivors, _trained: the failed filter takes failed trajectories out)
-          BUFFERED        within_max_weight_staleness -> strategy.keep_buffered(view) -> keep
-          IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
-                          N present) -> requeue (none present) -> drop as incomplete
-          KEPT_IN_FLIGHT  stale_after (or handed back in `returned`: the rollout aborted it as stale) -> keep
-        The strategy's rules see the group as a Group (per-token versions, start_version). `trajs`: in flight,
-        TrajQueue's slots (None where none arrived yet). stale_after counts against the next weights (version + 1)."""
-        if place in (COLLECTED, BUFFERED):
-            if place == COLLECTED:
-                reason = self._filter_reason(trajs)
-                if reason is not None:
-                    return Verdict(DROP, "filter", reason)
-            group = Group(pg, self._trained(trajs) if place == COLLECTED else trajs)
-            if not self.strategy.within_max_weight_staleness(group, view):
-                return Verdict(DROP, "max_weight_staleness")
-            keep = self.strategy.keep if place == COLLECTED else self.strategy.keep_buffered
-            if not keep(group, view):  # (b) the consumption filter
-                return Verdict(DROP, "strategy")
-            return Verdict(KEEP, "trainable")
-        after = self.action.stale_after
-        if pg.prompt_id in returned or (after is not None and self.version + 1 - start_version(pg, trajs) > after):
-            return Verdict(DROP, "stale_after")  # (c) abort by staleness: too old under the next weights
-        if place == KEPT_IN_FLIGHT:
-            return Verdict(KEEP, "kept in flight")
-        present = [t for t in trajs if t is not None]
-        if len(present) == self.N and self.action.restart and any(t.status == ABORTED for t in present):
-            return Verdict(RESTART, "the update action restarts from the prompt")
-        if len(present) == self.N:
-            return Verdict(RESTORE, "partial")
-        if not present:
-            return Verdict(REQUEUE, "nothing generated")
-        return Verdict(DROP, "incomplete", f"{len(present)} of {self.N} trajectories")
-
-    def _apply(self, place: str, key: Key, pg: PromptGroup, trajs: list, verdict: Verdict) -> None:
-        """Carry out one verdict of _verdict and count it: the one place that acts on a verdict. keep: a collected
-        group goes into PipelineBuffer (its survivors, _trained), a buffered or kept-in-flight one stays; restore /
-        restart / requeue: into the restored lane (restart: without its partial trajectories); drop: out of where it
-        is. Counted: every drop once under DROP_METRICS[reason], its response tokens (and a restart's, and failed
-        trajectories taken out) in rollout/discarded_tokens; a filter drop also in the waiting line's reasons and the
-        run of drops that stops an untrainable run. Collection and an aborting boundary took the group out (_take)."""
-        present = [t for t in trajs if t is not None]
-        tokens = sum(int(t.response_ids.numel()) for t in present)
-        boundary = self._boundary
-        if place == COLLECTED:
-            pg.partial = []  # the trajectories now live in the Group
-            kept = self._trained(trajs)
-            self._counts["rollout/failed_removed_count"] += len(trajs) - len(kept)
-            if verdict.reason == "filter":
-                self._counts["rollout/min_group_size_drop"] += len(kept) < self.min_group_size
-                self._waited["reasons"][verdict.detail] += 1
-                d = self._dropped
-                d["groups"] += 1
-                d["reasons"][verdict.detail] += 1
-                d["rewards"].update(round(t.reward, 4) for t in trajs if t.status != FAILED)
-                d["last"] = Group(pg, trajs)
-            else:
-                self._dropped = self._new_drop_run()
-        if verdict.action == DROP:
-            if place == BUFFERED:
-                self.pbuf.remove(key)
-            elif place == KEPT_IN_FLIGHT:
-                self._take(key)
-            counter = boundary if place in (IN_FLIGHT, KEPT_IN_FLIGHT) else self._counts
-            counter[DROP_METRICS[verdict.reason]] += 1
-            self._counts["rollout/discarded_tokens"] += tokens
-            if verdict.reason == "incomplete":
-                boundary["rollout/partial_dropped_incomplete_count"] += len(present)
-        elif verdict.action == KEEP:
-            if place == COLLECTED:
-                self.pbuf.put(Group(pg, kept))
-                self._counts["rollout/collected_groups"] += 1
-                self._counts["rollout/discarded_tokens"] += tokens - sum(int(t.response_ids.numel()) for t in kept)
-            elif place == KEPT_IN_FLIGHT:
-                boundary["rollout/kept_in_flight_groups"] += 1
-        else:
-            if verdict.action == RESTART:  # (c) restart from the prompt: the partial tokens are thrown away
-                self._counts["rollout/discarded_tokens"] += tokens
-                pg.partial = []
-                pg.metadata.pop("dispatch_version", None)
-                boundary["rollout/restarted_groups"] += 1
-            elif verdict.action == RESTORE:
-                pg.partial = trajs
-                boundary["rollout/restored_groups"] += 1
-                boundary["rollout/partial_restored_count"] += len(present)
-            else:  # requeue: keeps the partial it was dispatched with, if any
-                boundary["rollout/requeued_unstarted_groups"] += 1
-            self.data.restore([pg])
-
-    def _take(self, key: Key) -> tuple:
-        """Take an in-flight group out of flight: (its PromptGroup, its TrajQueue slots)."""
+    def take_from_flight(self, key: Key) -> tuple:
+        """Take an in-flight group out of flight (the collector, staleness.carry_out): (its PromptGroup, its TrajQueue
+        slots)."""
         self._complete.discard(key)
         return self._in_flight.pop(key), self.queue.pop(key)
-
-    def _update_aborts_locked(self) -> list:
-        return sorted(key for key, pg in self._in_flight.items()
-                      if self._verdict(KEPT_IN_FLIGHT, pg, self.queue.slots(key)).action == DROP)
 
     def _may_dispatch(self, view: strategies.PipelineView) -> bool:
         if self.max_generating is not None and view.generating >= self.max_generating:
@@ -1001,19 +871,16 @@ class PipelineServer(Exchange):
     def _add_locked(self, t: Trajectory) -> None:
         key = t.prompt_id
         if key not in self._in_flight or not self.queue.add(t):
-            self._counts["rollout/late_drop"] += 1
+            self.counts["rollout/late_drop"] += 1
             return
         if self.queue.is_assembled(key):
             self._complete.add(key)
 
-    def _partial_now(self, key: Key, pg: PromptGroup, back: list = ()) -> list:
-        """An in-flight group as a restorable partial: the trajectories already put or handed `back` by a pause,
-        else what it was dispatched with, else an empty aborted one (which the rollout generates from scratch); []
-        when nothing exists yet."""
-        slots = list(self.queue.slots(key))
-        for t in back:
-            if slots[t.index] is None:
-                slots[t.index] = t
+    def _partial_now(self, key: Key, pg: PromptGroup) -> list:
+        """An in-flight group as a restorable partial: the trajectories already put (or handed back by a pause,
+        step_boundary), else what it was dispatched with, else an empty aborted one (which the rollout generates from
+        scratch); [] when nothing exists yet."""
+        slots = self.queue.slots(key)
         if all(s is None for s in slots):
             return list(pg.partial)
         return [s if s is not None else pg.partial[i] if pg.partial else
@@ -1029,49 +896,28 @@ class PipelineServer(Exchange):
                 if not self.strategy.may_collect(key[1], view):
                     continue
                 moved = True
-                pg, trajs = self._take(key)
+                pg, trajs = self.take_from_flight(key)
                 view.R -= 1
                 if key[1] == view.oldest_uncollected:
                     view.oldest_uncollected = min((k[1] for k in self._in_flight), default=None)
-                self._apply(COLLECTED, key, pg, trajs, self._verdict(COLLECTED, pg, trajs, view))
+                group = Group(pg, trajs)
+                staleness.carry_out(self, COLLECTED, group, staleness.decide(self, COLLECTED, group, view), view)
                 view.Q = len(self.pbuf)
         self._cond.notify_all()
-
-    def _trained(self, trajs: list) -> list:
-        """The trajectories of a collected group that it is trained on: with rollout.filter `failed`, those that did
-        not fail (a tool error or timeout, a server error, a reward function that raised); otherwise all of them."""
-        return [t for t in trajs if t.status != FAILED] if "failed" in self.filters else trajs
-
-    def _filter_reason(self, trajs: list) -> Optional[str]:
-        """Why rollout.filter drops this group, None if it lets it through: `failed` when fewer than
-        rollout.min_group_size trajectories survive ("5 of 8 failed"), `all_equal_reward` when the survivors'
-        rewards are all equal ("all 6 rewards 0.0": a failure does not make a group of equal rewards trainable)."""
-        kept = self._trained(trajs)
-        if len(kept) < self.min_group_size:
-            return f"{len(trajs) - len(kept)} of {self.N} failed"
-        rewards = [t.reward for t in kept]
-        if "all_equal_reward" in self.filters and max(rewards) == min(rewards):
-            return f"all {len(kept)} rewards {round(rewards[0], 4)}"
-        return None
 
     @staticmethod
     def _new_wait_counts() -> dict:
         return {"t0": time.monotonic(), "generated": 0, "reasons": Counter()}
 
-    @staticmethod
-    def _new_drop_run() -> dict:
-        """Counts (groups, reasons, trajectory rewards) and the last group of a run of filter drops: bounded."""
-        return {"groups": 0, "reasons": Counter(), "rewards": Counter(), "last": None}
-
     def _cannot_train(self) -> bool:
-        return self._producer_stop is not None or (self.stop_groups > 0 and self._dropped["groups"] >= self.stop_groups)
+        return self._producer_stop is not None or (self.stop_groups > 0 and self.drop_run["groups"] >= self.stop_groups)
 
     def _stop_message(self) -> str:
         """One sentence: the filter, what it saw, a dropped group (prompt, response, label) and what to change; or
         the producer's own (a trajectory's metadata["stop"], e.g. rollout.env_fail_stop_steps)."""
         if self._producer_stop is not None:
             return self._producer_stop
-        d, g = self._dropped, self._dropped["last"]
+        d, g = self.drop_run, self.drop_run["last"]
         rewards = ", ".join(f"{v} ({c})" for v, c in d["rewards"].most_common(5)) or "none (all failed)"
         t = next((t for t in g.trajectories if t.status == FAILED), g.trajectories[0])
         task, reward = self.sources[g.prompt.source]

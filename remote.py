@@ -34,7 +34,7 @@ from buffer import PipelineServer
 # What each served object answers over RPC: {method: None, or the position of its `timeout` argument where it waits
 # (the call's RPC timeout is the proxy's plus that wait)}.
 BUFFER_METHODS = {"dispatch": 1, "put": None, "exchange": None, "get": 1, "wait": 1, "step_boundary": None,
-                  "update_aborts": None, "set_weight_version": None, "set_max_concurrent_samples": None,
+                  "boundary_aborts": None, "set_weight_version": None, "set_max_concurrent_samples": None,
                   "step_metrics": None, "stats": None, "state_dict": None, "load_state_dict": None}
 ROLLOUT_METHODS = {"start": None, "pause": None, "resume": None, "step_metrics": None, "stop": None}
 

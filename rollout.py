@@ -13,7 +13,7 @@
   `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
   to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
-  those `buffer.update_aborts()` names, which the strategy drops by staleness: aborted first, handed to
+  those `buffer.boundary_aborts()` names, which the strategy drops by staleness: aborted first, handed to
   step_boundary; before a checkpoint, `pause(checkpoint=True)`, they abort everything too, so that the checkpoint
   holds every partial trajectory, and the groups they would keep are restored whole); with partial=false it waits
   for everything in flight. in_place updates cannot flush the servers' prefix cache (requests still run), so there
@@ -94,6 +94,7 @@ import checkpoint
 import losses
 import moe
 import scoring
+import staleness
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
 from env_steps import EnvStepFailed, EnvSteps
 from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response  # noqa: F401 (Fleet: re-exported)
@@ -384,7 +385,7 @@ class Rollout:
         self._partials: list[Trajectory] = []
         self._dispatching = False
         self._stopping = False  # pausing with rollout.partial=true: new and running trajectories stop
-        self._aborting: set = set()  # groups the buffer drops at this update (buffer.update_aborts): they stop too
+        self._aborting: set = set()  # groups the buffer drops at this update (buffer.boundary_aborts): they stop too
         self._servers_paused = False  # our /pause_generation holds the servers until resume() or stop()
         self._error: Optional[BaseException] = None
         self._tasks: set = set()
@@ -786,21 +787,22 @@ class Rollout:
         deadline = t0 + r.pause_timeout_s
         async with self._dispatch_lock:  # groups being dispatched right now are launched (and counted) first
             pass
-        keeps, stale = r.partial and r.pause_mode != "abort", None
-        if keeps and checkpoint:  # every request comes back (below); the strategy drops what keeping would drop
-            stale = await asyncio.to_thread(self.buffer.update_aborts)
-        elif keeps:
-            # The servers keep every request (in_place: with its KV cache; retract: recomputed after continue); the
-            # weight update runs on the paused servers and resume() continues them. Nothing is aborted, restored or
-            # re-sent: the groups stay in flight (requests not yet at a server wait at its pause gate).
+        kind = staleness.boundary_kind(r.partial, r.pause_mode, checkpoint)
+        aborts = await asyncio.to_thread(self.buffer.boundary_aborts, kind)  # the buffer decides them, once
+        if kind == staleness.Boundary.KEEP:
+            # The servers keep every request (in_place: with its KV cache; retract: recomputed after continue) but
+            # those of `aborts`; the weight update runs on the paused servers and resume() continues them. Nothing
+            # else is aborted, restored or re-sent: the groups stay in flight (requests not yet at a server wait at
+            # its pause gate).
             self._servers_paused = True
-            partials = await self._abort_groups(await asyncio.to_thread(self.buffer.update_aborts), deadline)
+            partials = await self._abort_groups(aborts, deadline)
             await self._pause_servers(r.pause_mode, deadline)
-            metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, True) or {})
+            metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, kind) or {})
             metrics["rollout/partial_kept_count"] = self._in_flight
             metrics["timing/pause_delay"] = time.monotonic() - t0
             return metrics
-        if r.partial:
+        # abort, checkpoint: every request aborted (the buffer drops the checkpoint's `aborts`); drain: all waited for
+        if kind != staleness.Boundary.DRAIN:
             self._stopping = True
             for active in self._active.values():
                 active.stop.set()
@@ -821,8 +823,7 @@ class Rollout:
                         n, url, error)
         partials, self._partials = self._partials, []
         self._stopping = False
-        kept = () if stale is None else (True, stale)  # retract / in_place before a checkpoint: the keeping verdicts
-        metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, *kept) or {})
+        metrics = dict(await asyncio.to_thread(self.buffer.step_boundary, partials, kind) or {})
         metrics["rollout/partial_aborted_count"] = len(partials)
         metrics["timing/pause_delay"] = time.monotonic() - t0
         return metrics
@@ -835,7 +836,7 @@ class Rollout:
 
     async def _abort_groups(self, keys: list, deadline: float) -> list:
         """The strategy's abort by staleness before an in-place / retract pause: abort every request of the groups
-        `keys` (buffer.update_aborts), wait for their trajectories and return the aborted ones (the buffer drops
+        `keys` (buffer.boundary_aborts), wait for their trajectories and return the aborted ones (the buffer drops
         these groups in step_boundary; trajectories that finished meanwhile were put and are dropped with them)."""
         self._aborting = {tuple(k) for k in keys} & set(self._groups)
         try:
@@ -970,7 +971,10 @@ class DatasetBuffer(Exchange):
             if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
                 self.done.set()
 
-    def step_boundary(self, returned: list[Trajectory], keep_in_flight: bool = False, stale=None) -> dict:
+    def boundary_aborts(self, kind: str) -> list:
+        return []
+
+    def step_boundary(self, returned: list[Trajectory], kind: str = staleness.Boundary.ABORT) -> dict:
         return {}
 
     def set_max_concurrent_samples(self, value: int) -> None:

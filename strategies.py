@@ -27,17 +27,20 @@ plugins.load and registers it in REGISTRY under that name, so the buffer process
             return view.oldest_uncompleted is None or seq < view.oldest_uncompleted
 
 A strategy is three parts (the split of docs/staleness.md), each a method with a default:
-  (a) admission         may_dispatch(seq, view): may a group start generating now?
-  (b) consumption       keep(group, view): may a complete group be trained? Asked when it is collected and again for
-      filter            every buffered group at each weight update (keep_buffered); False drops it
-                        (rollout/policy_drop). `group` carries its trajectories with their per-token weight versions,
-                        so a rule on tokens is a strategy of your own (examples/token_staleness.py). Before keep, the
-                        buffer asks within_max_weight_staleness(group, view), the rule of rollout.max_weight_staleness
-                        (rollout/staleness_drop), which every strategy has.
-  (c) update-time       `actions`: the UpdateActions the strategy accepts at a weight update (abort and resume
-      action            partial, abort and restart from the prompt, drain, in_place, retract, each optionally with
-                        abort by staleness). Empty = any that rollout.partial / rollout.pause_mode select (the spec's
-                        three); config.validate refuses a pairing a strategy does not accept.
+  admission           may_dispatch(seq, view): may a group start generating now?
+  consumption filter  keep(group, view): may a complete group be trained? Asked when it is collected and again for
+                      every buffered group at each weight update (keep_buffered); False drops it
+                      (rollout/policy_drop). `group` carries its trajectories with their per-token weight versions,
+                      so a rule on tokens is a strategy of your own (examples/token_staleness.py). Before keep, the
+                      buffer asks within_max_weight_staleness(group, view), the rule of rollout.max_weight_staleness
+                      (rollout/staleness_drop), which every strategy has. keep asks only; a strategy that counts
+                      its answers does it in judged(group, view, kept), called once per answer as the buffer carries
+                      it out (staleness.carry_out).
+  update-time action  `actions`: the UpdateActions the strategy accepts at a weight update (abort and resume
+                      partial, abort and restart from the prompt, drain, in_place, retract, each optionally with
+                      abort by staleness). Empty = any that rollout.partial / rollout.pause_mode select (the spec's
+                      three); config.validate refuses a pairing a strategy does not accept.
+The presets' docstrings describe their peer's rule in the same three parts: admission, filter, at the update.
 Presets of the peers' rules (areal, verl, pipelinerl, prime-rl, roll, slime-async) are registered beside the spec's
 three; each takes one knob, fully_async.policy_param, in its own unit, and derives the capacity C from it. Each also
 declares the loss its peer trains with (`policy_loss`, `offpolicy_mask`: `peer_overrides` gives them as config
@@ -76,7 +79,7 @@ class PipelineView:
 
 @dataclass(frozen=True)
 class UpdateAction:
-    """(c) What happens to the groups in flight when the weights change (at the step boundary).
+    """The update-time action: what happens to the groups in flight when the weights change (the step boundary).
 
     pause: abort (the servers abort every request; partial trajectories go back to the buffer), in_place (the
     requests stay on the paused servers with their KV cache and continue with the new weights), retract (they stay,
@@ -109,7 +112,7 @@ class Strategy:
     """Base strategy = the capacity rule alone (which is exactly no-window), with the rollout.max_weight_staleness
     rule. Override any method; an __init__ of your own takes max_weight_staleness and passes it on."""
 
-    actions: tuple = ()  # (c) the UpdateActions accepted; () = whatever rollout.partial / pause_mode select
+    actions: tuple = ()  # the update-time actions accepted; () = whatever rollout.partial / pause_mode select
 
     def __init__(self, B: int, C: int, max_weight_staleness: Optional[int] = None):
         if B <= 0 or C < B:
@@ -127,16 +130,18 @@ class Strategy:
         return True
 
     def within_max_weight_staleness(self, group, view: PipelineView) -> bool:
-        """(b) The default rule, rollout.max_weight_staleness: False when a trajectory of the group started more than
-        that many versions before the current one (a trajectory with no generated token, start_version -1, has no
-        age). The buffer asks it before keep / keep_buffered, and counts its drops in rollout/staleness_drop."""
+        """The consumption filter's default rule, rollout.max_weight_staleness: False when a trajectory of the group
+        started more than that many versions before the current one (a trajectory with no generated token,
+        start_version -1, has no age). The buffer asks it before keep / keep_buffered, and counts its drops in
+        rollout/staleness_drop."""
         m = self.max_weight_staleness
         return m is None or all(t.start_version < 0 or view.version - t.start_version <= m
                                 for t in group.trajectories)
 
     def keep(self, group, view: PipelineView) -> bool:
-        """(b) May this complete group be trained? Asked at collection and (keep_buffered) for buffered groups at
-        every weight update; False drops it (rollout/policy_drop). `group` (a buffer.Group) may be read for
+        """The consumption filter: may this complete group be trained? Asked at collection and (keep_buffered) for
+        buffered groups at every weight update; False drops it (rollout/policy_drop). It only asks: the buffer may
+        ask again, and hears each answer it acts on in judged(). `group` (a buffer.Group) may be read for
           group.start_version   its first generated token's oldest weight version, else the version at dispatch
           group.prompt_id       (epoch, seq)
           group.trajectories    its N trajectories (fewer: the survivors of failures, rollout.min_group_size),
@@ -148,8 +153,14 @@ class Strategy:
         return True
 
     def keep_buffered(self, group, view: PipelineView) -> bool:
-        """(b) for a group already in PipelineBuffer, asked at every weight update (default: as at collection)."""
+        """The consumption filter for a group already in PipelineBuffer, asked at every weight update (default: as
+        at collection)."""
         return self.keep(group, view)
+
+    def judged(self, group, view: PipelineView, kept: bool) -> None:
+        """keep / keep_buffered answered `kept` about this group, and the buffer now acts on that answer
+        (staleness.carry_out): called once per answer, so a strategy that counts what it keeps or drops counts
+        here."""
 
     def dispatched(self, fresh: bool, view: PipelineView) -> None:
         """A group was dispatched; fresh=False for a restored (or replayed) one. `view` is as before this dispatch,
@@ -165,7 +176,7 @@ class Strategy:
         """Called at every step boundary after reset(), with the counters as the new step starts."""
 
     def action(self, partial: bool, pause_mode: str) -> UpdateAction:
-        """(c) The update-time action for these rollout settings (config.validate checks they are accepted)."""
+        """The update-time action for these rollout settings (config.validate checks they are accepted)."""
         for a in self.actions:
             if a.rollout_settings == (partial, pause_mode):
                 return a
@@ -285,10 +296,10 @@ class Preset(Strategy):
 
 
 class CumulativeBudget(Preset):
-    """(a) accepted + running < budget + v B, with `accepted` cumulative (AReaL's form; ROLL's and PipelineRL's are
-    the same with other units). Each step trains B accepted groups, so accepted = v B + consumed + Q and the rule
-    reads consumed + R + Q < budget: consuming a group does not free a slot before the weight update; a group
-    dropped by a filter does ("rejected rollouts do not count")."""
+    """Admission: accepted + running < budget + v B, with `accepted` cumulative (AReaL's form; ROLL's and PipelineRL's
+    are the same with other units). Each step trains B accepted groups, so accepted = v B + consumed + Q and the rule
+    reads consumed + R + Q < budget: consuming a group does not free a slot before the weight update; a group dropped by
+    a filter does ("rejected rollouts do not count")."""
 
     def budget(self) -> float:
         return self.B * (1.0 + self.param)
@@ -303,15 +314,15 @@ class CumulativeBudget(Preset):
 
 @register("areal")
 class AReaL(CumulativeBudget):
-    """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): (a) accepted + running < (eta + v + 1) B,
-    eta = max_head_offpolicyness, and (get_capacity's minimum) running < max_concurrent_rollouts, default the
-    consumer batch size B: rollout.async_max_concurrent_samples, B N when unset (max_concurrent_samples);
-    (b) none; (c) /pause_generation abort, the partial output resubmitted under the new weights (per-token versions
-    kept). Its loss: decoupled PPO as AReaL's paper has it, the proximal policy recomputed
-    (algorithm.policy_loss=decoupled_ppo; loglinear is AReaL's other option), no off-policy mask, the behaviour
-    weight pi_prox / mu masked above 5 (algorithm.decoupled_ppo: AReaL 1.0.4's rejection_sampling with its defaults,
-    areal/api/cli_args.py RejectionSamplingConfig; its top-level default rejection_sampling=None, no weight, is
-    behav_imp_weight_cap=null), algorithm.is_correction.enable=false (decoupled_ppo refuses a second weight).
+    """AReaL (areal/infra/staleness_manager.py, workflow_executor.py): admission: accepted + running < (eta + v + 1) B,
+    eta = max_head_offpolicyness, and (get_capacity's minimum) running < max_concurrent_rollouts, default the consumer
+    batch size B: rollout.async_max_concurrent_samples, B N when unset (max_concurrent_samples); filter: none; at the
+    update: /pause_generation abort, the partial output resubmitted under the new weights (per-token versions kept). Its
+    loss: decoupled PPO as AReaL's paper has it, the proximal policy recomputed (algorithm.policy_loss=decoupled_ppo;
+    loglinear is AReaL's other option), no off-policy mask, the behaviour weight pi_prox / mu masked above 5
+    (algorithm.decoupled_ppo: AReaL 1.0.4's rejection_sampling with its defaults, areal/api/cli_args.py
+    RejectionSamplingConfig; its top-level default rejection_sampling=None, no weight, is behav_imp_weight_cap=null),
+    algorithm.is_correction.enable=false (decoupled_ppo refuses a second weight).
     Deviations: groups (not samples) are the unit; `accepted` is derived from the counters (v B + consumed + Q), not
     persisted."""
     param_name = "eta (max_head_offpolicyness, in steps)"
@@ -327,14 +338,14 @@ class AReaL(CumulativeBudget):
 
 @register("verl")
 class Verl(Preset):
-    """verl fully-async (fully_async_rollouter.py, param_sync.py): (a) started < (1 + s) B new prompts per weight
-    version, s = staleness_threshold, the count re-anchored at each sync to the work carried over (in flight +
-    cancelled + queued); each new prompt adds 1, resumed partials do not; (b) none; (c) partial_rollout: cancel and
-    resume first (abort), or without it drain. Its loss: PPO around the recomputed old log-probs (ppo), no
-    off-policy mask. Deviations: a group dropped by rollout.filter gives its slot back (verl's rollouter has no such
-    filter; with all_equal_reward dropping most groups the budget would run out before a batch is complete, and the
-    run would stall); N = B prompts per version (verl: trigger_parameter_sync_step x require_batches x
-    ppo_mini_batch_size); a full queue never evicts (the budget keeps it below C)."""
+    """verl fully-async (fully_async_rollouter.py, param_sync.py): admission: started < (1 + s) B new prompts per weight
+    version, s = staleness_threshold, the count re-anchored at each sync to the work carried over (in flight + cancelled
+    + queued); each new prompt adds 1, resumed partials do not; filter: none; at the update: partial_rollout: cancel and
+    resume first (abort), or without it drain. Its loss: PPO around the recomputed old log-probs (ppo), no off-policy
+    mask. Deviations: a group dropped by rollout.filter gives its slot back (verl's rollouter has no such filter; with
+    all_equal_reward dropping most groups the budget would run out before a batch is complete, and the run would stall);
+    N = B prompts per version (verl: trigger_parameter_sync_step x require_batches x ppo_mini_batch_size); a full queue
+    never evicts (the budget keeps it below C)."""
     param_name = "staleness_threshold s (in steps)"
     actions = (ABORT_RESUME, DRAIN)
 
@@ -360,20 +371,20 @@ class Verl(Preset):
 
 @register("pipelinerl")
 class PipelineRL(CumulativeBudget):
-    """PipelineRL (pipelinerl/actor.py, finetune_loop.py, vllm1.py): (a) submitted groups < ceil(L / G) + (u + 1)
-    ceil(U / G), L = max_lag in samples, G = N, U = B N samples per update; (b) counted, not dropped: at training
-    (finetune_loop.py: last_broadcasted_version - batch.model_version > max_lag, model_version = the version at
-    the rollout's start), a group older than L samples adds its trajectories (N) to rollout/samples_too_old; (c)
+    """PipelineRL (pipelinerl/actor.py, finetune_loop.py, vllm1.py): admission: submitted groups < ceil(L / G) + (u + 1)
+    ceil(U / G), L = max_lag in samples, G = N, U = B N samples per update; filter: counted, not dropped: at training
+    (finetune_loop.py: last_broadcasted_version - batch.model_version > max_lag, model_version = the version at the
+    rollout's start), a group older than L samples adds its trajectories (N) to rollout/samples_too_old; at the update:
     nothing aborted: pause mode keep, the running sequences continue on the old KV cache with the new weights
-    (in_place). Its loss: truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is, epsilon
-    0.02 and the sum over tokens divided by the sequences of a step: loss_agg_mode=seq-mean-token-sum; no
-    correction: algorithm.is_correction.enable=false), no
-    off-policy mask: the pre-update tokens of an in-place trajectory are trained.
-    Deviations: a group dropped by rollout.filter gives its admission slot back (PipelineRL's submitted_groups
-    only grows); PipelineRL's default mode sets no max_lag, so nothing bounds admission and the preprocessor's
-    bounded queues pop the oldest data (preprocess.py, pop_old_data), where here param=None means L = B N (one
-    step) and nothing is evicted; samples_too_old is counted per group of N, not per micro-batch of
-    train_batch_size (which takes the batch's oldest model_version)."""
+    (in_place). Its loss: truncated IS against the behaviour log-probs (algorithm.policy_loss=truncated_is, epsilon 0.02
+    and the sum over tokens divided by the sequences of a step: loss_agg_mode=seq-mean-token-sum; no correction:
+    algorithm.is_correction.enable=false), no off-policy mask: the pre-update tokens of an in-place trajectory are
+    trained.
+    Deviations: a group dropped by rollout.filter gives its admission slot back (PipelineRL's submitted_groups only
+    grows); PipelineRL's default mode sets no max_lag, so nothing bounds admission and the preprocessor's bounded queues
+    pop the oldest data (preprocess.py, pop_old_data), where here param=None means L = B N (one step) and nothing is
+    evicted; samples_too_old is counted per group of N, not per micro-batch of train_batch_size (which takes the batch's
+    oldest model_version)."""
     param_name = "max_lag L (in samples)"
     actions = (IN_PLACE,)
     policy_loss = "truncated_is"
@@ -398,21 +409,19 @@ PRIME_MAX_INFLIGHT = 1024  # prime-rl's default max_inflight, in rollouts (orche
 
 @register("prime-rl")
 class PrimeRL(Preset):
-    """prime-rl (orchestrator/orchestrator.py, dispatcher.py, scheduler.py, train_sink.py): (a) the gate counts
-    batches shipped to the trainer, not work in flight: new episodes are dispatched while (step - 1) - policy.version
-    <= 1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups
-    accepted so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight
-    rollouts (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B, so requests beyond the fleet's
-    concurrency queue in the servers as in prime-rl; rollout.async_max_concurrent_samples lowers it); (b) drop
-    queued groups whose start version < v - M,
-    M = max_off_policy_steps (param None: 1; prime-rl's default 8): what bounds the staleness; (c) keep in flight
-    (pause mode keep), but first abort whole groups that would be older than M under the new weights. Its loss
-    (trainer/rl/loss.py default_loss_fn: the ratio to the inference log-probs, tokens masked by probability
-    difference, a squared log-ratio term) is not among algorithm.policy_loss: ppo is the closest. Deviations:
-    max_inflight is fixed (prime-rl adapts it to the
-    KV-cache use between min_inflight and max_inflight, concurrency.py) and counted in whole groups; C also bounds
-    R + Q, the buffered groups included; the trainer does not hold a batch until policy.version >= step - 2 (it
-    takes what is buffered)."""
+    """prime-rl (orchestrator/orchestrator.py, dispatcher.py, scheduler.py, train_sink.py): admission: the gate counts
+    batches shipped to the trainer, not work in flight: new episodes are dispatched while (step - 1) - policy.version <=
+    1, i.e. at most one batch shipped ahead of the trainer's weights. Each step trains B groups, so the groups accepted
+    so far are v B + consumed + Q and the gate reads consumed + Q < 2 B; in flight are up to max_inflight rollouts
+    (PRIME_MAX_INFLIGHT, in C as ceil(1024 / N) groups on top of 2 B, so requests beyond the fleet's concurrency queue
+    in the servers as in prime-rl; rollout.async_max_concurrent_samples lowers it); filter: drop queued groups whose
+    start version < v - M, M = max_off_policy_steps (param None: 1; prime-rl's default 8): what bounds the staleness; at
+    the update: keep in flight (pause mode keep), but first abort whole groups that would be older than M under the new
+    weights. Its loss (trainer/rl/loss.py default_loss_fn: the ratio to the inference log-probs, tokens masked by
+    probability difference, a squared log-ratio term) is not among algorithm.policy_loss: ppo is the closest.
+    Deviations: max_inflight is fixed (prime-rl adapts it to the KV-cache use between min_inflight and max_inflight,
+    concurrency.py) and counted in whole groups; C also bounds R + Q, the buffered groups included; the trainer does not
+    hold a batch until policy.version >= step - 2 (it takes what is buffered)."""
     param_name = "max_off_policy_steps M"
     staleness_knob = False  # the lead is fixed at 1; M only bounds what is dropped
 
@@ -442,18 +451,19 @@ class PrimeRL(Preset):
 
 @register("roll")
 class Roll(CumulativeBudget):
-    """ROLL (roll/distributed/scheduler/generate_scheduler.py, ReplayBuffer): (a) running + completed < ceil(alpha B)
-    + t B, `completed` cumulative, so a completed group dropped as stale never gives its slot back (gc), while a
-    group dropped by rollout.filter or aborted does; (b) skip groups with start step < t - ceil(alpha); with a
-    fractional alpha the oldest allowed step fills only ceil(frac(alpha) B) groups per step; consumption
-    (ReplayBuffer.get_batch, ItemsGroup.get_batch) takes the oldest step first and waits for that step's running
-    prompts before it takes a younger step's: a complete group is collected only when no group of an older step
-    (its weight version at first dispatch) is still generating; (c) drop the running groups that are too old for (b)
-    under the new weights, abort the rest and resume their partial output. Its loss: PPO (ppo), no off-policy mask.
-    Deviations: groups (ROLL: prompts) are the unit; ROLL's get_batch may take a step's finished groups while others
-    of it still run, once they fill the batch, where here the pipeline buffer hands out oldest seq first whatever the
-    step; the lost slots are not checkpointed. As in ROLL, a run whose stale drops use up the budget stops
-    dispatching (rollout/roll_slots_lost counts them)."""
+    """ROLL (roll/distributed/scheduler/generate_scheduler.py, ReplayBuffer): admission: running + completed <
+    ceil(alpha B) + t B, `completed` cumulative, so a completed group dropped as stale never gives its slot back (gc),
+    while a group dropped by rollout.filter or aborted does; filter: skip groups with start step < t - ceil(alpha); with
+    a fractional alpha the oldest allowed step fills only ceil(frac(alpha) B) groups per step; consumption
+    (ReplayBuffer.get_batch, ItemsGroup.get_batch) takes the oldest step first and waits for that step's running prompts
+    before it takes a younger step's: a complete group is collected only when no group of an older step (its weight
+    version at first dispatch) is still generating; at the update: drop the running groups that are too old for its
+    filter under the new weights, abort the rest and resume their partial output. Its loss: PPO (ppo), no off-policy
+    mask.
+    Deviations: groups (ROLL: prompts) are the unit; ROLL's get_batch may take a step's finished groups while others of
+    it still run, once they fill the batch, where here the pipeline buffer hands out oldest seq first whatever the step;
+    the lost slots are not checkpointed. As in ROLL, a run whose stale drops use up the budget stops dispatching
+    (rollout/roll_slots_lost counts them)."""
     param_name = "alpha (in steps)"
 
     def __init__(self, B, C, param=None, N=1, max_weight_staleness=None):
@@ -489,14 +499,14 @@ class Roll(CumulativeBudget):
 
     def keep(self, group, view: PipelineView) -> bool:
         lag = view.version - group.start_version
-        if lag < self.lag or (lag == self.lag and self.quota is None):
-            return True
-        if lag == self.lag and self.oldest_taken < self.quota:
-            self.oldest_taken += 1
-            return True
-        self.slots_lost += 1
-        self.counts["rollout/roll_slots_lost"] = self.slots_lost
-        return False
+        return lag < self.lag or lag == self.lag and (self.quota is None or self.oldest_taken < self.quota)
+
+    def judged(self, group, view: PipelineView, kept: bool) -> None:
+        if not kept:
+            self.slots_lost += 1
+            self.counts["rollout/roll_slots_lost"] = self.slots_lost
+        elif self.quota is not None and view.version - group.start_version == self.lag:
+            self.oldest_taken += 1  # one more group of the oldest allowed step
 
     def reset(self) -> None:
         self.oldest_taken = 0
@@ -504,18 +514,18 @@ class Roll(CumulativeBudget):
 
 @register("slime-async")
 class SlimeAsync(Preset):
-    """slime's fully-async example (slime/rollout/fully_async_rollout.py): no versions; (a) top up while
-    generating < C and queued < C, C = concurrency (here in groups); (b) none; (c) /pause_generation abort and
-    flush_cache, the aborted group is put back in the data buffer unchanged (_make_done_cb) and continues from its
-    partial tokens when dispatched again (sglang_rollout.py: _prepare_prompt_ids reuses sample.tokens,
+    """slime's fully-async example (slime/rollout/fully_async_rollout.py): no versions; admission: top up while
+    generating < C and queued < C, C = concurrency (here in groups); filter: none; at the update: /pause_generation
+    abort and flush_cache, the aborted group is put back in the data buffer unchanged (_make_done_cb) and continues from
+    its partial tokens when dispatched again (sglang_rollout.py: _prepare_prompt_ids reuses sample.tokens,
     generate_and_rm skips the completed samples): abort + resume partial. Its loss: PPO (ppo), with
-    --mask-offpolicy-in-partial-rollout optional (rollout.mask_offpolicy_in_partial_rollout, either value).
-    C counts groups as slime does (its worker's tasks are whole groups, generate_and_rm_group); slime's default C is
+    --mask-offpolicy-in-partial-rollout optional (rollout.mask_offpolicy_in_partial_rollout, either value). C counts
+    groups as slime does (its worker's tasks are whole groups, generate_and_rm_group); slime's default C is
     sglang_server_concurrency x engines = 512 x engines, here B (one step).
     Deviations: slime's train_async.py collects step t + 1's batch while step t trains and waits for it before the
-    weight update (one step ahead), so every trained group is at least one version old and the trainer never waits
-    for generation; here the trainer collects its batch during its own step (staleness can be 0, a generation-bound
-    step waits): not modelled. A group some of whose trajectories did not come back from the abort is dropped (slime
+    weight update (one step ahead), so every trained group is at least one version old and the trainer never waits for
+    generation; here the trainer collects its batch during its own step (staleness can be 0, a generation-bound step
+    waits): not modelled. A group some of whose trajectories did not come back from the abort is dropped (slime
     re-queues whatever the abort returned)."""
     param_name = "concurrency C (in groups)"
     actions = (ABORT_RESUME,)

@@ -11,7 +11,7 @@ an ideal, tokens thrown away, and which prompts (length, difficulty) a rule trai
 
 What is real: `buffer.PipelineServer` (collection run inside put(), collector_thread=False, so a run is
 deterministic) with the rule of `strategies.REGISTRY`, called as rollout.py and train.run_steps call it: dispatch,
-put, update_aborts + step_boundary at the pause (abort / in_place / drain, the rule's update-time action),
+put, boundary_aborts + step_boundary at the pause (abort / in_place / drain, the rule's update-time action),
 set_weight_version after the update, get by training call. The loss is algorithm.policy_loss's choice
 (`losses.POLICY_LOSSES`, called as actor.micro_batch_loss calls it, with the run's config: each preset with its
 peer's loss and off-policy mask from `strategies.peer_overrides`, the spec's rules and sync with tiny.yaml's), and
@@ -78,6 +78,7 @@ import buffer  # noqa: E402
 import config  # noqa: E402
 import losses  # noqa: E402
 import sim_server  # noqa: E402
+import staleness  # noqa: E402
 import strategies  # noqa: E402
 
 SIMULATION_NOTE = ("Simulated: the clock, the fleet (the workload model of docs/results/pipeline_sim.md, lengths and "
@@ -440,8 +441,8 @@ class Sim:
             self.wait_for(lambda: not self.reqs)
             self.buf.step_boundary([])
         elif a.pause in ("in_place", "retract"):
-            keys = {tuple(k) for k in self.buf.update_aborts()}
-            self.buf.step_boundary(self.abort(keys) if keys else [], True)
+            keys = {tuple(k) for k in self.buf.boundary_aborts(staleness.Boundary.KEEP)}
+            self.buf.step_boundary(self.abort(keys) if keys else [], staleness.Boundary.KEEP)
         else:
             self.buf.step_boundary(self.abort())
         for k, v in self.buf.step_metrics().items():

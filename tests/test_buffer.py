@@ -17,6 +17,7 @@ import torch
 import buffer
 import config
 import remote
+import staleness
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, DataSource, PipelineBuffer, PipelineServer, Trajectory
 from services import free_port  # noqa: E402
 
@@ -188,9 +189,9 @@ def test_filters_drop_failed_and_equal_reward_groups_and_count_them():
 
 
 def test_every_drop_has_one_reason_and_is_counted_by_it():
-    """PipelineServer._verdict decides every drop (filter, max_weight_staleness, strategy, stale_after, incomplete);
-    PipelineServer._apply counts each once, under its one name (buffer.DROP_METRICS)."""
-    assert set(buffer.DROP_METRICS) == {"filter", "max_weight_staleness", "strategy", "stale_after", "incomplete"}
+    """staleness.decide decides every drop (filter, max_weight_staleness, strategy, stale_after, incomplete);
+    staleness.carry_out counts each once, under its one name (staleness.DROP_METRICS)."""
+    assert set(staleness.DROP_METRICS) == {"filter", "max_weight_staleness", "strategy", "stale_after", "incomplete"}
     srv = make_server(B=4, N=2, stale=1.0, overrides=["rollout.max_weight_staleness=1"])
     gs = srv.dispatch()
     srv.set_weight_version(2)
@@ -210,9 +211,11 @@ def test_every_drop_has_one_reason_and_is_counted_by_it():
     m = srv.step_boundary([])
     assert m["rollout/partial_dropped_incomplete_groups"] == 1
     assert srv.step_metrics()["rollout/partial_dropped_incomplete_groups"] == 1
-    pg, slots = gs[0], [None, None]
-    assert srv._verdict(buffer.IN_FLIGHT, pg, slots) == buffer.Verdict(buffer.REQUEUE, "nothing generated")
-    assert srv._verdict(buffer.KEPT_IN_FLIGHT, pg, slots, returned=frozenset([pg.prompt_id])).reason == "stale_after"
+    group = buffer.Group(gs[0], [None, None])
+    assert staleness.decide(srv, staleness.IN_FLIGHT, group) == staleness.Verdict(staleness.REQUEUE,
+                                                                                   "nothing generated")
+    assert staleness.decide(srv, staleness.KEPT_IN_FLIGHT, group,
+                            aborted=frozenset([group.prompt_id])).reason == "stale_after"
 
 
 def test_max_weight_staleness_drops_at_collection_and_in_the_buffer():
@@ -391,8 +394,8 @@ def _same(a: Trajectory, b: Trajectory) -> bool:
 
 def test_a_boundary_before_a_checkpoint_restores_kept_groups_whole_into_a_weights_only_state():
     """rollout.pause_mode in_place (retract alike) with a checkpoint due: the pause aborted every request and handed
-    every unfinished trajectory back with update_aborts()'s keys (Rollout.pause(checkpoint=True)). The groups keeping
-    would drop (abort by staleness, prime-rl M=1) are dropped as keeping drops them; every other group in flight
+    every unfinished trajectory back (Rollout.pause(checkpoint=True)). The groups boundary_aborts(checkpoint) names,
+    those keeping would drop (abort by staleness, prime-rl M=1), are dropped; every other group in flight
     goes to the restored lane with all N trajectories (put, partial or never started). The state holds each one
     field for field through torch.load(weights_only=True), and a resumed buffer hands them out first, with the
     weight version they were dispatched under."""
@@ -405,15 +408,15 @@ def test_a_boundary_before_a_checkpoint_restores_kept_groups_whole_into_a_weight
     g0, g1, g2, g3 = srv.dispatch()
     srv.put(finish(g0, 3))
     srv.get(1, timeout=0)
-    srv.step_boundary([], keep_in_flight=True)  # a boundary without a checkpoint: g1, g2, g3 kept in flight
+    assert srv.boundary_aborts(staleness.Boundary.KEEP) == []
+    srv.step_boundary([], staleness.Boundary.KEEP)  # a boundary without a checkpoint: g1, g2, g3 kept in flight
     srv.set_weight_version(1)
     g4, = srv.dispatch(1)  # dispatched under version 1
     srv.put([traj(g1, 0)] + finish(g2, 3) + [traj(g4, 2, start=1)])  # g2 complete: buffered
-    stale = srv.update_aborts()
-    assert stale == [(0, 1), (0, 3)]  # started under version 0: 2 - 0 > M; g4: 2 - 1 = 1
+    assert srv.boundary_aborts("checkpoint") == [(0, 1), (0, 3)]  # started under version 0: 2 - 0 > M; g4: 2 - 1 = 1
     back = [_rich(g1, 1), _rich(g1, 2)] + [_rich(g3, i) for i in range(3)] + [_rich(g4, 0, start=1)]
     back.append(aborted(g4, 1, start=-1, end=-1))  # a request that had generated nothing
-    m = srv.step_boundary(back, keep_in_flight=True, stale=stale)
+    m = srv.step_boundary(back, staleness.Boundary.CHECKPOINT)
     assert m["rollout/update_dropped_groups"] == 2 and m["rollout/restored_groups"] == 1
     assert m["rollout/kept_in_flight_groups"] == 0 and m["rollout/partial_restored_count"] == 3
     st = srv.stats(keys=True)
@@ -445,7 +448,8 @@ def test_a_checkpoint_boundary_restores_a_complete_group_the_window_holds_in_fli
     srv.put(finish(g1, 2) + finish(g2, 2) + finish(g3, 2))  # g2, g3: seq - oldest uncompleted (g0) >= B, held
     assert srv.stats()["held"] == 2
     back = [aborted(g0, 0), aborted(g0, 1)]
-    m = srv.step_boundary(back, keep_in_flight=True, stale=srv.update_aborts())
+    assert srv.boundary_aborts(staleness.Boundary.CHECKPOINT) == []
+    m = srv.step_boundary(back, staleness.Boundary.CHECKPOINT)
     assert m["rollout/restored_groups"] == 3 and m["rollout/partial_restored_count"] == 6
     st = srv.stats(keys=True)
     assert st["in_flight_keys"] == [] and st["lane_keys"] == [(0, 0), (0, 2), (0, 3)]
@@ -482,11 +486,11 @@ def test_trajectories_pickle_short_tensors_as_bytes_and_come_back_equal():
     assert int(short.response_ids[0]) == 4
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep_in_flight"])
+@pytest.mark.parametrize("keep", [False, True], ids=["abort", "keep"])
 @pytest.mark.parametrize("window", ["no-window", "windowed-fifo"])
 def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window, keep):
     """Partial rollouts, a held group, leftovers in PipelineBuffer and a crash-resume in the middle of the epoch:
-    the trainer still sees each of the epoch's prompts exactly once. keep_in_flight (rollout.pause_mode retract /
+    the trainer still sees each of the epoch's prompts exactly once. keep (rollout.pause_mode retract /
     in_place): the boundaries keep the groups in flight, some with only part of their trajectories put, except the
     one before the checkpoint, whose pause hands every unfinished trajectory back (Rollout.pause(checkpoint=True)):
     the checkpoint holds them all, and after the crash each continues from its saved tokens."""
@@ -533,10 +537,12 @@ def test_every_prompt_of_an_epoch_is_trained_exactly_once_across_a_resume(window
                 groups.pop(g.prompt.prompt_id, None)  # (a group buffered before a boundary is not held)
             consumed += take
         if keep and step != 2:
-            srv.step_boundary([], keep_in_flight=True)
+            srv.boundary_aborts(staleness.Boundary.KEEP)
+            srv.step_boundary([], staleness.Boundary.KEEP)
         else:  # (keep: the pause before the checkpoint aborts every request, handing back their trajectories)
-            stale = srv.update_aborts() if keep else None
-            srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in pending[k]], keep, stale)
+            kind = staleness.Boundary.CHECKPOINT if keep else staleness.Boundary.ABORT
+            srv.boundary_aborts(kind)
+            srv.step_boundary([aborted(groups[k], i) for k in sorted(pending) for i in pending[k]], kind)
             pending.clear()
             groups.clear()  # everything in flight went to the restored lane
         version += 1

@@ -23,7 +23,8 @@ PIECES = {
     "losses": (["losses.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "logprobs": (["logprobs.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "strategies": (["strategies.py"], ["torch", "yaml", "transformers", "aiohttp", "orjson", "config"]),
-    "buffer": (["buffer.py", "strategies.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "staleness": (["staleness.py", "strategies.py"], ["torch", "yaml", "transformers", "aiohttp", "orjson", "config"]),
+    "buffer": (["buffer.py", "strategies.py", "staleness.py"], ["yaml", "transformers", "aiohttp", "orjson", "config"]),
     "sglang_client": (["sglang_client.py"], ["torch", "yaml", "transformers", "config"]),
 }
 

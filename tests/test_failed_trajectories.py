@@ -1,6 +1,6 @@
 """A failed trajectory leaves its group, not the group (issue 48, item 1): with rollout.filter `failed` the collector
 takes failed trajectories out and trains the group on its survivors when at least rollout.min_group_size remain
-(buffer.PipelineServer._trained, _filter_reason), else drops it, counted; the trainer's GRPO advantages and every
+(staleness.trained, staleness.filter_reason), else drops it, counted; the trainer's GRPO advantages and every
 loss aggregation's denominator then run over the survivors (batching.make_sequences, actor.Actor.plan).
 rollout.env_retries is tested in tests/test_rollout.py (test_env_retries_*).
 

@@ -613,7 +613,7 @@ class _PauseBuffer(rollout.DatasetBuffer):
     """DatasetBuffer that restores at step_boundary, as PipelineServer does: each group with an aborted trajectory
     goes out again first, with all N of its trajectories (the finished ones are put again as they are)."""
 
-    def step_boundary(self, returned):
+    def step_boundary(self, returned, kind):
         with self.lock:
             for seq in sorted({t.seq for t in returned}, reverse=True):
                 mine = [t for t in returned if t.seq == seq] + self.results.pop(seq, [])

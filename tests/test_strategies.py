@@ -14,9 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import buffer
 import config
+import staleness
 import strategies
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED
+from staleness import Boundary
 from strategies import PipelineView
 from test_buffer import aborted, finish, make_cfg, make_server, traj
 
@@ -513,8 +516,8 @@ def test_pipelinerl_budget_in_samples_counts_old_samples_and_keeps_requests_in_p
     srv.put(finish(g0, 2, version=0) + finish(g1, 2, version=1))
     m = srv.step_metrics()
     assert m["rollout/policy_drop"] == 0 and srv.stats()["Q"] == 2
-    assert srv.update_aborts() == []
-    assert srv.step_boundary([], keep_in_flight=True)["rollout/kept_in_flight_groups"] == 4
+    assert srv.boundary_aborts(Boundary.KEEP) == []
+    assert srv.step_boundary([], Boundary.KEEP)["rollout/kept_in_flight_groups"] == 4
     srv.set_weight_version(3)
     assert srv.stats()["Q"] == 2 and "rollout/samples_too_old" not in srv.step_metrics()  # counted at training
 
@@ -544,17 +547,16 @@ def test_prime_rl_drops_queued_groups_older_than_m_and_aborts_them_in_flight():
     assert srv.dispatch() == []
     srv.put(finish(g0, 2) + finish(g1, 2))
     srv.get(1, timeout=0)  # g1 stays buffered
-    assert srv.update_aborts() == []  # 1 - 0 = 1 <= M: kept in place
-    srv.step_boundary([], keep_in_flight=True)
+    assert srv.boundary_aborts(Boundary.KEEP) == []  # 1 - 0 = 1 <= M: kept in place
+    srv.step_boundary([], Boundary.KEEP)
     srv.set_weight_version(1)
     assert srv.stats()["Q"] == 1  # lag 1 <= M
     g4, g5 = srv.dispatch()  # started under version 1, up to the cap
-    assert g4.seq == 4 and srv.update_aborts() == [(0, 2), (0, 3)]  # 2 - 0 > M; g4: 2 - 1 = 1
+    assert g4.seq == 4 and srv.boundary_aborts(Boundary.KEEP) == [(0, 2), (0, 3)]  # 2 - 0 > M; g4: 2 - 1 = 1
     srv.put([traj(g2, 0)])  # finished before the abort: dropped with its group
-    with pytest.raises(ValueError, match=r"groups \[\(0, 9\)\] that are not in flight"):
-        srv.step_boundary([aborted(SimpleNamespace(epoch=0, seq=9, prompt_ids=g4.prompt_ids), 0)],
-                          keep_in_flight=True)
-    m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], keep_in_flight=True)
+    with pytest.raises(ValueError, match=r"groups \[\(0, 9\)\] that are not on the abort list"):
+        srv.step_boundary([aborted(SimpleNamespace(epoch=0, seq=9, prompt_ids=g4.prompt_ids), 0)], Boundary.KEEP)
+    m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], Boundary.KEEP)
     assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == [(0, 4), (0, 5)]
     srv.set_weight_version(2)  # g1 (start 0) is now 2 > M old: leaves PipelineBuffer
     m = srv.step_metrics()
@@ -562,23 +564,26 @@ def test_prime_rl_drops_queued_groups_older_than_m_and_aborts_them_in_flight():
     assert m["rollout/discarded_tokens"] == 3 + 3 * 2 + 2 * 3  # g2's finished + 3 aborted partials + g1's two
 
 
-def test_a_group_aborted_by_staleness_is_dropped_even_if_a_late_finisher_takes_it_off_update_aborts():
-    """rollout.py asks update_aborts(), aborts those groups' requests, then calls step_boundary. A trajectory of
+def test_a_group_aborted_by_staleness_is_dropped_even_if_a_late_finisher_makes_it_young_enough():
+    """rollout.py asks boundary_aborts(), aborts those groups' requests, then calls step_boundary. A trajectory of
     such a group that finished in between, having waited in a server's queue, carries a later start version, so
-    update_aborts() no longer names the group: step_boundary still drops it (the rollout took its other
-    trajectories away; kept in flight it could never complete). bench/pipeline_sim.py --sweep raised here on
-    prime-rl at M = 1, 2, 4 (step_boundary(keep_in_flight=True) got 546 returned trajectories)."""
+    the group would no longer be on the abort list: step_boundary still drops it, by the recorded list (the rollout
+    took its other trajectories away; kept in flight it could never complete). bench/pipeline_sim.py --sweep raised
+    here on prime-rl at M = 1, 2, 4 when the boundary decided again (546 returned trajectories refused)."""
     srv = preset("prime-rl", B=2, N=2, param=1, pause_mode="in_place",
                  overrides=["rollout.async_max_concurrent_samples=8"])
     g0, g1, g2, g3 = srv.dispatch()
     srv.put(finish(g0, 2) + finish(g1, 2))
     srv.get(2, timeout=0)
-    srv.step_boundary([], keep_in_flight=True)
+    srv.boundary_aborts(Boundary.KEEP)
+    srv.step_boundary([], Boundary.KEEP)
     srv.set_weight_version(1)  # g2, g3 dispatched at version 0: 2 - 0 > M at the next update
-    assert srv.update_aborts() == [(0, 2), (0, 3)]
+    assert srv.boundary_aborts(Boundary.KEEP) == [(0, 2), (0, 3)]
     srv.put([traj(g2, 0, start=1, end=1)])  # waited in a queue, started under version 1: g2 now starts at 1
-    assert srv.update_aborts() == [(0, 3)]
-    m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], keep_in_flight=True)
+    asked = {key: staleness.decide(srv, staleness.BEFORE_PAUSE, buffer.Group(pg, srv.queue.slots(key))).action
+             for key, pg in srv._in_flight.items()}
+    assert [key for key in sorted(asked) if asked[key] == staleness.DROP] == [(0, 3)]
+    m = srv.step_boundary([aborted(g2, 1), aborted(g3, 0), aborted(g3, 1)], Boundary.KEEP)
     assert m["rollout/update_dropped_groups"] == 2 and srv.stats(keys=True)["in_flight_keys"] == []
 
 
@@ -597,7 +602,8 @@ def test_prime_rl_gates_on_batches_shipped_not_on_groups_in_flight():
     srv.get(2, timeout=0)
     srv.put(finish(gs[4], 2))
     assert srv.dispatch() == []  # consumed 2 + Q 3: the consumed batch counts until the weight update
-    srv.step_boundary([], keep_in_flight=True)
+    srv.boundary_aborts(Boundary.KEEP)
+    srv.step_boundary([], Boundary.KEEP)
     srv.set_weight_version(1)  # the trainer's weights moved: one batch shipped ahead, Q = 3 < 2 B
     assert seqs(srv.dispatch()) == [9, 10] and srv.dispatch() == []  # open again, up to the cap of 6 generating
     srv.put(finish(gs[5], 2))
@@ -610,16 +616,25 @@ def started(version):
     return SimpleNamespace(start_version=version, trajectories=[])
 
 
+def judge(strategy, group, v):
+    """keep's answer, heard back as the buffer carries it out (staleness.carry_out calls judged)."""
+    kept = strategy.keep(group, v)
+    strategy.judged(group, v, kept)
+    return kept
+
+
 def test_roll_filter_at_the_bound_with_the_fractional_quota():
     r = strategies.build("roll", 4, 10, True, 1.5, 2)  # ceil(alpha) = 2; the oldest step fills ceil(0.5 * 4) = 2
     v = view(B=4, C=10)
     v.version = 5
-    assert (r.keep(started(4), v) and r.keep(started(3), v) and r.keep(started(3), v) and not r.keep(started(3), v)
-            and not r.keep(started(2), v))
+    assert all(r.keep(started(3), v) for _ in range(3))  # asking alone counts nothing
+    assert (judge(r, started(4), v) and judge(r, started(3), v) and judge(r, started(3), v)
+            and not judge(r, started(3), v) and not judge(r, started(2), v))
+    assert r.counts["rollout/roll_slots_lost"] == 2
     r.reset()
-    assert r.keep(started(3), v)
+    assert judge(r, started(3), v)
     whole = strategies.build("roll", 4, 8, True, 1.0, 2)
-    assert all(whole.keep(started(4), v) for _ in range(9)) and not whole.keep(started(3), v)
+    assert all(judge(whole, started(4), v) for _ in range(9)) and not judge(whole, started(3), v)
     assert strategies.Roll.capacity(1.5, 4, 2) == 10  # ceil(alpha B) + B
 
 
@@ -810,7 +825,7 @@ def test_a_preset_run_with_another_peers_loss_says_so_once_at_start_up(tmp_path,
 
 def test_prime_rl_through_train_py_aborts_stale_groups_and_accounts_for_every_prompt(tmp_path):
     """torchrun train.py with the prime-rl preset at M = 0 on the CPU default (standins/engine.py, 2 ranks): in-place
-    pauses, and before each one the rollout aborts every group started under older weights (buffer.update_aborts), and
+    pauses, and before each one the rollout aborts every group started under older weights (buffer.boundary_aborts), and
     the buffer drops older buffered groups. Every dispatched prompt is trained exactly once, counted as dropped, or in
     the last checkpoint (its restored lane or its buffered groups)."""
     import subprocess
@@ -877,20 +892,20 @@ class _FakeRollout:
                 self._finish(min(self.pending), self.pending[min(self.pending)])
         else:
             raise AssertionError("the schedule made no progress")
-        if not self.partial:  # drain: the pause waits for everything
+        kind = staleness.boundary_kind(self.partial, self.mode, checkpoint)
+        stale = srv.boundary_aborts(kind)
+        if kind == Boundary.DRAIN:  # the pause waits for everything
             for key in sorted(self.pending):
                 self._finish(key, self.pending[key])
-            m = srv.step_boundary([])
-        elif self.mode == "abort" or checkpoint:
-            stale = srv.update_aborts() if self.mode != "abort" else None
+            m = srv.step_boundary([], kind)
+        elif kind != Boundary.KEEP:  # abort, checkpoint: every request aborted
             back = [aborted(self.groups[k], i, start=self.version, end=self.version) for k in sorted(self.pending)
                     for i in sorted(self.pending[k])]
-            m = srv.step_boundary(back, *(() if stale is None else (True, stale)))
+            m = srv.step_boundary(back, kind)
             self.groups, self.pending = {}, {}
         else:
-            stale = srv.update_aborts()
             m = srv.step_boundary([aborted(self.groups[k], i, start=self.version, end=self.version) for k in stale
-                                   for i in sorted(self.pending.get(k, ()))], True)
+                                   for i in sorted(self.pending.get(k, ()))], kind)
             for k in stale:
                 self.pending.pop(k, None)
         out.append(("boundary", {k: v for k, v in m.items() if v}))
