@@ -800,10 +800,10 @@ def load_plugins(cfg: Config) -> None:
     if plugins.is_spec(r.function):
         import inspect
 
-        import rollout  # the role module whose ROLLOUT_FUNCTIONS the producer looks the name up in
-        register(rollout.ROLLOUT_FUNCTIONS, r.function, "rollout.function",
-                 f"one of {_builtin(rollout.ROLLOUT_FUNCTIONS)}", inspect.iscoroutinefunction,
-                 "an async function (ctx, traj) -> None")
+        import rollout_fns  # the role module whose ROLLOUT_FUNCTIONS the producer looks the name up in
+        register(rollout_fns.ROLLOUT_FUNCTIONS, r.function, "rollout.function",
+                 f"one of {_builtin(rollout_fns.ROLLOUT_FUNCTIONS)}", inspect.iscoroutinefunction,
+                 "an async function (ctx, trajs) -> None")
 
 
 def _takes(obj, n: int) -> bool:

@@ -1,4 +1,4 @@
-"""env_steps.py: the rollout's tool environment steps (RolloutContext.env_step of rollout.py): bounded, timed,
+"""env_steps.py: the rollout's tool environment steps (RolloutContext.env_step of rollout_fns.py): bounded, timed,
 retried, their failures counted, and the observations capped.
 
 `EnvSteps(rollout_cfg, tokenizer)`: `await step(ctx, env, traj, text)` runs env.step(text) once one of

@@ -5,7 +5,7 @@ Every extension point takes a built-in name or `module:attr` (a dotted attribute
     fully_async.sliding_window   a strategies.Strategy subclass           examples/strict_fifo.py, token_staleness.py
     algorithm.policy_loss        fn(batch, settings, denominator)         examples/clipped_loss.py
     data_source.reward           fn(response_text, label, stopped)        examples/length_penalty_reward.py
-    rollout.function             async fn(ctx, traj) -> None              examples/rollout_fn.py
+    rollout.function             async fn(ctx, trajs) -> None             examples/rollout_fn.py
     rollout.env                  a tool environment class or factory      examples/echo_env.py
 
     PYTHONPATH=examples torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml \\
@@ -14,9 +14,9 @@ Every extension point takes a built-in name or `module:attr` (a dotted attribute
 A run is several processes (the trainer ranks, the buffer process, the rollout process), each a fresh interpreter
 that validates the resolved config. config.validate calls `load` for every `module:attr` value in each of them and
 registers what it gets in the role's own registry under the spec string itself (strategies.REGISTRY,
-losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout.ROLLOUT_FUNCTIONS), so the role code looks the name up as
-it looks up a built-in one, and the role files never import this module. The module must therefore be importable
-in every process: on PYTHONPATH (which the child processes inherit) or inside the repository.
+losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout_fns.ROLLOUT_FUNCTIONS), so the role code looks the name
+up as it looks up a built-in one, and the role files never import this module. The module must therefore be
+importable in every process: on PYTHONPATH (which the child processes inherit) or inside the repository.
 
 Errors are one sentence naming the config key: a module that is not found, an attribute it does not have, or the
 first line of the error the module itself raised while importing (chained, so its traceback is kept).

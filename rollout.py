@@ -6,10 +6,10 @@
   asks the buffer for prompt groups (`buffer.dispatch`), generates N trajectories per group, scores them
   (scoring.py: inline, on threads, or in worker processes killed at rollout.reward_timeout_s; a reward that raises,
   times out or is not a finite number fails its trajectory, counted) and puts every finished trajectory to the
-  buffer. With the built-in `single_turn` a group
-  is one /generate list request (one item per trajectory; the reply lists them in order when all have finished; an
-  abort by rid ends one item): one task, one HTTP call and one scoring pass per group.
-  Other rollout functions (`rollout.function`) run one request per trajectory.
+  buffer. The rollout function (`rollout.function`, rollout_fns.py) runs once per group: the built-in `single_turn`
+  sends the group as one /generate list request (one item per trajectory; the reply lists them in order when all
+  have finished; an abort by rid ends one item): one task, one HTTP call and one scoring pass per group;
+  `multi_turn_tool` runs each trajectory on its own (RolloutContext.each), one request per turn.
   `pause()` stops dispatch and then, with rollout.partial=true, pauses every worker with `/pause_generation` in
   `rollout.pause_mode`, which also blocks new requests: abort stops everything in flight (the partial trajectories go
   to `buffer.step_boundary`), retract and in_place keep it on the paused servers (the groups stay in flight, except
@@ -27,7 +27,7 @@
   request that runs too long (its clock also runs while a kept request waits on a paused server) and marks its
   unfinished trajectories failed.
 - The rollout process serves a Rollout over RPC (workers.serve_rollout); the trainer calls it through remote.Proxy.
-- `generate_dataset`: generate and score a dataset against running servers, without training (workers.py generate).
+- run_modes.generate_dataset runs a Rollout over a fixed list of prompts (workers.py generate, the evaluator).
 
 Concurrency is counted in two consistent units. The strategy layer (the buffer) counts prompt groups, the HTTP layer
 counts generating trajectories. With S = rollout.async_max_concurrent_samples, at most S // N groups are in flight
@@ -48,16 +48,9 @@ together. (The sglang router takes a batch only with one string rid and one samp
 are ints ("default", SGLang's until the first update, is 0); a response's `weight_versions` spans (end-exclusive) give
 each token's version.
 
-A rollout function is `async def fn(ctx: RolloutContext, traj: Trajectory) -> None`: it extends `traj` with
-`await ctx.generate(traj)` (one model turn; sets traj.status from the finish reason) and `ctx.append_env(traj, text)`
-(environment tokens, loss mask 0); a tool environment is `ctx.make_env()` (tasks.make_env), stepped with
-`await ctx.env_step(env, traj, text)`: at most rollout.env_max_concurrent steps at once (a sync step on as many
-threads, off the event loop), each within rollout.env_step_timeout_s; a step that raises or times out is run again up
-to rollout.env_retries times (default 0), then fails its trajectory (counted, the first of each kind logged; the
-buffer trains its group on the survivors, rollout.min_group_size), and rollout.env_fail_stop_steps failures in a row
-stop the run (a trajectory's metadata["stop"], which the buffer hands to the trainer); an observation is capped at
-rollout.env_max_obs_tokens before it is recorded or tokenized in full (env_steps.py). Built in: `single_turn`,
-`multi_turn_tool`. Or rollout.function=module:function. docs/agents.md.
+A rollout function is `async def fn(ctx, trajs) -> None` (rollout_fns.py: the interface, RolloutContext, the
+built-ins). The producer runs each call as a unit (_Active: its requests, one timeout, one count in flight, one
+scoring pass when it returns); RolloutContext.each hands a trajectory to a unit of its own (Rollout._hand_off).
 
 Simplifications: one request per trajectory at a time (turns are sequential; `sampling_params.n` is never used, since
 SGLang gives its samples random rids, which no abort could name); the response budget
@@ -75,27 +68,24 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import inspect
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 import warnings
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import numpy
 import torch
 
 import checkpoint
-import losses
 import moe
+import rollout_fns
 import scoring
 import staleness
-from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
+from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, PromptGroup, Trajectory, validate_concurrency
 from env_steps import EnvStepFailed, EnvSteps
 from sglang_client import Fleet, FleetError, SyncFleet, parse_generate_response  # noqa: F401 (Fleet: re-exported)
 
@@ -145,22 +135,25 @@ def clamp_max_concurrent_samples(value: Optional[int], n: int, fleet_concurrency
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Rollout functions
+# Units: a rollout function's call for a group's trajectories, or one trajectory that RolloutContext.each runs
 
 @dataclass
 class _Active:
-    """A live request: one turn of one trajectory, or the unfinished trajectories of a group in one list request.
-    It holds the event that stops it (pause or timeout), the one that gives up its HTTP call (`drop`: the servers
-    are paused and it is not among their requests), whether it timed out, and the rids of its items. Aborts name
-    those exact rids: real SGLang drops an /abort_request whose rid is not a live request (its prefix matching
-    happens only behind that check), so a prefix alone would abort nothing there."""
-    prefix: str  # the rid prefix of its trajectories: the group's (list request) or the trajectory's
-    size: int  # trajectories it generates
+    """A live unit: the trajectories of one rollout-function call (a group's unfinished ones), or the one trajectory
+    of an episode of RolloutContext.each. It holds the event that stops its requests (pause or timeout), the one that
+    gives up their HTTP calls (`drop`: the servers are paused and they are not among their requests), whether it timed
+    out, and the rids of its requests' items. Aborts name those exact rids: real SGLang drops an /abort_request whose
+    rid is not a live request (its prefix matching happens only behind that check), so a prefix alone would abort
+    nothing there."""
+    prefix: str  # the rid prefix of its trajectories: the group's (a call) or the trajectory's (an episode)
+    trajs: list  # the trajectories it finishes, scores and emits (each hands some to units of their own)
     stop: asyncio.Event
     drop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     timed_out: bool = False
     rids: dict = dataclasses.field(default_factory=dict)  # first trajectory index -> item rids of its request
     timer: Optional[asyncio.TimerHandle] = None  # the trajectory timeout, then the grace before cancelling
+    deadline: float = 0.0  # the event loop's time of the timeout: the group's start + rollout.trajectory_timeout_s
+    restored: set = dataclasses.field(default_factory=set)  # indices of its trajectories restored with tokens
 
     def item_rids(self) -> list[str]:
         """The rids to abort it by, all of its items: aborting item 1 by prefix also aborts items 10-19."""
@@ -183,140 +176,6 @@ async def _unless(event: asyncio.Event, coro) -> Any:
 def _routes_start(trajs: list) -> int:
     """routed_experts_start_len of a request of trajs: the fewest positions any of them already has routes for."""
     return min(t.routed_experts.shape[0] for t in trajs)
-
-
-def _extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
-    """Append tokens. Each field is rebuilt from one list through numpy: the producer's hot path, where
-    torch.tensor(list) costs ~3x as much (5.3 against 1.5 us for 6 ids)."""
-    def grow(old: torch.Tensor, new: list, dtype) -> torch.Tensor:
-        return torch.from_numpy(numpy.array(old.tolist() + new if old.numel() else new, dtype=dtype))
-
-    traj.loss_mask = grow(traj.loss_mask, [mask] * len(ids), numpy.int64)
-    traj.response_ids = grow(traj.response_ids, ids, numpy.int64)
-    traj.rollout_log_probs = grow(traj.rollout_log_probs, log_probs, numpy.float32)
-    traj.versions = grow(traj.versions, versions, numpy.int64)
-
-
-class RolloutContext:
-    """What a rollout function may use for one trajectory: generate a turn, append environment tokens, decode."""
-
-    def __init__(self, rollout: "Rollout", group: PromptGroup, active: _Active, index: int = 0):
-        self.rollout, self.group, self._active = rollout, group, active
-        self.index = index  # the trajectory's position in its group: a rollout function runs one trajectory
-        self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
-        self.task = rollout.cfg.data_sources[group.source].task
-        self.max_new_tokens = rollout.max_new_tokens
-        self._obs: Optional[tuple] = None  # (text, ids) of env_step's last observation, tokenized off the loop
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    async def generate(self, traj: Trajectory) -> str:
-        """One model turn from prompt + response so far, within the remaining budget. Appends the new tokens (loss
-        mask 1) with their log-probs and versions, sets traj.status from the finish reason and returns its type
-        (stop | length | abort). A server-side abort we did not ask for is continued, up to max_retries times."""
-        return (await self.rollout._generate(self._active, [traj]))[0]
-
-    def append_env(self, traj: Trajectory, text: str) -> bool:
-        """Environment tokens (loss mask 0, log-prob 0, the version of the turn before them), at most
-        rollout.env_max_obs_tokens of them (a longer text is cut, counted in rollout/env_obs_truncated_count; the
-        observation env_step returned was cut and tokenized there). False, and status truncated, when they do not
-        fit in the remaining budget (nothing is appended then)."""
-        obs, self._obs = self._obs, None
-        ids = obs[1] if obs is not None and obs[0] is text else self.rollout.envs.cap(text)[1]
-        start = len(traj.response_ids)
-        if start + len(ids) > self.max_new_tokens:
-            traj.status = TRUNCATED
-            return False
-        version = int(traj.versions[-1]) if start else -1
-        _extend(traj, ids, [0.0] * len(ids), [version] * len(ids), 0)
-        traj.metadata.setdefault("env_spans", []).append([start, start + len(ids)])
-        return True
-
-    def make_env(self):
-        """A fresh tool environment for this trajectory: tasks.make_env(task, label, metadata, rollout.env), the
-        metadata the prompt's plus "trajectory_id": (epoch, seq, index), the same across pauses and resumes."""
-        import tasks
-
-        g = self.group
-        metadata = {**g.metadata, "trajectory_id": (g.epoch, g.seq, self.index)}
-        return tasks.make_env(self.task, g.label, metadata, self.cfg.rollout.env)
-
-    async def env_step(self, env, traj: Trajectory, turn_text: str) -> Optional[str]:
-        """env.step(turn_text), sync (in a thread) or async, once one of rollout.env_max_concurrent slots is free,
-        within rollout.env_step_timeout_s. Returns the observation (None: the episode ends) and records
-        [turn_text, observation] in traj.metadata["env_turns"]; an observation over rollout.env_max_obs_tokens is
-        cut to it (counted) before it is recorded. A step that raises or times out is run again up to
-        rollout.env_retries times; one that still does, or returns neither a str nor None, marks traj failed (the
-        reason in metadata["error"] and ["env_error"]) and raises EnvStepFailed, which ends the rollout function; the
-        run goes on."""
-        observation = await self.rollout.envs.step(self, env, traj, turn_text)
-        if observation is not None:
-            self._obs = await self.rollout.envs.observation(observation)
-            traj.metadata.setdefault("env_turns", []).append([turn_text, self._obs[0]])
-        return observation if observation is None else self._obs[0]
-
-    async def restore_env(self, env, traj: Trajectory) -> int:
-        """Bring a fresh environment to where a restored trajectory's finished turns left it, without running their
-        steps again: env.restore([[turn_text, observation], ...]) (sync or async) when the environment has it.
-        Returns the number of finished turns (0 for a new trajectory)."""
-        spans = traj.metadata.get("env_spans", [])
-        if not spans:
-            return 0
-        turns = traj.metadata.get("env_turns") or []
-        if len(turns) < len(spans):  # not recorded (e.g. a checkpoint from before env_turns): rebuilt from tokens
-            turns, start = [], 0
-            for a, b in spans:
-                turns.append([self.decode(traj.response_ids[start:a]), self.decode(traj.response_ids[a:b])])
-                start = b
-        restore = getattr(env, "restore", None)
-        if restore is not None:
-            out = restore([list(t) for t in turns[:len(spans)]])
-            if inspect.isawaitable(out):
-                await out
-        return len(spans)
-
-
-async def single_turn(ctx: RolloutContext, traj: Trajectory) -> None:
-    """One model turn from the prompt (or from a restored partial response) to stop, length or abort. As
-    rollout.function, the producer does not call it per trajectory: it sends each group's unfinished trajectories
-    as one list request (Rollout._generate), which is this turn for all of them."""
-    await ctx.generate(traj)
-
-
-async def multi_turn_tool(ctx: RolloutContext, traj: Trajectory) -> None:
-    """Model turns alternating with environment observations (tasks.make_env: rollout.env or the task's own; loss
-    mask 0) until the environment ends the episode, env.max_turns model turns, or the budget runs out. Each step goes
-    through ctx.env_step (bounded, timed; one that raises or times out fails the trajectory). A restored trajectory
-    gets a fresh environment and its finished turns through env.restore (when it has one) instead of running their
-    steps again, then continues its last, partial turn."""
-    env = ctx.make_env()
-    turns = await ctx.restore_env(env, traj)
-    spans = traj.metadata.get("env_spans", [])
-    turn_start = spans[-1][1] if spans else 0
-    while True:
-        if await ctx.generate(traj) != "stop":
-            return
-        turns += 1
-        if turns >= env.max_turns:
-            return
-        observation = await ctx.env_step(env, traj, ctx.decode(traj.response_ids[turn_start:]))
-        if observation is None or not ctx.append_env(traj, observation):
-            return
-        turn_start = len(traj.response_ids)
-
-
-ROLLOUT_FUNCTIONS = {"single_turn": single_turn, "multi_turn_tool": multi_turn_tool}
-
-
-def resolve_rollout_function(name: str) -> Callable:
-    """rollout.function: a built-in name or "module:function" naming an async function (ctx, traj) -> None (which
-    config.validate loads with plugins.load and registers in ROLLOUT_FUNCTIONS under that name)."""
-    fn = ROLLOUT_FUNCTIONS.get(name)
-    if fn is None or not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.function '{name}' must be one of {', '.join(ROLLOUT_FUNCTIONS)} or "
-                         "module:function naming an async function (ctx, traj) -> None")
-    return fn
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,7 +210,10 @@ class Rollout:
         self.cfg, self.buffer, self.tokenizer = cfg, buffer, tokenizer
         self.sync = fleet if isinstance(fleet, SyncFleet) else SyncFleet(fleet)
         self.fleet = self.sync.fleet
-        self.fn = resolve_rollout_function(r.function)
+        self.fn = rollout_fns.resolve_rollout_function(r.function)
+        # every rollout function but single_turn may step tool environments (config.validate refuses rollout.env
+        # with single_turn): their slots raise the concurrency bound, their metrics are reported
+        self.tools = r.function != "single_turn"
         import tasks
 
         self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_sources]
@@ -446,7 +308,7 @@ class Rollout:
         return task
 
     async def _start(self) -> None:
-        tool_slots = 0 if self.fn is single_turn else self.cfg.rollout.env_max_concurrent
+        tool_slots = self.cfg.rollout.env_max_concurrent if self.tools else 0
         self.max_samples = clamp_max_concurrent_samples(self.cfg.rollout.async_max_concurrent_samples, self.n,
                                                         await self.fleet.concurrency(), tool_slots)
         self.max_groups = None if self.max_samples is None else self.max_samples // self.n
@@ -506,12 +368,8 @@ class Rollout:
             if traj.status != ABORTED:  # finished before the pause that restored its group: returned as it is
                 self._emit(traj)
         todo = [t for t in trajs if t.status == ABORTED]
-        if self.fn is single_turn:  # the group is one list request
-            if todo:
-                self._spawn(self._run(g, todo))
-        else:
-            for traj in todo:
-                self._spawn(self._run(g, [traj]))
+        if todo:  # the rollout function's call for the group
+            self._spawn(self._run(g, todo))
 
     def old_version_response(self, version: int) -> None:
         """A server answered with weights older than those of resume(version) before the request was sent: it missed
@@ -572,7 +430,7 @@ class Rollout:
                         t.status = ABORTED
                         continue
                     gen = parse_generate_response(item)
-                    _extend(t, gen.ids, gen.log_probs, gen.versions, 1)
+                    rollout_fns.extend(t, gen.ids, gen.log_probs, gen.versions, 1)
                     if self.routes_shape and gen.ids:
                         self._extend_routes(t, item, start)
                     self.stats["generated_tokens"] += len(gen.ids)
@@ -629,39 +487,67 @@ class Rollout:
                              f"{start} to {end} of prompt + response)")
         t.routed_experts = torch.cat([t.routed_experts, rows[have - start:]]) if have else rows
 
-    async def _run(self, g: PromptGroup, trajs: list) -> None:
-        """Generate trajs of group g: the group's unfinished trajectories in one list request (rollout.function
-        single_turn), or one trajectory through the rollout function. Then each is finished, scored and emitted."""
-        t0 = trajs[0]
-        prefix = (f"{self.run_tag}-{g.epoch}-{g.seq}-" if self.fn is single_turn
-                  else trajectory_rid_prefix(self.run_tag, t0.epoch, t0.seq, t0.index))
-        active = _Active(prefix, len(trajs), asyncio.Event())
-        if self._stopping:
+    async def _run(self, g: PromptGroup, trajs: list, parent: Optional[_Active] = None,
+                   episode: Optional[Callable] = None) -> None:
+        """One unit (_Active): the rollout function's call for trajs, the group's unfinished trajectories, or (parent:
+        the call's unit, which handed it over in _hand_off) `episode` for the one trajectory of trajs, in the call's
+        count in flight and within its timeout. Then each trajectory the unit still holds is finished (_finish)."""
+        loop = asyncio.get_running_loop()
+        if parent is None:
+            prefix = f"{self.run_tag}-{g.epoch}-{g.seq}-"
+            active = _Active(prefix, list(trajs), asyncio.Event(),
+                             deadline=loop.time() + self.cfg.rollout.trajectory_timeout_s,
+                             restored={t.index for t in trajs if t.response_ids.numel()})  # (len(tensor): ~3 us)
+            self._count_in_flight(len(trajs))
+        else:
+            t0 = trajs[0]
+            prefix = trajectory_rid_prefix(self.run_tag, t0.epoch, t0.seq, t0.index)
+            active = _Active(prefix, [t0], asyncio.Event(), deadline=parent.deadline,
+                             restored=parent.restored & {t0.index})
+            if parent.drop.is_set():
+                active.drop.set()
+        if self._stopping or (parent is not None and parent.stop.is_set()):
             active.stop.set()
-        self._count_in_flight(len(trajs))
         self._active[prefix] = active
-        restored = [t.response_ids.numel() > 0 for t in trajs]  # (numel: len(tensor) costs ~3 us)
-        task = self._spawn(self._generate(active, trajs) if self.fn is single_turn
-                           else self.fn(RolloutContext(self, g, active, t0.index), t0))
-        timeout = self.cfg.rollout.trajectory_timeout_s
-        active.timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, active, task)
+        ctx = rollout_fns.RolloutContext(self, g, active, None if parent is None else trajs[0].index)
+        task = self._spawn(self.fn(ctx, trajs) if parent is None else episode(ctx, trajs[0]))
+        active.timer = loop.call_at(active.deadline, self._on_timeout, active, task)
         try:
             await asyncio.wait({task})
         finally:
             active.timer.cancel()
-            self._count_in_flight(-len(trajs))
-            del self._active[prefix]
+            self._count_in_flight(-len(active.trajs))
+            if self._active.get(prefix) is active:  # (a call whose episodes ended may follow its group's relaunch)
+                del self._active[prefix]
+        await self._finish(g, active, task)
+
+    def _hand_off(self, parent: _Active, g: PromptGroup, traj: Trajectory, episode: Callable) -> asyncio.Task:
+        """RolloutContext.each: traj leaves its call's unit `parent` for a unit of its own that runs `episode`."""
+        if not any(t is traj for t in parent.trajs):
+            raise ValueError(f"RolloutContext.each: trajectory {traj.prompt_id + (traj.index,)} is not one of this "
+                             "call's (each trajectory runs once, in the call it was given to)")
+        parent.trajs = [t for t in parent.trajs if t is not traj]
+        return self._spawn(self._run(g, [traj], parent, episode))
+
+    async def _finish(self, g: PromptGroup, active: _Active, task: asyncio.Task) -> None:
+        """After a unit's task ended: each trajectory it holds gets its final status (a timeout, an error or an
+        unfinished trajectory fails it), versions and restore count; aborted ones (a pause) go to step_boundary,
+        the others are scored in one pass and emitted."""
         error = None if task.cancelled() else task.exception()
         if error is not None and not isinstance(error, EnvStepFailed):  # (those are logged once per kind)
-            log.warning("trajectories %s failed: %r", prefix, error)
+            log.warning("trajectories %s failed: %r", active.prefix, error)
+        if not active.trajs:  # each handed every trajectory to a unit of its own
+            return
         scored = []
-        for traj, was_restored in zip(trajs, restored):
+        for traj in active.trajs:
             if active.timed_out and (task.cancelled() or traj.status == ABORTED):
                 traj.status = FAILED
-                traj.metadata["error"] = f"rollout.trajectory_timeout_s={timeout} s exceeded; the request was aborted"
+                traj.metadata["error"] = (f"rollout.trajectory_timeout_s={self.cfg.rollout.trajectory_timeout_s} s "
+                                          "exceeded; the request was aborted")
                 self.stats["timeouts"] += 1
             elif isinstance(error, EnvStepFailed):
-                traj.status = FAILED  # env_step wrote the reason
+                traj.status = FAILED  # env_step wrote the reason (a call's other trajectories get the error)
+                traj.metadata.setdefault("error", repr(error))
             elif error is not None:
                 traj.status = FAILED
                 traj.metadata["error"] = repr(error)
@@ -673,21 +559,16 @@ class Rollout:
                 self._unloadable_metadata(traj, problem)
             if traj.response_ids.numel():
                 traj.start_version, traj.end_version = traj.versions[[0, -1]].tolist()
-            if was_restored:
+            if traj.index in active.restored:
                 traj.metadata["restored"] = traj.metadata.get("restored", 0) + 1
             if traj.status == ABORTED:  # pausing with rollout.partial=true: to buffer.step_boundary
                 self._partials.append(traj)
                 self._done(g.prompt_id)
                 continue
-            if (self.cfg.rollout.mask_offpolicy_in_partial_rollout
-                    and traj.start_version != traj.end_version):  # versions never decrease: equal ends, nothing to mask
-                # The spec masks restored tokens of older versions when the trajectory is restored; the rule is the
-                # trainer's (losses.offpolicy_token_mask), so applying it here too changes nothing there.
-                traj.loss_mask = losses.offpolicy_token_mask(traj.versions[None], traj.loss_mask[None])[0]
             if traj.status in (COMPLETED, TRUNCATED):
                 scored.append(traj)
         await self._score(g, scored)
-        for traj in trajs:
+        for traj in active.trajs:
             if traj.status != ABORTED:
                 self._emit(traj)
 
@@ -900,7 +781,7 @@ class Rollout:
             "rollout/aborts_without_routes": s["aborts_without_routes"],
         }
         self._retries_seen, self._down_seen = self.fleet.retries, self.fleet.down_events
-        if self.fn is not single_turn:  # tool environments: steps, the wait for a slot, failures
+        if self.tools:  # tool environments: steps, the wait for a slot, failures
             out.update(self.envs.metrics())
         if self.max_samples is not None:
             out["rollout/max_concurrent_samples"] = self.max_samples
@@ -938,82 +819,3 @@ def rpc_waits(cfg) -> dict:
 
 
 # The rollout process is served by workers.serve_rollout (remote.serve_object), its client is remote.Proxy.
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Standalone generation: a dataset through the same producer, against running servers
-
-class DatasetBuffer(Exchange):
-    """The buffer interface over a fixed list of prompts: each dispatched once, trajectories collected by group."""
-
-    def __init__(self, prompts: list[dict], n: int):
-        self.n = n
-        self.pending = deque(PromptGroup(0, i, i, torch.tensor(p["prompt_ids"], dtype=torch.long), p["label"],
-                                         0, p.get("metadata", {})) for i, p in enumerate(prompts))
-        self.prompts = {g.seq: g for g in self.pending}
-        self.results: dict[int, list[Trajectory]] = {}
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        if not self.pending:
-            self.done.set()
-
-    def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list[PromptGroup]:
-        if not self.pending:
-            time.sleep(timeout)  # as PipelineServer.dispatch: nothing to hand out, wait instead of spinning
-        with self.lock:
-            k = len(self.pending) if max_groups is None else min(max_groups, len(self.pending))
-            return [self.pending.popleft() for _ in range(k)]
-
-    def put(self, trajs: list[Trajectory]) -> None:
-        with self.lock:
-            for t in trajs:
-                self.results.setdefault(t.seq, []).append(t)
-            if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
-                self.done.set()
-
-    def boundary_aborts(self, kind: str) -> list:
-        return []
-
-    def step_boundary(self, returned: list[Trajectory], kind: str = staleness.Boundary.ABORT) -> dict:
-        return {}
-
-    def set_max_concurrent_samples(self, value: int) -> None:
-        """Nothing to do: the producer's own free-slot count already bounds what is dispatched from here."""
-
-
-def generate_dataset(cfg, prompts: list[dict], sync: SyncFleet, tokenizer, progress_timeout_s: float
-                     ) -> tuple[DatasetBuffer, dict]:
-    """Generate and score N trajectories for every prompt; returns the filled DatasetBuffer and a summary dict.
-    Unset rollout.async_max_concurrent_samples means the fleet's concurrency here (there is no capacity C)."""
-    import lease
-
-    if cfg.rollout.async_max_concurrent_samples is None:
-        cfg.rollout.async_max_concurrent_samples = sync.concurrency()
-    buf = DatasetBuffer(prompts, cfg.N)
-    rollout = Rollout(cfg, buf, sync, tokenizer)
-    t0 = time.monotonic()
-    rollout.start()
-    finished = -1
-    try:
-        lease.beat(progress_timeout_s)  # the servers' lease (the evaluator): progress is a trajectory finishing
-        while not buf.done.wait(progress_timeout_s):
-            now = sum(len(v) for v in buf.results.values())
-            if now == finished:
-                raise TimeoutError(f"no trajectory finished in {progress_timeout_s} s ({now} of "
-                                   f"{cfg.N * len(prompts)} done); are the servers in rollout.servers alive?")
-            finished = now
-            lease.beat(progress_timeout_s)
-        metrics = rollout.step_metrics()
-    finally:
-        rollout.stop()
-    trajs = [t for v in buf.results.values() for t in v]
-    wall = time.monotonic() - t0
-    summary = {"prompts": len(prompts), "trajectories": len(trajs), "wall_s": round(wall, 3),
-               "reward_mean": metrics["rollout/reward_mean"],
-               "pass_rate": sum(t.reward >= 1.0 for t in trajs) / max(1, len(trajs)),
-               "truncation_ratio": metrics["rollout/truncation_ratio"],
-               "failed": metrics["rollout/failed_count"],
-               "response_length_mean": metrics["rollout/response_length_mean"],
-               "generated_tokens_per_s": sum(len(t.response_ids) for t in trajs) / max(wall, 1e-9),
-               "max_concurrent_samples": rollout.max_samples}
-    return buf, summary

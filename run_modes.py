@@ -1,19 +1,24 @@
 """run_modes.py: what train.py's step loop runs with besides the trainer and the rollout: run_mode=rollout-only
 (RolloutRecorder: the groups saved, no training), run_mode=train-only (ReplayBuffer of those groups, NoRollout),
-and the greedy evaluator (make_evaluator: eval/* through the servers every trainer.eval_freq steps)."""
+and the greedy evaluator (make_evaluator: eval/* through the servers every trainer.eval_freq steps), which
+generates with generate_dataset (a rollout.Rollout over a DatasetBuffer of fixed prompts; also workers.py generate)."""
 from __future__ import annotations
 
 import copy
 import glob
 import os
 import shutil
+import threading
 import time
-from typing import Callable
+from collections import deque
+from typing import Callable, Optional
 
 import torch
 
 import buffer as buffer_lib
 import checkpoint
+import staleness
+from buffer import Exchange, PromptGroup, Trajectory
 from logger import sample_records
 
 
@@ -120,13 +125,95 @@ class NoRollout:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Generation of a fixed list of prompts through the producer, against running servers (the evaluator, workers.py
+# generate)
+# ---------------------------------------------------------------------------------------------------------------
+
+class DatasetBuffer(Exchange):
+    """The buffer interface over a fixed list of prompts: each dispatched once, trajectories collected by group."""
+
+    def __init__(self, prompts: list[dict], n: int):
+        self.n = n
+        self.pending = deque(PromptGroup(0, i, i, torch.tensor(p["prompt_ids"], dtype=torch.long), p["label"],
+                                         0, p.get("metadata", {})) for i, p in enumerate(prompts))
+        self.prompts = {g.seq: g for g in self.pending}
+        self.results: dict[int, list[Trajectory]] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        if not self.pending:
+            self.done.set()
+
+    def dispatch(self, max_groups: Optional[int] = None, timeout: float = 0.0) -> list[PromptGroup]:
+        if not self.pending:
+            time.sleep(timeout)  # as PipelineServer.dispatch: nothing to hand out, wait instead of spinning
+        with self.lock:
+            k = len(self.pending) if max_groups is None else min(max_groups, len(self.pending))
+            return [self.pending.popleft() for _ in range(k)]
+
+    def put(self, trajs: list[Trajectory]) -> None:
+        with self.lock:
+            for t in trajs:
+                self.results.setdefault(t.seq, []).append(t)
+            if sum(len(v) for v in self.results.values()) == self.n * len(self.prompts):
+                self.done.set()
+
+    def boundary_aborts(self, kind: str) -> list:
+        return []
+
+    def step_boundary(self, returned: list[Trajectory], kind: str = staleness.Boundary.ABORT) -> dict:
+        return {}
+
+    def set_max_concurrent_samples(self, value: int) -> None:
+        """Nothing to do: the producer's own free-slot count already bounds what is dispatched from here."""
+
+
+def generate_dataset(cfg, prompts: list[dict], sync, tokenizer, progress_timeout_s: float
+                     ) -> tuple[DatasetBuffer, dict]:
+    """Generate and score N trajectories for every prompt with a rollout.Rollout against `sync` (a
+    sglang_client.SyncFleet); returns the filled DatasetBuffer and a summary dict. Unset
+    rollout.async_max_concurrent_samples means the fleet's concurrency here (there is no capacity C)."""
+    import lease
+    from rollout import Rollout
+
+    if cfg.rollout.async_max_concurrent_samples is None:
+        cfg.rollout.async_max_concurrent_samples = sync.concurrency()
+    buf = DatasetBuffer(prompts, cfg.N)
+    rollout = Rollout(cfg, buf, sync, tokenizer)
+    t0 = time.monotonic()
+    rollout.start()
+    finished = -1
+    try:
+        lease.beat(progress_timeout_s)  # the servers' lease (the evaluator): progress is a trajectory finishing
+        while not buf.done.wait(progress_timeout_s):
+            now = sum(len(v) for v in buf.results.values())
+            if now == finished:
+                raise TimeoutError(f"no trajectory finished in {progress_timeout_s} s ({now} of "
+                                   f"{cfg.N * len(prompts)} done); are the servers in rollout.servers alive?")
+            finished = now
+            lease.beat(progress_timeout_s)
+        metrics = rollout.step_metrics()
+    finally:
+        rollout.stop()
+    trajs = [t for v in buf.results.values() for t in v]
+    wall = time.monotonic() - t0
+    summary = {"prompts": len(prompts), "trajectories": len(trajs), "wall_s": round(wall, 3),
+               "reward_mean": metrics["rollout/reward_mean"],
+               "pass_rate": sum(t.reward >= 1.0 for t in trajs) / max(1, len(trajs)),
+               "truncation_ratio": metrics["rollout/truncation_ratio"],
+               "failed": metrics["rollout/failed_count"],
+               "response_length_mean": metrics["rollout/response_length_mean"],
+               "generated_tokens_per_s": sum(len(t.response_ids) for t in trajs) / max(wall, 1e-9),
+               "max_concurrent_samples": rollout.max_samples}
+    return buf, summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Evaluation: greedy, on the held-out split, through the servers (the rollout function, so multi-turn works too)
 # ---------------------------------------------------------------------------------------------------------------
 
 def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
     """evaluate(steps_done) -> eval/reward_mean, eval/exact_ratio (reward >= 1), timing/eval and data/eval_samples
     (every response, for samples/step_NNNNNN.jsonl): greedy, one response per held-out prompt."""
-    import rollout as rollout_lib
     import tasks
     from buffer import Group
 
@@ -141,8 +228,7 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
     def evaluate(steps_done: int) -> dict:
         t0 = time.perf_counter()
         fleet.continue_()  # the last step's pause (rollout.partial) leaves the servers paused: eval would wait
-        buf, summary = rollout_lib.generate_dataset(ecfg, prompts, fleet, tokenizer,
-                                                    cfg.rollout.trajectory_timeout_s + 60.0)
+        buf, summary = generate_dataset(ecfg, prompts, fleet, tokenizer, cfg.rollout.trajectory_timeout_s + 60.0)
         groups = [Group(buf.prompts[seq], trajs) for seq, trajs in sorted(buf.results.items())]
         rewards = [t.reward for g in groups for t in g.trajectories]
         return {"eval/reward_mean": sum(rewards) / max(1, len(rewards)),

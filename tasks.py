@@ -204,7 +204,7 @@ def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
     task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.validate registered there).
     The rollout's metadata also holds "trajectory_id": (epoch, seq, index), the same across pauses and resumes.
 
-    The interface (rollout.multi_turn_tool drives it): `max_turns` (model turns per episode, at most) and
+    The interface (rollout_fns.tool_episode drives it): `max_turns` (model turns per episode, at most) and
     `step(turn_text) -> Optional[str]`, sync or `async def` (the observation, or None to end the episode; the rollout
     runs a sync step in a thread, bounded by rollout.env_max_concurrent, and a step that raises or exceeds
     rollout.env_step_timeout_s fails its trajectory). Optional classmethod `check()`: raises ValueError in one

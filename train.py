@@ -208,7 +208,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         m["timing/step"] = time.perf_counter() - t_step
         m["perf/wait_ratio"] = min(1.0, max(0.0, 1.0 - m.get("timing/train", 0.0) / max(m["timing/step"], 1e-9)))
         if evaluate is not None and ((cfg.trainer.eval_freq and done % cfg.trainer.eval_freq == 0) or done == total):
-            lease.beat()  # the evaluator beats as its trajectories finish (rollout.generate_dataset)
+            lease.beat()  # the evaluator beats as its trajectories finish (run_modes.generate_dataset)
             m.update(evaluate(done) if not stop else {})
         m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
         logger.log(done, m)

@@ -26,6 +26,7 @@ from typing import Optional
 import config
 import remote
 import rollout
+import run_modes
 import sglang_client
 
 
@@ -83,7 +84,8 @@ def generate(cfg, split: str, limit: Optional[int], out: Optional[str]) -> dict:
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     try:
         sync.wait_healthy(cfg.rollout.startup_timeout_s)
-        buf, summary = rollout.generate_dataset(cfg, prompts, sync, tokenizer, cfg.rollout.trajectory_timeout_s + 60.0)
+        buf, summary = run_modes.generate_dataset(cfg, prompts, sync, tokenizer,
+                                                  cfg.rollout.trajectory_timeout_s + 60.0)
     finally:
         sync.close()
     out = out or os.path.join(cfg.run_dir, f"rollout_{split}.jsonl")

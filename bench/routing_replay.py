@@ -31,6 +31,7 @@ import config  # noqa: E402
 from standins import engine  # noqa: E402
 import moe  # noqa: E402
 import rollout  # noqa: E402
+import rollout_fns  # noqa: E402
 import sglang_client  # noqa: E402
 import tasks  # noqa: E402
 from standins import tiny_model  # noqa: E402
@@ -53,7 +54,7 @@ def sample(url: str, tokenizer, n_prompts: int, layers: int, top_k: int) -> list
     for p, item in zip(body["input_ids"], items):
         t = buffer.Trajectory(0, 0, 0, torch.tensor(p))
         gen = sglang_client.parse_generate_response(item)
-        rollout._extend(t, gen.ids, gen.log_probs, gen.versions, 1)
+        rollout_fns.extend(t, gen.ids, gen.log_probs, gen.versions, 1)
         side._extend_routes(t, item, 0)
         out.append(t)
     return out

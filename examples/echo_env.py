@@ -8,7 +8,7 @@ and metadata) and has `max_turns` (model turns per episode, at most) and `step(t
 the model's last turn in, the observation appended to the response out (loss mask 0: the model does not learn to
 produce it), or None to end the episode. The full interface (restore, failures, the bound on steps at once) is in
 tasks.make_env's docstring and docs/agents.md. Its tokens count against rollout.sampling.max_new_tokens, hence the
-larger budget above. The rollout process builds it (rollout.multi_turn_tool, or your own rollout function:
+larger budget above. The rollout process builds it (rollout_fns.multi_turn_tool, or your own rollout function:
 examples/rollout_fn.py); the first one prints a line with the process id.
 """
 import os

@@ -109,7 +109,7 @@ EXTENSION_ROWS = {  # the README's extension-point rows -> the registry whose bu
     "a window strategy": ("strategies", "REGISTRY"),
     "a policy loss": ("losses", "POLICY_LOSSES"),
     "a reward": ("tasks", "REWARDS"),
-    "a rollout function": ("rollout", "ROLLOUT_FUNCTIONS"),
+    "a rollout function": ("rollout_fns", "ROLLOUT_FUNCTIONS"),
     "a tool environment": ("tasks", "ENVS"),
 }
 

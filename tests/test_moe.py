@@ -27,6 +27,7 @@ from standins import engine
 import logprobs
 import moe as moe_lib  # (the fixture `moe` is the engine)
 import rollout
+import rollout_fns
 import sglang_client
 from standins import scheduler
 from standins import tiny_model
@@ -372,7 +373,7 @@ def sampled_sequences(url, k: int = 16) -> list:
         for item in post(url, "/generate", body).json():
             t = buffer.Trajectory(0, 0, 0, torch.tensor(p))
             gen = sglang_client.parse_generate_response(item)
-            rollout._extend(t, gen.ids, gen.log_probs, gen.versions, 1)
+            rollout_fns.extend(t, gen.ids, gen.log_probs, gen.versions, 1)
             fleet_side = object.__new__(rollout.Rollout)
             fleet_side.routes_shape, fleet_side.routes_dtype = (2, 2), torch.uint8
             fleet_side._extend_routes(t, item, 0)
@@ -541,7 +542,7 @@ def test_a_retracted_then_aborted_item_without_routes_keeps_its_group_and_gets_i
     trajs = [buffer.Trajectory(0, 0, i, torch.tensor(P)) for i in range(2)]
 
     async def run(ts):
-        return await r._generate(rollout._Active("t-0-0-", len(ts), asyncio.Event()), ts)
+        return await r._generate(rollout._Active("t-0-0-", ts, asyncio.Event()), ts)
 
     assert asyncio.run(run(trajs)) == ["stop", "stop"]
     assert sent == [0, 0] and r.stats["aborts_without_routes"] == 1

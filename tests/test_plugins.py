@@ -109,7 +109,7 @@ def on_path(tmp_path, monkeypatch):
     """A PYTHONPATH of the examples and of a folder with a module whose import fails and one that raises; the roles'
     registries are restored afterwards (other tests compare them with the built-in names)."""
     import losses
-    import rollout
+    import rollout_fns
     import tasks
 
     (tmp_path / "broken_dep.py").write_text("import no_such_dependency_xyz\n")
@@ -119,7 +119,7 @@ def on_path(tmp_path, monkeypatch):
         " loss_denominator, entropy=None):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(EXAMPLES)
-    registries = [strategies.REGISTRY, losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout.ROLLOUT_FUNCTIONS]
+    registries = [strategies.REGISTRY, losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout_fns.ROLLOUT_FUNCTIONS]
     saved = [dict(r) for r in registries]
     yield
     for registry, before in zip(registries, saved):
@@ -166,7 +166,7 @@ def test_an_error_inside_the_users_module_is_named_with_its_first_line_and_kept(
                                                             "settings, denominator) -> (loss, metrics)"),
     ("algorithm.policy_loss=ten_argument_loss:loss", "algorithm.policy_loss 'ten_argument_loss:loss' must name a "
                                                      "function (batch: losses.TokenBatch, settings, denominator)"),
-    ("rollout.function=length_penalty_reward:reward", "must name an async function (ctx, traj) -> None"),
+    ("rollout.function=length_penalty_reward:reward", "must name an async function (ctx, trajs) -> None"),
     ("rollout.env=length_penalty_reward:PENALTY rollout.function=multi_turn_tool", "must name a class or factory"),
     ("rollout.env=calculator rollout.function=multi_turn_tool", "rollout.env 'calculator' is unknown; accepted: "
                                "null (the task's own), calc_tool, calc_py or module:attr"),
@@ -182,7 +182,7 @@ def test_an_object_of_the_wrong_kind_is_refused_naming_the_key(on_path, override
 
 def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     import losses
-    import rollout
+    import rollout_fns
     import tasks
 
     specs = {"fully_async.sliding_window": "strict_fifo:StrictFifo", **dict(o.split("=") for o in ALL_FIVE)}
@@ -190,7 +190,7 @@ def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     assert strategies.REGISTRY[cfg.fully_async.sliding_window].__name__ == "StrictFifo"
     assert losses.POLICY_LOSSES[cfg.algorithm.policy_loss].__name__ == "symmetric_ppo"
     assert tasks.get_reward_fn(cfg.data_source.reward)("321", "321", True) == 1.0
-    assert rollout.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
+    assert rollout_fns.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
     env = tasks.make_env(cfg.data_source.task, "321", {}, cfg.rollout.env)
     assert env.step(" 123 ") == "=123\n" and env.step("321") is None
     assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment

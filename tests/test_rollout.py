@@ -20,10 +20,13 @@ import requests
 import torch
 from aiohttp import web
 
+import batching
 import buffer
 import config
 from standins import engine
 import rollout
+import rollout_fns
+import run_modes
 import sglang_client
 import tasks
 from standins import tiny_model
@@ -301,15 +304,15 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
 
 
 def test_rollout_function_names():
-    assert rollout.resolve_rollout_function("single_turn") is rollout.single_turn
+    assert rollout_fns.resolve_rollout_function("single_turn") is rollout_fns.single_turn
     # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
     try:
-        cfg = config.load_config(None, ["rollout.function=rollout:multi_turn_tool"])
-        assert rollout.resolve_rollout_function(cfg.rollout.function) is rollout.multi_turn_tool
+        cfg = config.load_config(None, ["rollout.function=rollout_fns:multi_turn_tool"])
+        assert rollout_fns.resolve_rollout_function(cfg.rollout.function) is rollout_fns.multi_turn_tool
     finally:
-        rollout.ROLLOUT_FUNCTIONS.pop("rollout:multi_turn_tool", None)
+        rollout_fns.ROLLOUT_FUNCTIONS.pop("rollout_fns:multi_turn_tool", None)
     with pytest.raises(ValueError, match="rollout.function 'nope'"):
-        rollout.resolve_rollout_function("nope")
+        rollout_fns.resolve_rollout_function("nope")
     with pytest.raises(ValueError, match="async function"):
         config.load_config(None, ["rollout.function=rollout:make_rid"])
 
@@ -337,12 +340,12 @@ def test_multi_turn_tool_masks_environment_tokens_and_replays_restored_turns():
                                     "rollout.function=multi_turn_tool", "rollout.sampling.max_new_tokens=24",
                                     f"rollout.servers=[{server.urls[0]}]"])
     prompt = {"prompt_ids": tok.encode("2+3=", add_special_tokens=False), "label": "5", "metadata": {}}
-    buf = rollout.DatasetBuffer([prompt, prompt], cfg.N)
+    buf = run_modes.DatasetBuffer([prompt, prompt], cfg.N)
     first_turn = tok.encode("calc 2+3", add_special_tokens=False) + [eos]
     observation = tok.encode("=5\n", add_special_tokens=False)
     partial = [Trajectory(0, 1, i, buf.pending[1].prompt_ids, status="aborted") for i in range(2)]
-    rollout._extend(partial[0], first_turn, [-1.0] * len(first_turn), [0] * len(first_turn), 1)
-    rollout._extend(partial[0], observation, [0.0] * 3, [0] * 3, 0)
+    rollout_fns.extend(partial[0], first_turn, [-1.0] * len(first_turn), [0] * len(first_turn), 1)
+    rollout_fns.extend(partial[0], observation, [0.0] * 3, [0] * 3, 0)
     partial[0].metadata["env_spans"] = [[len(first_turn), len(first_turn) + 3]]
     buf.pending[1].partial = partial
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
@@ -459,7 +462,7 @@ def _run_calc(monkeypatch, env_cls, pairs, *overrides):
                                     "rollout.function=multi_turn_tool", "rollout.env=test_env",
                                     "rollout.sampling.max_new_tokens=24", f"rollout.servers=[{server.urls[0]}]",
                                     *overrides])
-    buf = rollout.DatasetBuffer(_calc_prompts(tok, pairs), cfg.N)
+    buf = run_modes.DatasetBuffer(_calc_prompts(tok, pairs), cfg.N)
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tok)
     try:
@@ -609,7 +612,7 @@ def test_env_retries_recover_a_flaky_step_and_never_retry_past_the_limit(monkeyp
                                                     if retries else "raised ConnectionError('dropped attempt 1')")
 
 
-class _PauseBuffer(rollout.DatasetBuffer):
+class _PauseBuffer(run_modes.DatasetBuffer):
     """DatasetBuffer that restores at step_boundary, as PipelineServer does: each group with an aborted trajectory
     goes out again first, with all N of its trajectories (the finished ones are put again as they are)."""
 
@@ -766,6 +769,14 @@ def producer(cfg, tokenizer, state=None, ignore_eos=False):
         buf.inner.close()
 
 
+def trained_mask(g, t, cfg) -> list:
+    """The loss mask the trainer's batch gives t's response tokens (batching.make_sequences of its group, then
+    collate with rollout.mask_offpolicy_in_partial_rollout)."""
+    seq = batching.make_sequences([g], cfg)[next(i for i, x in enumerate(g.trajectories) if x is t)]
+    mask = batching.collate([seq], cfg.rollout.mask_offpolicy_in_partial_rollout)["mask"][0]
+    return mask[len(t.prompt_ids) - 1:].int().tolist()
+
+
 def wait_until(pred, timeout, what):
     deadline = time.monotonic() + timeout
     while not pred():
@@ -854,7 +865,8 @@ def test_partial_pause_restores_and_finishes_across_a_weight_update(server, toke
         assert T > k and torch.equal(t.response_ids[:k], old.response_ids)
         assert torch.equal(t.rollout_log_probs[:k], old.rollout_log_probs)
         assert t.versions.tolist() == [0] * k + [1] * (T - k)
-        assert t.loss_mask.tolist() == [0] * k + [1] * (T - k)  # older tokens masked (the option is on)
+        assert t.loss_mask.tolist() == [1] * T  # as generated: the trainer's batch masks by version
+        assert trained_mask(g, t, cfg) == [0] * k + [1] * (T - k)  # older tokens masked (the option is on)
         assert (t.start_version, t.end_version) == (0, 1) and t.metadata["restored"] == 1
         assert buffer.consumed_metrics([(t.start_version, t.end_version, 1)])["rollout/partial_span_max"] == 1
 
@@ -901,7 +913,8 @@ def test_kept_pause_continues_every_request_across_a_weight_update(server, token
             T, k = len(t.response_ids), int((t.versions == v0).sum())
             assert t.metadata["attempts"] == 1 and "restored" not in t.metadata  # one request, never re-sent
             assert t.versions.tolist() == [v0] * k + [v0 + 1] * (T - k)
-            assert t.loss_mask.tolist() == ([0] * k + [1] * (T - k) if mask and k < T else [1] * T)
+            assert t.loss_mask.tolist() == [1] * T  # as generated: the trainer's batch masks by version
+            assert trained_mask(seen[key], t, cfg) == ([0] * k + [1] * (T - k) if mask and k < T else [1] * T)
             assert (t.start_version, t.end_version) == (v0 + (k == 0), v0 + (k < T))
             spanning += 0 < k < T
     assert spanning > 0, "no kept request was generating across the update"
@@ -1170,7 +1183,7 @@ def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
         else:
             pytest.fail("no in_place pause caught 4 running requests in 50 tries")
         try:  # the timeouts abort them; a server paused in place answers those aborts only after continue
-            wait_until(lambda: sum(a.size for a in list(ro._active.values()) if a.timed_out) == 4, 30,
+            wait_until(lambda: sum(len(a.trajs) for a in list(ro._active.values()) if a.timed_out) == 4, 30,
                        "the trajectory timeouts of the 4 stuck requests")
             assert engine_load(server["url"])[0] == 4
         finally:

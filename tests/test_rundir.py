@@ -344,11 +344,12 @@ def test_a_rollout_function_leaving_unloadable_metadata_fails_its_trajectory_cou
     trajectory beside it, plain, is scored."""
     ro, sync, tok = _rollout()
 
-    async def fn(ctx, traj):
-        traj.status = COMPLETED
-        traj.metadata["turns"] = 1
-        if traj.index == 0:
-            traj.metadata["extra"] = {"when": UNLOADABLE[kind]}
+    async def fn(ctx, trajs):
+        for traj in trajs:
+            traj.status = COMPLETED
+            traj.metadata["turns"] = 1
+            if traj.index == 0:
+                traj.metadata["extra"] = {"when": UNLOADABLE[kind]}
 
     async def run():
         ro._outbox_ready = asyncio.Event()

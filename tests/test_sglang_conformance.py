@@ -23,6 +23,7 @@ import config
 from standins import engine
 import logprobs
 import rollout
+import run_modes
 import sglang_client
 from standins import scheduler
 import tasks
@@ -678,7 +679,7 @@ def test_context_limits_are_0_5_23s_and_the_client_caps_max_new_tokens_to_them(u
     cfg = config.load_config(None, ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=1",
                                     "trainer.mini_batch_size=2", "rollout.sampling.max_new_tokens=24",
                                     "rollout.sampling.temperature=1e-7", f"rollout.servers=[{url}]"])
-    buf = rollout.DatasetBuffer([{"prompt_ids": near, "label": ""}, {"prompt_ids": too_long, "label": ""}], 1)
+    buf = run_modes.DatasetBuffer([{"prompt_ids": near, "label": ""}, {"prompt_ids": too_long, "label": ""}], 1)
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, AutoTokenizer.from_pretrained(models[0]["A"]))
     try:
