@@ -765,8 +765,9 @@ def test_every_served_method_exists_and_a_wait_is_its_timeout_argument(served):
     module, name = served.split(".")
     cls = getattr(importlib.import_module(module), name)
     table = {"buffer": remote.BUFFER_METHODS, "rollout": remote.ROLLOUT_METHODS}[module]
-    for method, at in table.items():
+    for method, how in table.items():
         params = list(inspect.signature(getattr(cls, method)).parameters)[1:]  # without self
+        at = how.timeout_arg
         assert at == (params.index("timeout") if "timeout" in params else None), (method, at, params)
 
 
