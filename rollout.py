@@ -93,6 +93,7 @@ import torch
 import checkpoint
 import losses
 import moe
+import plugins
 import scoring
 from buffer import ABORTED, COMPLETED, FAILED, TRUNCATED, Exchange, PromptGroup, Trajectory, validate_concurrency
 from env_steps import EnvStepFailed, EnvSteps
@@ -310,12 +311,8 @@ ROLLOUT_FUNCTIONS = {"single_turn": single_turn, "multi_turn_tool": multi_turn_t
 
 def resolve_rollout_function(name: str) -> Callable:
     """rollout.function: a built-in name or "module:function" naming an async function (ctx, traj) -> None (which
-    config.validate loads with plugins.load and registers in ROLLOUT_FUNCTIONS under that name)."""
-    fn = ROLLOUT_FUNCTIONS.get(name)
-    if fn is None or not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.function '{name}' must be one of {', '.join(ROLLOUT_FUNCTIONS)} or "
-                         "module:function naming an async function (ctx, traj) -> None")
-    return fn
+    config.load_plugins loads with plugins.load, checks and registers in ROLLOUT_FUNCTIONS under that name)."""
+    return plugins.lookup(ROLLOUT_FUNCTIONS, name, "rollout.function", "module:function")
 
 
 # ---------------------------------------------------------------------------------------------------------------

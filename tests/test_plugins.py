@@ -227,3 +227,13 @@ def test_load_takes_dotted_attributes_and_refuses_a_spec_without_both_parts():
     for bad in (":Strategy", "strategies:", "strategies:a..b"):
         with pytest.raises(ValueError, match=f"k '{re.escape(bad)}' must be a built-in name or module:attr"):
             plugins.load(bad, "k")
+
+
+def test_lookup_finds_a_built_in_or_a_registered_spec_and_names_only_the_built_ins_otherwise():
+    """plugins.lookup, the one name check of tasks.REWARDS, tasks.ENVS and rollout.ROLLOUT_FUNCTIONS (what
+    config.load_plugins registered under its spec is found, and left out of the names an error lists)."""
+    registry = {"one": 1, "two": 2, "my_module:thing": 3}
+    assert plugins.lookup(registry, "two", "k") == 2 and plugins.lookup(registry, "my_module:thing", "k") == 3
+    with pytest.raises(ValueError, match=r"^k 'three' is unknown; accepted: null \(default\), one, two or "
+                                         r"module:function$"):
+        plugins.lookup(registry, "three", "k", "module:function", also="null (default), ")
