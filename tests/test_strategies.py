@@ -728,6 +728,18 @@ def test_wrong_preset_combinations_are_refused_at_start_up_in_one_sentence(name,
         make_cfg(B=4, N=2, stale=0.0, window=name, overrides=over)
 
 
+@pytest.mark.parametrize("name", sorted(strategies.REGISTRY))
+@pytest.mark.parametrize("param", [None, 2.0])
+def test_the_update_actions_config_validate_checks_are_the_built_strategys(name, param):
+    """config.validate checks the update action without building the strategy (Strategy.check_action): the classmethod
+    update_actions gives what an instance holds, for the default knob and another."""
+    cls = strategies.REGISTRY[name]
+    if not issubclass(cls, strategies.Preset):
+        param = None
+    C = cls.capacity(param, 4, 2) if issubclass(cls, strategies.Preset) else 8
+    assert cls.update_actions(param, 4, 2) == strategies.build(name, 4, C, True, param, 2).actions
+
+
 def test_spec_strategies_take_any_update_action_and_presets_cite_their_source():
     for name in ("no-window", "window-gated", "windowed-fifo"):
         assert strategies.REGISTRY[name].actions == ()
