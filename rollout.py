@@ -204,7 +204,7 @@ class RolloutContext:
         self.rollout, self.group, self._active = rollout, group, active
         self.index = index  # the trajectory's position in its group: a rollout function runs one trajectory
         self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
-        self.task = rollout.cfg.data_sources[group.source].task
+        self.task = rollout.cfg.data_source[group.source].task
         self.max_new_tokens = rollout.max_new_tokens
         self._obs: Optional[tuple] = None  # (text, ids) of env_step's last observation, tokenized off the loop
 
@@ -350,7 +350,7 @@ class Rollout:
         self.fn = resolve_rollout_function(r.function)
         import tasks
 
-        self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_sources]
+        self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_source]
         self.reward_fns = [tasks.get_reward_fn(name) for name in self.reward_names]
         self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
                                 "top_k": r.sampling.top_k,

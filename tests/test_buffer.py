@@ -33,7 +33,7 @@ def make_cfg(B=4, N=2, stale=1.0, window="no-window", fully_async=True, override
             "data_source": {"num_prompts_per_step": B, "num_trajectories_per_prompt": N},
             "trainer": {"mini_batch_size": N}}
     if sources is not None:
-        data["data_sources"] = sources
+        data["data_source"] = sources
     data = config._merge(data, config.parse_overrides(list(overrides)))
     return config.validate(config.from_dict(data))
 
@@ -46,7 +46,7 @@ def make_prompts(n=20, sources=1):
 def make_server(B=4, N=2, stale=1.0, window="no-window", fully_async=True, overrides=(), n_prompts=20,
                 thread=False, sources=None):
     cfg = make_cfg(B, N, stale, window, fully_async, overrides, sources)
-    return PipelineServer(cfg, make_prompts(n_prompts, len(cfg.data_sources)), collector_thread=thread)
+    return PipelineServer(cfg, make_prompts(n_prompts, len(cfg.data_source)), collector_thread=thread)
 
 
 def traj(g, i, reward=None, status=COMPLETED, start=0, end=None, T=3):

@@ -189,9 +189,9 @@ def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     cfg = config.load_config(TINY, [f"{k}={v}" for k, v in specs.items()])
     assert strategies.REGISTRY[cfg.fully_async.sliding_window].__name__ == "StrictFifo"
     assert losses.POLICY_LOSSES[cfg.algorithm.policy_loss].__name__ == "symmetric_ppo"
-    assert tasks.get_reward_fn(cfg.data_source.reward)("321", "321", True) == 1.0
+    assert tasks.get_reward_fn(cfg.data_source[0].reward)("321", "321", True) == 1.0
     assert rollout.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
-    env = tasks.make_env(cfg.data_source.task, "321", {}, cfg.rollout.env)
+    env = tasks.make_env(cfg.data_source[0].task, "321", {}, cfg.rollout.env)
     assert env.step(" 123 ") == "=123\n" and env.step("321") is None
     assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment
 

@@ -751,7 +751,7 @@ def producer(cfg, tokenizer, state=None, ignore_eos=False):
     started Rollout; all stopped afterwards. ignore_eos=True: every request runs to max_new_tokens (SGLang's
     sampling_params.ignore_eos), so a test that pauses on requests it saw running is not raced by the tiny model's
     end token (a random model: some responses end within a few tokens of any moment)."""
-    buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")]))
+    buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_source[0], tokenizer, "train")]))
     if state is not None:
         buf.load_state_dict(state)
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
