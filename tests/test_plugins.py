@@ -1,4 +1,4 @@
-"""plugins.py and examples/: every extension point taken as `module:attr` by config.validate, in every process.
+"""plugins.py and examples/: every extension point taken as `module:attr` by config.load_plugins, in every process.
 
 One `torchrun train.py` run selects an example of every extension point at once (window strategy, policy loss,
 reward, rollout function, tool environment), the strategy and the environment (examples/slow_flaky_env.py: async,

@@ -302,7 +302,7 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
 
 def test_rollout_function_names():
     assert rollout.resolve_rollout_function("single_turn") is rollout.single_turn
-    # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
+    # module:function: config.load_plugins loads it (plugins.load) and registers it under that name in every process
     try:
         cfg = config.load_config(None, ["rollout.function=rollout:multi_turn_tool"])
         assert rollout.resolve_rollout_function(cfg.rollout.function) is rollout.multi_turn_tool

@@ -178,7 +178,7 @@ def test_custom_strategy_example_is_selected_as_module_class_and_runs(monkeypatc
     monkeypatch.syspath_prepend(EXAMPLES)
     spec = "strict_fifo:StrictFifo"
     try:
-        srv = make_server(B=2, N=2, stale=1.0, window=spec)  # config.validate loads and registers it
+        srv = make_server(B=2, N=2, stale=1.0, window=spec)  # config.load_plugins loads and registers it
         assert strategies.REGISTRY[spec].__module__ == "strict_fifo"
         gs = srv.dispatch()
         srv.put(finish(gs[1], 2))
@@ -210,7 +210,7 @@ def test_a_token_level_keep_plugin_changes_what_the_buffer_keeps(monkeypatch):
     monkeypatch.syspath_prepend(EXAMPLES)
     spec = "token_staleness:TokenStaleness"
     try:
-        srv, kept, m = run(spec)  # config.validate loads and registers it
+        srv, kept, m = run(spec)  # config.load_plugins loads and registers it
         assert type(srv.strategy).__name__ == "TokenStaleness"
         assert kept == [(0, 0)] and m["rollout/policy_drop"] == 1 and m["rollout/staleness_drop"] == 0
         assert m["rollout/discarded_tokens"] == 2 * 4

@@ -157,7 +157,7 @@ def test_reward_lookup_and_pickling():
                        ("jsonl", "math"), ("parquet", "math")):
         fn = tasks.get_reward_fn(tasks.default_reward(task))
         assert tasks.default_reward(task) == name and pickle.loads(pickle.dumps(fn)) is fn
-    # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
+    # module:function: config.load_plugins loads it (plugins.load) and registers it under that name in every process
     spec = "tasks:reverse_digits_reward"
     try:
         cfg = config.load_config(None, [f"data_source.reward={spec}"])
