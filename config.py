@@ -5,16 +5,14 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
     torchrun train.py --config configs/tiny.yaml fully_async.enable=true trainer.total_steps=50
 
 Loading (load_config, from_dict) builds the tree, registers the `module:attr` plugins it names (load_plugins) and
-fills in the values left to be derived (resolve); `validate` then checks it and changes nothing. Unknown keys,
-wrong types, non-finite floats (check_finite) and invalid values or combinations fail at start-up with one sentence
-naming the key: each section's dataclass checks its own fields (its `check` method), `validate` composes those
-checks with the rules across sections.
+fills in what is left to be derived (resolve); `validate` checks it and changes nothing. Unknown keys, wrong types,
+non-finite floats (check_finite) and bad values or combinations fail at start-up with one sentence naming the key:
+each section's dataclass checks its own fields (`check`), `validate` adds the rules across sections.
 Key names follow the spec restated in docs/design.md exactly (B = data_source.num_prompts_per_step,
 N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
-`algorithm` is losses.LossSettings and `buffer` is buffer.BufferSettings (its section: BufferSettings.KEYS;
-`Config.buffer_settings()` fills in the rest from the other sections); this file composes them, validates the
-whole, and imports PyYAML only where it reads YAML. No role file imports this one (train.py, workers.py and
-services.py do).
+`algorithm` is losses.LossSettings, `buffer` buffer.BufferSettings (its keys: KEYS; Config.buffer_settings() fills
+in the rest); this file composes them, validates the whole, and imports PyYAML only where it reads YAML. No role
+file imports this one (train.py, workers.py and services.py do).
 """
 from __future__ import annotations
 
@@ -220,8 +218,7 @@ class ServerLayout:
     pp: int = 1  # SGLang --pp-size (dp or pp > 1: weight_sync.method=disk only, see validate_server_layout)
 
     def check(self, key: str) -> None:
-        """One server of rollout.server_layout (`key`: rollout.server_layout[i]) on its own; validate_server_layout
-        checks it against the launch, the nodes and the other servers."""
+        """One server (`key`: rollout.server_layout[i]) on its own; validate_server_layout checks the rest."""
         for name in ("tp", "dp", "pp"):
             _positive(getattr(self, name), f"{key}.{name}")
         if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.gpus):
@@ -536,7 +533,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"config key '{key}' must be a list of {typing.get_args(tp)[0].__name__} mappings, "
                              f"got {value!r}")
-        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, typing.get_args(tp)[0], item_key(key, i, len(value))) for i, v in enumerate(value)]
     if tp in (list, tuple):
         if isinstance(value, (list, tuple)):
             return tp(value)
@@ -558,8 +555,7 @@ RENAMED_KEYS = {  # a config key this project no longer has -> the sentence that
 
 
 def item_key(key: str, i: int, n: int) -> str:
-    """The key of entry i of the n in list key `key` in messages: key[i], or the key alone for the one mapping of a
-    ONE_OR_MORE key (as the config writes it)."""
+    """Entry i of the n of list key `key`, as messages name it: key[i]; the key alone for a ONE_OR_MORE key's one."""
     return key if key in ONE_OR_MORE and n == 1 else f"{key}[{i}]"
 
 
@@ -577,15 +573,11 @@ def _from_dict(cls, data: dict, prefix: str = ""):
             raise ValueError(RENAMED_KEYS[prefix + k])
         if k not in names:
             raise ValueError(f"unknown config key '{prefix}{k}'; {cls.__name__} accepts: {', '.join(sorted(names))}")
-        tp = hints[k]
-        if prefix + k in ONE_OR_MORE:
-            if not isinstance(v, dict) and not (isinstance(v, list) and v):
-                raise ValueError(f"config key '{prefix}{k}' must be a mapping or a non-empty list of mappings, got "
-                                 f"{v!r}")
-            kwargs[k] = [_coerce(v, typing.get_args(tp)[0], prefix + k)] if isinstance(v, dict) else _coerce(
-                v, tp, prefix + k)
-            continue
-        kwargs[k] = _coerce(v, tp, prefix + k)
+        if prefix + k in ONE_OR_MORE:  # one mapping (a list of one), or a non-empty list of them
+            v = [v] if isinstance(v, dict) else v
+            if not (isinstance(v, list) and v):
+                raise ValueError(f"config key '{prefix}{k}' must be a mapping or a non-empty list of them, got {v!r}")
+        kwargs[k] = _coerce(v, hints[k], prefix + k)
     return cls(**kwargs)
 
 
@@ -595,9 +587,7 @@ def to_dict(cfg) -> dict:
     d = dataclasses.asdict(cfg)
     d["trainer"]["betas"] = list(d["trainer"]["betas"])
     d["buffer"] = {k: d["buffer"][k] for k in BufferSettings.KEYS}
-    for key in ONE_OR_MORE:
-        if len(d[key]) == 1:
-            d[key] = d[key][0]
+    d.update({key: d[key][0] for key in ONE_OR_MORE if len(d[key]) == 1})
     return d
 
 
@@ -666,9 +656,8 @@ def from_dict(data: dict) -> Config:
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill in, in place, the values a config leaves to be derived: run_dir (runs/<name>) when unset, and a preset
-    strategy's own concurrency cap (strategies.Preset.max_concurrent_samples) as rollout.async_max_concurrent_samples
-    when that is unset. from_dict calls it, after load_plugins (a preset may be a plugin). Returns cfg."""
+    """Fill in, in place, what a config leaves to be derived when unset: run_dir (runs/<name>), and a preset's own
+    concurrency cap (strategies.Preset.max_concurrent_samples) as rollout.async_max_concurrent_samples."""
     if cfg.run_dir is None:
         cfg.run_dir = os.path.join("runs", cfg.name)
     preset = strategies.REGISTRY.get(cfg.fully_async.sliding_window)
