@@ -119,7 +119,7 @@ class PromptGroup(_WireState):
     data_index: int  # index of the prompt in its data source's epoch
     prompt_ids: torch.Tensor  # int64 [P]
     label: Any = None  # ground truth handed to the reward function
-    source: int = 0  # index into cfg.data_sources
+    source: int = 0  # index into cfg.data_source
     metadata: dict = field(default_factory=dict)
     partial: list = field(default_factory=list)  # list[Trajectory], restored groups only
 
@@ -191,12 +191,6 @@ def group_from_dict(d: dict) -> Group:
 # ---------------------------------------------------------------------------------------------------------
 
 @dataclass
-class BufferConfig:
-    get_timeout_s: float = 1800.0  # trainer waits this long for groups from PipelineBuffer before failing
-    rpc_timeout_s: float = 600.0  # timeout of each RPC between trainer, buffer and rollout
-
-
-@dataclass
 class SourceSettings:
     """One data source as the buffer sees it: how its prompts are mixed and shuffled, and what the stop message
     names (its task and reward)."""
@@ -209,10 +203,10 @@ class SourceSettings:
 
 @dataclass
 class BufferSettings:
-    """Everything a PipelineServer reads. The names are the run config's (config.Config.buffer_settings builds one
-    from it; config.validate checks them together); the defaults make a small fully-async pipeline of one source.
-    B = num_prompts_per_step, N = num_trajectories_per_prompt; C = capacity (a preset derives it from
-    policy_param)."""
+    """Everything a PipelineServer reads; the defaults make a small fully-async pipeline of one source. KEYS are the
+    run config's `buffer` section, each other field the key its comment names (config.Config.buffer_settings copies
+    them in). B = num_prompts_per_step, N = num_trajectories_per_prompt; C = capacity (a preset's from policy_param)."""
+    KEYS = ("get_timeout_s", "rpc_timeout_s")  # the config's buffer section (a class attribute, not a field)
     num_prompts_per_step: int = 4  # B: prompt groups consumed per training step
     num_trajectories_per_prompt: int = 2  # N: trajectories per prompt group
     fully_async: bool = True  # fully_async.enable: false = synchronous mode, C = B + num_oversample
@@ -227,8 +221,8 @@ class BufferSettings:
     max_weight_staleness: Optional[int] = None  # rollout.max_weight_staleness
     partial: bool = False  # rollout.partial: the update action's
     pause_mode: str = "abort"  # rollout.pause_mode: the update action's
-    get_timeout_s: float = 1800.0  # buffer.get_timeout_s
-    rpc_timeout_s: float = 600.0  # buffer.rpc_timeout_s
+    get_timeout_s: float = 1800.0  # trainer waits this long for groups from PipelineBuffer before failing
+    rpc_timeout_s: float = 600.0  # timeout of each RPC between trainer, buffer and rollout
     sources: list = field(default_factory=lambda: [SourceSettings()])  # list[SourceSettings], one per data source
 
     @property
@@ -256,6 +250,12 @@ class BufferSettings:
         n, value = self.num_trajectories_per_prompt, self.min_group_size
         validate_min_group_size(value, n)
         return value if value is not None else 1 if n == 1 else max(2, n // 2)
+
+    def check(self) -> None:
+        """The buffer section's keys (KEYS; the other fields are checked with their sections): each timeout > 0."""
+        for key in self.KEYS:
+            if not getattr(self, key) > 0:
+                raise ValueError(f"buffer.{key} must be > 0, got {getattr(self, key)!r}")
 
 
 def validate_min_group_size(value: Optional[int], n: int) -> None:
@@ -297,7 +297,7 @@ class DataSource:
     def __init__(self, prompts_per_source: list, weights: list, seeds: list, shuffle: list):
         for i, prompts in enumerate(prompts_per_source):
             if len(prompts) == 0:
-                raise ValueError(f"data_sources[{i}] has no prompts; each data source needs at least one")
+                raise ValueError(f"data_source[{i}] has no prompts; each data source needs at least one")
         self.prompts = prompts_per_source
         self.weights = [float(w) for w in weights]
         self.seeds = list(seeds)
@@ -366,7 +366,7 @@ class DataSource:
         sizes = [len(p) for p in self.prompts]
         if list(sd["sizes"]) != sizes:
             raise ValueError(f"checkpointed data source sizes {list(sd['sizes'])} differ from the loaded prompts "
-                             f"{sizes}; resume needs the same data_sources (task, path, num_prompts, seed)")
+                             f"{sizes}; resume needs the same data_source (task, path, num_prompts, seed)")
         self.epoch, self.pos, self.credit = list(sd["epoch"]), list(sd["pos"]), list(sd["credit"])
         self.next_seq = int(sd["next_seq"])
         self.lane = [self.group_from_state(g)[0] for g in sd["lane"]]
@@ -526,7 +526,7 @@ class PipelineServer(Exchange):
         s = settings if isinstance(settings, BufferSettings) else settings.buffer_settings()
         if len(prompts_per_source) != len(s.sources):
             raise ValueError(f"PipelineServer got {len(prompts_per_source)} prompt lists for "
-                             f"{len(s.sources)} data_sources; pass one list per data source")
+                             f"{len(s.sources)} data sources; pass one list per data source")
         self.settings = s
         self.B, self.N = s.num_prompts_per_step, s.num_trajectories_per_prompt
         self.fully_async = s.fully_async
@@ -925,7 +925,7 @@ class PipelineServer(Exchange):
         error = f", error {_clip(str(t.metadata['error']))!r}" if t.metadata.get("error") else ""
         return (f"nothing can be trained: rollout.filter={list(self.filters)} dropped each of the last "
                 f"{d['groups']} groups ({', '.join(f'{r}: {c}' for r, c in d['reasons'].most_common(3))}; "
-                f"trajectory rewards seen: {rewards}); the last one, of data_sources[{g.prompt.source}] (task {task}, "
+                f"trajectory rewards seen: {rewards}); the last one, of data_source[{g.prompt.source}] (task {task}, "
                 f"reward {reward}): prompt {_clip(self.decode(g.prompt.prompt_ids.tolist()))!r}"
                 f", response {_clip(self.decode(t.response_ids.tolist()))!r} ({t.status}{error}), label "
                 f"{_clip(str(g.prompt.label))!r}; check that data_source.reward scores such a response against "

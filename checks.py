@@ -27,10 +27,10 @@ def check_launch(cfg, world: int) -> None:
     if cfg.model.make_tiny and cfg.model.tiny_pretrain_steps > 0 and not os.path.isdir(cfg.model.path):
         from standins import tiny_model
 
-        if cfg.data_sources[0].task not in tiny_model.PRETRAIN_TASK_OF:
+        if cfg.data_source[0].task not in tiny_model.PRETRAIN_TASK_OF:
             raise ValueError(f"model.tiny_pretrain_steps={cfg.model.tiny_pretrain_steps} needs a toy task with a "
                              f"pretraining task ({', '.join(tiny_model.PRETRAIN_TASK_OF)}), not data_source.task "
-                             f"'{cfg.data_sources[0].task}'; set model.tiny_pretrain_steps=0")
+                             f"'{cfg.data_source[0].task}'; set model.tiny_pretrain_steps=0")
     if cfg.model.make_tiny and os.path.isdir(cfg.model.path):
         from standins import tiny_model
 
@@ -81,7 +81,7 @@ def check_inputs(cfg) -> None:
 
     if cfg.run_mode != "train-only":
         tokenizer = None
-        for ds in cfg.data_sources:
+        for ds in cfg.data_source:
             tasks.check_data_source(ds)
             tasks.get_reward_fn(ds.reward or tasks.default_reward(ds.task))
             if cfg.rollout.function != "single_turn":

@@ -4,13 +4,15 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
 
     torchrun train.py --config configs/tiny.yaml fully_async.enable=true trainer.total_steps=50
 
-Unknown keys, wrong types, non-finite floats (check_finite) and invalid combinations fail at start-up with one
-sentence naming the key.
+Loading (load_config, from_dict) builds the tree, registers the `module:attr` plugins it names (load_plugins) and
+fills in what is left to be derived (resolve); `validate` checks it and changes nothing. Unknown keys, wrong types,
+non-finite floats (check_finite) and bad values or combinations fail at start-up with one sentence naming the key:
+each section's dataclass checks its own fields (`check`), `validate` adds the rules across sections.
 Key names follow the spec restated in docs/design.md exactly (B = data_source.num_prompts_per_step,
 N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
-`algorithm` is losses.LossSettings, `buffer` is buffer.BufferConfig, and `Config.buffer_settings()` gives the
-buffer.BufferSettings a PipelineServer reads; this file composes them, validates the whole, and imports PyYAML only
-where it reads YAML. No role file imports this one (train.py, workers.py and services.py do).
+`algorithm` is losses.LossSettings, `buffer` buffer.BufferSettings (its keys: KEYS; Config.buffer_settings() fills
+in the rest); this file composes them, validates the whole, and imports PyYAML only where it reads YAML. No role
+file imports this one (train.py, workers.py and services.py do).
 """
 from __future__ import annotations
 
@@ -25,15 +27,19 @@ from typing import Any, Optional
 
 import buffer
 import losses
+import plugins
 import scoring
 import strategies
-from buffer import BufferConfig, validate_concurrency
+from buffer import BufferSettings, validate_concurrency
 from losses import LossSettings
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # rollout.pause_mode: what servers do with requests at a boundary
 # model.attn_implementation: each keeps packed sequences apart given position_ids alone (eager, sdpa,
 # flex_attention: tests/test_packing.py; flash_attention_2 runs varlen from them: bench/gpu_smoke.sh)
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2")
+RUN_MODES = ("default", "rollout-only", "train-only")
+DEVICES = ("auto", "cpu", "cuda")
+ONE_OR_MORE = ("data_source",)  # list keys that also take one mapping, a list of one (and to_dict writes it so)
 
 
 @dataclass
@@ -49,6 +55,19 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward to save memory
     attn_implementation: str = "auto"  # auto (cuda: flash_attention_2 if installed, else flex_attention; cpu: sdpa) | ...
 
+    def check(self) -> None:
+        """model.*, one sentence per rule."""
+        if self.tiny_pretrain_steps < 0:
+            raise ValueError(f"model.tiny_pretrain_steps must be >= 0, got {self.tiny_pretrain_steps}")
+        if self.tiny_num_experts < 0:
+            raise ValueError(f"model.tiny_num_experts must be >= 0 (0: a dense model), got {self.tiny_num_experts}")
+        if self.tiny_num_experts and not 0 < self.tiny_experts_per_token <= self.tiny_num_experts:
+            raise ValueError(f"model.tiny_experts_per_token must be in 1 .. model.tiny_num_experts "
+                             f"({self.tiny_num_experts}), got {self.tiny_experts_per_token}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got "
+                             f"'{self.attn_implementation}'")
+
 
 @dataclass
 class DataSourceConfig:
@@ -59,9 +78,14 @@ class DataSourceConfig:
     num_trajectories_per_prompt: int = 8  # N: trajectories sampled per prompt
     num_prompts: int = 4096  # size of a generated toy dataset (one epoch)
     num_eval_prompts: int = 64  # held-out prompts for trainer.eval_freq evaluation
-    weight: float = 1.0  # mixing weight when several data_sources are used (synchronous mode only)
+    weight: float = 1.0  # mixing weight when data_source lists several sources (synchronous mode only)
     seed: int = 0  # seed of the dataset generation and of the epoch shuffles
     shuffle: bool = True  # reshuffle the prompt order every epoch (deterministic from seed + epoch)
+
+    def check(self, key: str = "data_source") -> None:
+        """One data source (`key`: data_source, or data_source[i] of several), one sentence per rule."""
+        for name in ("num_prompts_per_step", "num_trajectories_per_prompt", "weight"):
+            _positive(getattr(self, name), f"{key}.{name}")
 
 
 @dataclass
@@ -96,6 +120,37 @@ class TrainerConfig:
     export_dtype: str = "auto"  # its dtype: auto (model.path's own, from its config.json) | float32 | bfloat16 | float16
     rollout_dir: Optional[str] = None  # run_mode=train-only: a rollout-only run's saved groups (None: run_dir/rollouts)
 
+    def check(self) -> None:
+        """trainer.*, one sentence per rule."""
+        for key in ("mini_batch_size", "total_steps", "num_nodes", "num_gpus_per_node", "lr", "micro_batch_tokens",
+                    "logprob_chunk_tokens", "kl_probe_every"):
+            _positive(getattr(self, key), f"trainer.{key}")
+        if self.snapshot not in ("device", "cpu"):
+            raise ValueError(f"trainer.snapshot must be device or cpu, got '{self.snapshot}'")
+        if self.kl_probe_tokens < 0:
+            raise ValueError(f"trainer.kl_probe_tokens must be >= 0 (0 turns train/kl_to_start off), got "
+                             f"{self.kl_probe_tokens}")
+        if self.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"trainer.export_dtype must be auto, float32, bfloat16 or float16, got "
+                             f"'{self.export_dtype}'")
+        if self.optimizer_impl not in ("auto", "fused", "foreach", "for_loop"):
+            raise ValueError(f"trainer.optimizer_impl must be auto, fused, foreach or for_loop, got "
+                             f"'{self.optimizer_impl}'")
+        for key in ("save_freq", "eval_freq", "warmup_steps"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint), got "
+                             f"{self.keep_checkpoints}")
+        if self.lr_decay not in ("constant", "linear", "cosine"):
+            raise ValueError(f"trainer.lr_decay must be constant, linear or cosine, got '{self.lr_decay}'")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"trainer.min_lr_ratio must be in [0, 1] (a fraction of trainer.lr), got "
+                             f"{self.min_lr_ratio}")
+        if self.resume not in ("none", "auto") and not os.path.isdir(self.resume):
+            raise ValueError(f"trainer.resume must be none, auto or an existing checkpoint directory, got "
+                             f"'{self.resume}'")
+
 
 @dataclass
 class FullyAsyncConfig:
@@ -104,10 +159,35 @@ class FullyAsyncConfig:
     stale_steps: float = 0.0  # capacity C = int(B * (1 + stale_steps)) groups in flight + buffered (not presets)
     policy_param: Optional[float] = None  # a preset's knob in its own unit; null = one step of staleness
 
+    def check(self, B: int, N: int) -> None:
+        """fully_async.*, one sentence per rule: a registered strategy (strategies.lookup) and the knob its kind takes
+        (a preset's policy_param, strategies.Preset.check; stale_steps for the others). B, N: the data source's."""
+        if self.stale_steps < 0:
+            raise ValueError(f"fully_async.stale_steps must be >= 0, got {self.stale_steps}")
+        strategy = strategies.lookup(self.sliding_window)
+        if not issubclass(strategy, strategies.Preset):
+            if self.policy_param is not None:
+                raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, "
+                                 f"prime-rl, roll, slime-async); fully_async.sliding_window={self.sliding_window} "
+                                 "takes fully_async.stale_steps")
+            return
+        if not self.enable:
+            raise ValueError(f"fully_async.sliding_window={self.sliding_window} is a fully-async staleness policy; "
+                             "set fully_async.enable=true (synchronous mode always uses B + num_oversample groups)")
+        if self.stale_steps != 0:
+            raise ValueError(f"fully_async.stale_steps is the spec strategies' knob; the {self.sliding_window} preset "
+                             f"takes its {strategy.param_name} as fully_async.policy_param (got stale_steps="
+                             f"{self.stale_steps})")
+        strategy.check(self.policy_param, B, N)
+
 
 @dataclass
 class SamplerConfig:
     num_oversample: int = 0  # extra groups dispatched per synchronous step for dynamic sampling (0 in fully-async)
+
+    def check(self) -> None:
+        if self.num_oversample < 0:
+            raise ValueError(f"rollout.sampler.num_oversample must be >= 0, got {self.num_oversample}")
 
 
 @dataclass
@@ -118,6 +198,16 @@ class SGLangArgs:
     api_key_file: Optional[str] = None  # 0600 file `api-key: KEY` (null: run_dir/servers/api_key.yaml, made per run)
     extra: list = field(default_factory=list)  # any other launch flags, as strings: ["--context-length", "32768"]
 
+    def check(self) -> None:
+        """rollout.sglang_args.*, one sentence per rule."""
+        if self.max_running_requests is not None:
+            _positive(self.max_running_requests, "rollout.sglang_args.max_running_requests")
+        keyed = [f for f in self.extra if str(f).split("=")[0] in ("--api-key", "--admin-api-key", "--config")]
+        if keyed:
+            raise ValueError(f"rollout.sglang_args.extra may not hold {keyed[0].split('=')[0]}: the launch passes the "
+                             "servers' key as SGLang's --config file (rollout.sglang_args.api_key_file, default "
+                             "run_dir/servers/api_key.yaml), never on a command line")
+
 
 @dataclass
 class ServerLayout:
@@ -127,6 +217,13 @@ class ServerLayout:
     dp: int = 1  # SGLang --dp-size
     pp: int = 1  # SGLang --pp-size (dp or pp > 1: weight_sync.method=disk only, see validate_server_layout)
 
+    def check(self, key: str) -> None:
+        """One server (`key`: rollout.server_layout[i]) on its own; validate_server_layout checks the rest."""
+        for name in ("tp", "dp", "pp"):
+            _positive(getattr(self, name), f"{key}.{name}")
+        if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.gpus):
+            raise ValueError(f"{key}.gpus must be a list of GPU ids (integers >= 0), got {self.gpus!r}")
+
 
 @dataclass
 class SamplingConfig:
@@ -134,6 +231,15 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling (1 = off; below 1 the trainer renormalises its log-probs over the kept set)
     top_k: int = -1  # top-k sampling (-1 = off; the trainer renormalises over the kept set too)
     max_new_tokens: int = 16  # response length limit per trajectory (summed over turns in multi-turn)
+
+    def check(self) -> None:
+        """rollout.sampling.*, one sentence per rule."""
+        _positive(self.max_new_tokens, "rollout.sampling.max_new_tokens")
+        _positive(self.temperature, "rollout.sampling.temperature")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:  # SGLang's own rule (sampling_params.py: verify)
+            raise ValueError(f"rollout.sampling.top_k must be -1 (off) or at least 1, got {self.top_k}")
 
 
 @dataclass
@@ -177,6 +283,86 @@ class RolloutConfig:
     server_keepalive_s: float = 300.0  # a launched server stops when no trainer renewed its lease for this long
     server_stall_s: float = 0.0  # no step-loop progress for this long stops the lease's renewal; 0: control timeout
 
+    def check(self, N: int) -> None:
+        """rollout.*, one sentence per rule (its sections' own checks included); N: the data source's
+        num_trajectories_per_prompt. The server layout is checked with the nodes it runs on: validate_server_layout."""
+        if self.mask_offpolicy_in_partial_rollout and not self.partial:
+            raise ValueError("rollout.mask_offpolicy_in_partial_rollout=true requires rollout.partial=true")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"rollout.pause_mode must be one of {', '.join(PAUSE_MODES)}, got '{self.pause_mode}'")
+        if self.pause_mode != "abort" and not self.partial:
+            raise ValueError(f"rollout.pause_mode={self.pause_mode} requires rollout.partial=true (without it the "
+                             "step boundary waits for everything in flight and keeps nothing)")
+        validate_concurrency(self.async_max_concurrent_samples, N)
+        if self.max_prompt_tokens is not None:
+            _positive(self.max_prompt_tokens, "rollout.max_prompt_tokens")
+        if self.max_weight_staleness is not None and self.max_weight_staleness < 0:
+            raise ValueError(f"rollout.max_weight_staleness must be >= 0 or null, got {self.max_weight_staleness}")
+        for f in self.filter:
+            if f not in ("failed", "all_equal_reward"):
+                raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
+        if self.filter_stop_groups is not None and self.filter_stop_groups < 0:
+            raise ValueError(f"rollout.filter_stop_groups must be >= 0 (0: never stop) or null (4 x B, at least 64), "
+                             f"got {self.filter_stop_groups}")
+        buffer.validate_min_group_size(self.min_group_size, N)
+        if "all_equal_reward" in self.filter and N == 1:
+            raise ValueError("rollout.filter all_equal_reward needs data_source.num_trajectories_per_prompt > 1: "
+                             "with one trajectory per prompt every group has equal rewards and would be dropped")
+        if self.launch not in ("engine", "sglang", "none"):
+            raise ValueError(f"rollout.launch must be one of engine, sglang, none, got '{self.launch}'")
+        self.sampler.check()
+        self.sglang_args.check()
+        self.sampling.check()
+        self._check_client()
+        self._check_env()
+
+    def _check_client(self) -> None:
+        """The timeouts, retries and limits of the rollout's requests and reward calls."""
+        for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
+                    "retry_backoff_s", "reward_workers", "reward_timeout_s", "router_request_timeout_s"):
+            _positive(getattr(self, key), f"rollout.{key}")
+        if self.server_keepalive_s < 5:
+            raise ValueError(f"rollout.server_keepalive_s must be at least 5 (seconds: the trainer renews the "
+                             f"launched servers' lease every second), got {self.server_keepalive_s!r}")
+        if self.router_url and self.request_timeout_s >= self.router_request_timeout_s:
+            raise ValueError(f"rollout.request_timeout_s ({self.request_timeout_s:g}) must be below "
+                             f"rollout.router_request_timeout_s ({self.router_request_timeout_s:g}, the router's "
+                             "--request-timeout-secs), so that ours fires first and the client, not the router and "
+                             "its own retries, decides what happens to a request that runs too long")
+        if self.max_retries < 0:
+            raise ValueError(f"rollout.max_retries must be >= 0, got {self.max_retries}")
+        if self.router_max_concurrent_requests is not None:
+            _positive(self.router_max_concurrent_requests, "rollout.router_max_concurrent_requests")
+        if self.reward_pool not in scoring.POOLS:
+            raise ValueError(f"rollout.reward_pool must be one of {', '.join(scoring.POOLS)}, got "
+                             f"'{self.reward_pool}'")
+
+    def _check_env(self) -> None:
+        """The tool environment of multi-turn rollout functions and the bounds of its steps."""
+        for key in ("env_max_concurrent", "env_step_timeout_s", "env_max_obs_tokens"):
+            _positive(getattr(self, key), f"rollout.{key}")
+        if self.env_retries < 0:
+            raise ValueError(f"rollout.env_retries must be >= 0 (0: a failed step is not run again), got "
+                             f"{self.env_retries}")
+        if self.function != "single_turn" and (self.env_retries + 1) * self.env_step_timeout_s >= self.pause_timeout_s:
+            step = (f"rollout.env_step_timeout_s ({self.env_step_timeout_s:g})" if not self.env_retries else
+                    f"rollout.env_step_timeout_s x (rollout.env_retries + 1) ({self.env_step_timeout_s:g} x "
+                    f"{self.env_retries + 1}, a step and its retries)")
+            raise ValueError(f"{step} must be below rollout.pause_timeout_s ({self.pause_timeout_s:g}): a pause waits "
+                             "for the environment steps in progress, which are never cut short (their side effects "
+                             "would be half done)")
+        if self.env_fail_stop_steps < 0:
+            raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got "
+                             f"{self.env_fail_stop_steps}")
+        if self.env is not None and self.function == "single_turn":
+            raise ValueError(f"rollout.env={self.env} is used by multi-turn rollout functions only; set rollout."
+                             "function=multi_turn_tool (or a module:function of yours that calls tasks.make_env), or "
+                             "unset rollout.env")
+        if self.env is not None:
+            import tasks
+
+            plugins.lookup(tasks.ENVS, self.env, "rollout.env", also="null (the task's own), ")
+
 
 @dataclass
 class WeightSyncConfig:
@@ -189,6 +375,22 @@ class WeightSyncConfig:
     delta_full_every: int = 20  # with delta: every this many versions a full sync (and the first, resume, rejoin)
     dtype: str = "auto"  # the servers' dtype, pushed in: auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float32
 
+    def check(self) -> None:
+        """weight_sync.*, one sentence per rule."""
+        if self.method not in ("distributed", "tensor", "disk"):
+            raise ValueError(f"weight_sync.method must be distributed, tensor or disk, got '{self.method}'")
+        _positive(self.bucket_mb, "weight_sync.bucket_mb")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"weight_sync.dtype must be auto, bfloat16 or float32 (the servers' dtype), got "
+                             f"'{self.dtype}'")
+        if not isinstance(self.delta_full_every, int) or self.delta_full_every < 1:
+            raise ValueError(f"weight_sync.delta_full_every must be an integer >= 1 (1: every sync full), got "
+                             f"{self.delta_full_every!r}")
+        if self.delta and self.method == "tensor":
+            raise ValueError("weight_sync.delta=true needs weight_sync.method distributed or disk: with tensor "
+                             "(colocate) nothing crosses a wire, so there is nothing for a delta to save")
+        _positive(self.timeout_s, "weight_sync.timeout_s")
+
 
 @dataclass
 class WandbConfig:
@@ -197,12 +399,25 @@ class WandbConfig:
     mode: str = "online"  # online | offline
     name: Optional[str] = None  # run name (default: run_dir's name)
 
+    def check(self) -> None:
+        if self.mode not in ("online", "offline"):
+            raise ValueError(f"logging.wandb.mode must be online or offline, got '{self.mode}'")
+
 
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     wait_line_s: float = 10.0  # while the trainer waits for groups, a line (stdout, waiting.jsonl) this often; 0 = none
     train_samples: int = 4  # trained trajectories a step in samples/train.jsonl, one a group; -1: all of them
+
+    def check(self) -> None:
+        """logging.*, one sentence per rule."""
+        if self.wait_line_s < 0:
+            raise ValueError(f"logging.wait_line_s must be >= 0 (0: no waiting lines), got {self.wait_line_s}")
+        if self.train_samples < -1:
+            raise ValueError(f"logging.train_samples must be >= 0 (trajectories a step, one a group) or -1 (every "
+                             f"trained trajectory), got {self.train_samples}")
+        self.wandb.check()
 
 
 @dataclass
@@ -214,24 +429,23 @@ class Config:
     run_mode: str = "default"  # default | rollout-only | train-only (the last two in synchronous mode only)
     device: str = "auto"  # auto | cpu | cuda: where the trainer runs
     model: ModelConfig = field(default_factory=ModelConfig)
-    data_source: DataSourceConfig = field(default_factory=DataSourceConfig)
-    data_sources: Optional[list] = None  # list of DataSourceConfig; None = [data_source]
+    data_source: list[DataSourceConfig] = field(default_factory=lambda: [DataSourceConfig()])  # one source, or a list of several
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: LossSettings = field(default_factory=LossSettings)
     fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
+    buffer: BufferSettings = field(default_factory=BufferSettings)  # its keys: KEYS; the whole: buffer_settings()
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     # ---- derived values (computed, never configured) ----
     @property
     def B(self) -> int:
-        return self.data_sources[0].num_prompts_per_step
+        return self.data_source[0].num_prompts_per_step
 
     @property
     def N(self) -> int:
-        return self.data_sources[0].num_trajectories_per_prompt
+        return self.data_source[0].num_trajectories_per_prompt
 
     @property
     def M(self) -> int:
@@ -249,17 +463,17 @@ class Config:
         buffer.BufferSettings.stop_groups."""
         return self.buffer_settings().stop_groups
 
-    def buffer_settings(self) -> buffer.BufferSettings:
-        """What the buffer reads of this config (buffer.PipelineServer takes either)."""
+    def buffer_settings(self) -> BufferSettings:
+        """What the buffer reads of this config (buffer.PipelineServer takes either): the buffer section, its other
+        fields filled in from the sections that hold them."""
         fa, r = self.fully_async, self.rollout
-        return buffer.BufferSettings(
-            num_prompts_per_step=self.B, num_trajectories_per_prompt=self.N, fully_async=fa.enable,
+        return dataclasses.replace(
+            self.buffer, num_prompts_per_step=self.B, num_trajectories_per_prompt=self.N, fully_async=fa.enable,
             sliding_window=fa.sliding_window, stale_steps=fa.stale_steps, policy_param=fa.policy_param,
             num_oversample=r.sampler.num_oversample, async_max_concurrent_samples=r.async_max_concurrent_samples,
             filter=tuple(r.filter), filter_stop_groups=r.filter_stop_groups, min_group_size=r.min_group_size,
             max_weight_staleness=r.max_weight_staleness, partial=r.partial, pause_mode=r.pause_mode,
-            get_timeout_s=self.buffer.get_timeout_s, rpc_timeout_s=self.buffer.rpc_timeout_s,
-            sources=[buffer.SourceSettings(d.task, d.reward, d.weight, d.seed, d.shuffle) for d in self.data_sources])
+            sources=[buffer.SourceSettings(d.task, d.reward, d.weight, d.seed, d.shuffle) for d in self.data_source])
 
     @property
     def flush_on_update(self) -> bool:
@@ -319,7 +533,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"config key '{key}' must be a list of {typing.get_args(tp)[0].__name__} mappings, "
                              f"got {value!r}")
-        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, typing.get_args(tp)[0], item_key(key, i, len(value))) for i, v in enumerate(value)]
     if tp in (list, tuple):
         if isinstance(value, (list, tuple)):
             return tp(value)
@@ -341,12 +555,24 @@ RENAMED_SETTINGS = {
                                        "published (behaviour weight pi_prox / mu masked above "
                                        "algorithm.decoupled_ppo.behav_imp_weight_cap, not clamped at "
                                        "algorithm.is_correction.clip; behav_imp_weight_action=clamp for AReaL's clamp)",
+    "data_sources": "data_sources is now data_source, which takes one source's mapping or a list of them (several "
+                    "sources, mixed by weight in synchronous mode)",
 }
+
+
+def item_key(key: str, i: int, n: int) -> str:
+    """Entry i of the n of list key `key`, as messages name it: key[i]; the key alone for a ONE_OR_MORE key's one."""
+    return key if key in ONE_OR_MORE and n == 1 else f"{key}[{i}]"
+
+
+def _keys(cls) -> list:
+    """The config keys of a section's dataclass: its fields (the buffer section: BufferSettings.KEYS)."""
+    return list(BufferSettings.KEYS) if cls is BufferSettings else [f.name for f in dataclasses.fields(cls)]
 
 
 def _from_dict(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(_keys(cls))
     kwargs = {}
     for k, v in data.items():
         for old in (prefix + k, f"{prefix}{k}={v}" if isinstance(v, str) else None):
@@ -354,20 +580,21 @@ def _from_dict(cls, data: dict, prefix: str = ""):
                 raise ValueError(RENAMED_SETTINGS[old])
         if k not in names:
             raise ValueError(f"unknown config key '{prefix}{k}'; {cls.__name__} accepts: {', '.join(sorted(names))}")
-        tp = hints[k]
-        if cls is Config and k == "data_sources" and v is not None:
-            if not isinstance(v, list) or not v:
-                raise ValueError("config key 'data_sources' must be a non-empty list of data_source mappings")
-            kwargs[k] = [_coerce(item, DataSourceConfig, f"data_sources[{i}]") for i, item in enumerate(v)]
-            continue
-        kwargs[k] = _coerce(v, tp, prefix + k)
+        if prefix + k in ONE_OR_MORE:  # one mapping (a list of one), or a non-empty list of them
+            v = [v] if isinstance(v, dict) else v
+            if not (isinstance(v, list) and v):
+                raise ValueError(f"config key '{prefix}{k}' must be a mapping or a non-empty list of them, got {v!r}")
+        kwargs[k] = _coerce(v, hints[k], prefix + k)
     return cls(**kwargs)
 
 
 def to_dict(cfg) -> dict:
-    """The resolved config as plain YAML-able data (saved beside metrics.jsonl; sent to child processes)."""
+    """The resolved config as plain YAML-able data (saved beside metrics.jsonl; sent to child processes): config
+    keys only, a ONE_OR_MORE list of one as its mapping."""
     d = dataclasses.asdict(cfg)
     d["trainer"]["betas"] = list(d["trainer"]["betas"])
+    d["buffer"] = {k: d["buffer"][k] for k in BufferSettings.KEYS}
+    d.update({key: d[key][0] for key in ONE_OR_MORE if len(d[key]) == 1})
     return d
 
 
@@ -393,18 +620,22 @@ def parse_overrides(args: list[str]) -> dict:
     return out
 
 
-def _merge(base: dict, over: dict) -> dict:
+def _merge(base: dict, over: dict, prefix: str = "") -> dict:
     out = dict(base)
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+            out[k] = _merge(out[k], v, f"{prefix}{k}.")
+        elif isinstance(v, dict) and isinstance(out.get(k), list):  # which entry a.b=c meant is not known
+            raise ValueError(f"config key '{prefix}{k}' holds a list here; override it whole ({prefix}{k}=[...]), "
+                             "not one field")
         else:
             out[k] = v
     return out
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, validate_cfg: bool = True) -> Config:
-    """Load YAML at `path` (may be None), apply `a.b=c` overrides, build the dataclass tree, validate."""
+    """Load YAML at `path` (may be None), apply `a.b=c` overrides, build the dataclass tree (from_dict: its plugins
+    registered, its derived values filled in), validate."""
     import yaml  # here, not at the top: only reading YAML (a file, an override's value) needs it
 
     data: dict = {}
@@ -424,14 +655,22 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 
 def from_dict(data: dict) -> Config:
-    """Build a Config from a plain dict (e.g. `to_dict` output shipped to a child process)."""
+    """Build a Config from a plain dict (e.g. `to_dict` output shipped to a child process), with the `module:attr`
+    plugins it names registered in this process (load_plugins) and its derived values filled in (resolve)."""
     cfg = _from_dict(Config, data)
-    if cfg.data_sources is None:
-        cfg.data_sources = [cfg.data_source]
-    if isinstance(cfg.trainer.betas, list):
-        cfg.trainer.betas = tuple(cfg.trainer.betas)
+    load_plugins(cfg)
+    return resolve(cfg)
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill in, in place, what a config leaves to be derived when unset: run_dir (runs/<name>), and a preset's own
+    concurrency cap (strategies.Preset.max_concurrent_samples) as rollout.async_max_concurrent_samples."""
     if cfg.run_dir is None:
         cfg.run_dir = os.path.join("runs", cfg.name)
+    preset = strategies.REGISTRY.get(cfg.fully_async.sliding_window)
+    if (isinstance(preset, type) and issubclass(preset, strategies.Preset)
+            and cfg.rollout.async_max_concurrent_samples is None):  # the peer's own cap, the preset's companion knob
+        cfg.rollout.async_max_concurrent_samples = preset.max_concurrent_samples(cfg.B, cfg.N)
     return cfg
 
 
@@ -462,7 +701,7 @@ def _check_finite_value(value, key: str) -> None:
         check_finite(value, key + ".")
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _check_finite_value(v, f"{key}[{i}]")
+            _check_finite_value(v, item_key(key, i, len(value)))
     elif isinstance(value, float) and not math.isfinite(value):
         if value == math.inf and key in INFINITY_ACCEPTED:
             return
@@ -484,257 +723,103 @@ def server_stall_s(cfg: Config) -> float:
 
 
 def validate(cfg: Config) -> Config:
+    """Every start-up rule, one sentence each: each section's own (its check method) and the rules across sections.
+    Changes nothing (loading registered the plugins and filled in the derived values: from_dict); returns cfg."""
     check_finite(cfg)
+    for i, ds in enumerate(cfg.data_source):
+        ds.check(item_key("data_source", i, len(cfg.data_source)))
+    cfg.trainer.check()
+    cfg.model.check()
+    _check_batch_sizes(cfg)
+    if cfg.run_mode not in RUN_MODES:
+        raise ValueError(f"run_mode must be one of {', '.join(RUN_MODES)}, got '{cfg.run_mode}'")
+    if cfg.device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got '{cfg.device}'")
+    cfg.fully_async.check(cfg.B, cfg.N)
+    _check_fully_async(cfg)
+    cfg.rollout.check(cfg.N)
+    _check_placement(cfg)
+    validate_server_layout(cfg)
+    _check_sources(cfg)
+    cfg.algorithm.check(cfg.trainer.use_rollout_log_probs)
+    cfg.weight_sync.check()
+    cfg.buffer.check()
+    _check_stall(cfg)
+    cfg.logging.check()
+    return cfg
+
+
+def _check_batch_sizes(cfg: Config) -> None:
+    """B x N, M and N fit together: whole training calls of whole groups (the spec's table)."""
     B, N, M = cfg.B, cfg.N, cfg.M
-    for i, ds in enumerate(cfg.data_sources):
-        _positive(ds.num_prompts_per_step, f"data_sources[{i}].num_prompts_per_step")
-        _positive(ds.num_trajectories_per_prompt, f"data_sources[{i}].num_trajectories_per_prompt")
-        _positive(ds.weight, f"data_sources[{i}].weight")
-    _positive(M, "trainer.mini_batch_size")
-    if cfg.model.tiny_pretrain_steps < 0:
-        raise ValueError(f"model.tiny_pretrain_steps must be >= 0, got {cfg.model.tiny_pretrain_steps}")
-    if cfg.model.tiny_num_experts < 0:
-        raise ValueError(f"model.tiny_num_experts must be >= 0 (0: a dense model), got {cfg.model.tiny_num_experts}")
-    if cfg.model.tiny_num_experts and not 0 < cfg.model.tiny_experts_per_token <= cfg.model.tiny_num_experts:
-        raise ValueError(f"model.tiny_experts_per_token must be in 1 .. model.tiny_num_experts "
-                         f"({cfg.model.tiny_num_experts}), got {cfg.model.tiny_experts_per_token}")
     if (B * N) % M != 0:
         raise ValueError(
             f"data_source.num_prompts_per_step x data_source.num_trajectories_per_prompt ({B} x {N} = {B * N}) "
             f"must be divisible by trainer.mini_batch_size ({M})")
     if M % N != 0:
         warnings.warn(f"trainer.mini_batch_size ({M}) is not a multiple of data_source.num_trajectories_per_prompt "
-                      f"({N}); each training call fetches M // N = {M // N} groups", stacklevel=2)
+                      f"({N}); each training call fetches M // N = {M // N} groups", stacklevel=3)
     if M < N:
         raise ValueError(f"trainer.mini_batch_size ({M}) must be >= data_source.num_trajectories_per_prompt ({N}) "
                          "so that every training call gets at least one complete group")
-    if cfg.run_mode not in ("default", "rollout-only", "train-only"):
-        raise ValueError(f"run_mode must be one of default, rollout-only, train-only, got '{cfg.run_mode}'")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be one of auto, cpu, cuda, got '{cfg.device}'")
+
+
+def _check_fully_async(cfg: Config) -> None:
+    """fully_async.enable=true: the strategy accepts the update action the rollout settings select
+    (strategies.Strategy.check_action), and the rest of the run is one fully-async mode can run."""
     fa = cfg.fully_async
-    if fa.stale_steps < 0:
-        raise ValueError(f"fully_async.stale_steps must be >= 0, got {fa.stale_steps}")
-    load_plugins(cfg)
-    if fa.sliding_window not in strategies.REGISTRY:
-        raise ValueError(f"fully_async.sliding_window '{fa.sliding_window}' is not registered; "
-                         f"choose one of: {_builtin(strategies.REGISTRY)} or module:Class")
-    preset = strategies.REGISTRY[fa.sliding_window]
-    if issubclass(preset, strategies.Preset):
-        if not fa.enable:
-            raise ValueError(f"fully_async.sliding_window={fa.sliding_window} is a fully-async staleness policy; set "
-                             "fully_async.enable=true (synchronous mode always uses B + num_oversample groups)")
-        if fa.stale_steps != 0:
-            raise ValueError(f"fully_async.stale_steps is the spec strategies' knob; the {fa.sliding_window} preset "
-                             f"takes its {preset.param_name} as fully_async.policy_param (got stale_steps="
-                             f"{fa.stale_steps})")
-        preset.check(fa.policy_param, B, N)
-        if cfg.rollout.async_max_concurrent_samples is None:  # the peer's own concurrency cap, its companion knob
-            cfg.rollout.async_max_concurrent_samples = preset.max_concurrent_samples(B, N)
-    elif fa.policy_param is not None:
-        raise ValueError(f"fully_async.policy_param is the knob of a preset (areal, verl, pipelinerl, prime-rl, roll, "
-                         f"slime-async); fully_async.sliding_window={fa.sliding_window} takes fully_async.stale_steps")
-    if fa.enable:  # built here as the buffer process builds it: its interface and update action refused now
-        strategy = strategies.build(fa.sliding_window, B, cfg.capacity, True, fa.policy_param, N)
-        try:
-            strategy.action(cfg.rollout.partial, cfg.rollout.pause_mode)
-        except ValueError:
-            raise ValueError(f"fully_async.sliding_window={fa.sliding_window} ({strategy.actions[0].describe()} at "
-                             f"the weight update) needs {strategy.accepted_settings()}; got rollout.partial="
-                             f"{str(cfg.rollout.partial).lower()}, rollout.pause_mode={cfg.rollout.pause_mode}"
-                             ) from None
-    if fa.enable:
-        if cfg.colocate:
-            raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own "
-                             "GPUs")
-        if cfg.run_mode != "default":
-            raise ValueError(f"fully_async.enable=true supports only run_mode=default, got run_mode={cfg.run_mode}")
-        if len(cfg.data_sources) != 1:
-            raise ValueError(f"fully_async.enable=true supports a single data source, got {len(cfg.data_sources)} "
-                             "in data_sources")
-        if cfg.rollout.sampler.num_oversample != 0:
-            raise ValueError("rollout.sampler.num_oversample must be 0 when fully_async.enable=true; extra in-flight "
-                             "capacity comes from fully_async.stale_steps")
-    if cfg.rollout.sampler.num_oversample < 0:
-        raise ValueError(f"rollout.sampler.num_oversample must be >= 0, got {cfg.rollout.sampler.num_oversample}")
-    r = cfg.rollout
-    if r.mask_offpolicy_in_partial_rollout and not r.partial:
-        raise ValueError("rollout.mask_offpolicy_in_partial_rollout=true requires rollout.partial=true")
-    if r.pause_mode not in PAUSE_MODES:
-        raise ValueError(f"rollout.pause_mode must be one of {', '.join(PAUSE_MODES)}, got '{r.pause_mode}'")
-    if r.pause_mode != "abort" and not r.partial:
-        raise ValueError(f"rollout.pause_mode={r.pause_mode} requires rollout.partial=true (without it the step "
-                         "boundary waits for everything in flight and keeps nothing)")
-    if r.pause_mode == "in_place" and cfg.colocate:
+    if not fa.enable:
+        return
+    strategies.lookup(fa.sliding_window).check_action(fa.sliding_window, fa.policy_param, cfg.B, cfg.N,
+                                                      cfg.rollout.partial, cfg.rollout.pause_mode)
+    if cfg.colocate:
+        raise ValueError("fully_async.enable=true requires colocate=false: rollout and training need their own "
+                         "GPUs")
+    if cfg.run_mode != "default":
+        raise ValueError(f"fully_async.enable=true supports only run_mode=default, got run_mode={cfg.run_mode}")
+    if len(cfg.data_source) != 1:
+        raise ValueError(f"fully_async.enable=true supports a single data source, got {len(cfg.data_source)} "
+                         "in data_source")
+    if cfg.rollout.sampler.num_oversample != 0:
+        raise ValueError("rollout.sampler.num_oversample must be 0 when fully_async.enable=true; extra in-flight "
+                         "capacity comes from fully_async.stale_steps")
+
+
+def _check_placement(cfg: Config) -> None:
+    """What colocate and device allow of the pause, the weight sync and the attention kernel."""
+    if cfg.rollout.pause_mode == "in_place" and cfg.colocate:
         raise ValueError("rollout.pause_mode=in_place does not work with colocate=true: the kept requests hold "
                          "their KV cache, and a server releases its memory only with no request running; use "
                          "rollout.pause_mode=retract or abort")
-    validate_concurrency(r.async_max_concurrent_samples, N)
-    if r.max_prompt_tokens is not None:
-        _positive(r.max_prompt_tokens, "rollout.max_prompt_tokens")
-    if r.max_weight_staleness is not None and r.max_weight_staleness < 0:
-        raise ValueError(f"rollout.max_weight_staleness must be >= 0 or null, got {r.max_weight_staleness}")
-    for f in r.filter:
-        if f not in ("failed", "all_equal_reward"):
-            raise ValueError(f"rollout.filter entry '{f}' is unknown; accepted: failed, all_equal_reward")
-    if r.filter_stop_groups is not None and r.filter_stop_groups < 0:
-        raise ValueError(f"rollout.filter_stop_groups must be >= 0 (0: never stop) or null (4 x B, at least 64), "
-                         f"got {r.filter_stop_groups}")
-    buffer.validate_min_group_size(r.min_group_size, N)
-    if "all_equal_reward" in r.filter and N == 1:
-        raise ValueError("rollout.filter all_equal_reward needs data_source.num_trajectories_per_prompt > 1: with "
-                         "one trajectory per prompt every group has equal rewards and would be dropped")
-    if r.launch not in ("engine", "sglang", "none"):
-        raise ValueError(f"rollout.launch must be one of engine, sglang, none, got '{r.launch}'")
-    validate_server_layout(cfg)
-    if r.sglang_args.max_running_requests is not None:
-        _positive(r.sglang_args.max_running_requests, "rollout.sglang_args.max_running_requests")
-    keyed = [f for f in r.sglang_args.extra if str(f).split("=")[0] in ("--api-key", "--admin-api-key", "--config")]
-    if keyed:
-        raise ValueError(f"rollout.sglang_args.extra may not hold {keyed[0].split('=')[0]}: the launch passes the "
-                         "servers' key as SGLang's --config file (rollout.sglang_args.api_key_file, default "
-                         "run_dir/servers/api_key.yaml), never on a command line")
-    _positive(r.sampling.max_new_tokens, "rollout.sampling.max_new_tokens")
-    _positive(r.sampling.temperature, "rollout.sampling.temperature")
-    if not 0 < r.sampling.top_p <= 1:
-        raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {r.sampling.top_p}")
-    if r.sampling.top_k != -1 and r.sampling.top_k < 1:  # SGLang's own rule (sampling_params.py: verify)
-        raise ValueError(f"rollout.sampling.top_k must be -1 (off) or at least 1, got {r.sampling.top_k}")
-    for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
-                "retry_backoff_s", "reward_workers", "reward_timeout_s", "env_max_concurrent", "env_step_timeout_s",
-                "env_max_obs_tokens"):
-        _positive(getattr(r, key), f"rollout.{key}")
-    if r.env_retries < 0:
-        raise ValueError(f"rollout.env_retries must be >= 0 (0: a failed step is not run again), got {r.env_retries}")
-    if r.function != "single_turn" and (r.env_retries + 1) * r.env_step_timeout_s >= r.pause_timeout_s:
-        step = (f"rollout.env_step_timeout_s ({r.env_step_timeout_s:g})" if not r.env_retries else
-                f"rollout.env_step_timeout_s x (rollout.env_retries + 1) ({r.env_step_timeout_s:g} x "
-                f"{r.env_retries + 1}, a step and its retries)")
-        raise ValueError(f"{step} must be below rollout.pause_timeout_s ({r.pause_timeout_s:g}): a pause waits for the "
-                         "environment steps in progress, which are never cut short (their side effects would be half "
-                         "done)")
-    if r.server_keepalive_s < 5:
-        raise ValueError(f"rollout.server_keepalive_s must be at least 5 (seconds: the trainer renews the launched "
-                         f"servers' lease every second), got {r.server_keepalive_s!r}")
-    if r.env_fail_stop_steps < 0:
-        raise ValueError(f"rollout.env_fail_stop_steps must be >= 0 (0: never stop), got {r.env_fail_stop_steps}")
-    _positive(r.router_request_timeout_s, "rollout.router_request_timeout_s")
-    if r.router_url and r.request_timeout_s >= r.router_request_timeout_s:
-        raise ValueError(f"rollout.request_timeout_s ({r.request_timeout_s:g}) must be below "
-                         f"rollout.router_request_timeout_s ({r.router_request_timeout_s:g}, the router's "
-                         "--request-timeout-secs), so that ours fires first and the client, not the router and its "
-                         "own retries, decides what happens to a request that runs too long")
-    if r.max_retries < 0:
-        raise ValueError(f"rollout.max_retries must be >= 0, got {r.max_retries}")
-    if r.router_max_concurrent_requests is not None:
-        _positive(r.router_max_concurrent_requests, "rollout.router_max_concurrent_requests")
-    if r.reward_pool not in scoring.POOLS:
-        raise ValueError(f"rollout.reward_pool must be one of {', '.join(scoring.POOLS)}, got '{r.reward_pool}'")
-    if r.reward_pool in ("thread", "inline"):  # a reward that may hang needs a pool whose workers can be killed
-        import tasks
-
-        for i, ds in enumerate(cfg.data_sources):
-            name = ds.reward or tasks.default_reward(ds.task)
-            if scoring.may_hang(tasks.get_reward_fn(name)):
-                key = "data_source.reward" if len(cfg.data_sources) == 1 else f"data_sources[{i}].reward"
-                raise ValueError(f"{key} {name} may run for minutes (math-verify's sympy on an answer such as "
-                                 f"9^{{9^{{9^{{9}}}}}}) and must run where it can be killed: rollout.reward_pool="
-                                 f"process or auto, not {r.reward_pool}")
-    for i, ds in enumerate(cfg.data_sources[1:], start=1):
-        if ds.num_trajectories_per_prompt != N:
-            raise ValueError(f"data_sources[{i}].num_trajectories_per_prompt ({ds.num_trajectories_per_prompt}) must "
-                             f"equal data_sources[0].num_trajectories_per_prompt ({N}): groups of one step share N")
-    a = cfg.algorithm
-    if a.m2_mask.enable and cfg.trainer.use_rollout_log_probs:
-        raise ValueError("algorithm.m2_mask.enable=true cannot be combined with trainer.use_rollout_log_probs=true: "
-                         "the mask measures old_log_probs - rollout_log_probs, which would be zero")
-    if a.m2_mask.enable:
-        _positive(a.m2_mask.tau, "algorithm.m2_mask.tau")
-    _positive(a.m2po.tau, "algorithm.m2po.tau")
-    dp = a.decoupled_ppo
-    if dp.behav_imp_weight_cap is not None and dp.behav_imp_weight_cap <= 1:
-        raise ValueError(f"algorithm.decoupled_ppo.behav_imp_weight_cap must be > 1 (AReaL's 5) or null (no behaviour "
-                         f"weight), got {dp.behav_imp_weight_cap}")
-    if dp.behav_imp_weight_action not in losses.BEHAVIOUR_WEIGHT_ACTIONS:
-        raise ValueError(f"algorithm.decoupled_ppo.behav_imp_weight_action must be one of "
-                         f"{', '.join(losses.BEHAVIOUR_WEIGHT_ACTIONS)}, got '{dp.behav_imp_weight_action}'")
-    if a.truncated_is.epsilon_high < 0:
-        raise ValueError(f"algorithm.truncated_is.epsilon_high must be >= 0 (PipelineRL's 0.02), "
-                         f"got {a.truncated_is.epsilon_high}")
-    if a.opsm.enable and a.opsm.delta < 0:
-        raise ValueError(f"algorithm.opsm.delta must be >= 0, got {a.opsm.delta}")
-    if not 0 <= a.clip_low < 1:
-        raise ValueError(f"algorithm.clip_low must be in [0, 1), got {a.clip_low}")
-    if a.clip_high < 0:
-        raise ValueError(f"algorithm.clip_high must be >= 0, got {a.clip_high}")
-    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
-        raise ValueError(f"algorithm.dual_clip_c must be > 1 (typically 3) or null, got {a.dual_clip_c}")
-    if a.loss_agg_mode not in losses.LOSS_AGG:
-        raise ValueError(f"algorithm.loss_agg_mode must be one of {', '.join(losses.LOSS_AGG)}, "
-                         f"got '{a.loss_agg_mode}'")
-    # a registered name (load_plugins registered a module:function above), and what that loss declares of the settings
-    losses.check_policy_loss(a, cfg.trainer.use_rollout_log_probs)
-    isc = a.is_correction
-    if isc.level not in losses.IS_LEVELS:
-        raise ValueError(f"algorithm.is_correction.level must be one of {', '.join(losses.IS_LEVELS)}, "
-                         f"got '{isc.level}'")
-    _positive(isc.clip, "algorithm.is_correction.clip")
-    if isc.mask_low is not None and isc.mask_high is not None and isc.mask_low >= isc.mask_high:
-        raise ValueError(f"algorithm.is_correction.mask_low ({isc.mask_low}) must be below "
-                         f"algorithm.is_correction.mask_high ({isc.mask_high})")
-    if a.adv.eps < 0:
-        raise ValueError(f"algorithm.adv.eps must be >= 0, got {a.adv.eps}")
-    t = cfg.trainer
-    _positive(t.total_steps, "trainer.total_steps")
-    _positive(t.num_nodes, "trainer.num_nodes")
-    _positive(t.num_gpus_per_node, "trainer.num_gpus_per_node")
-    _positive(t.lr, "trainer.lr")
-    _positive(t.micro_batch_tokens, "trainer.micro_batch_tokens")
-    if t.snapshot not in ("device", "cpu"):
-        raise ValueError(f"trainer.snapshot must be device or cpu, got '{t.snapshot}'")
-    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got "
-                         f"'{cfg.model.attn_implementation}'")
-    if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
-        raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
-    _positive(t.logprob_chunk_tokens, "trainer.logprob_chunk_tokens")
-    if t.kl_probe_tokens < 0:
-        raise ValueError(f"trainer.kl_probe_tokens must be >= 0 (0 turns train/kl_to_start off), got "
-                         f"{t.kl_probe_tokens}")
-    _positive(t.kl_probe_every, "trainer.kl_probe_every")
-    if t.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ValueError(f"trainer.export_dtype must be auto, float32, bfloat16 or float16, got '{t.export_dtype}'")
-    if t.optimizer_impl not in ("auto", "fused", "foreach", "for_loop"):
-        raise ValueError(f"trainer.optimizer_impl must be auto, fused, foreach or for_loop, got '{t.optimizer_impl}'")
-    for key in ("save_freq", "eval_freq", "warmup_steps"):
-        if getattr(t, key) < 0:
-            raise ValueError(f"trainer.{key} must be >= 0, got {getattr(t, key)}")
-    if t.keep_checkpoints < 0:
-        raise ValueError(f"trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint), got {t.keep_checkpoints}")
-    if t.lr_decay not in ("constant", "linear", "cosine"):
-        raise ValueError(f"trainer.lr_decay must be constant, linear or cosine, got '{t.lr_decay}'")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ValueError(f"trainer.min_lr_ratio must be in [0, 1] (a fraction of trainer.lr), got {t.min_lr_ratio}")
-    if t.resume not in ("none", "auto") and not os.path.isdir(t.resume):
-        raise ValueError(f"trainer.resume must be none, auto or an existing checkpoint directory, got '{t.resume}'")
-    ws = cfg.weight_sync
-    if ws.method not in ("distributed", "tensor", "disk"):
-        raise ValueError(f"weight_sync.method must be distributed, tensor or disk, got '{ws.method}'")
-    if cfg.colocate and ws.method == "distributed" and cfg.device == "cuda":
+    if cfg.colocate and cfg.weight_sync.method == "distributed" and cfg.device == "cuda":
         raise ValueError("colocate=true with weight_sync.method=distributed cannot run on device=cuda: NCCL refuses a "
                          "group of trainer rank 0 and the servers on the same GPUs; use weight_sync.method=tensor")
-    _positive(ws.bucket_mb, "weight_sync.bucket_mb")
-    if ws.dtype not in ("auto", "bfloat16", "float32"):
-        raise ValueError(f"weight_sync.dtype must be auto, bfloat16 or float32 (the servers' dtype), got '{ws.dtype}'")
-    if not isinstance(ws.delta_full_every, int) or ws.delta_full_every < 1:
-        raise ValueError(f"weight_sync.delta_full_every must be an integer >= 1 (1: every sync full), got "
-                         f"{ws.delta_full_every!r}")
-    if ws.delta and ws.method == "tensor":
-        raise ValueError("weight_sync.delta=true needs weight_sync.method distributed or disk: with tensor "
-                         "(colocate) nothing crosses a wire, so there is nothing for a delta to save")
-    _positive(ws.timeout_s, "weight_sync.timeout_s")
-    _positive(cfg.buffer.get_timeout_s, "buffer.get_timeout_s")
-    _positive(cfg.buffer.rpc_timeout_s, "buffer.rpc_timeout_s")
+    if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
+        raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
+
+
+def _check_sources(cfg: Config) -> None:
+    """The data sources of one run share N, and a reward that may hang runs where it can be killed."""
+    N, sources = cfg.N, cfg.data_source
+    for i, ds in enumerate(sources[1:], start=1):
+        if ds.num_trajectories_per_prompt != N:
+            raise ValueError(f"data_source[{i}].num_trajectories_per_prompt ({ds.num_trajectories_per_prompt}) must "
+                             f"equal data_source[0].num_trajectories_per_prompt ({N}): groups of one step share N")
+    pool = cfg.rollout.reward_pool
+    if pool in ("thread", "inline"):  # a reward that may hang needs a pool whose workers can be killed
+        import tasks
+
+        for i, ds in enumerate(sources):
+            name = ds.reward or tasks.default_reward(ds.task)
+            if scoring.may_hang(tasks.get_reward_fn(name)):
+                raise ValueError(f"{item_key('data_source', i, len(sources))}.reward {name} may run for minutes "
+                                 f"(math-verify's sympy on an answer such as 9^{{9^{{9^{{9}}}}}}) and must run where "
+                                 f"it can be killed: rollout.reward_pool=process or auto, not {pool}")
+
+
+def _check_stall(cfg: Config) -> None:
+    """rollout.server_stall_s leaves every wait of the trainer its own timeout."""
+    r, ws = cfg.rollout, cfg.weight_sync
     waits = {"buffer.get_timeout_s": cfg.buffer.get_timeout_s, "rollout.pause_timeout_s": r.pause_timeout_s,
              "rollout.startup_timeout_s": r.startup_timeout_s, "weight_sync.timeout_s": ws.timeout_s}
     longest = max(waits, key=waits.get)
@@ -743,23 +828,13 @@ def validate(cfg: Config) -> Config:
                          f"{control_timeout_s(cfg):g} s) or at least the longest wait's own timeout ({longest}="
                          f"{waits[longest]:g}): a trainer waiting within its timeouts is not wedged, got "
                          f"{r.server_stall_s!r}")
-    if cfg.logging.wait_line_s < 0:
-        raise ValueError(f"logging.wait_line_s must be >= 0 (0: no waiting lines), got {cfg.logging.wait_line_s}")
-    if cfg.logging.train_samples < -1:
-        raise ValueError(f"logging.train_samples must be >= 0 (trajectories a step, one a group) or -1 (every trained "
-                         f"trajectory), got {cfg.logging.train_samples}")
-    if cfg.logging.wandb.mode not in ("online", "offline"):
-        raise ValueError(f"logging.wandb.mode must be online or offline, got '{cfg.logging.wandb.mode}'")
-    return cfg
 
 
 def load_plugins(cfg: Config) -> None:
     """Every `module:attr` extension point, loaded with plugins.load and registered in its role's registry under
-    the spec string itself, so that the role code finds it by name as it finds a built-in one. validate calls this,
-    and every process of a run validates its config (trainer ranks, buffer and rollout processes: each a fresh
+    the spec string itself, so that the role code finds it by name as it finds a built-in one. from_dict calls this,
+    and every process of a run loads its config (trainer ranks, buffer and rollout processes: each a fresh
     interpreter), so each registers its own. A role module is imported only when one of its keys is a plugin."""
-    import plugins
-
     fa, a, r = cfg.fully_async, cfg.algorithm, cfg.rollout
 
     def register(registry: dict, spec: str, key: str, accepted: str, ok, expected: str) -> None:
@@ -775,34 +850,26 @@ def load_plugins(cfg: Config) -> None:
                  "a subclass of strategies.Strategy")
     if plugins.is_spec(a.policy_loss):  # its @losses.register declaration travels with the function
         register(losses.POLICY_LOSSES, a.policy_loss, "algorithm.policy_loss",
-                 f"one of {_builtin(losses.POLICY_LOSSES)}", lambda fn: _takes(fn, 3),
+                 f"one of {plugins.builtin_names(losses.POLICY_LOSSES)}", lambda fn: _takes(fn, 3),
                  "a function (batch: losses.TokenBatch, settings, denominator) -> (loss, metrics), the signature of "
                  "every policy loss")
-    for i, ds in enumerate(cfg.data_sources):
+    for i, ds in enumerate(cfg.data_source):
         if plugins.is_spec(ds.reward):
             import tasks
-            key = "data_source.reward" if len(cfg.data_sources) == 1 else f"data_sources[{i}].reward"
-            register(tasks.REWARDS, ds.reward, key, f"one of {_builtin(tasks.REWARDS)}", callable,
+            key = f"{item_key('data_source', i, len(cfg.data_source))}.reward"
+            register(tasks.REWARDS, ds.reward, key, f"one of {plugins.builtin_names(tasks.REWARDS)}", callable,
                      "a function (response_text, label, stopped) -> float")
-    if r.env is not None and r.function == "single_turn":
-        raise ValueError(f"rollout.env={r.env} is used by multi-turn rollout functions only; set rollout.function="
-                         "multi_turn_tool (or a module:function of yours that calls tasks.make_env), or unset "
-                         "rollout.env")
-    if r.env is not None:
+    if plugins.is_spec(r.env):
         import tasks
-        if plugins.is_spec(r.env):
-            register(tasks.ENVS, r.env, "rollout.env", f"one of {_builtin(tasks.ENVS)}", lambda env: _takes(env, 2),
-                     "a class or factory that builds one tool environment from (label, metadata) (max_turns, "
-                     "step(text), optional restore(turns))")
-        elif r.env not in tasks.ENVS:
-            raise ValueError(f"rollout.env '{r.env}' is unknown; accepted: null (the task's own), "
-                             f"{_builtin(tasks.ENVS)} or module:attr")
+        register(tasks.ENVS, r.env, "rollout.env", f"one of {plugins.builtin_names(tasks.ENVS)}",
+                 lambda env: _takes(env, 2), "a class or factory that builds one tool environment from (label, "
+                 "metadata) (max_turns, step(text), optional restore(turns))")
     if plugins.is_spec(r.function):
         import inspect
 
         import rollout_fns  # the role module whose ROLLOUT_FUNCTIONS the producer looks the name up in
         register(rollout_fns.ROLLOUT_FUNCTIONS, r.function, "rollout.function",
-                 f"one of {_builtin(rollout_fns.ROLLOUT_FUNCTIONS)}", inspect.iscoroutinefunction,
+                 f"one of {plugins.builtin_names(rollout_fns.ROLLOUT_FUNCTIONS)}", inspect.iscoroutinefunction,
                  "an async function (ctx, trajs) -> None")
 
 
@@ -822,9 +889,6 @@ def _takes(obj, n: int) -> bool:
     return True
 
 
-def _builtin(registry) -> str:
-    """The names of a role's registry without the `module:attr` entries load_plugins added (for error messages)."""
-    return ", ".join(name for name in registry if ":" not in name)
 
 
 def validate_server_layout(cfg: Config) -> None:
@@ -842,13 +906,10 @@ def validate_server_layout(cfg: Config) -> None:
     taken: dict = {}
     for i, s in enumerate(r.server_layout):
         key = f"rollout.server_layout[{i}]"
-        for name in ("tp", "dp", "pp"):
-            _positive(getattr(s, name), f"{key}.{name}")
+        s.check(key)
         if not 0 <= s.node < cfg.trainer.num_nodes:
             raise ValueError(f"{key}.node={s.node} is not a trainer node: nodes are 0 .. trainer.num_nodes - 1 "
                              f"= {cfg.trainer.num_nodes - 1} (each node's local rank 0 launches its servers)")
-        if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in s.gpus):
-            raise ValueError(f"{key}.gpus must be a list of GPU ids (integers >= 0), got {s.gpus!r}")
         if r.launch == "engine" and s.tp * s.dp * s.pp != 1:
             raise ValueError(f"{key}: standins/engine.py serves one rank (tp = dp = pp = 1), got tp={s.tp} dp={s.dp} "
                              f"pp={s.pp}; use rollout.launch=sglang for parallel servers")
@@ -897,20 +958,21 @@ def parameter_table() -> str:
                 comments[m.group(1)] = m.group(2)
         hints = typing.get_type_hints(cls)
         default_obj = cls()
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
+        for name in _keys(cls):
+            tp = hints[name]
             if dataclasses.is_dataclass(tp):
-                walk(tp, f"{prefix}{f.name}.")
+                walk(tp, f"{prefix}{name}.")
                 continue
-            default = getattr(default_obj, f.name)
+            default = getattr(default_obj, name)
             shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else default)
             item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+            one = prefix + name in ONE_OR_MORE  # one mapping of defaults, `{}`, whose fields are the rows below
             if dataclasses.is_dataclass(item):  # a list of mappings: the default as YAML, then each field's row
-                shown = yaml.safe_dump([dataclasses.asdict(d) for d in default], default_flow_style=True,
-                                       sort_keys=False).strip()
-            rows.append(f"| `{prefix}{f.name}` | `{shown}` | {comments.get(f.name, '').replace('|', '/')} |")
+                shown = "{}" if one else yaml.safe_dump([dataclasses.asdict(d) for d in default],
+                                                        default_flow_style=True, sort_keys=False).strip()
+            rows.append(f"| `{prefix}{name}` | `{shown}` | {comments.get(name, '').replace('|', '/')} |")
             if dataclasses.is_dataclass(item):
-                walk(item, f"{prefix}{f.name}[].")
+                walk(item, f"{prefix}{name}{'.' if one else '[].'}")
 
     walk(Config, "")
     return "| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows)

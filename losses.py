@@ -43,13 +43,23 @@ LOG_RATIO_CLAMP = 20.0  # |log(pi_theta / pi_old)| is clamped here so exp() neve
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Settings: the `algorithm` section of a run's config (config.py composes it), with defaults
+# Settings: the `algorithm` section of a run's config (config.py composes it), with defaults; each `check` refuses
+# its bad values in one sentence naming the key (config.validate calls LossSettings.check)
 # ---------------------------------------------------------------------------------------------------------
+
+def _positive(value, key: str) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"{key} must be > 0, got {value!r}")
+
 
 @dataclass
 class AdvantageSettings:
     std_normalize: bool = True  # GRPO divides by the group std; False = Dr. GRPO
     eps: float = 1e-6  # added to the std before dividing
+
+    def check(self) -> None:
+        if self.eps < 0:
+            raise ValueError(f"algorithm.adv.eps must be >= 0, got {self.eps}")
 
 
 @dataclass
@@ -60,16 +70,32 @@ class ISCorrectionSettings:
     mask_low: Optional[float] = None  # MIS: drop tokens/sequences with rho < mask_low (None = off)
     mask_high: Optional[float] = None  # MIS: drop tokens/sequences with rho > mask_high (None = off)
 
+    def check(self) -> None:
+        if self.level not in IS_LEVELS:
+            raise ValueError(f"algorithm.is_correction.level must be one of {', '.join(IS_LEVELS)}, "
+                             f"got '{self.level}'")
+        _positive(self.clip, "algorithm.is_correction.clip")
+        if self.mask_low is not None and self.mask_high is not None and self.mask_low >= self.mask_high:
+            raise ValueError(f"algorithm.is_correction.mask_low ({self.mask_low}) must be below "
+                             f"algorithm.is_correction.mask_high ({self.mask_high})")
+
 
 @dataclass
 class M2MaskSettings:
     enable: bool = False  # AReaL's M2PO mask (m2_threshold): drop the largest (log pi_old - log mu)^2 tokens
     tau: float = 0.04  # the kept tokens' mean squared log-ratio stays below tau
 
+    def check(self) -> None:
+        if self.enable:
+            _positive(self.tau, "algorithm.m2_mask.tau")
+
 
 @dataclass
 class M2POSettings:
     tau: float = 0.04  # policy_loss=m2po: the kept tokens' mean (log pi_theta - log mu)^2 stays below tau
+
+    def check(self) -> None:
+        _positive(self.tau, "algorithm.m2po.tau")
 
 
 @dataclass
@@ -77,16 +103,33 @@ class DecoupledPPOSettings:
     behav_imp_weight_cap: Optional[float] = 5.0  # pi_prox / mu above it: masked (or clamped); null = no weight
     behav_imp_weight_action: str = "mask"  # mask (AReaL's paper) | clamp (AReaL's action=clamp: min(w, cap))
 
+    def check(self) -> None:
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
+            raise ValueError(f"algorithm.decoupled_ppo.behav_imp_weight_cap must be > 1 (AReaL's 5) or null (no "
+                             f"behaviour weight), got {self.behav_imp_weight_cap}")
+        if self.behav_imp_weight_action not in BEHAVIOUR_WEIGHT_ACTIONS:
+            raise ValueError(f"algorithm.decoupled_ppo.behav_imp_weight_action must be one of "
+                             f"{', '.join(BEHAVIOUR_WEIGHT_ACTIONS)}, got '{self.behav_imp_weight_action}'")
+
 
 @dataclass
 class TruncatedISSettings:
     epsilon_high: float = 0.02  # policy_loss=truncated_is: pi_theta / mu truncated at 1 + epsilon_high
+
+    def check(self) -> None:
+        if self.epsilon_high < 0:
+            raise ValueError(f"algorithm.truncated_is.epsilon_high must be >= 0 (PipelineRL's 0.02), "
+                             f"got {self.epsilon_high}")
 
 
 @dataclass
 class OPSMSettings:
     enable: bool = False  # off-policy sequence masking for negative-advantage sequences
     delta: float = 1e-4  # mask a sequence when its mean per-token KL(rollout || current) exceeds delta
+
+    def check(self) -> None:
+        if self.enable and self.delta < 0:
+            raise ValueError(f"algorithm.opsm.delta must be >= 0, got {self.delta}")
 
 
 @dataclass
@@ -104,6 +147,27 @@ class LossSettings:
     truncated_is: TruncatedISSettings = field(default_factory=TruncatedISSettings)
     opsm: OPSMSettings = field(default_factory=OPSMSettings)
     routing_replay: bool = False  # MoE only: the trainer routes each token to the experts the server chose (R3)
+
+    def check(self, use_rollout_log_probs: bool = False) -> None:
+        """algorithm.*, its sections' checks and the policy loss's own declared one (check_policy_loss) included;
+        use_rollout_log_probs: the run's trainer.use_rollout_log_probs."""
+        if self.m2_mask.enable and use_rollout_log_probs:
+            raise ValueError("algorithm.m2_mask.enable=true cannot be combined with trainer.use_rollout_log_probs="
+                             "true: the mask measures old_log_probs - rollout_log_probs, which would be zero")
+        for section in (self.m2_mask, self.m2po, self.decoupled_ppo, self.truncated_is, self.opsm):
+            section.check()
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"algorithm.clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise ValueError(f"algorithm.clip_high must be >= 0, got {self.clip_high}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"algorithm.dual_clip_c must be > 1 (typically 3) or null, got {self.dual_clip_c}")
+        if self.loss_agg_mode not in LOSS_AGG:
+            raise ValueError(f"algorithm.loss_agg_mode must be one of {', '.join(LOSS_AGG)}, "
+                             f"got '{self.loss_agg_mode}'")
+        check_policy_loss(self, use_rollout_log_probs)
+        self.is_correction.check()
+        self.adv.check()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -395,8 +459,8 @@ def declaration(fn: PolicyLoss) -> LossDeclaration:
 
 
 def check_policy_loss(settings: LossSettings, use_rollout_log_probs: bool) -> None:
-    """config.validate's check of algorithm.policy_loss: a registered name, and the loss's own declared check of the
-    settings; raises its one-sentence refusal as a ValueError."""
+    """LossSettings.check's check of algorithm.policy_loss: a registered name, and the loss's own declared check of
+    the settings; raises its one-sentence refusal as a ValueError."""
     if settings.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss must be one of {', '.join(POLICY_LOSSES)} or module:function, got "
                          f"'{settings.policy_loss}'")

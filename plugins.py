@@ -12,11 +12,13 @@ Every extension point takes a built-in name or `module:attr` (a dotted attribute
         fully_async.sliding_window=strict_fifo:StrictFifo
 
 A run is several processes (the trainer ranks, the buffer process, the rollout process), each a fresh interpreter
-that validates the resolved config. config.validate calls `load` for every `module:attr` value in each of them and
+that loads the resolved config. config.load_plugins calls `load` for every `module:attr` value in each of them and
 registers what it gets in the role's own registry under the spec string itself (strategies.REGISTRY,
 losses.POLICY_LOSSES, tasks.REWARDS, tasks.ENVS, rollout_fns.ROLLOUT_FUNCTIONS), so the role code looks the name
-up as it looks up a built-in one, and the role files never import this module. The module must therefore be
-importable in every process: on PYTHONPATH (which the child processes inherit) or inside the repository.
+up as it looks up a built-in one (`lookup`: the name, or one sentence naming the key and its built-in names).
+strategies.py and losses.py, which copy into another repository alone, never import this module and look their names
+up themselves (strategies.lookup, losses.check_policy_loss). The module must therefore be importable
+in every process: on PYTHONPATH (which the child processes inherit) or inside the repository.
 
 Errors are one sentence naming the config key: a module that is not found, an attribute it does not have, or the
 first line of the error the module itself raised while importing (chained, so its traceback is kept).
@@ -30,6 +32,20 @@ import importlib
 def is_spec(value) -> bool:
     """Whether a config value names a plugin (`module:attr`) rather than a built-in name."""
     return isinstance(value, str) and ":" in value
+
+
+def builtin_names(registry: dict) -> str:
+    """The built-in names of a role's registry, for an error: its entries without the `module:attr` ones that
+    config.load_plugins registered."""
+    return ", ".join(name for name in registry if not is_spec(name))
+
+
+def lookup(registry: dict, name: str, key: str, form: str = "module:attr", also: str = "") -> object:
+    """registry[name] for config key `key`: a built-in name, or a `module:attr` spec config.load_plugins registered;
+    else one sentence naming the key, its built-in names (after `also`, any other value it takes) and `form`."""
+    if name in registry:
+        return registry[name]
+    raise ValueError(f"{key} '{name}' is unknown; accepted: {also}{builtin_names(registry)} or {form}")
 
 
 def load(spec: str, key: str, accepted: str = "a built-in name") -> object:

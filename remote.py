@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, NamedTuple, Optional
 from urllib.parse import parse_qsl, urlparse
 
 import torch
@@ -31,12 +31,21 @@ from torch.distributed.constants import default_pg_timeout
 
 from buffer import PipelineServer
 
-# What each served object answers over RPC: {method: None, or the position of its `timeout` argument where it waits
-# (the call's RPC timeout is the proxy's plus that wait)}.
-BUFFER_METHODS = {"dispatch": 1, "put": None, "exchange": None, "get": 1, "wait": 1, "step_boundary": None,
-                  "boundary_aborts": None, "set_weight_version": None, "set_max_concurrent_samples": None,
-                  "step_metrics": None, "stats": None, "state_dict": None, "load_state_dict": None}
-ROLLOUT_METHODS = {"start": None, "pause": None, "resume": None, "step_metrics": None, "stop": None}
+
+class Served(NamedTuple):
+    """How a proxy calls one served method. timeout_arg: the position (self not counted) of the `timeout` argument
+    of a method that waits up to that long, whose RPC then times out after the proxy's timeout plus that wait; None:
+    the method answers at once, within the proxy's timeout."""
+    timeout_arg: Optional[int] = None
+
+
+AT_ONCE = Served()
+# What each served object answers over RPC: {method: Served}.
+BUFFER_METHODS = {"dispatch": Served(timeout_arg=1), "put": AT_ONCE, "exchange": AT_ONCE,
+                  "get": Served(timeout_arg=1), "wait": Served(timeout_arg=1), "step_boundary": AT_ONCE,
+                  "boundary_aborts": AT_ONCE, "set_weight_version": AT_ONCE, "set_max_concurrent_samples": AT_ONCE,
+                  "step_metrics": AT_ONCE, "stats": AT_ONCE, "state_dict": AT_ONCE, "load_state_dict": AT_ONCE}
+ROLLOUT_METHODS = {"start": AT_ONCE, "pause": AT_ONCE, "resume": AT_ONCE, "step_metrics": AT_ONCE, "stop": AT_ONCE}
 
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface: where TensorPipe listens (TP_SOCKET_IFNAME, read by torch's
@@ -250,9 +259,9 @@ class Proxy:
         buf = remote.Proxy("buffer", cfg.buffer.rpc_timeout_s, remote.BUFFER_METHODS)
         groups = buf.get(4, 30.0)
 
-    Every call times out after `timeout` s (`timeout_name`: buffer.rpc_timeout_s), one that waits (its table names
-    the position of its `timeout` argument) after that plus its own wait, and a method in `waits` ({method: (s,
-    what bounds it)}: rollout.rpc_waits) after that plus its own bound, so that its own error arrives first. An
+    Every call times out after `timeout` s (`timeout_name`: buffer.rpc_timeout_s), one that waits (its table's
+    Served.timeout_arg names its `timeout` argument) after that plus its own wait, and a method in `waits` ({method:
+    (s, what bounds it)}: rollout.rpc_waits) after that plus its own bound, so that its own error arrives first. An
     error raised there is raised here as RemoteError (RemoteTimeoutError, RemoteValueError: still TimeoutError and
     ValueError), an RPC that does not answer in time as RemoteTimeoutError; each message's first line names the
     call (`buffer.get()`), the process (`where`, default the RPC worker) and the cause.
@@ -274,7 +283,7 @@ class Proxy:
         return sorted({*super().__dir__(), *self.methods})
 
     def _call(self, method: str, *args, **kwargs) -> Any:
-        wait, at = 0.0, self.methods[method]
+        wait, at = 0.0, self.methods[method].timeout_arg
         if at is not None:
             wait = kwargs.get("timeout", args[at] if len(args) > at else None)
             if wait is None:

@@ -216,7 +216,7 @@ class Rollout:
         self.tools = r.function != "single_turn"
         import tasks
 
-        self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_sources]
+        self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_source]
         self.reward_fns = [tasks.get_reward_fn(name) for name in self.reward_names]
         self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
                                 "top_k": r.sampling.top_k,

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import numpy
 import torch
 
+import plugins
 from buffer import TRUNCATED, PromptGroup, Trajectory
 
 def extend(traj: Trajectory, ids: list[int], log_probs: list[float], versions: list[int], mask: int) -> None:
@@ -58,7 +59,7 @@ class RolloutContext:
         self.rollout, self.group, self._active = rollout, group, active
         self.index = index  # the trajectory's position in its group (a context of `each`), else None
         self.cfg, self.tokenizer = rollout.cfg, rollout.tokenizer
-        self.task = rollout.cfg.data_sources[group.source].task
+        self.task = rollout.cfg.data_source[group.source].task
         self.max_new_tokens = rollout.max_new_tokens
         self._obs: Optional[tuple] = None  # (text, ids) of env_step's last observation, tokenized off the loop
 
@@ -189,9 +190,5 @@ ROLLOUT_FUNCTIONS = {"single_turn": single_turn, "multi_turn_tool": multi_turn_t
 
 def resolve_rollout_function(name: str) -> Callable:
     """rollout.function: a built-in name or "module:function" naming an async function (ctx, trajs) -> None (which
-    config.validate loads with plugins.load and registers in ROLLOUT_FUNCTIONS under that name)."""
-    fn = ROLLOUT_FUNCTIONS.get(name)
-    if fn is None or not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.function '{name}' must be one of {', '.join(ROLLOUT_FUNCTIONS)} or "
-                         "module:function naming an async function (ctx, trajs) -> None")
-    return fn
+    config.load_plugins loads with plugins.load, checks and registers in ROLLOUT_FUNCTIONS under that name)."""
+    return plugins.lookup(ROLLOUT_FUNCTIONS, name, "rollout.function", "module:function")

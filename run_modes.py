@@ -218,12 +218,12 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
     from buffer import Group
 
     ecfg = copy.deepcopy(cfg)
-    ecfg.data_sources = [copy.deepcopy(cfg.data_sources[0])]
-    ecfg.data_sources[0].num_trajectories_per_prompt = 1
+    ecfg.data_source = [copy.deepcopy(cfg.data_source[0])]
+    ecfg.data_source[0].num_trajectories_per_prompt = 1
     ecfg.rollout.sampling.temperature = 0.0  # greedy (below logprobs.GREEDY_TEMPERATURE)
     ecfg.rollout.partial = False
     ecfg.rollout.async_max_concurrent_samples = None
-    prompts = tasks.load_prompts(ecfg.data_sources[0], tokenizer, "eval", cfg.rollout.max_prompt_tokens)
+    prompts = tasks.load_prompts(ecfg.data_source[0], tokenizer, "eval", cfg.rollout.max_prompt_tokens)
 
     def evaluate(steps_done: int) -> dict:
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ fully_async.enable, not by fully_async.sliding_window.
 The strategy only answers questions about one group at a time; buffer.PipelineServer owns the counters, applies
 rollout.async_max_concurrent_samples on top, and asks again after every change. A custom strategy is one class in
 a module of your own (examples/strict_fifo.py), selected with `fully_async.sliding_window=module:Class`; the module
-must be importable in every process of the run (e.g. on PYTHONPATH): config.validate loads it there with
+must be importable in every process of the run (e.g. on PYTHONPATH): config.load_plugins loads it there with
 plugins.load and registers it in REGISTRY under that name, so the buffer process, which asks it, has it too.
 
     import strategies
@@ -39,7 +39,7 @@ A strategy is three parts (the split of docs/staleness.md), each a method with a
   update-time action  `actions`: the UpdateActions the strategy accepts at a weight update (abort and resume
                       partial, abort and restart from the prompt, drain, in_place, retract, each optionally with
                       abort by staleness). Empty = any that rollout.partial / rollout.pause_mode select (the spec's
-                      three); config.validate refuses a pairing a strategy does not accept.
+                      three); config.validate refuses a pairing a strategy does not accept (check_action).
 The presets' docstrings describe their peer's rule in the same three parts: admission, filter, at the update.
 Presets of the peers' rules (areal, verl, pipelinerl, prime-rl, roll, slime-async) are registered beside the spec's
 three; each takes one knob, fully_async.policy_param, in its own unit, and derives the capacity C from it. Each also
@@ -190,13 +190,29 @@ class Strategy:
         return " or ".join(f"rollout.partial={str(p).lower()}" + (f" with rollout.pause_mode={m}" if p else "")
                            for p, m in (a.rollout_settings for a in cls.actions))
 
+    @classmethod
+    def update_actions(cls, param: Optional[float], B: int, N: int) -> tuple:
+        """(c) The UpdateActions accepted with the knob `param` (fully_async.policy_param; None: the default):
+        `actions`, or what a preset derives from its knob (its __init__ sets the same)."""
+        return cls.actions
+
+    @classmethod
+    def check_action(cls, name: str, param: Optional[float], B: int, N: int, partial: bool, pause_mode: str) -> None:
+        """config.validate's check, without an instance: the update action rollout.partial / rollout.pause_mode
+        select is one the strategy registered as `name` accepts (update_actions); else one sentence."""
+        actions = cls.update_actions(param, B, N)
+        if actions and (partial, pause_mode) not in [a.rollout_settings for a in actions]:
+            raise ValueError(f"fully_async.sliding_window={name} ({actions[0].describe()} at the weight update) needs "
+                             f"{cls.accepted_settings()}; got rollout.partial={str(partial).lower()}, "
+                             f"rollout.pause_mode={pause_mode}")
+
 
 REGISTRY: dict[str, type] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
     """Class decorator: make a Strategy subclass selectable as fully_async.sliding_window=<name> (the built-ins; a
-    strategy of your own is selected as module:Class, which config.validate registers in every process)."""
+    strategy of your own is selected as module:Class, which config.load_plugins registers in every process)."""
     def deco(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Strategy)):
             raise TypeError(f"@register('{name}') must decorate a subclass of strategies.Strategy, got {cls!r}")
@@ -290,7 +306,7 @@ class Preset(Strategy):
 
     @classmethod
     def max_concurrent_samples(cls, B: int, N: int) -> Optional[int]:
-        """The peer's own cap on generating samples, the preset's companion knob: config.validate puts it in
+        """The peer's own cap on generating samples, the preset's companion knob: config.resolve puts it in
         rollout.async_max_concurrent_samples when that is unset (set it to change it); None = no cap."""
         return None
 
@@ -427,7 +443,11 @@ class PrimeRL(Preset):
 
     def __init__(self, B, C, param=None, N=1, max_weight_staleness=None):
         super().__init__(B, C, param, N, max_weight_staleness)
-        self.actions = (UpdateAction("in_place", stale_after=int(self.param)),)
+        self.actions = self.update_actions(self.param, B, N)
+
+    @classmethod
+    def update_actions(cls, param, B, N):
+        return (UpdateAction("in_place", stale_after=int(cls.default(B, N) if param is None else param)),)
 
     @classmethod
     def check(cls, param, B, N):
@@ -473,11 +493,15 @@ class Roll(CumulativeBudget):
         self.oldest_taken = 0  # groups of the oldest allowed step accepted since the boundary (fractional alpha)
         self.slots_lost = 0  # complete groups dropped as stale: they stay counted in ROLL's `completed`
         self.step_seqs: list = []  # the first fresh seq dispatched at each weight version, ascending
-        self.actions = (UpdateAction("abort", stale_after=self.lag),)
+        self.actions = self.update_actions(self.param, B, N)
 
     @classmethod
     def accepted_settings(cls) -> str:
         return "rollout.partial=true with rollout.pause_mode=abort"
+
+    @classmethod
+    def update_actions(cls, param, B, N):
+        return (UpdateAction("abort", stale_after=math.ceil(cls.default(B, N) if param is None else param)),)
 
     def budget(self) -> float:
         return math.ceil(self.param * self.B) + self.B
@@ -586,14 +610,22 @@ def build(name: str, B: int, C: int, fully_async: bool, param: Optional[float] =
     one step of staleness) and N."""
     if not fully_async:
         return Synchronous(B, C, max_weight_staleness)
-    if name not in REGISTRY:
-        raise ValueError(f"fully_async.sliding_window '{name}' is not registered; choose one of: "
-                         f"{', '.join(REGISTRY)} or module:Class (registered by config.validate)")
-    cls = REGISTRY[name]
-    _check_interface(name, cls)
+    cls = lookup(name)
     if issubclass(cls, Preset):
         return cls(B, C, param, N, max_weight_staleness)
     return cls(B, C, max_weight_staleness=max_weight_staleness)
+
+
+def lookup(name: str) -> type:
+    """The strategy class fully_async.sliding_window=`name` selects, its interface checked (_check_interface); an
+    unregistered name is refused in one sentence naming the built-in ones."""
+    if name not in REGISTRY:
+        builtin = ", ".join(n for n in REGISTRY if ":" not in n)  # without the module:Class entries of plugins
+        raise ValueError(f"fully_async.sliding_window '{name}' is not registered; choose one of: {builtin} or "
+                         "module:Class (registered by config.load_plugins)")
+    cls = REGISTRY[name]
+    _check_interface(name, cls)
+    return cls
 
 
 def _check_interface(name: str, cls: type) -> None:

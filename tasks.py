@@ -45,6 +45,8 @@ import threading
 import zlib
 from typing import Any, Callable, Optional
 
+import plugins
+
 # ---------------------------------------------------------------------------------------------------------------
 # Toy tasks
 
@@ -201,7 +203,7 @@ ENVS = {"calc_tool": CalcToolEnv, "calc_py": PyToolEnv}
 
 def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
     """A fresh tool environment for one trajectory of a multi-turn task, built as factory(label, metadata): the
-    task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.validate registered there).
+    task's own, or `env` (rollout.env: a name of ENVS, or "module:attr" that config.load_plugins registered there).
     The rollout's metadata also holds "trajectory_id": (epoch, seq, index), the same across pauses and resumes.
 
     The interface (rollout_fns.tool_episode drives it): `max_turns` (model turns per episode, at most) and
@@ -213,9 +215,7 @@ def make_env(task: str, label: Any, metadata: dict, env: Optional[str] = None):
     gets a fresh environment and its finished turns as [turn_text, observation] pairs, which step is not called
     for again (their side effects happened once); without restore the fresh environment simply goes on."""
     if env is not None:
-        if env not in ENVS:
-            raise ValueError(f"rollout.env '{env}' is unknown; accepted: {', '.join(ENVS)} or module:attr")
-        return ENVS[env](label, metadata)
+        return plugins.lookup(ENVS, env, "rollout.env", also="null (the task's own), ")(label, metadata)
     if task not in ENVS:
         raise ValueError(f"data_source.task '{task}' has no tool environment; multi-turn tasks: {', '.join(ENVS)} "
                          "(or set rollout.env)")
@@ -544,10 +544,8 @@ def default_reward(task: str) -> str:
 
 def get_reward_fn(name: str) -> Callable[[str, Any, bool], float]:
     """A reward function by name: one of REWARDS, or "module:function" for your own (it must be picklable), which
-    config.validate loads (plugins.load) and registers in REWARDS under that name."""
-    if name in REWARDS:
-        return REWARDS[name]
-    raise ValueError(f"data_source.reward '{name}' is unknown; accepted: {', '.join(REWARDS)} or module:function")
+    config.load_plugins loads (plugins.load) and registers in REWARDS under that name."""
+    return plugins.lookup(REWARDS, name, "data_source.reward", "module:function")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -359,8 +359,3 @@ def load_delta(model, named_tensors: list) -> None:
             if desc["last"]:
                 s["version"], s["building"] = version, None
 
-
-def store_info() -> dict:
-    """This process's store: its version and bytes (tests, logs)."""
-    t = _STORE["tensors"]
-    return {"version": _STORE["version"], "bytes": sum(x.numel() * x.element_size() for x in t.values())}

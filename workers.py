@@ -36,7 +36,7 @@ def serve_buffer(cfg, rpc_init: str, rank: int, world_size: int) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    prompts = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens) for ds in cfg.data_sources]
+    prompts = [tasks.load_prompts(ds, tokenizer, "train", cfg.rollout.max_prompt_tokens) for ds in cfg.data_source]
     remote.serve_buffer(cfg.buffer_settings(), rpc_init, rank, world_size, prompts, decode=tokenizer.decode,
                         startup_timeout=rpc_startup_timeout(cfg))
 
@@ -80,7 +80,7 @@ def generate(cfg, split: str, limit: Optional[int], out: Optional[str]) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    prompts = tasks.load_prompts(cfg.data_sources[0], tokenizer, split)[:limit]
+    prompts = tasks.load_prompts(cfg.data_source[0], tokenizer, split)[:limit]
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     try:
         sync.wait_healthy(cfg.rollout.startup_timeout_s)

@@ -560,7 +560,7 @@ def run_setup(s: Setup, args, wl: sim_server.Workload) -> dict:
         run_dir = tempfile.mkdtemp(prefix=f"pipeline_sim_{s.name.replace(':', '_')}_")
         cfg = make_cfg(s, wl, urls, args.steps, args.token_scale, run_dir, max_running)
         prompt_units = max(1, round(wl.prompt_tokens / args.token_scale))
-        prompts = make_prompts(cfg.data_sources[0].num_prompts, prompt_units)
+        prompts = make_prompts(cfg.data_source[0].num_prompts, prompt_units)
         phases: dict = {}
         buf = buffer.PipelineServer(cfg, [prompts])
         fleet = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))  # one event loop: the producer's and the actor's

@@ -90,7 +90,7 @@ def main(argv=None) -> None:
         f"rollout.partial={'true' if args.partial else 'false'}", "data_source.num_prompts=100000"])
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
-    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")])
+    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_source[0], tokenizer, "train")])
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tokenizer)
     samples, poller_cpu, dispatching, stop = [], [], threading.Event(), threading.Event()

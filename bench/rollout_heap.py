@@ -50,7 +50,7 @@ def main(argv=None) -> None:
         "data_source.num_trajectories_per_prompt=8", "trainer.mini_batch_size=64", "rollout.filter=[failed]",
         "rollout.async_max_concurrent_samples=64", f"model.path={a.model}"])
     tok = AutoTokenizer.from_pretrained(a.model)
-    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok, "train")])
+    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_source[0], tok, "train")])
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tok)
     snaps = {}

@@ -140,7 +140,7 @@ def base_rates(seed: int, samples: int, budget: int, overrides: list[str], batch
     import tasks
 
     cfg = config_lib.load_config(os.path.join(ROOT, "configs", "smollm2.yaml"), [f"data_source.seed={seed}", *overrides])
-    ds, sampling = cfg.data_source, cfg.rollout.sampling
+    ds, sampling = cfg.data_source[0], cfg.rollout.sampling
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
     prompts = tasks.load_prompts(ds, tok, "eval")

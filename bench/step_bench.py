@@ -118,7 +118,7 @@ def plain_loop(cfg, steps: int) -> dict:
     import tasks
 
     torch.manual_seed(cfg.seed)
-    ds = cfg.data_sources[0]
+    ds = cfg.data_source[0]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     t = cfg.trainer
@@ -341,7 +341,7 @@ def engine_run(root: str, base: str, cfg, rounds: int = 4, groups: int = 100) ->
 
     import tasks
 
-    prompts = tasks.load_prompts(cfg.data_sources[0], AutoTokenizer.from_pretrained(base), "train")
+    prompts = tasks.load_prompts(cfg.data_source[0], AutoTokenizer.from_pretrained(base), "train")
     port, N, s = random.randint(20000, 29999), cfg.N, cfg.rollout.sampling
     engine = ["-m", "standins.engine"] if os.path.isdir(os.path.join(root, "standins")) else ["engine.py"]
     proc = subprocess.Popen([sys.executable, *engine, "--model-path", base, "--port", str(port),

@@ -5,7 +5,7 @@
 
 StrictFifo keeps the base class's capacity rule for dispatch (R + Q <= C) and collects a complete group only once
 every older dispatched group is complete, so groups reach the trainer in the order they were dispatched. The buffer
-process asks it (buffer.PipelineServer); config.validate imports this module in every process of the run (the
+process asks it (buffer.PipelineServer); config.load_plugins imports this module in every process of the run (the
 module must be on PYTHONPATH), and the first question prints one line with the process id to the buffer's log,
 run_dir/logs/buffer.log, so you can see where it runs (tests/test_plugins.py checks it).
 """

@@ -214,7 +214,7 @@ def tiny_recipe(hidden_size: int, num_layers: int, seed: int, pretrain_task: Opt
 
 def _recipe_args(cfg) -> tuple:
     m = cfg.model
-    return (m.tiny_hidden_size, m.tiny_num_layers, cfg.seed, PRETRAIN_TASK_OF.get(cfg.data_sources[0].task),
+    return (m.tiny_hidden_size, m.tiny_num_layers, cfg.seed, PRETRAIN_TASK_OF.get(cfg.data_source[0].task),
             m.tiny_pretrain_steps, m.tiny_num_experts, m.tiny_experts_per_token)
 
 

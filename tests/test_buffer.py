@@ -34,7 +34,7 @@ def make_cfg(B=4, N=2, stale=1.0, window="no-window", fully_async=True, override
             "data_source": {"num_prompts_per_step": B, "num_trajectories_per_prompt": N},
             "trainer": {"mini_batch_size": N}}
     if sources is not None:
-        data["data_sources"] = sources
+        data["data_source"] = sources
     data = config._merge(data, config.parse_overrides(list(overrides)))
     return config.validate(config.from_dict(data))
 
@@ -47,7 +47,7 @@ def make_prompts(n=20, sources=1):
 def make_server(B=4, N=2, stale=1.0, window="no-window", fully_async=True, overrides=(), n_prompts=20,
                 thread=False, sources=None):
     cfg = make_cfg(B, N, stale, window, fully_async, overrides, sources)
-    return PipelineServer(cfg, make_prompts(n_prompts, len(cfg.data_sources)), collector_thread=thread)
+    return PipelineServer(cfg, make_prompts(n_prompts, len(cfg.data_source)), collector_thread=thread)
 
 
 def traj(g, i, reward=None, status=COMPLETED, start=0, end=None, T=3):
@@ -99,7 +99,7 @@ def test_data_source_epochs_are_seeded_permutations():
     assert [plain.pop().data_index for _ in range(10)] == list(range(10))
     g = ga[3]
     assert g.prompt_ids.tolist() == prompts[0][g.data_index]["prompt_ids"] and g.label == f"0-{g.data_index}"
-    with pytest.raises(ValueError, match=r"data_sources\[1\]"):
+    with pytest.raises(ValueError, match=r"data_source\[1\]"):
         DataSource([prompts[0], []], [1.0, 1.0], [0, 0], [True, True])
 
 
@@ -128,7 +128,7 @@ def test_data_source_state_dict_resumes_the_same_order():
     b.load_state_dict(sd)
     assert [(g.epoch, g.seq, g.data_index) for g in (a.pop() for _ in range(10))] == \
         [(g.epoch, g.seq, g.data_index) for g in (b.pop() for _ in range(10))]
-    with pytest.raises(ValueError, match="data_sources"):
+    with pytest.raises(ValueError, match="data_source"):
         DataSource(make_prompts(8), [1.0], [3], [True]).load_state_dict(sd)
 
 
@@ -771,8 +771,9 @@ def test_every_served_method_exists_and_a_wait_is_its_timeout_argument(served):
     module, name = served.split(".")
     cls = getattr(importlib.import_module(module), name)
     table = {"buffer": remote.BUFFER_METHODS, "rollout": remote.ROLLOUT_METHODS}[module]
-    for method, at in table.items():
+    for method, how in table.items():
         params = list(inspect.signature(getattr(cls, method)).parameters)[1:]  # without self
+        at = how.timeout_arg
         assert at == (params.index("timeout") if "timeout" in params else None), (method, at, params)
 
 

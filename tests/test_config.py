@@ -2,7 +2,9 @@
 
 Run: python -m pytest -q tests/test_config.py
 """
+import copy
 import dataclasses
+import os
 import re
 import warnings
 
@@ -12,6 +14,7 @@ import yaml
 import config
 
 FULLY_ASYNC = {"colocate": False, "fully_async": {"enable": True}}
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def _cfg(*overrides, base=None):
@@ -39,9 +42,10 @@ def test_pause_modes_accepted_and_whether_updates_flush(overrides, base, flush):
 
 # (overrides, base, strings the message must contain: the key(s) at fault)
 RULES = [
-    (["data_source.num_prompts_per_step=0"], None, ["data_sources[0].num_prompts_per_step"]),
-    (["data_source.num_trajectories_per_prompt=0"], None, ["data_sources[0].num_trajectories_per_prompt"]),
-    (["data_source.weight=0"], None, ["data_sources[0].weight"]),
+    (["data_source.num_prompts_per_step=0"], None, ["data_source.num_prompts_per_step must be > 0"]),
+    (["data_source.num_trajectories_per_prompt=0"], None, ["data_source.num_trajectories_per_prompt must be > 0"]),
+    (["data_source.weight=0"], None, ["data_source.weight must be > 0"]),
+    (["data_source=[{}, {weight: 0}]"], None, ["data_source[1].weight must be > 0"]),
     (["trainer.mini_batch_size=0"], None, ["trainer.mini_batch_size"]),
     # spec: B x N must be divisible by M
     (["data_source.num_prompts_per_step=3", "trainer.mini_batch_size=16"], None,
@@ -56,8 +60,8 @@ RULES = [
     # spec's table: fully-async needs colocate=false, run_mode=default, one data source, num_oversample=0
     (["fully_async.enable=true"], None, ["fully_async.enable", "colocate"]),
     (["run_mode=train-only"], FULLY_ASYNC, ["fully_async.enable", "run_mode"]),
-    (["data_sources=[{}, {seed: 1}]"], FULLY_ASYNC,
-     ["fully_async.enable", "data_sources"]),
+    (["data_source=[{}, {seed: 1}]"], FULLY_ASYNC,
+     ["fully_async.enable", "data_source"]),
     (["rollout.sampler.num_oversample=8"], FULLY_ASYNC, ["rollout.sampler.num_oversample", "fully_async"]),
     (["rollout.sampler.num_oversample=-1"], None, ["rollout.sampler.num_oversample"]),
     (["rollout.mask_offpolicy_in_partial_rollout=true"], None,
@@ -217,8 +221,10 @@ def test_async_max_concurrent_samples_accepts_unset_and_multiples():
     ({"run_mode": 3}, "run_mode"),
     ({"rollout": {"filter": "failed"}}, "rollout.filter"),
     ({"rollout": 5}, "rollout"),
-    ({"data_sources": []}, "data_sources"),
-    ({"data_sources": [{"num_prompts_per_step": 4, "tsk": "x"}]}, "data_sources[0].tsk"),
+    ({"data_source": []}, "data_source"),
+    ({"data_source": [{"num_prompts_per_step": 4}, {"tsk": "x"}]}, "data_source[1].tsk"),
+    ({"data_source": [{"num_prompts_per_step": 4, "tsk": "x"}]}, "data_source.tsk"),
+    ({"data_source": {"tsk": "x"}}, "data_source.tsk"),
     ({"rollout": {"server_layout": [{}, {"nodes": 1}]}}, "rollout.server_layout[1].nodes"),
     ({"rollout": {"server_layout": {"node": 0}}}, "rollout.server_layout"),
     ({"rollout": {"server_layout": [{"tp": "4"}]}}, "rollout.server_layout[0].tp"),
@@ -250,11 +256,59 @@ def test_load_config_file_and_overrides(tmp_path):
     cfg = config.load_config(str(path), ["fully_async.sliding_window=windowed-fifo", "trainer.total_steps=3"])
     assert cfg.name == "tiny" and cfg.run_dir.endswith("tiny")
     assert cfg.fully_async.sliding_window == "windowed-fifo" and cfg.trainer.total_steps == 3
-    assert cfg.data_sources == [cfg.data_source] and cfg.capacity == 6
+    assert len(cfg.data_source) == 1 and cfg.capacity == 6
     again = config.from_dict(config.to_dict(cfg))  # what child processes receive
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
     with pytest.raises(ValueError, match="colocate"):
         config.load_config(str(path), ["colocate=true"])  # validated after the overrides
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".yaml")))
+def test_validate_changes_nothing(name):
+    """Loading registers the plugins and fills in the derived values (from_dict: load_plugins, resolve); validate
+    only checks: a loaded config is equal to itself before validate, presets' filled-in defaults included."""
+    for over in ([], ["colocate=false", "fully_async.enable=true", "fully_async.sliding_window=areal",
+                      "rollout.partial=true", "fully_async.stale_steps=0", "rollout.async_max_concurrent_samples=null"]):
+        cfg = config.load_config(os.path.join(CONFIGS, name), over, validate_cfg=False)
+        before = copy.deepcopy(cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert config.validate(cfg) is cfg
+        assert cfg == before, name
+
+
+def test_a_preset_without_a_concurrency_cap_gets_its_peers_when_loaded():
+    cfg = config.from_dict({**FULLY_ASYNC, "fully_async": {"enable": True, "sliding_window": "areal"},
+                            "rollout": {"partial": True}})
+    assert cfg.rollout.async_max_concurrent_samples == cfg.B * cfg.N  # AReaL's default: B groups generating
+    assert config.resolve(cfg) is cfg and cfg.rollout.async_max_concurrent_samples == cfg.B * cfg.N
+    assert config.from_dict({}).rollout.async_max_concurrent_samples is None  # a spec strategy: no cap of its own
+
+
+def test_renamed_data_sources_key_names_the_new_one():
+    with pytest.raises(ValueError, match=r"^data_sources is now data_source, which takes one source's mapping or a "
+                                         r"list of them"):
+        config.load_config(None, ["data_sources=[{}, {seed: 1}]"])
+
+
+def test_buffer_section_takes_its_own_keys_and_the_resolved_config_holds_config_keys_only():
+    with pytest.raises(ValueError, match=r"unknown config key 'buffer.num_prompts_per_step'; BufferSettings "
+                                         r"accepts: get_timeout_s, rpc_timeout_s"):
+        config.from_dict({"buffer": {"num_prompts_per_step": 4}})
+    cfg = config.load_config(None, ["data_source.num_prompts_per_step=4", "data_source.num_trajectories_per_prompt=2",
+                                    "trainer.mini_batch_size=4", "buffer.get_timeout_s=60"])
+    d = config.to_dict(cfg)
+    assert d["buffer"] == {"get_timeout_s": 60.0, "rpc_timeout_s": 600.0}
+    assert d["data_source"]["num_prompts_per_step"] == 4  # one source: written as its mapping
+    s = cfg.buffer_settings()
+    assert (s.num_prompts_per_step, s.num_trajectories_per_prompt, s.get_timeout_s) == (4, 2, 60.0)
+
+
+def test_a_dotted_override_into_a_list_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump({"data_source": [{}, {"seed": 1}]}))
+    with pytest.raises(ValueError, match=r"config key 'data_source' holds a list here; override it whole"):
+        config.load_config(str(path), ["data_source.seed=2"])
 
 
 def test_load_config_rejects_missing_and_non_mapping_files(tmp_path):
@@ -266,11 +320,13 @@ def test_load_config_rejects_missing_and_non_mapping_files(tmp_path):
         config.load_config(str(bad))
 
 
-def test_data_sources_list_for_synchronous_mixing():
-    cfg = _cfg("data_sources=[{task: reverse_digits, weight: 3.0}, {task: reverse_digits, weight: 1.0, seed: 1}]")
+def test_data_source_list_for_synchronous_mixing():
+    cfg = _cfg("data_source=[{task: reverse_digits, weight: 3.0}, {task: reverse_digits, weight: 1.0, seed: 1}]")
     config.validate(cfg)  # several sources are fine in synchronous mode
-    assert [d.weight for d in cfg.data_sources] == [3.0, 1.0]
-    assert cfg.B == cfg.data_sources[0].num_prompts_per_step
+    assert [d.weight for d in cfg.data_source] == [3.0, 1.0]
+    assert cfg.B == cfg.data_source[0].num_prompts_per_step
+    again = config.from_dict(config.to_dict(cfg))  # a list of several stays one
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -286,8 +342,8 @@ def test_rollout_client_settings_are_validated(override, key):
 
 
 def test_data_sources_must_share_n():
-    with pytest.raises(ValueError, match=r"data_sources\[1\]\.num_trajectories_per_prompt"):
-        config.load_config(None, ["data_sources=[{num_trajectories_per_prompt: 8}, {num_trajectories_per_prompt: 4}]"])
+    with pytest.raises(ValueError, match=r"data_source\[1\]\.num_trajectories_per_prompt"):
+        config.load_config(None, ["data_source=[{num_trajectories_per_prompt: 8}, {num_trajectories_per_prompt: 4}]"])
 
 
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b_dapo.yaml", "qwen3_30b_a3b_dapo_8gpu.yaml"])
@@ -328,9 +384,9 @@ def test_the_4b_config_splits_one_node_and_reads_a_math_jsonl(tmp_path):
         {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
         {"problem": "Simplify 6/8.", "solution": "It is $\\boxed{\\frac{3}{4}}$."}]) + "\n")
     cfg = config.load_config(path, [f"data_source.path={rows}", "data_source.num_eval_prompts=1"])
-    assert tasks.check_data_source(cfg.data_source) == 3
+    assert tasks.check_data_source(cfg.data_source[0]) == 3
     assert sorted(label for _, label, _ in tasks.read_rows("jsonl", str(rows))) == ["5", "7", "\\frac{3}{4}"]
-    reward = tasks.get_reward_fn(cfg.data_source.reward)
+    reward = tasks.get_reward_fn(cfg.data_source[0].reward)
     response = "<think>Maybe \\boxed{6}? No: 3 + 4 = 7.</think>\n\nTom has \\boxed{7} apples."
     assert reward(response, "7", True) == 1.0 and reward(response.split("</think>")[0], "7", False) == 0.0
 
@@ -344,8 +400,8 @@ def test_the_smollm2_config_is_valid_and_a_run_before_its_model_exists_names_the
     from models import smollm2
 
     cfg = config.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "smollm2.yaml"))
-    assert (cfg.model.path, cfg.model.make_tiny, cfg.data_source.task) == (smollm2.DEFAULT_OUT, False, "add")
-    assert cfg.fully_async.enable and cfg.data_source.num_eval_prompts >= 256 and cfg.trainer.eval_freq > 0
+    assert (cfg.model.path, cfg.model.make_tiny, cfg.data_source[0].task) == (smollm2.DEFAULT_OUT, False, "add")
+    assert cfg.fully_async.enable and cfg.data_source[0].num_eval_prompts >= 256 and cfg.trainer.eval_freq > 0
     monkeypatch.chdir(tmp_path)  # no runs/smollm2 here
     with pytest.raises(ValueError, match="not a directory yet; make it with `python -m models.smollm2 --out "
                                          "runs/smollm2`"):

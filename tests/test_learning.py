@@ -56,7 +56,7 @@ def test_greedy_eval_rises_well_above_the_pretrained_base(learned):
 def test_samples_hold_every_eval_response_and_trained_trajectories(learned):
     samples = os.path.join(learned["run_dir"], "samples")
     rows = {r["step"]: r for r in learned["rows"]}
-    n_eval = config.load_config(TINY).data_source.num_eval_prompts
+    n_eval = config.load_config(TINY).data_source[0].num_eval_prompts
     for step in (0, STEPS):
         with open(os.path.join(samples, f"step_{step:06d}.jsonl")) as f:
             recs = [json.loads(line) for line in f]

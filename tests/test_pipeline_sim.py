@@ -222,7 +222,7 @@ def test_table3_plan_runs_areal_with_decoupled_ppo_and_naive_ppo_with_generation
         cfg = config.load_config(tiny, overrides)
         eta = int(name.split("-eta")[1].split("-")[0])
         assert cfg.fully_async.sliding_window == "areal" and cfg.capacity == 32 * (1 + eta), name
-        assert cfg.rollout.filter == ["failed"] and cfg.seed == int(name[-1]) == cfg.data_source.seed, name
+        assert cfg.rollout.filter == ["failed"] and cfg.seed == int(name[-1]) == cfg.data_source[0].seed, name
         note = strategies.pairing_note("areal", cfg.algorithm.policy_loss, cfg.rollout.mask_offpolicy_in_partial_rollout)
         if "naive" in name:
             assert cfg.trainer.use_rollout_log_probs and not cfg.algorithm.is_correction.enable, name

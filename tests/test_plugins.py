@@ -1,4 +1,4 @@
-"""plugins.py and examples/: every extension point taken as `module:attr` by config.validate, in every process.
+"""plugins.py and examples/: every extension point taken as `module:attr` by config.load_plugins, in every process.
 
 One `torchrun train.py` run selects an example of every extension point at once (window strategy, policy loss,
 reward, rollout function, tool environment), the strategy and the environment (examples/slow_flaky_env.py: async,
@@ -189,9 +189,9 @@ def test_plugins_are_registered_under_their_spec_for_the_role_code(on_path):
     cfg = config.load_config(TINY, [f"{k}={v}" for k, v in specs.items()])
     assert strategies.REGISTRY[cfg.fully_async.sliding_window].__name__ == "StrictFifo"
     assert losses.POLICY_LOSSES[cfg.algorithm.policy_loss].__name__ == "symmetric_ppo"
-    assert tasks.get_reward_fn(cfg.data_source.reward)("321", "321", True) == 1.0
+    assert tasks.get_reward_fn(cfg.data_source[0].reward)("321", "321", True) == 1.0
     assert rollout_fns.resolve_rollout_function(cfg.rollout.function).__name__ == "one_tool_call"
-    env = tasks.make_env(cfg.data_source.task, "321", {}, cfg.rollout.env)
+    env = tasks.make_env(cfg.data_source[0].task, "321", {}, cfg.rollout.env)
     assert env.step(" 123 ") == "=123\n" and env.step("321") is None
     assert tasks.make_env("calc_tool", "3", {}).max_turns == 3  # unset: the task's own environment
 
@@ -227,3 +227,13 @@ def test_load_takes_dotted_attributes_and_refuses_a_spec_without_both_parts():
     for bad in (":Strategy", "strategies:", "strategies:a..b"):
         with pytest.raises(ValueError, match=f"k '{re.escape(bad)}' must be a built-in name or module:attr"):
             plugins.load(bad, "k")
+
+
+def test_lookup_finds_a_built_in_or_a_registered_spec_and_names_only_the_built_ins_otherwise():
+    """plugins.lookup, the one name check of tasks.REWARDS, tasks.ENVS and rollout.ROLLOUT_FUNCTIONS (what
+    config.load_plugins registered under its spec is found, and left out of the names an error lists)."""
+    registry = {"one": 1, "two": 2, "my_module:thing": 3}
+    assert plugins.lookup(registry, "two", "k") == 2 and plugins.lookup(registry, "my_module:thing", "k") == 3
+    with pytest.raises(ValueError, match=r"^k 'three' is unknown; accepted: null \(default\), one, two or "
+                                         r"module:function$"):
+        plugins.lookup(registry, "three", "k", "module:function", also="null (default), ")

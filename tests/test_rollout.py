@@ -305,7 +305,7 @@ def test_aborts_to_a_stalled_server_back_off_and_are_counted_not_logged(monkeypa
 
 def test_rollout_function_names():
     assert rollout_fns.resolve_rollout_function("single_turn") is rollout_fns.single_turn
-    # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
+    # module:function: config.load_plugins loads it (plugins.load) and registers it under that name in every process
     try:
         cfg = config.load_config(None, ["rollout.function=rollout_fns:multi_turn_tool"])
         assert rollout_fns.resolve_rollout_function(cfg.rollout.function) is rollout_fns.multi_turn_tool
@@ -754,7 +754,7 @@ def producer(cfg, tokenizer, state=None, ignore_eos=False):
     started Rollout; all stopped afterwards. ignore_eos=True: every request runs to max_new_tokens (SGLang's
     sampling_params.ignore_eos), so a test that pauses on requests it saw running is not raced by the tiny model's
     end token (a random model: some responses end within a few tokens of any moment)."""
-    buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tokenizer, "train")]))
+    buf = RecordingBuffer(buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_source[0], tokenizer, "train")]))
     if state is not None:
         buf.load_state_dict(state)
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))

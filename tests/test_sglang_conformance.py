@@ -290,7 +290,7 @@ def test_in_place_sends_a_cache_namespace_per_weight_version(url, models):
     tok = AutoTokenizer.from_pretrained(paths["A"])
     cfg = in_place_cfg(url)
     v0 = version(url)
-    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok, "train")])
+    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_source[0], tok, "train")])
     sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
     ro = rollout.Rollout(cfg, buf, sync, tok)
     try:

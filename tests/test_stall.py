@@ -78,7 +78,7 @@ def test_wait_reports_drops_and_stops_after_a_span_dropped_in_a_row():
     msg = w["stop"]
     assert msg.startswith("nothing can be trained: rollout.filter=['failed', 'all_equal_reward'] dropped each of "
                           "the last 6 groups (all 4 rewards 0.5: 5, 3 of 4 failed: 1; trajectory rewards seen: "
-                          "0.5 (21)); the last one, of data_sources[0] (task reverse_digits, reward the "
+                          "0.5 (21)); the last one, of data_source[0] (task reverse_digits, reward the "
                           "task's default): prompt "), msg
     p = g.prompt_ids.tolist()
     assert f"prompt {_decode(p)!r}, response {_decode(trajs[1].response_ids.tolist())!r} (failed, error " \

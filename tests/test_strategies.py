@@ -181,7 +181,7 @@ def test_custom_strategy_example_is_selected_as_module_class_and_runs(monkeypatc
     monkeypatch.syspath_prepend(EXAMPLES)
     spec = "strict_fifo:StrictFifo"
     try:
-        srv = make_server(B=2, N=2, stale=1.0, window=spec)  # config.validate loads and registers it
+        srv = make_server(B=2, N=2, stale=1.0, window=spec)  # config.load_plugins loads and registers it
         assert strategies.REGISTRY[spec].__module__ == "strict_fifo"
         gs = srv.dispatch()
         srv.put(finish(gs[1], 2))
@@ -213,7 +213,7 @@ def test_a_token_level_keep_plugin_changes_what_the_buffer_keeps(monkeypatch):
     monkeypatch.syspath_prepend(EXAMPLES)
     spec = "token_staleness:TokenStaleness"
     try:
-        srv, kept, m = run(spec)  # config.validate loads and registers it
+        srv, kept, m = run(spec)  # config.load_plugins loads and registers it
         assert type(srv.strategy).__name__ == "TokenStaleness"
         assert kept == [(0, 0)] and m["rollout/policy_drop"] == 1 and m["rollout/staleness_drop"] == 0
         assert m["rollout/discarded_tokens"] == 2 * 4
@@ -741,6 +741,18 @@ def test_slime_async_tops_up_to_c_generating_and_c_queued_and_resumes_aborted_gr
 def test_wrong_preset_combinations_are_refused_at_start_up_in_one_sentence(name, over, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment) if "\\" not in fragment else fragment):
         make_cfg(B=4, N=2, stale=0.0, window=name, overrides=over)
+
+
+@pytest.mark.parametrize("name", sorted(strategies.REGISTRY))
+@pytest.mark.parametrize("param", [None, 2.0])
+def test_the_update_actions_config_validate_checks_are_the_built_strategys(name, param):
+    """config.validate checks the update action without building the strategy (Strategy.check_action): the classmethod
+    update_actions gives what an instance holds, for the default knob and another."""
+    cls = strategies.REGISTRY[name]
+    if not issubclass(cls, strategies.Preset):
+        param = None
+    C = cls.capacity(param, 4, 2) if issubclass(cls, strategies.Preset) else 8
+    assert cls.update_actions(param, 4, 2) == strategies.build(name, 4, C, True, param, 2).actions
 
 
 def test_spec_strategies_take_any_update_action_and_presets_cite_their_source():

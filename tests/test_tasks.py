@@ -157,11 +157,11 @@ def test_reward_lookup_and_pickling():
                        ("jsonl", "math"), ("parquet", "math")):
         fn = tasks.get_reward_fn(tasks.default_reward(task))
         assert tasks.default_reward(task) == name and pickle.loads(pickle.dumps(fn)) is fn
-    # module:function: config.validate loads it (plugins.load) and registers it under that name in every process
+    # module:function: config.load_plugins loads it (plugins.load) and registers it under that name in every process
     spec = "tasks:reverse_digits_reward"
     try:
         cfg = config.load_config(None, [f"data_source.reward={spec}"])
-        fn = tasks.get_reward_fn(cfg.data_source.reward)
+        fn = tasks.get_reward_fn(cfg.data_source[0].reward)
         assert fn is tasks.reverse_digits_reward and pickle.loads(pickle.dumps(fn)) is fn
     finally:
         tasks.REWARDS.pop(spec, None)
@@ -378,7 +378,7 @@ def test_stop_token_ids_come_from_the_tokenizer_and_the_generation_config(tiny, 
     # ... and the rollout sends them with every request's sampling params
     cfg = config.load_config(None, [f"model.path={chat}", "data_source.num_prompts=8"])
     sync = sglang_client.SyncFleet(sglang_client.Fleet(["http://127.0.0.1:1"], None))
-    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_sources[0], tok)])
+    buf = buffer.PipelineServer(cfg, [tasks.load_prompts(cfg.data_source[0], tok)])
     try:
         ro = rollout.Rollout(cfg, buf, sync, tok)
         assert ro.sampling_params["stop_token_ids"] == sorted({other_end, tok.eos_token_id})
