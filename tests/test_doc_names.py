@@ -160,9 +160,9 @@ def _file_defines(path, name):
     return _resolves_in(next(m for m, p in _modules().items() if p == path), name.split("."))
 
 
-# The names the docs give objects: `ctx.generate(traj)` is a method of rollout.RolloutContext, and on the stand-in
+# The names the docs give objects: `ctx.generate(traj)` is a method of rollout_fns.RolloutContext, and on the stand-in
 # engine's page `engine.launch` and `scheduler.broadcast_tensors` are standins/engine.py's and standins/scheduler.py's.
-ALIASES = {"ctx": "rollout.RolloutContext", "traj": "buffer.Trajectory"}
+ALIASES = {"ctx": "rollout_fns.RolloutContext", "traj": "buffer.Trajectory"}
 PAGE_ALIASES = {"docs/engine.md": {"engine": "standins.engine", "scheduler": "standins.scheduler"}}
 
 # `file.py`, `folder/file.py`, each optionally followed by `:name`, `::name` (a test) or, in a code span, `: name`
@@ -230,7 +230,7 @@ def test_every_code_name_in_the_docs_exists():
 
 
 @pytest.mark.parametrize("span, problem", [
-    ("buffer.PipelineServer._verdict_renamed", "buffer.py defines no PipelineServer._verdict_renamed"),
+    ("buffer.PipelineServer.step_boundary_renamed", "buffer.py defines no PipelineServer.step_boundary_renamed"),
     ("losses.no_such_loss", "losses.py defines no no_such_loss"),
     ("PipelineServer.no_such_method()", "class PipelineServer (buffer.py) has no no_such_method"),
     ("standins.tiny_model.no_such_function", "standins/tiny_model.py defines no no_such_function"),
@@ -238,7 +238,7 @@ def test_every_code_name_in_the_docs_exists():
     ("bench/no_such_bench.py", "bench/no_such_bench.py: no such file"),
     ("losses.py:no_such_function", "losses.py defines no no_such_function"),
     ("rollout.no_such_key=3", "rollout.py defines no no_such_key"),
-    ("await ctx.no_such_call(traj)", "rollout.py defines no RolloutContext.no_such_call"),
+    ("await ctx.no_such_call(traj)", "rollout_fns.py defines no RolloutContext.no_such_call"),
     ("fully_async.sliding_window=strict_fifo:StrictFifo2", "examples/strict_fifo.py defines no StrictFifo2"),
 ])
 def test_a_renamed_name_is_caught(span, problem):
@@ -253,7 +253,7 @@ def test_a_code_block_is_read_too_and_a_colon_there_is_prose():
 
 @pytest.mark.parametrize("span", [
     "rollout.pause_mode", "rollout.sampling.temperature=1.0", "rollout.server_layout[].node", "cfg.trainer.lr",
-    "buffer.PipelineServer._verdict", "remote.Proxy(worker, timeout, remote.BUFFER_METHODS)", "run_dir/config.yaml",
+    "buffer.PipelineServer.step_boundary", "staleness.decide", "remote.Proxy(worker, timeout, remote.BUFFER_METHODS)", "run_dir/config.yaml",
     "standins.tiny_model.make_tiny_model", "losses.py", "bench/pipeline_sim.py --sweep", "model.path",
     "torch.distributed.checkpoint", "utils/common.py: get_bool_env_var",
     "fully_async.sliding_window=strict_fifo:StrictFifo", "rollout.env=module:YourEnv",
