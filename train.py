@@ -1,15 +1,15 @@
 """train.py: the RL trainer, one SPMD program: every trainer rank runs the same `main()` and the same step loop.
 
-main, each start-up step a method of Run: config and start-up checks (checks.py) -> rank 0 claims run_dir (rundir.py:
-its lock for the process's life; a fresh run, or the checkpoint of this run to resume) -> distributed init (gloo on
-CPU, nccl on GPU; a gloo control group) -> rank 0 starts the inference servers (standins/engine.py on CPU, SGLang on
-GPUs; or connects to rollout.servers / rollout.router_url) -> the policy, FSDP2-sharded, and AdamW (model.py; actor.py
-drives them) -> resume (checkpoint.py) -> rank 0 starts the buffer and the rollout processes (services.py) -> the
-servers get the weights -> run_steps, the step loop (docs/design.md): fetch -> forward/backward and optimizer step,
-(B x N) // M times -> pause -> checkpoint every trainer.save_freq -> weight sync (weight_sync.py) -> resume the
-producer. Rank 0 alone talks to the buffer, the rollout and the servers, and logs (its part of a step: Rank0; the
-other ranks hold an OtherRank); every rank's part is Step's, and the other ranks get their groups by a collective.
-The model side of the loop: actor.py. Colocate: colocate.py.
+main, one call per start-up step (Run's methods from the process group on): config and start-up checks (checks.py)
+-> rank 0 claims run_dir (rundir.py: its lock for the process's life; a fresh run, or the checkpoint of this run to
+resume) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group) -> rank 0 launches the inference servers
+(standins/engine.py on CPU, SGLang on GPUs) -> the policy, FSDP2-sharded, and AdamW (model.py; actor.py drives them)
+-> resume (checkpoint.py) -> rank 0 starts the buffer and rollout processes (services.py), waits for the servers (or
+connects to rollout.servers / rollout.router_url) -> the servers get the weights -> run_steps, the step loop
+(docs/design.md): fetch -> forward/backward and optimizer step, (B x N) // M times -> pause -> checkpoint every
+trainer.save_freq -> weight sync (weight_sync.py) -> resume the producer. Rank 0 alone talks to the buffer, the
+rollout and the servers, and logs (its part of a step: Rank0; the other ranks hold an OtherRank); every rank's part
+is Step's, the other ranks get their groups by a collective. The model side: actor.py. Colocate: colocate.py.
 run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; logging: logger.py; plots: plot.py.
 Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
 child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
@@ -107,7 +107,7 @@ class Step:
     record: the metrics rank 0 logs (m), one record per training call, rank 0's batch and trained prompts."""
 
     def __init__(self, cfg, actor, step: int):
-        lease.beat()  # each phase below beats as it starts: the servers' lease is renewed while the loop goes on
+        lease.beat()  # each phase of the step beats as it starts: the servers' lease is renewed while the loop goes on
         self.t0 = time.perf_counter()
         self.cfg, self.actor, self.step, self.done = cfg, actor, step, step + 1
         self.sync_mode = not cfg.fully_async.enable
