@@ -1,14 +1,15 @@
 """train.py: the RL trainer, one SPMD program: every trainer rank runs the same `main()` and the same step loop.
 
-main: config and start-up checks (checks.py) -> rank 0 claims run_dir (rundir.py: its lock for the process's life; a
-fresh run, or the checkpoint of this run to resume) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group)
--> the policy, FSDP2-sharded, and AdamW (model.py; actor.py drives them) -> rank 0 starts the inference servers
-(standins/engine.py on CPU, SGLang on GPUs, or connects to rollout.servers / rollout.router_url), the buffer process
-and the rollout process (services.py) -> resume (checkpoint.py) -> run_steps, the step loop (docs/design.md):
-fetch -> forward/backward and optimizer step, (B x N) // M times -> pause -> checkpoint every trainer.save_freq ->
-weight sync (weight_sync.py) -> resume the producer. Rank 0 alone talks to the buffer, the rollout and the servers,
-and logs, each under `if rank == 0`; the other ranks get their share by a collective. The model side of the loop:
-actor.py. Colocate: colocate.py.
+main, one call per start-up step (Run's methods from the process group on): config and start-up checks (checks.py)
+-> rank 0 claims run_dir (rundir.py: its lock for the process's life; a fresh run, or the checkpoint of this run to
+resume) -> distributed init (gloo on CPU, nccl on GPU; a gloo control group) -> rank 0 launches the inference servers
+(standins/engine.py on CPU, SGLang on GPUs) -> the policy, FSDP2-sharded, and AdamW (model.py; actor.py drives them)
+-> resume (checkpoint.py) -> rank 0 starts the buffer and rollout processes (services.py), waits for the servers (or
+connects to rollout.servers / rollout.router_url) -> the servers get the weights -> run_steps, the step loop
+(docs/design.md): fetch -> forward/backward and optimizer step, (B x N) // M times -> pause -> checkpoint every
+trainer.save_freq -> weight sync (weight_sync.py) -> resume the producer. Rank 0 alone talks to the buffer, the
+rollout and the servers, and logs (its part of a step: Rank0; the other ranks hold an OtherRank); every rank's part
+is Step's, the other ranks get their groups by a collective. The model side: actor.py. Colocate: colocate.py.
 run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; logging: logger.py; plots: plot.py.
 Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
 child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
@@ -101,17 +102,177 @@ def fetch(cfg, buffer, k: int, step: int, logger, servers: Optional[Callable[[],
             mark += every
 
 
+class Step:
+    """A step's every-rank part (each call at the same point on every rank: the actor's collectives pair up) and its
+    record: the metrics rank 0 logs (m), one record per training call, rank 0's batch and trained prompts."""
+
+    def __init__(self, cfg, actor, step: int):
+        lease.beat()  # each phase of the step beats as it starts: the servers' lease is renewed while the loop goes on
+        self.t0 = time.perf_counter()
+        self.cfg, self.actor, self.step, self.done = cfg, actor, step, step + 1
+        self.sync_mode = not cfg.fully_async.enable
+        self.m: dict = {}
+        self.records: list[dict] = []  # one per training call, aggregated by the spec's naming rule
+        self.batch, self.prompt_ids, self.samples = None, [], []  # rank 0's
+        every, total = cfg.trainer.save_freq, cfg.trainer.total_steps
+        self.save = bool(every and self.done % every == 0) or self.done == total  # a checkpoint is due
+        self.stop = False
+
+    def memory_to_trainer(self) -> None:
+        """Synchronous mode with colocate: the servers let go of the GPUs and every rank onloads."""
+        if self.sync_mode and self.cfg.colocate:
+            self.m.update(self.actor.memory_to_trainer() or {})
+
+    def train(self, groups: Optional[list], rec: dict) -> None:
+        """One training call: forward/backward, optimizer step (actor.train_minibatch); rec: Rank0.fetch's record."""
+        lease.beat()
+        t0 = time.perf_counter()
+        out = self.actor.train_minibatch(groups, self.step) or {}
+        rec["timing/train"] = time.perf_counter() - t0 - out.get("timing/process_traj", 0.0)
+        self.records.append({**out, **rec})
+
+    def stop_here(self) -> None:
+        """The calls' records as the step's metrics; then whether any rank got SIGTERM (preemption.stop_here): if
+        one did, this step is checkpointed and the loop ends after it."""
+        self.m.update(aggregate(self.records))
+        self.stop = preemption.stop_here(getattr(self.actor, "ctrl", None), self.done, self.cfg.trainer.total_steps)
+        self.save = self.save or self.stop
+
+    def memory_to_servers(self) -> None:
+        """The step boundary starts (its beat); synchronous mode with colocate: the trainer leaves the GPUs and the
+        servers take their weights back."""
+        lease.beat()
+        if self.sync_mode and self.cfg.colocate:
+            self.m.update(self.actor.memory_to_servers() or {})
+
+    def checkpoint(self, rank0) -> None:
+        """The step's checkpoint: every rank's shards, and rank 0's run state (Rank0.run_state)."""
+        lease.beat()
+        t0 = time.perf_counter()
+        self.actor.save_checkpoint(self.done, rank0.run_state(self.done))
+        self.m["timing/save_ckpt"] = time.perf_counter() - t0
+
+    def sync_weights(self) -> None:
+        """The servers serve version step + 1 (they flush their cache unless in_place); none after a SIGTERM."""
+        lease.beat()
+        t0 = time.perf_counter()
+        out = {} if self.stop else dict(self.actor.sync_weights(self.done) or {})
+        self.m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
+        self.m.update(out)
+
+
+class Rank0:
+    """What rank 0 alone does in a step: it takes the groups from the buffer, pauses and resumes the rollout, reads
+    the buffer's and the rollout's step metrics, gives a checkpoint the run state, sets the buffer's weight version,
+    evaluates and logs. The other ranks hold an OtherRank in its place."""
+
+    def __init__(self, cfg, buffer, rollout, logger, evaluate, servers):
+        self.cfg, self.buffer, self.rollout, self.logger = cfg, buffer, rollout, logger
+        self.evaluate, self.servers = evaluate, servers
+
+    def start_rollout(self) -> None:
+        self.rollout.start()  # idempotent; the producer starts filling the buffer with the current weights
+
+    def fetch_batch(self, s: Step) -> None:
+        """Synchronous mode: the whole batch first (timing/rollout), then the producer stops."""
+        if s.sync_mode:
+            t0 = time.perf_counter()
+            s.batch = fetch(self.cfg, self.buffer, self.cfg.B, s.done, self.logger, self.servers)
+            s.m["timing/rollout"] = time.perf_counter() - t0
+            s.m.update(self.rollout.pause(s.save))
+
+    def fetch(self, s: Step, call: int) -> tuple[list, dict]:
+        """The M // N groups of training call `call` (synchronous mode: the batch's; fully async: fetched now,
+        timing/rollout) and the call's record of them; their prompts and samples go into the step's log."""
+        gpc = self.cfg.groups_per_call
+        rec: dict = {}
+        if s.sync_mode:
+            groups = s.batch[call * gpc:(call + 1) * gpc]
+        else:
+            t0 = time.perf_counter()
+            groups = fetch(self.cfg, self.buffer, gpc, s.done, self.logger, self.servers)
+            rec["timing/rollout"] = time.perf_counter() - t0
+        rec.update(trained_group_metrics(groups))
+        s.prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
+        s.samples += train_samples(groups, self.cfg.logging.train_samples, len(s.samples))
+        return groups, rec
+
+    def pause(self, s: Step) -> None:
+        """Fully async: the producer stops at the step boundary (before a checkpoint every request comes back, to be
+        in it); then the buffer's and the rollout's step metrics."""
+        if not s.sync_mode:
+            s.m.update(self.rollout.pause(s.save))
+        s.m.update(self.buffer.step_metrics())
+        s.m.update({k: v for k, v in self.rollout.step_metrics().items() if k not in s.m})
+
+    def run_state(self, done: int) -> dict:
+        """A checkpoint's run state: steps done, weight version, and the buffer's state, taken while paused:
+        unconsumed, in-flight and restored groups are in it."""
+        return {"step": done, "weight_version": done, "buffer": self.buffer.state_dict()}
+
+    def resume(self, s: Step) -> None:
+        """The buffer's weight version (what is now too stale goes); the producer resumes unless the run ends."""
+        self.buffer.set_weight_version(s.done)
+        if s.done < self.cfg.trainer.total_steps and not s.stop:
+            self.rollout.resume(s.done)
+
+    def log(self, s: Step) -> None:
+        """The step's time (wait is everything outside the training block: perf/wait_ratio), the evaluator every
+        trainer.eval_freq steps and after the last one, then the step's line (logger.log)."""
+        m, t = s.m, self.cfg.trainer
+        m["timing/step"] = time.perf_counter() - s.t0
+        m["perf/wait_ratio"] = min(1.0, max(0.0, 1.0 - m.get("timing/train", 0.0) / max(m["timing/step"], 1e-9)))
+        if self.evaluate is not None and ((t.eval_freq and s.done % t.eval_freq == 0) or s.done == t.total_steps):
+            lease.beat()  # the evaluator beats as its trajectories finish (run_modes.generate_dataset)
+            m.update(self.evaluate(s.done) if not s.stop else {})
+        m["data/prompt_ids"], m["data/samples"] = s.prompt_ids, s.samples
+        self.logger.log(s.done, m)
+
+
+class OtherRank:
+    """Rank 0's part of a step on any other rank: nothing to do (its groups reach it in actor.train_minibatch)."""
+
+    def start_rollout(self) -> None:
+        pass
+
+    def fetch_batch(self, s: Step) -> None:
+        pass
+
+    def fetch(self, s: Step, call: int) -> tuple[None, dict]:
+        return None, {}
+
+    def pause(self, s: Step) -> None:
+        pass
+
+    def run_state(self, done: int) -> None:
+        return None
+
+    def resume(self, s: Step) -> None:
+        pass
+
+    def log(self, s: Step) -> None:
+        pass
+
+
+def rank0_part(cfg, buffer, rollout, logger, evaluate, servers):
+    """Rank0 on rank 0 (0 without a process group), OtherRank on the other ranks."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Rank0(cfg, buffer, rollout, logger, evaluate, servers) if rank == 0 else OtherRank()
+
+
 def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
               evaluate: Optional[Callable[[int], dict]] = None,
               servers: Optional[Callable[[], dict]] = None) -> None:
     """Train steps start_step .. trainer.total_steps - 1 on every rank; step i is logged as step i + 1 (the weights
     after it are weight version i + 1; the initial weights are version 0). buffer, rollout, logger, evaluate and
-    servers are rank 0's (None on the other ranks): what touches them is under `if rank == 0`; actor's methods are
-    called on every rank at the same point, so their collectives pair up.
+    servers are rank 0's (None on the other ranks): Rank0 alone touches them, the other ranks hold an OtherRank;
+    actor's methods are called on every rank at the same point (Step's methods), so their collectives pair up.
+    README.md's "One step" lists these calls in this order (tests/test_docs_outline.py checks).
 
     actor:    train_minibatch(groups, step) -> dict (groups: rank 0's, None elsewhere; may include
               timing/process_traj, which is not training time), sync_weights(version) -> dict | None,
-              save_checkpoint(steps_done, run_state) -> None, memory_to_trainer() / memory_to_servers()
+              save_checkpoint(steps_done, run_state) -> None (run_state: Rank0.run_state on rank 0, None on
+              the other ranks), memory_to_trainer() / memory_to_servers()
               (colocate: the GPUs' memory goes to the trainer for training and back to the servers after it).
     buffer:   get(k, timeout) -> list[Group], wait(k, timeout) -> dict (see fetch), step_metrics() -> dict,
               state_dict(), set_weight_version(v) (buffer.PipelineServer or its remote.Proxy).
@@ -122,103 +283,244 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
               waiting(step, record) while the trainer waits for groups (Logger.waiting).
     evaluate: optional fn(steps_done) -> dict, run every trainer.eval_freq steps and after the last one.
     servers:  optional fn() -> {URL: answering /health}, for the waiting line.
-    run_state given to save_checkpoint on rank 0: {"step": steps done, "weight_version", "buffer":
-    buffer.state_dict()} (None on the other ranks).
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    sync_mode = not cfg.fully_async.enable
-    gpc, total = cfg.groups_per_call, cfg.trainer.total_steps
-    if rank == 0:
-        rollout.start()  # idempotent; the producer starts filling the buffer with the current weights
-    for step in range(start_step, total):
-        lease.beat()  # each phase below beats as it starts: the servers' lease is renewed while the loop goes on
-        t_step = time.perf_counter()
-        m: dict = {}
-        records: list[dict] = []  # one per training call, aggregated by the spec's naming rule
-        prompt_ids, samples = [], []
-        done = step + 1
-        save = bool(cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == total  # checkpoint due
-
-        # ---- synchronous mode: the whole batch first, then the producer stops (colocate: servers release) ----
-        batch = None
-        if sync_mode:
-            if rank == 0:
-                t0 = time.perf_counter()
-                batch = fetch(cfg, buffer, cfg.B, done, logger, servers)
-                m["timing/rollout"] = time.perf_counter() - t0
-                m.update(rollout.pause(save))
-            if cfg.colocate:
-                m.update(actor.memory_to_trainer() or {})
-
-        # ---- (B x N) // M training calls of M // N groups: fetch, forward/backward, optimizer step ----
-        for call in range(cfg.calls_per_step):
-            rec, groups = {}, None
-            if rank == 0:
-                if sync_mode:
-                    groups = batch[call * gpc:(call + 1) * gpc]
-                else:
-                    t0 = time.perf_counter()
-                    groups = fetch(cfg, buffer, gpc, done, logger, servers)
-                    rec["timing/rollout"] = time.perf_counter() - t0
-                rec.update(trained_group_metrics(groups))
-                prompt_ids += [[g.prompt.epoch, g.prompt.data_index] for g in groups]
-                samples += train_samples(groups, cfg.logging.train_samples, len(samples))
-            lease.beat()
-            t0 = time.perf_counter()
-            out = actor.train_minibatch(groups, step) or {}
-            rec["timing/train"] = time.perf_counter() - t0 - out.get("timing/process_traj", 0.0)
-            records.append({**out, **rec})
-        m.update(aggregate(records))
-        stop = preemption.stop_here(getattr(actor, "ctrl", None), done, total)  # SIGTERM on a rank: save, then stop
-        save = save or stop
-
-        # ---- pause: the producer stops at the step boundary (colocate: the servers take their weights back) ----
-        lease.beat()
-        if rank == 0 and not sync_mode:  # before a checkpoint every request comes back, to be in it
-            m.update(rollout.pause(save))
-        if sync_mode and cfg.colocate:
-            m.update(actor.memory_to_servers() or {})
-        if rank == 0:
-            m.update(buffer.step_metrics())
-            m.update({k: v for k, v in rollout.step_metrics().items() if k not in m})
-
-        # ---- checkpoint (buffer state taken while paused: unconsumed, in-flight and restored groups are in it) ----
-        if save:
-            lease.beat()
-            t0 = time.perf_counter()
-            run_state = {"step": done, "weight_version": done, "buffer": buffer.state_dict()} if rank == 0 else None
-            actor.save_checkpoint(done, run_state)
-            m["timing/save_ckpt"] = time.perf_counter() - t0
-
-        # ---- weight sync (servers flush their cache unless in_place, serve version step + 1) ----
-        lease.beat()
-        t0 = time.perf_counter()
-        out = {} if stop else dict(actor.sync_weights(done) or {})
-        m["timing/update_weights"] = out.pop("timing/update_weights", time.perf_counter() - t0)
-        m.update(out)
-
-        # ---- resume the producer; log (wait is everything outside the training block: perf/wait_ratio) ----
-        if rank != 0:
-            if stop:
-                break
-            continue
-        buffer.set_weight_version(done)
-        if done < total and not stop:
-            rollout.resume(done)
-        m["timing/step"] = time.perf_counter() - t_step
-        m["perf/wait_ratio"] = min(1.0, max(0.0, 1.0 - m.get("timing/train", 0.0) / max(m["timing/step"], 1e-9)))
-        if evaluate is not None and ((cfg.trainer.eval_freq and done % cfg.trainer.eval_freq == 0) or done == total):
-            lease.beat()  # the evaluator beats as its trajectories finish (run_modes.generate_dataset)
-            m.update(evaluate(done) if not stop else {})
-        m["data/prompt_ids"], m["data/samples"] = prompt_ids, samples
-        logger.log(done, m)
-        if stop:
+    rank0 = rank0_part(cfg, buffer, rollout, logger, evaluate, servers)
+    rank0.start_rollout()
+    for step in range(start_step, cfg.trainer.total_steps):
+        s = Step(cfg, actor, step)
+        rank0.fetch_batch(s)  # synchronous mode: the whole batch, then the pause
+        s.memory_to_trainer()
+        for call in range(cfg.calls_per_step):  # (B x N) // M calls of M // N groups
+            groups, rec = rank0.fetch(s, call)
+            s.train(groups, rec)  # forward/backward, optimizer step
+        s.stop_here()  # SIGTERM on any rank: this step is checkpointed, then the loop ends
+        s.memory_to_servers()
+        rank0.pause(s)  # fully async: the pause; the step's buffer and rollout metrics
+        if s.save:
+            s.checkpoint(rank0)
+        s.sync_weights()
+        rank0.resume(s)
+        rank0.log(s)
+        if s.stop:
             break
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # main: every rank
 # ---------------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def bad_input_exits(rank: int):
+    """A bad input in the block (ValueError, FileNotFoundError): its one line and exit code 2."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        # Every rank reads the config; one line for the run, not one per rank. Rank 0 prints it and exits 2 first:
+        # a rank that exited first would have torchrun stop rank 0 before its line was out (seen under load).
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(RANK0_EXIT_WAIT_S)  # torchrun stops this rank once rank 0 has exited
+        sys.exit(2)
+
+
+def print_notes(cfg, rank: int) -> None:
+    """Rank 0: the off-policy warning (losses.offpolicy_warning) and, fully async, how the window strategy and the
+    policy loss pair (strategies.pairing_note)."""
+    warning = losses.offpolicy_warning(cfg)
+    if warning and rank == 0:
+        print(warning, file=sys.stderr, flush=True)
+    pairing = strategies.pairing_note(cfg.fully_async.sliding_window, cfg.algorithm.policy_loss,
+                                      cfg.rollout.mask_offpolicy_in_partial_rollout)
+    if pairing and cfg.fully_async.enable and rank == 0:
+        print(f"[train] {pairing}", flush=True)
+
+
+class Run:
+    """This rank's run: one method per start-up step, which main calls in order, and close; what a step starts
+    (process group, servers, actor, buffer and rollout, logger) stays here for the steps after it."""
+
+    def __init__(self, cfg, claim, world: int, rank: int):
+        r = cfg.rollout
+        self.cfg, self.claim, self.world, self.rank = cfg, claim, world, rank
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
+        self.colocated = cfg.colocate and cfg.run_mode == "default"
+        self.device = self.ctrl = self.resume_path = self.run_id = self.run_state = None
+        self.services = self.fleet = self.actor = self.logger = self.buf = self.ro = self.evaluate = None
+        self.start_step = 0
+
+    def init_process_group(self) -> None:
+        """gloo on CPU, nccl on GPU; a gloo control group (ctrl) for Python objects and long waits; the seeds."""
+        cfg, rank = self.cfg, self.rank
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-process group
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(services_lib.free_port()), RANK="0",
+                              WORLD_SIZE="1")
+        # trainer.cpu_offload on cuda: the offloaded shards' collectives (loading, gradient-norm reduction) are on CPU
+        # tensors, which take gloo next to nccl (as torchtitan does)
+        backend = ("cuda:nccl,cpu:gloo" if cfg.trainer.cpu_offload else "nccl") if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=cfg.weight_sync.timeout_s)
+        store = services_lib.attempt_store(cfg.weight_sync.timeout_s)  # torchrun: this attempt's keys (its doc: why)
+        dist.init_process_group(backend, timeout=timeout, **({"store": store, "rank": rank, "world_size": self.world}
+                                                             if store is not None else {}))
+        # The control group's timeout covers rank 0's longest wait between two collectives (data, pause, server
+        # start-up), which the other ranks spend in it.
+        self.ctrl = dist.new_group(backend="gloo",
+                                   timeout=datetime.timedelta(seconds=config_lib.control_timeout_s(cfg)))
+        torch.manual_seed(cfg.seed + rank)
+        random.seed(cfg.seed + rank)
+
+    def make_run_dir(self) -> None:
+        """run_dir, and model.make_tiny's model (rank 0 makes it), before any rank goes on."""
+        cfg = self.cfg
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        if self.rank == 0 and cfg.model.make_tiny and not os.path.isdir(cfg.model.path):
+            from standins import tiny_model
+
+            print(f"[train] making the tiny model at {cfg.model.path} ({cfg.model.tiny_pretrain_steps} pretraining "
+                  "steps)", flush=True)
+            tiny_model.make_tiny_for(cfg)
+        dist.barrier(group=self.ctrl)
+
+    def agree_on_resume(self) -> None:
+        """The checkpoint to resume and the run's id, on every rank: rank 0's claim on run_dir decided them."""
+        box = [(self.claim.resume, self.claim.run_id) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        self.resume_path, self.run_id = box[0]
+
+    def start_servers(self) -> None:
+        """Colocate: the servers start first and release their memory before the model loads; otherwise rank 0's
+        start now and the model loads during their start-up (minutes for SGLang at scale); start_workers waits for
+        them. They are labelled with the version they first serve."""
+        cfg, rank, launched, colocated = self.cfg, self.rank, self.launched, self.colocated
+        starts_servers = rank == 0 and (launched or colocated)
+        resume_path = self.resume_path if starts_servers else None
+        first_version = checkpoint.load_run_state(resume_path)["step"] if resume_path else 0
+        if rank == 0 and launched and not colocated:
+            self.services = Services(cfg)
+            self.services.launch_servers(first_version, 0, wait=False)
+        if colocated:
+            if rank == 0:
+                self.services = Services(cfg)
+                self.fleet = self.services.start_fleet(first_version, launched)
+                self.fleet.release_memory()
+            else:
+                self.services = services_lib.for_node(cfg, self.local_rank, launched)
+            dist.barrier(group=self.ctrl)  # the other ranks load the model once the servers have let go of the GPUs
+
+    def load_model(self) -> None:
+        """The policy, FSDP2-sharded, its AdamW and the Actor (run_mode=rollout-only trains nothing: none)."""
+        cfg, rank, device = self.cfg, self.rank, self.device
+        if cfg.run_mode == "rollout-only":
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (self.world,))
+        model, _ = model_lib.load_model(cfg, mesh, device, rank, self.ctrl)
+        if rank == 0:
+            print(memory_report(cfg, model, self.world, device, cfg.trainer.entropy_metric), flush=True)
+        opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type),
+                                                  cfg.trainer.total_steps * cfg.calls_per_step)
+        self.actor = Actor(cfg, model, opt, sched, device, self.ctrl)
+        self.actor.run_id = self.run_id
+        self.actor.colocate.released = self.colocated
+
+    def start_node_servers(self) -> None:
+        """The other ranks: their node's servers, if it has any (colocate started them before the model)."""
+        if self.rank != 0 and self.services is None:
+            self.services = services_lib.for_node(self.cfg, self.local_rank, self.launched)
+
+    def resume(self) -> None:
+        """A resumed run: model, optimizer, RNG on every rank; the run state (step, buffer)."""
+        lease.beat()
+        if self.resume_path:
+            self.run_state = (self.actor.load_checkpoint(self.resume_path) if self.actor
+                              else checkpoint.load_run_state(self.resume_path))
+            if self.rank == 0:
+                print(f"[train] resumed from {self.resume_path} at step {self.run_state['step']}", flush=True)
+        self.start_step = self.run_state["step"] if self.run_state else 0
+
+    def start_workers(self) -> None:
+        """Rank 0: the logger; the servers' fleet, the buffer and rollout processes with their RPC and the evaluator
+        (run_mode=train-only: the saved rollouts, no rollout); a resumed run's buffer state."""
+        if self.rank != 0:
+            return
+        from transformers import AutoTokenizer
+
+        cfg, start = self.cfg, self.start_step
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        # a fresh run never trims; a resumed one drops its own lines after the step it resumes (-1: all)
+        self.logger = Logger(cfg, keep_until=None if self.claim.fresh else start if self.run_state else -1,
+                             tokenizer=tokenizer)
+        if cfg.run_mode == "train-only":
+            self.buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
+            self.ro = NoRollout()
+        else:
+            waiting = self.fleet is None
+            if waiting:  # the URLs now; /health while the RPC workers start (start_workers)
+                self.services = self.services or Services(cfg)
+                self.fleet = self.services.start_fleet(start, self.launched, wait=False)
+            self.buf, self.ro = self.services.start_workers(start, self.launched, wait_servers=waiting)
+            if self.actor is None:
+                self.actor = RolloutRecorder(cfg, self.fleet)
+                self.actor.run_id = self.run_id
+            else:
+                self.actor.fleet, self.actor.services = self.fleet, self.services
+            self.evaluate = make_evaluator(cfg, self.fleet, tokenizer) if cfg.trainer.eval_freq else None
+        if self.run_state:
+            self.buf.load_state_dict(self.run_state["buffer"])
+
+    def serve_first_weights(self) -> None:
+        """The servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step."""
+        lease.beat()
+        t0 = time.perf_counter()
+        actor, start = self.actor, self.start_step
+        if isinstance(actor, Actor) and actor.colocate.released:
+            actor.memory_to_servers()
+        actor.sync_weights(start)
+        if self.rank == 0:
+            self.buf.set_weight_version(start)
+            print(f"[train] weights version {start} on the servers ({time.perf_counter() - t0:.1f} s)", flush=True)
+            if self.evaluate is not None and start == 0:
+                self.logger.log(0, self.evaluate(0))
+
+    def health(self) -> Optional[Callable[[], dict]]:
+        """Rank 0's servers' /health, for run_steps' waiting line (None without servers and on other ranks)."""
+        return self.services.fleet.health if self.rank == 0 and self.services and self.services.fleet else None
+
+    def print_weight_versions(self) -> None:
+        if self.rank == 0 and self.services is not None and self.services.fleet is not None:
+            fleet = self.services.fleet
+            print(f"[train] weight versions on the servers at the end: "
+                  f"{dict(zip(fleet.workers(), fleet.weight_versions()))}", flush=True)
+
+    def export_hf(self) -> None:
+        """trainer.export_hf: the final weights as an HF checkpoint in run_dir/hf (not after a SIGTERM's stop)."""
+        if self.cfg.trainer.export_hf and isinstance(self.actor, Actor) and not preemption.stopped():
+            lease.beat()
+            self.actor.export_hf(os.path.join(self.cfg.run_dir, "hf"))
+            if self.rank == 0:
+                print(f"[train] exported {os.path.join(self.cfg.run_dir, 'hf')}", flush=True)
+
+    def close(self, ok: bool, keep_servers: bool) -> None:
+        """The logger, the services (keep_servers: for rollout.server_keepalive_s), the process group, run_dir."""
+        if self.logger is not None:
+            self.logger.close()
+        if self.services is not None:
+            self.services.close(ok, keep_servers=keep_servers)
+        if ok:
+            with contextlib.suppress(Exception):
+                # Every rank tears its gloo groups down together: a rank that destroys them while a peer still
+                # has them open can abort at exit ("terminate called without an active exception").
+                dist.barrier(group=self.ctrl)
+                dist.destroy_process_group()
+        if self.claim is not None:
+            self.claim.release()  # (the process ends next; a caller of main() in-process gets run_dir back)
+
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
@@ -230,11 +532,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
     args, overrides = parser.parse_known_args(argv)
 
-    # ---- config: every start-up check before anything starts; errors are one sentence ----
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     claim = None
-    try:
+    with bad_input_exits(rank):  # every start-up check before anything starts; errors are one sentence
         cfg = config_lib.load_config(args.config, overrides)
         checks.check_launch(cfg, world)
         if rank == 0:
@@ -242,178 +543,35 @@ def main(argv: Optional[list[str]] = None) -> None:
             # run_dir's lock, held until this process ends, before anything is written there; a fresh run or
             # which checkpoint of which run resumes (rundir.py: one run per run directory)
             claim = rundir.claim(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        # Every rank reads the config; one line for the run, not one per rank. Rank 0 prints it and exits 2 first:
-        # a rank that exited first would have torchrun stop rank 0 before its line was out (seen under load).
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(RANK0_EXIT_WAIT_S)  # torchrun stops this rank once rank 0 has exited
-        sys.exit(2)
-    warning = losses.offpolicy_warning(cfg)
-    if warning and rank == 0:
-        print(warning, file=sys.stderr, flush=True)
-    pairing = strategies.pairing_note(cfg.fully_async.sliding_window, cfg.algorithm.policy_loss,
-                                      cfg.rollout.mask_offpolicy_in_partial_rollout)
-    if pairing and cfg.fully_async.enable and rank == 0:
-        print(f"[train] {pairing}", flush=True)
+    print_notes(cfg, rank)
+    run = Run(cfg, claim, world, rank)
+    run.init_process_group()
+    run.make_run_dir()
+    services_lib.share_key(cfg, rank, run.local_rank, run.ctrl)  # launched servers on several nodes: one key for all
 
-    # ---- distributed init: gloo on CPU, nccl on GPU; a gloo control group for Python objects and long waits ----
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if "MASTER_ADDR" not in os.environ:  # plain `python train.py`: a one-process group
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(services_lib.free_port()), RANK="0", WORLD_SIZE="1")
-    r, b = cfg.rollout, cfg.buffer
-    # trainer.cpu_offload on cuda: the offloaded shards' collectives (loading, gradient-norm reduction) are on CPU
-    # tensors, which take gloo next to nccl (as torchtitan does)
-    backend = ("cuda:nccl,cpu:gloo" if cfg.trainer.cpu_offload else "nccl") if use_cuda else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.weight_sync.timeout_s)
-    store = services_lib.attempt_store(cfg.weight_sync.timeout_s)  # torchrun: this attempt's keys (its doc says why)
-    dist.init_process_group(backend, timeout=timeout, **({"store": store, "rank": rank, "world_size": world}
-                                                         if store is not None else {}))
-    # The control group's timeout covers rank 0's longest wait between two collectives (data, pause, server
-    # start-up), which the other ranks spend in it.
-    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config_lib.control_timeout_s(cfg)))
-    torch.manual_seed(cfg.seed + rank)
-    random.seed(cfg.seed + rank)
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    if rank == 0 and cfg.model.make_tiny and not os.path.isdir(cfg.model.path):
-        from standins import tiny_model
-
-        print(f"[train] making the tiny model at {cfg.model.path} ({cfg.model.tiny_pretrain_steps} pretraining "
-              "steps)", flush=True)
-        tiny_model.make_tiny_for(cfg)
-    dist.barrier(group=ctrl)
-    services_lib.share_key(cfg, rank, local_rank, ctrl)  # launched servers on several nodes: one key for all
-
-    services, ok, failed, crashed, actor, logger, fleet = None, False, 0, False, None, None, None
-    buf = ro = evaluate = None
-    launched = cfg.run_mode != "train-only" and not r.servers and not r.router_url and r.launch != "none"
+    ok, crashed, failed = False, False, 0
     try:
-        # ---- the checkpoint to resume and the run's id: rank 0's claim on run_dir decided them ----
-        box = [(claim.resume, claim.run_id) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=ctrl)
-        resume_path, run_id = box[0]
-
-        # ---- colocate: the servers start first and release their memory before the model loads; otherwise they
-        # start now and the model loads during their start-up (minutes for SGLang at scale), waited for below ----
-        colocated = cfg.colocate and cfg.run_mode == "default"
-        starts_servers = rank == 0 and (launched or colocated)  # labelled with the version they first serve
-        first_version = checkpoint.load_run_state(resume_path)["step"] if starts_servers and resume_path else 0
-        if rank == 0 and launched and not colocated:
-            services = Services(cfg)
-            services.launch_servers(first_version, 0, wait=False)
-        if colocated:
-            if rank == 0:
-                services = Services(cfg)
-                fleet = services.start_fleet(first_version, launched)
-                fleet.release_memory()
-            else:
-                services = services_lib.for_node(cfg, local_rank, launched)
-            dist.barrier(group=ctrl)  # the other ranks load the model once the servers have let go of the GPUs
-
-        # ---- model + FSDP2 + optimizer (rollout-only trains nothing: rank 0 alone records) ----
+        run.agree_on_resume()
+        run.start_servers()
         if cfg.run_mode == "rollout-only" and rank != 0:
-            return
-        if cfg.run_mode != "rollout-only":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(device.type, (world,))
-            model, _ = model_lib.load_model(cfg, mesh, device, rank, ctrl)
-            if rank == 0:
-                print(memory_report(cfg, model, world, device, cfg.trainer.entropy_metric), flush=True)
-            opt, sched = model_lib.build_optimizer(model, cfg.trainer, optimizer_impl(cfg, device.type),
-                                                      cfg.trainer.total_steps * cfg.calls_per_step)
-            actor = Actor(cfg, model, opt, sched, device, ctrl)
-            actor.run_id = run_id
-            actor.colocate.released = colocated
-        if rank != 0 and services is None:  # (colocate started them before the model loaded)
-            services = services_lib.for_node(cfg, local_rank, launched)
-
-        # ---- resume: model, optimizer, RNG on every rank; run state (step, buffer) ----
-        lease.beat()
-        run_state = None
-        if resume_path:
-            run_state = actor.load_checkpoint(resume_path) if actor else checkpoint.load_run_state(resume_path)
-            if rank == 0:
-                print(f"[train] resumed from {resume_path} at step {run_state['step']}", flush=True)
-        start_step = run_state["step"] if run_state else 0
-
-        # ---- rank 0: servers, buffer + rollout processes, RPC (train-only needs none), logger, evaluator ----
-        if rank == 0:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            # a fresh run never trims; a resumed one drops its own lines after the step it resumes (-1: all)
-            logger = Logger(cfg, keep_until=None if claim.fresh else start_step if run_state else -1,
-                            tokenizer=tokenizer)
-            if cfg.run_mode == "train-only":
-                buf = ReplayBuffer(cfg.trainer.rollout_dir or os.path.join(cfg.run_dir, "rollouts"))
-                ro = NoRollout()
-            else:
-                waiting = fleet is None
-                if waiting:  # the URLs now; /health while the RPC workers start (start_workers)
-                    services = services or Services(cfg)
-                    fleet = services.start_fleet(start_step, launched, wait=False)
-                buf, ro = services.start_workers(start_step, launched, wait_servers=waiting)
-                if actor is None:
-                    actor = RolloutRecorder(cfg, fleet)
-                    actor.run_id = run_id
-                else:
-                    actor.fleet, actor.services = fleet, services
-                evaluate = make_evaluator(cfg, fleet, tokenizer) if cfg.trainer.eval_freq else None
-            if run_state:
-                buf.load_state_dict(run_state["buffer"])
-
-        # ---- the servers serve the trainer's weights (a resumed run's, or model.path's) as version start_step ----
-        lease.beat()
-        t0 = time.perf_counter()
-        if isinstance(actor, Actor) and actor.colocate.released:
-            actor.memory_to_servers()
-        actor.sync_weights(start_step)
-        if rank == 0:
-            buf.set_weight_version(start_step)
-            print(f"[train] weights version {start_step} on the servers ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)
-            if evaluate is not None and start_step == 0:
-                logger.log(0, evaluate(0))
-
-        # ---- the loop, on every rank ----
-        health = services.fleet.health if rank == 0 and services and services.fleet else None
+            return  # rollout-only trains nothing: rank 0 alone records
+        run.load_model()
+        run.start_node_servers()
+        run.resume()
+        run.start_workers()
+        run.serve_first_weights()
         with preemption.steps():  # SIGTERM in it: the next step boundary checkpoints and ends the run
-            run_steps(cfg, actor, buf, ro, logger, start_step, evaluate, servers=health)
-        if rank == 0 and services is not None and services.fleet is not None:
-            print(f"[train] weight versions on the servers at the end: "
-                  f"{dict(zip(services.fleet.workers(), services.fleet.weight_versions()))}", flush=True)
-
-        # ---- final HF export ----
-        if cfg.trainer.export_hf and isinstance(actor, Actor) and not preemption.stopped():
-            lease.beat()
-            actor.export_hf(os.path.join(cfg.run_dir, "hf"))
-            if rank == 0:
-                print(f"[train] exported {os.path.join(cfg.run_dir, 'hf')}", flush=True)
+            run_steps(cfg, run.actor, run.buf, run.ro, run.logger, run.start_step, run.evaluate, run.health())
+        run.print_weight_versions()
+        run.export_hf()
         # every rank leaves together: another node's servers (its local rank 0 supervises them) stay up until now
-        dist.barrier(group=ctrl)
+        dist.barrier(group=run.ctrl)
         ok = True
     except Exception as e:
         crashed = True
-        failed = services_lib.failure_exit_code(e, services, rank)  # prints the root cause; raises what it cannot
+        failed = services_lib.failure_exit_code(e, run.services, rank)  # prints the root cause; raises what it cannot
     finally:
-        if logger is not None:
-            logger.close()
-        if services is not None:  # a crashed run's servers wait for a restart (rollout.server_keepalive_s)
-            services.close(ok, keep_servers=crashed and failed != 2)
-        if ok:
-            with contextlib.suppress(Exception):
-                # Every rank tears its gloo groups down together: a rank that destroys them while a peer still
-                # has them open can abort at exit ("terminate called without an active exception").
-                dist.barrier(group=ctrl)
-                dist.destroy_process_group()
-        if claim is not None:
-            claim.release()  # (the process ends next; a caller of main() in-process gets run_dir back)
+        run.close(ok, keep_servers=crashed and failed != 2)  # a crashed run's servers wait for a restart
     if failed:
         sys.exit(failed)
 
