@@ -937,9 +937,7 @@ def validate_server_layout(cfg: Config) -> None:
             taken[s.node, g] = i
 
 
-# ---------------------------------------------------------------------------------------------------------
-# `python config.py docs`: docs/parameters.md's table, generated from the field comments above
-# ---------------------------------------------------------------------------------------------------------
+# ---- `python config.py docs`: docs/parameters.md's table, generated from the field comments above ----
 
 def parameter_table() -> str:
     """Markdown table of every config key with its default and its one-line comment (kept in docs/parameters.md)."""
