@@ -655,10 +655,16 @@ class Scheduler:
             except queue.Empty:
                 return
             block = False
+            # A call whose caller gave up (its future cancelled) still runs, as a control request that reached
+            # 0.5.23's scheduler does; its answer is dropped. set_running_or_notify_cancel makes the future
+            # uncancellable from here on, so handing the answer over cannot raise and stop this thread.
+            waited = fut.set_running_or_notify_cancel()
             try:
-                fut.set_result(fn())
+                result, error = fn(), None
             except Exception as e:  # handed to the caller
-                fut.set_exception(e)
+                result, error = None, e
+            if waited:
+                fut.set_result(result) if error is None else fut.set_exception(error)
 
     def _loop(self):
         tick_t, tick_n = time.perf_counter(), 0

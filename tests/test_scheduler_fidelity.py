@@ -538,3 +538,25 @@ def test_token_ids_logprob_is_validated(url):
     assert [[t for _, t, _ in o["meta_info"]["output_token_ids_logprobs"][0]] for o in flat] == [[1, 2], [1, 2]]
     nested = post(url, "/generate", {**batch, "token_ids_logprob": [[1], [2, 3]]}).json()
     assert [[t for _, t, _ in o["meta_info"]["output_token_ids_logprobs"][0]] for o in nested] == [[1], [2, 3]]
+
+
+def test_a_control_call_whose_caller_gave_up_still_runs_and_the_model_thread_keeps_serving(model_path, ref):
+    """managers/scheduler.py: a control request that reached 0.5.23's scheduler (its process_input_requests loop)
+    runs whether or not the HTTP client still waits for its answer. Here the caller's future is cancelled before
+    the model thread takes the call (a client that timed out under load: asyncio.wrap_future cancels it). The call
+    runs, and the thread goes on answering: before, handing an answer to a cancelled future raised
+    InvalidStateError out of the loop, the thread died and the server hung with every later request."""
+    sched = _sched(model_path, ref)
+    ran = threading.Event()
+    first = sched.call(ran.set)
+    assert first.cancel()  # not yet taken by the model thread (it has not started)
+    sched.thread.start()
+    try:
+        assert sched.call(lambda: 7).result(30) == 7
+        assert ran.is_set() and first.cancelled()
+        failing = sched.call(lambda: 1 / 0)
+        assert failing.cancel()
+        assert sched.call(lambda: "still serving").result(30) == "still serving"
+        assert sched.thread.is_alive()
+    finally:
+        sched.stop()
