@@ -360,16 +360,21 @@ class Lease:
 # ---------------------------------------------------------------------------------------------------------------
 
 def takeover(url: str, api_key: Optional[str], wait_s: float, pause_timeout_s: float) -> dict:
-    """Bring a server an earlier attempt used to a known state, and return its /model_info: nothing generating,
-    no weight-update session open, no cached prefix, not paused. It may be paused (the attempt died at a step
-    boundary), in the middle of a weight update, or still starting (waited for up to wait_s).
+    """Bring a server an earlier attempt used to a known state, and return its /model_info: nothing generating or
+    waiting to, no weight-update session open, no cached prefix, not paused. It may be paused (the attempt died at
+    a step boundary), in the middle of a weight update, or still starting (waited for up to wait_s).
 
     Not /health: SGLang 0.5.23's generates a token through the pause gate (entrypoints/http_server.py:
     health_generate), so a paused server does not answer it. /model_info answers while paused
     (http_server.py: model_info); /pause_generation mode abort (tokenizer_manager.py: pause_generation) aborts
-    everything it runs and waits until no request holds the model lock, also when it was already paused;
-    /end_weight_update closes a session a dead trainer left open (an answer that none is open is expected);
-    /flush_cache drops the KV of the weights it held (the checkpoint's come at the first sync); then
+    what the scheduler holds and waits until no request holds the model lock, also when it was already paused (a
+    request of the dead attempt lets go of it once the server notices its client left, within
+    SGLANG_REQUEST_STATE_WAIT_TIMEOUT); /end_weight_update closes a session a dead trainer left open (an answer
+    that none is open is expected). Requests the dead attempt sent while the server was paused wait at its pause
+    gate (tokenizer_manager.py: generate_request), which no pause aborts, and would run after /continue_generation
+    until the server noticed their client gone (up to 4 s, beside the new run's first sync): so /continue_generation
+    lets them through, and a second /pause_generation mode abort aborts them and returns once none holds the lock.
+    Then /flush_cache drops the KV of the weights it held (the checkpoint's come at the first sync), and
     /continue_generation. What it generated after the checkpoint never reaches the new run: its buffer and
     rollout processes are new and restore from the checkpoint. The weight-update group the dead trainer formed
     is destroyed before the trainer's first sync (services.Services.wait_fleet)."""
@@ -397,6 +402,8 @@ def takeover(url: str, api_key: Optional[str], wait_s: float, pause_timeout_s: f
 
     post("/pause_generation", {"mode": "abort"}, pause_timeout_s)
     post("/end_weight_update", {}, expected=(200, 400))
+    post("/continue_generation", {})  # the requests parked at the pause gate go to the scheduler...
+    post("/pause_generation", {"mode": "abort"}, pause_timeout_s)  # ...which aborts them
     post("/flush_cache", {}, expected=(200, 400))
     post("/continue_generation", {})
     return info

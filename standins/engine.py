@@ -28,9 +28,11 @@ parses large ones off the event loop. scheduler.py owns the model and every admi
 
 Strict like SGLang 0.5.23 where clients go wrong easily (docs/sglang.md;
 tests/test_sglang_conformance.py names each source): an abort (forwarded once per registered rid, prefix-matched) is
-lost while its request waits at the pause gate, and one abandoned there still runs after continue; pause "abort"
-repeats until no request holds the lock; /health generates through the gate; the prefix cache ignores the weight
-version (/flush_cache or a new extra_key / cache_salt keeps old KV out); schema errors and bad values are 400;
+lost while its request waits at the pause gate, where pause "abort" does not reach it either, and one abandoned
+there still runs after continue until its first output (an unstreamed one's 50th token) or 4 s without one; pause
+"abort" repeats abort-all until no request holds the lock and leaves a scheduler paused in place paused; /health
+generates through the gate; the prefix cache ignores the weight version (/flush_cache or a new extra_key /
+cache_salt keeps old KV out); schema errors and bad values are 400;
 prompt + max_new_tokens above the context length is a 400 (for a whole list request), a prompt of context - 6 tokens
 too, max_new_tokens is capped at context - 2 - prompt (/v1/models max_model_len: the context length); group and
 tensor weight updates need a begin/end_weight_update session; --api-key (or `api-key:` in a --config YAML file, as
@@ -69,6 +71,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,7 +87,7 @@ import torch
 from aiohttp import web
 
 import moe
-from standins.scheduler import (BadRequest, Req, SamplingParams, Scheduler, broadcast_tensors,
+from standins.scheduler import (BadRequest, Req, SamplingParams, Scheduler, abort_reason, broadcast_tensors,
                                 deserialize_named_tensors, env_bool, env_int, init_weight_update_group, load_model)
 
 ROOT = str(Path(__file__).resolve().parents[1])  # the repository root, where the roles' modules are
@@ -626,6 +629,8 @@ class Server:
         left = [len(reqs)]  # unstreamed items wake the handler once: when the last finished, or one failed
 
         def notify(i: int, n: int, final: bool) -> None:  # on the model thread
+            if not reqs[i].stream and not final:  # (an unstreamed request's output every FORCE_STREAM_INTERVAL)
+                return
             if final and not reqs[i].stream:
                 left[0] -= 1
                 code = (reqs[i].finish or {}).get("status_code")
@@ -653,7 +658,7 @@ class Server:
         except asyncio.CancelledError:
             if not entered:  # the client left while waiting at the gate: SGLang's handler goes on regardless
                 abandoned = True
-                task = asyncio.ensure_future(self._gated(reqs, REQUEST_STATE_WAIT_TIMEOUT_S))
+                task = asyncio.ensure_future(self._gated(reqs, REQUEST_STATE_WAIT_TIMEOUT_S, abandoned=True))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             raise
@@ -670,26 +675,44 @@ class Server:
             if self.live.get(r.rid) is r:
                 del self.live[r.rid]
 
-    async def _run_to_end(self, reqs: list, timeout: float) -> None:
-        """Submit reqs (their own notify) and wait until all finished, at most `timeout` seconds."""
+    async def _run_to_end(self, reqs: list, timeout: float, client_gone: bool = False) -> None:
+        """Submit reqs (their own notify) and wait until all finished, at most `timeout` seconds. client_gone: or
+        until one outputs before its end (an unstreamed request every scheduler.FORCE_STREAM_INTERVAL tokens), which
+        then ends, aborted, with its next forward pass."""
         loop = asyncio.get_running_loop()
         done = [loop.create_future() for _ in reqs]
-        for r, fut in zip(reqs, done):  # a request is notified final once
-            r.notify = lambda n, final, fut=fut: final and loop.call_soon_threadsafe(fut.set_result, None)
-        self.sched.call(lambda: self.sched.submit(reqs))
-        await asyncio.wait(done, timeout=timeout)
+        noticed = loop.create_future()
 
-    async def _gated(self, reqs, run_s: float) -> None:
+        def notify(r: Req, final: bool, fut: asyncio.Future) -> None:  # on the model thread
+            if not final and client_gone and r.to_finish is None:
+                r.to_finish, fut = abort_reason("Aborted"), noticed
+            if final or fut is noticed:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        for r, fut in zip(reqs, done):
+            r.notify = lambda n, final, r=r, fut=fut: notify(r, final, fut)
+        self.sched.call(lambda: self.sched.submit(reqs))
+        every = asyncio.gather(*done)
+        try:
+            await asyncio.wait([every, noticed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            every.cancel()
+
+    async def _gated(self, reqs, run_s: float, abandoned: bool = False) -> None:
         """Pass the pause gate, run reqs for at most run_s seconds, abort what is left: /health's request, and one
-        whose client left at the gate (SGLang's handler goes on: dispatched at continue, it runs until the disconnect
-        is noticed, SGLANG_REQUEST_STATE_WAIT_TIMEOUT without a reply, tokenizer_manager.py _wait_one_response)."""
+        whose client left at the gate (abandoned). 0.5.23 tokenizer_manager.py: generate_request waits at the gate
+        before anything reaches the scheduler, so /pause_generation does not abort it and its handler goes on after
+        continue; _wait_one_response notices the client left (is_disconnected) at the request's first output, an
+        unstreamed one's at its FORCE_STREAM_INTERVAL-th token ("type 3"), or after SGLANG_REQUEST_STATE_WAIT_TIMEOUT
+        without one ("type 1"), and aborts the whole call (_release_req_states_on_failure). A streamed one here:
+        the timeout only."""
         try:
             with contextlib.suppress(TimeoutError):  # (the gate stayed shut: nothing ran)
                 await self.gate.enter(self.args.wait_timeout)
                 try:
-                    await self._run_to_end(reqs, run_s)
+                    await self._run_to_end(reqs, run_s, abandoned and not any(r.stream for r in reqs))
                 finally:
-                    self.sched.call(lambda: [self.sched.abort(r.rid, exact=True) for r in reqs if r.finish is None])
+                    self.sched.call(lambda: [self.sched.abort(r.rid, exact=True) for r in reqs
+                                             if r.finish is None and r.to_finish is None])
                     await self.gate.leave()
         finally:
             self._forget(reqs)
@@ -921,9 +944,15 @@ class Server:
         """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
         checkpoint names (scheduler.load_tensors) and the payload's pairs. A refusal of weight_delta.py's loader
         (DeltaRefused: the bucket was checked before anything of it was applied) answers success false; any other
-        exception ends this server, as in 0.5.23, where nothing on the scheduler's path catches it
-        (managers/scheduler.py run_scheduler_process: "Scheduler hit an exception", SIGQUIT to the server, killpg),
-        a refusal included (weight_delta.py's docstring)."""
+        exception ends this server as 0.5.23 ends it, where nothing on the scheduler's path catches it, a refusal
+        included (weight_delta.py's docstring): managers/scheduler.py run_scheduler_process logs "Scheduler hit an
+        exception" and sends SIGQUIT to its parent, the server's main process, whose handler
+        (tokenizer_manager.py SignalHandler.running_phase_sigquit_handler; before the first request
+        entrypoints/engine.py launch_phase_sigquit_handler) calls utils/common.py kill_process_tree(os.getpid()):
+        SIGKILL to every descendant, then to itself. The scheduler kills its process group (os.killpg) only with
+        SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=true (environ.py, default false). The caller sees its connection
+        dropped; the server's launcher sees it killed by SIGKILL (services.py relaunches it; the next sync is
+        full)."""
         import importlib
 
         from weight_delta import DeltaRefused
@@ -937,7 +966,7 @@ class Server:
             import traceback
             log.error("Scheduler hit an exception: %s", traceback.format_exc())
             logging.shutdown()
-            os._exit(1)
+            kill_process_tree()
         if version is not None:
             self.sched.weight_version = version
 
@@ -1098,6 +1127,23 @@ class Server:
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
             "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
             "num_used_tokens": used, "max_running_requests": s.max_running, "paused": s.paused}]})
+
+
+def kill_process_tree() -> None:
+    """0.5.23 utils/common.py kill_process_tree(os.getpid()): SIGKILL to every descendant of this process (/proc),
+    then to this process; never its process group."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    todo = [os.getpid()]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            todo.append(pid)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- Launching (CLI and subprocess helper) -------------------------------------------------------------------------

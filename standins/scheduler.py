@@ -103,6 +103,9 @@ OOM_LAST = ("Out of memory even after retracting all other requests in the decod
 REQ_WAITING_TIMEOUT_S = env_float("SGLANG_REQ_WAITING_TIMEOUT", -1.0)
 REQ_RUNNING_TIMEOUT_S = env_float("SGLANG_REQ_RUNNING_TIMEOUT", -1.0)
 QUEUE_FULL = "The request queue is full."  # 0.5.23's message (managers/scheduler.py _abort_on_queued_limit)
+# An unstreamed request outputs every this many tokens before its last (scheduler_components/output_streamer.py
+# _GenerationStreamAccumulator.accept), where 0.5.23's tokenizer manager checks its client is still there
+FORCE_STREAM_INTERVAL = env_int("SGLANG_FORCE_STREAM_INTERVAL", 50)
 # Reported log-probs of sampled tokens at temperature 1 (log_softmax of the logits before the temperature divides
 # them) instead of the sampling temperature: layers/sampler.py reads it once at import, with get_bool_env_var
 RETURN_ORIGINAL_LOGPROB = bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB")
@@ -166,7 +169,8 @@ class Req:
     # ended outside the running batch's output (queued, refused by the queue limit, retracted out of memory): SGLang's
     # scheduler reports it with send_abort_output and its tokenizer manager answers it in _handle_abort_req's form
     abort_output: bool = False
-    to_finish: Optional[dict] = None  # aborted while running on a paused server: finished by its next forward
+    to_finish: Optional[dict] = None  # aborted while running on a paused server, or its client left (engine.py
+    # _run_to_end): finished by its next forward
     generator: Optional[torch.Generator] = None
     notify: Callable[[int, bool], None] = lambda n, final: None  # (tokens so far, final) -> None, thread-safe
     return_routed_experts: bool = False  # meta_info["routed_experts"] at the end (--enable-return-routed-experts)
@@ -577,7 +581,7 @@ class Scheduler:
         self.running: list = []  # row i of self.kv belongs to running[i]
         self.prefilling: list = []  # admitted, being prefilled (neither waiting nor running yet)
         self.kv: Optional[KVBatch] = None
-        self.paused: Optional[str] = None  # None | abort | retract | in_place
+        self.paused: Optional[str] = None  # None | retract | in_place (pause_generation's modes that reach it)
         self.released: set = set()
         self.weights_cpu_backup = False  # --enable-weights-cpu-backup: released weights come back as they were
         self.groups: dict = {}  # group_name -> (process group, device of its tensors)
@@ -1140,7 +1144,7 @@ class Scheduler:
             reason = {"type": "length", "length": r.sp.max_new_tokens}
         if reason is not None:
             self._finish(r, reason)
-        elif r.stream and (n + 1) % r.sp.stream_interval == 0:
+        elif (n + 1) % (r.sp.stream_interval if r.stream else FORCE_STREAM_INTERVAL) == 0:
             r.notify(n + 1, False)
 
     def _stop_str(self, r: Req) -> Optional[dict]:
@@ -1181,10 +1185,15 @@ class Scheduler:
 
     def pause(self, mode: str) -> int:
         """SGLang's pause modes: abort (return everything in flight), retract (keep requests, drop their KV; they
-        are recomputed after continue), in_place (keep requests and KV). Returns the number of requests kept."""
+        are recomputed after continue), in_place (keep requests and KV). Returns the number of requests kept.
+        Mode abort is an abort-all and nothing else (0.5.23 tokenizer_manager.py pause_generation sends the
+        scheduler only AbortReq(abort_all); managers/scheduler.py pause_generation takes in_place and retract): a
+        scheduler paused before stays paused (running requests paused in place are finished by their next forward,
+        after continue), and one that was not runs whatever reaches it until the next abort-all."""
         if mode == "abort":
             self.abort(abort_all=True)
-        elif mode == "retract":  # 0.5.23 pause_generation: each to the end of the queue (_add_request_to_queue)
+            return len(self.running) + len(self.waiting)
+        if mode == "retract":  # 0.5.23 pause_generation: each to the end of the queue (_add_request_to_queue)
             retracted, self.running, self.kv = self.running, [], None
             self.paused = mode  # (a paused scheduler admits nothing: the queue limit counts every waiting request)
             for r in retracted:

@@ -405,6 +405,33 @@ def test_pause_keeps_requests_and_continue_finishes_them(url, mode):
     assert out["output_ids"] == reference  # recomputed (retract) or kept (in_place) KV: the same tokens
 
 
+def test_pause_abort_leaves_an_in_place_pause_in_place(url):
+    """0.5.23 managers/tokenizer_manager.py pause_generation: mode abort sends the scheduler only
+    abort_request(abort_all), then repeats it until no request holds the model lock; managers/scheduler.py
+    pause_generation (in_place, retract) is not undone by it, and abort_request marks a running request to_finish
+    (it "still runs one decode forward pass"), which a scheduler paused in place does not run. So on a server paused
+    in place a pause abort answers no running request and does not return while one's client waits for it (0.5.23's
+    /continue_generation even waits for that pause: both take is_pause_cond); a request whose client is gone lets go
+    of the lock (lease.takeover relies on it). After /continue_generation: aborted, one token longer."""
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(generate, url, [5, 6, 7], "abort-in-place.", max_new_tokens=LONG, ignore_eos=True)
+        wait_until(lambda: loads(url)["num_running_reqs"] == 1, what="request running")
+        assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        try:
+            used = loads(url)["num_used_tokens"]
+            with pytest.raises(requests.exceptions.ReadTimeout):
+                requests.post(url + "/pause_generation", json={"mode": "abort"}, timeout=2.5)
+            assert not fut.done() and loads(url)["num_running_reqs"] == 1
+            assert loads(url)["num_used_tokens"] == used  # no forward pass
+        finally:
+            assert post(url, "/continue_generation", {}).status_code == 200
+        out = fut.result(timeout=30)
+    m = out["meta_info"]
+    assert m["finish_reason"]["type"] == "abort"
+    # KV columns at the pause: the 3 prompt tokens and every output but the newest (used - 2 outputs); then one pass
+    assert m["completion_tokens"] == used - 2 + 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Weight updates
 

@@ -172,27 +172,48 @@ def test_recorded_servers_are_kept_only_alive_with_this_runs_arguments(tmp_path,
 
 
 def test_takeover_brings_a_paused_engine_in_a_weight_update_to_a_known_state(tiny_model):
-    """lease.takeover on what a trainer killed at a step boundary leaves: the engine paused in place with a
-    request in it and a weight-update session open (its /health would wait for a token: SGLang 0.5.23
-    http_server.py health_generate). After it the request has ended (abort), no session is open, the server is
-    not paused (/health 200), and /model_info reported the version it held. ~6 s."""
+    """lease.takeover on what a trainer killed at a step boundary leaves: the engine paused in place with a request
+    in it, requests parked at its pause gate (sent after the pause) and a weight-update session open, the clients
+    of all of them gone with the trainer (its /health would wait for a token: SGLang 0.5.23 http_server.py
+    health_generate). No pause aborts the parked ones (tokenizer_manager.py generate_request waits at the gate
+    before dispatch; pause_generation mode abort aborts what the scheduler holds): after a continue they would run
+    until the server noticed their client gone (_wait_one_response; here SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s,
+    with SGLANG_FORCE_STREAM_INTERVAL raised past their length), beside the new run's first sync. After the takeover
+    nothing runs or waits, then or in the next 2 s, no session is open, the server is not paused (/health 200), its
+    cache flushes, and /model_info reported the version it held. ~10 s."""
+    import concurrent.futures as cf
+
     from standins import engine
 
-    url, handle = engine.launch(tiny_model, weight_version="9", num_threads=1)
+    url, handle = engine.launch(tiny_model, weight_version="9", num_threads=1,
+                                env={"SGLANG_FORCE_STREAM_INTERVAL": "100000"})
+
+    def load():
+        ld = requests.get(url + "/v1/loads", timeout=5).json()["loads"][0]
+        return ld["num_running_reqs"], ld["num_waiting_reqs"]
+
+    def given_up(body, after_s):  # a request of the trainer, whose connection closes after_s later (it died)
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(url + "/generate", json=body, timeout=(5, after_s))
     try:
-        box = {}
-        t = threading.Thread(target=lambda: box.setdefault("r", requests.post(url + "/generate", json={
-            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}, timeout=60)))
-        t.start()
-        _wait(lambda: requests.get(url + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] == 1, 30,
-              "the request running")
-        assert requests.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
-        assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
+        with cf.ThreadPoolExecutor(3) as ex:
+            kept = ex.submit(given_up, {"input_ids": [1, 2, 3], "sampling_params": {
+                "max_new_tokens": 4000, "ignore_eos": True}}, 3.0)
+            _wait(lambda: load() == (1, 0), 30, "the request running")
+            assert requests.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
+            assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
+            parked = [ex.submit(given_up, {"input_ids": [[4, 5], [6, 7 + i]], "sampling_params": {
+                "max_new_tokens": 3000, "ignore_eos": True}}, 0.5) for i in range(2)]
+            for f in [kept, *parked]:
+                f.result(30)
         info = lease.takeover(url, None, 30.0, 30.0)
         assert info["weight_version"] == "9"
-        t.join(30)
-        assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            assert load() == (0, 0)
+            time.sleep(0.05)
         assert requests.get(url + "/health", timeout=30).status_code == 200
+        assert requests.post(url + "/flush_cache", json={}, timeout=30).status_code == 200
         assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200  # none was open
     finally:
         handle.stop()

@@ -1052,6 +1052,57 @@ def test_partial_pause_stops_requests_in_every_state_within_seconds(strict_serve
                "the given-up calls to be noticed and aborted")
 
 
+@pytest.mark.parametrize("partial", [True, False])
+def test_requests_parked_at_the_pause_gate_are_neither_lost_nor_trained_twice(server, tokenizer, partial):
+    """Requests parked at a server's pause gate when the step boundary comes (sglang 0.5.23 tokenizer_manager.py:
+    generate_request waits at the gate before dispatch; pause_generation mode abort aborts only what the scheduler
+    holds): here the retries of the requests someone else's /pause_generation abort aborted. rollout.partial=true:
+    Rollout.pause gives their calls up PAUSE_GRACE_S after its own pause and hands the trajectories back as they
+    were; after the resume the server dispatches the given-up calls and drops them at their first output (nobody
+    reads it), while the trajectories are re-sent under new rids. rollout.partial=false: the rollout pauses no
+    server and waits for them; they run once the server is continued. Either way every group dispatched before the
+    boundary is delivered by buffer.get exactly once, with all N trajectories finished and none failed."""
+    url = server["url"]
+    cfg = make_cfg(url, f"rollout.partial={str(partial).lower()}", "rollout.sampling.max_new_tokens=200")
+    wait_until(lambda: engine_load(url)[:2] == (0, 0), 10, "the previous test's requests to end")
+    v0 = sglang_client.parse_version(requests.get(url + "/model_info", timeout=5).json()["weight_version"],
+                                     "/model_info")
+    with producer(cfg, tokenizer, ignore_eos=True) as (buf, ro, sync):
+        wait_until(lambda: engine_load(url)[0] > 0, 60, "requests running")
+        assert requests.post(url + "/pause_generation", json={"mode": "abort"}, timeout=30).status_code == 200
+        wait_until(lambda: sync.fleet.requests_in_flight > 0 and engine_load(url)[:2] == (0, 0), 30,
+                   "the aborted requests' retries parked at the pause gate")
+        parked = sync.fleet.requests_in_flight
+        if partial:
+            pause = ro.pause()
+            assert sync.fleet.requests_in_flight == 0 and pause["rollout/partial_aborted_count"] >= parked
+            assert all(t.status == "aborted" for t in buf.returned[-1])
+        else:  # someone continues the servers within rollout.pause_timeout_s
+            later = threading.Timer(1.0, requests.post, (url + "/continue_generation",), {"json": {}, "timeout": 30})
+            later.start()
+            ro.pause()
+            later.join()
+            assert buf.returned == [[]] and sync.fleet.requests_in_flight == 0
+        assert_accounted(buf, (0, 0, 0), cfg.N)
+        wanted = set(buf.dispatched)
+        sync.update_weight_version(v0 + 1)
+        buf.set_weight_version(v0 + 1)
+        ro.resume(v0 + 1)  # partial: continues the servers, which dispatch the given-up calls
+        delivered, deadline = Counter(), time.monotonic() + 90
+        while not wanted <= delivered.keys():
+            assert time.monotonic() < deadline, f"groups {sorted(wanted - delivered.keys())} never came back"
+            for g in buf.get(1, timeout=60):
+                delivered[g.prompt.prompt_id] += 1
+                assert len(g.trajectories) == cfg.N
+                assert all(t.status in (COMPLETED, TRUNCATED) for t in g.trajectories), g.prompt.prompt_id
+        ro.pause()
+        metrics = ro.step_metrics()
+    assert max(delivered.values()) == 1, delivered
+    assert metrics["rollout/failed_count"] == 0
+    wait_until(lambda: engine_load(url)[:2] == (0, 0), engine.REQUEST_STATE_WAIT_TIMEOUT_S + 10,
+               "the given-up calls to be noticed and dropped")
+
+
 def test_a_server_of_an_unsupported_version_is_refused_at_start_up(server, tmp_path):
     assert engine.SGLANG_VERSION in sglang_client.SUPPORTED_SGLANG_VERSIONS
     url, handle = engine.launch(server["model"], report_version="0.5.2", num_threads=1)

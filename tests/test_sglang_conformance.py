@@ -346,19 +346,40 @@ def test_in_place_pause_runs_no_forward_and_aborts_answer_at_continue(url):
     assert out["meta_info"]["completion_tokens"] == used - 1 + 1  # plus the token of that last pass
 
 
-def test_a_request_given_up_at_the_pause_gate_runs_after_continue_until_noticed(url):
-    """Breakage 5, managers/tokenizer_manager.py: generate_request / _wait_one_response. The handler of a request
-    whose client left while it waited at the pause gate is not cancelled: at continue it is dispatched and runs
-    until the disconnect is noticed, SGLANG_REQUEST_STATE_WAIT_TIMEOUT later."""
-    assert post(url, "/pause_generation", {"mode": "abort"}).status_code == 200
+def test_requests_parked_at_the_pause_gate_outlive_abort_pauses_and_one_given_up_runs_to_its_first_output(models):
+    """Breakage 5, managers/tokenizer_manager.py: generate_request waits at the pause gate (is_pause_cond) before
+    it tokenizes and dispatches, and pause_generation mode abort aborts only what the scheduler holds
+    (abort_request(abort_all)) until no request holds the model lock, which a parked one does not. So a request
+    parked there, through two abort pauses, runs to its end after /continue_generation. One whose client left is
+    dispatched too and runs until _wait_one_response notices (request.is_disconnected): at its first output, for an
+    unstreamed request its SGLANG_FORCE_STREAM_INTERVAL-th (50th) token (scheduler_components/output_streamer.py
+    _GenerationStreamAccumulator.accept), or SGLANG_REQUEST_STATE_WAIT_TIMEOUT without one (raised to 60 s on this
+    test's own engine, so only the first can end it); the abort (managers/scheduler.py abort_request: to_finish)
+    ends it with its next forward pass, at 51 tokens. Seen through the prefix cache: its namespace then holds its
+    prompt and its first 50 tokens (greedy, so a reference request elsewhere gives them), the KV of all but its
+    last."""
+    url, handle = engine.launch(models[0]["A"], num_threads=1, env={"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "60"})
+    ns, prompt = "given-up", [3, 4]
     try:
-        with pytest.raises(requests.exceptions.ReadTimeout):
-            requests.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {
-                "max_new_tokens": LONG, "ignore_eos": True}}, timeout=0.5)
+        with cf.ThreadPoolExecutor(1) as ex:
+            assert post(url, "/pause_generation", {"mode": "abort"}).status_code == 200
+            try:
+                live = ex.submit(gen, url, [5, 6], max_new_tokens=5, ignore_eos=True)
+                with pytest.raises(requests.exceptions.ReadTimeout):
+                    requests.post(url + "/generate", json={"input_ids": prompt, "extra_key": ns, "sampling_params": {
+                        "max_new_tokens": LONG, "ignore_eos": True, "temperature": 0}}, timeout=0.5)
+                assert post(url, "/pause_generation", {"mode": "abort"}).status_code == 200
+                assert not live.done() and running(url) == 0
+            finally:
+                assert post(url, "/continue_generation").status_code == 200
+            out = live.result(30)
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}  # not aborted
+        wait_until(lambda: running(url) == 0, 50, "the given-up request to end")
+        reference = gen(url, prompt, max_new_tokens=60, ignore_eos=True, extra_key=ns + "-reference")["output_ids"]
+        probe = gen(url, prompt + reference, max_new_tokens=1, extra_key=ns)
+        assert probe["meta_info"]["cached_tokens"] == len(prompt) + 50
     finally:
-        assert post(url, "/continue_generation").status_code == 200
-    wait_until(lambda: running(url) == 1, 10, "the abandoned request to be dispatched at continue")
-    wait_until(lambda: running(url) == 0, 10 * NOTICE_S, "the abandoned request to be noticed and aborted")
+        handle.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------

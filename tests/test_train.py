@@ -425,7 +425,10 @@ def test_a_dead_child_is_the_error_first_line_then_its_log(tmp_path, tiny_model)
 
 def test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice(tmp_path, tiny_model):
     """The launched engine is SIGKILLed mid-run: rank 0 relaunches it on its port, re-creates the weight-update
-    group, pushes the weights, and the run finishes its epoch with every prompt trained exactly once."""
+    group, pushes the weights, and the run finishes its epoch with every prompt trained exactly once. SIGKILL is
+    also how sglang 0.5.23 ends a server whose scheduler raised, a custom weight loader's exception included
+    (managers/scheduler.py run_scheduler_process -> SIGQUIT -> utils/common.py kill_process_tree; the stand-in:
+    tests/test_weight_delta.py test_a_loader_exception_kills_the_server_as_0_5_23_does)."""
     run_dir = tmp_path / "run"
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *_run_overrides(run_dir, tiny_model),
                           "trainer.eval_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",

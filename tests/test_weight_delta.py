@@ -8,11 +8,13 @@ read back through /get_weights_by_name (0.5.23 http_server.py get_weights_by_nam
 get_weights_by_name: float32 nested lists) and compared as bf16 bit patterns, after real AdamW steps at RL learning
 rates. A delta the loader refuses (weight_delta.DeltaRefused) is answered success false by the stand-in; any other
 loader exception ends it, as in 0.5.23 (managers/scheduler.py run_scheduler_process: nothing on the scheduler's path
-catches it, a refusal included: weight_delta.py's docstring).
+catches it, a refusal included: weight_delta.py's docstring; the server's main process kills its process tree,
+utils/common.py kill_process_tree).
 Run: .venv/bin/python -m pytest -q tests/test_weight_delta.py
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -125,6 +127,37 @@ def test_refused_deltas_change_nothing_and_the_server_keeps_serving(tmp_path):
         assert held().reshape(-1)[0] == 1 and torch.equal(held().reshape(-1)[1:], before.reshape(-1)[1:])
     finally:
         handle.stop()
+
+
+def test_a_loader_exception_kills_the_server_as_0_5_23_does(tmp_path):
+    """Any exception of a custom loader but a refusal (here: a broadcast bucket naming a weight-update group the
+    server never joined) reaches 0.5.23's managers/scheduler.py run_scheduler_process, which sends SIGQUIT to the
+    server's main process; its handler (managers/tokenizer_manager.py SignalHandler.running_phase_sigquit_handler)
+    calls utils/common.py kill_process_tree(os.getpid()): SIGKILL to the process tree, not the process group
+    (os.killpg only with SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION, environ.py, default false). The caller's connection
+    drops, the server dies by SIGKILL (services.py relaunches such a server and syncs it in full:
+    tests/test_train.py test_a_killed_server_is_relaunched_and_no_prompt_is_lost_or_trained_twice), and the rest of
+    its process group (this test's) lives on."""
+    import requests
+
+    model = tiny_model.make_tiny_model(str(tmp_path / "m"))
+    sibling = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])  # in the engine's process group (ours)
+    try:
+        url, handle = engine.launch(model, custom_weight_loader=weight_delta.LOADER, wait_timeout=60,
+                                    env={weight_delta.SYNC_DIR_ENV: str(tmp_path)})
+        desc = {"base": None, "version": 1, "last": True, "transport": "broadcast", "group": "no-such-group",
+                "nbytes": 8, "layout": []}
+        assert post(url, "/begin_weight_update", {}).json()["success"] is True
+        with pytest.raises(requests.exceptions.ConnectionError):
+            post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [weight_delta.control_payload(desc)],
+                                                       "load_format": weight_delta.LOADER, "weight_version": "1"})
+        assert handle.proc.wait(30) == -signal.SIGKILL
+        log = handle.log_tail(200)
+        assert "Scheduler hit an exception" in log and "no process group named 'no-such-group'" in log, log
+        assert sibling.poll() is None
+    finally:
+        sibling.kill()
+        sibling.wait()
 
 
 def test_an_unlisted_load_format_is_refused(tmp_path):
