@@ -797,7 +797,8 @@ class Rollout:
             await self._abort_active()
         # Calls given up close their connections, which aborts a request kept by a pause before the servers
         # continue; one still waiting at a server's pause gate is dispatched at continue and runs until SGLang
-        # notices the disconnect (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s), which no client call can shorten.
+        # notices the disconnect (at its first output, an unstreamed request's 50th token, or after
+        # SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s), which no client call can shorten.
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
