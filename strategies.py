@@ -192,8 +192,8 @@ class Strategy:
 
     @classmethod
     def update_actions(cls, param: Optional[float], B: int, N: int) -> tuple:
-        """The update-time actions (UpdateActions) accepted with the knob `param` (fully_async.policy_param; None: the default):
-        `actions`, or what a preset derives from its knob (its __init__ sets the same)."""
+        """The update-time actions (UpdateActions) accepted with the knob `param` (fully_async.policy_param; None:
+        the default): `actions`, or what a preset derives from its knob (its __init__ sets the same)."""
         return cls.actions
 
     @classmethod
