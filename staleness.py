@@ -4,8 +4,9 @@
 counts it), for a group of a buffer.PipelineServer in each of its places:
   COLLECTED       complete, leaving TrajQueue (PipelineServer._collect_locked)
   BUFFERED        in PipelineBuffer when the weights change (PipelineServer.set_weight_version)
-  BEFORE_PAUSE    in flight before a pause that keeps the servers' requests (Boundary.KEEP, Boundary.CHECKPOINT): the
-                  abort list, decided once and recorded (PipelineServer.boundary_aborts); carried out at the boundary
+  BEFORE_PAUSE    in flight before the pause of pause_mode retract / in_place (Boundary.KEEP, and
+                  Boundary.CHECKPOINT, whose pause then aborts every request): the abort list, decided once and
+                  recorded (PipelineServer.boundary_aborts); carried out at the boundary
   IN_FLIGHT       in flight at a step boundary whose pause aborted every request or waited for it (Boundary.ABORT,
                   Boundary.DRAIN: PipelineServer.step_boundary)
   KEPT_IN_FLIGHT  in flight at a Boundary.KEEP step boundary: dropped if on the recorded abort list, else kept
@@ -66,7 +67,7 @@ class Boundary(str, enum.Enum):
     CHECKPOINT = "checkpoint"  # retract / in_place before a checkpoint: every request aborted
 
 
-KEEPING = (Boundary.KEEP, Boundary.CHECKPOINT)  # the kinds whose abort list is decided before the pause
+KEEPING = (Boundary.KEEP, Boundary.CHECKPOINT)  # retract / in_place: the abort list is decided before the pause
 # the place of the groups in flight at a boundary of each kind, and the metrics that boundary reports (zeros included)
 BOUNDARY_PLACE = {Boundary.DRAIN: IN_FLIGHT, Boundary.ABORT: IN_FLIGHT, Boundary.KEEP: KEPT_IN_FLIGHT,
                   Boundary.CHECKPOINT: CHECKPOINTED}

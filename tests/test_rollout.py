@@ -1222,6 +1222,11 @@ def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
     cfg = make_cfg(server["url"], "rollout.async_max_concurrent_samples=4", "rollout.trajectory_timeout_s=1.5",
                    "rollout.sampling.max_new_tokens=64", "fully_async.stale_steps=30")
     with producer(cfg, tokenizer) as (buf, ro, sync):
+        # Every trajectory the producer hands the buffer failed by its timeout: on a loaded machine requests that
+        # were never stuck can time out too (64 tokens past 1.5 s), and each of those is counted as well.
+        timed_out, put = [], buf.put
+        buf.put = lambda trajs: (timed_out.extend((*t.prompt_id, t.index) for t in trajs if "trajectory_timeout_s"
+                                                  in t.metadata.get("error", "")), put(trajs))[1]
         # The engine keeps paused requests but stops decoding them: they are stuck. A request can finish between
         # the poll and the pause; then this pause caught fewer than 4, so it is continued (within milliseconds, far
         # below the timeout) and taken again. With 4 caught nothing else can start: the cap is 4 samples.
@@ -1236,6 +1241,7 @@ def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
         try:  # the timeouts abort them; a server paused in place answers those aborts only after continue
             wait_until(lambda: sum(len(a.trajs) for a in list(ro._active.values()) if a.timed_out) == 4, 30,
                        "the trajectory timeouts of the 4 stuck requests")
+            stuck = {(*t.prompt_id, t.index) for a in list(ro._active.values()) if a.timed_out for t in a.trajs}
             assert engine_load(server["url"])[0] == 4
         finally:
             sync.continue_()
@@ -1243,7 +1249,9 @@ def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
         groups = buf.get(2, timeout=60)  # and production goes on
         ro.pause()
         metrics, counts = ro.step_metrics(), buf.step_metrics()
-    assert metrics["rollout/timeout_count"] == 4 and metrics["rollout/failed_count"] >= 4
+    assert len(stuck) == 4 and stuck <= set(timed_out)  # the stuck ones failed by their timeout
+    assert metrics["rollout/timeout_count"] == len(timed_out) == len(set(timed_out))  # each counted once
+    assert metrics["rollout/failed_count"] >= len(timed_out)
     assert counts["rollout/filter_drop"] >= 2  # their groups were failed and filtered out, not trained on
     assert all(t.status != "failed" for g in groups for t in g.trajectories)
 
