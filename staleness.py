@@ -11,7 +11,8 @@ counts it), for a group of a buffer.PipelineServer in each of its places:
                   Boundary.DRAIN: PipelineServer.step_boundary)
   KEPT_IN_FLIGHT  in flight at a Boundary.KEEP step boundary: dropped if on the recorded abort list, else kept
   CHECKPOINTED    in flight at a Boundary.CHECKPOINT step boundary: dropped if on the recorded abort list, else restored
-                  whole (the pause aborted every request, so the checkpoint holds every trajectory)
+                  with all N trajectories, or as dispatched when none has started (the pause aborted every request,
+                  so the checkpoint holds every trajectory)
 The inputs are rollout.filter, the strategy's rollout.max_weight_staleness rule (within_max_weight_staleness), its
 consumption filter (keep at collection, keep_buffered at a weight update) and its update-time action
 (strategies.UpdateAction: abort by staleness `stale_after`, restart from the prompt). A dropped group is not trained
@@ -106,7 +107,7 @@ def decide(srv, place: str, group, view: Optional[strategies.PipelineView] = Non
       BUFFERED        within_max_weight_staleness -> strategy.keep_buffered(view) -> keep
       BEFORE_PAUSE    stale_after -> keep
       KEPT_IN_FLIGHT  on the abort list `aborted` (BEFORE_PAUSE's drops, recorded) -> keep
-      CHECKPOINTED    on the abort list `aborted` -> restore (whole)
+      CHECKPOINTED    on the abort list `aborted` -> restore (all N, or none started: as dispatched)
       IN_FLIGHT       stale_after -> restart (all N present, some aborted, the action restarts) -> restore (all
                       N present) -> requeue (none present) -> drop as incomplete
     The strategy's rules see the group with its per-token versions and start_version. In flight, group.trajectories
