@@ -644,8 +644,8 @@ class PipelineServer(Exchange):
         are dropped, `returned` holds their trajectories; every other group stays in flight. checkpoint (the same
         pause before a checkpoint: every request aborted): the groups of boundary_aborts(checkpoint) are dropped,
         every other one goes to the lane with all N trajectories (put, handed back or not started; a group none of
-        whose trajectories has started goes back as dispatched): nothing stays in flight. staleness.decide decides for each group (keep, checkpoint: from the recorded abort list), and
-        staleness.carry_out carries it out."""
+        whose trajectories has started goes back as dispatched): nothing stays in flight. staleness.decide decides
+        for each group (keep, checkpoint: from the recorded abort list), and staleness.carry_out carries it out."""
         kind = Boundary(kind)
         for t in returned:
             _check_trajectory(t, self.N)
