@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import buffer
+import logprobs
 import losses
 import scoring
 import strategies
@@ -133,6 +134,8 @@ class SamplingConfig:
     temperature: float = 1.0  # sampling temperature; the trainer scales logits by the same value
     top_p: float = 1.0  # nucleus sampling (1 = off; below 1 the trainer renormalises its log-probs over the kept set)
     top_k: int = -1  # top-k sampling (-1 = off; the trainer renormalises over the kept set too)
+    min_p: float = 0.0  # min-p sampling: keep p >= min_p x the largest (0 = off; renormalised over the kept set too)
+    backend: str = "auto"  # auto | flashinfer | pytorch: the servers' --sampling-backend (auto: from sglang_args.extra)
     max_new_tokens: int = 16  # response length limit per trajectory (summed over turns in multi-turn)
 
 
@@ -593,6 +596,9 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {r.sampling.top_p}")
     if r.sampling.top_k != -1 and r.sampling.top_k < 1:  # SGLang's own rule (sampling_params.py: verify)
         raise ValueError(f"rollout.sampling.top_k must be -1 (off) or at least 1, got {r.sampling.top_k}")
+    if not 0 <= r.sampling.min_p <= 1:  # SGLang's own rule too
+        raise ValueError(f"rollout.sampling.min_p must be in [0, 1], got {r.sampling.min_p}")
+    logprobs.sampling_backend(r.sampling.backend, r.sglang_args.extra)  # refuses an unknown or contradicted backend
     for key in ("trajectory_timeout_s", "request_timeout_s", "startup_timeout_s", "pause_timeout_s",
                 "retry_backoff_s", "reward_workers", "reward_timeout_s", "env_max_concurrent", "env_step_timeout_s",
                 "env_max_obs_tokens"):
