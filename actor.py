@@ -281,10 +281,13 @@ class Actor:
 
     def _token_logprobs(self, b: dict, with_entropy: bool = False) -> tuple:
         """(log-probs, entropy, log-mass): over the tokens the engine's sampler can draw (rollout.sampling.top_k /
-        top_p), renormalised (docs/algorithms.md, "Top-k and top-p sampling")."""
+        top_p / min_p, by the rule of rollout.sampling.backend), renormalised (docs/algorithms.md, "Top-k and top-p
+        sampling")."""
         s = self.cfg.rollout.sampling
+        support = logprobs.Support(s.top_k, s.top_p, s.min_p,
+                                   logprobs.sampling_backend(s.backend, self.cfg.rollout.sglang_args.extra))
         return model_lib.token_logprobs(self.model, b, s.temperature, self.cfg.trainer.logprob_chunk_tokens,
-                                        with_entropy, logprobs.Support(top_k=s.top_k, top_p=s.top_p))
+                                        with_entropy, support)
 
     # ---- weights: weight_sync.py gathers bucket by bucket, pushes, retries ----
     def sync_weights(self, version: int) -> dict:

@@ -6,13 +6,11 @@ Loaded from `configs/<name>.yaml` and overridden on the command line with dotted
 
 Loading (load_config, from_dict) builds the tree, registers the `module:attr` plugins it names (load_plugins) and
 fills in what is left to be derived (resolve); `validate` checks it and changes nothing. Unknown keys, wrong types,
-non-finite floats (check_finite) and bad values or combinations fail at start-up with one sentence naming the key:
-each section's dataclass checks its own fields (`check`), `validate` adds the rules across sections.
-Key names follow the spec restated in docs/design.md exactly (B = data_source.num_prompts_per_step,
-N = data_source.num_trajectories_per_prompt, M = trainer.mini_batch_size). The role files own their settings:
-`algorithm` is losses.LossSettings, `buffer` buffer.BufferSettings (its keys: KEYS; Config.buffer_settings() fills
-in the rest); this file composes them, validates the whole, and imports PyYAML only where it reads YAML. No role
-file imports this one (train.py, workers.py and services.py do).
+non-finite floats (check_finite) and bad values fail at start-up in one sentence naming the key: each section's
+dataclass checks its own fields (`check`), `validate` adds the rules across sections. Key names follow the spec
+(docs/design.md: B = data_source.num_prompts_per_step, N = ...num_trajectories_per_prompt, M = trainer.mini_batch_size).
+The role files own their settings: `algorithm` is losses.LossSettings, `buffer` buffer.BufferSettings (its keys: KEYS;
+Config.buffer_settings() fills in the rest). No role file imports this one (train.py, workers.py, services.py do).
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import buffer
+import logprobs
 import losses
 import plugins
 import scoring
@@ -230,6 +229,8 @@ class SamplingConfig:
     temperature: float = 1.0  # sampling temperature; the trainer scales logits by the same value
     top_p: float = 1.0  # nucleus sampling (1 = off; below 1 the trainer renormalises its log-probs over the kept set)
     top_k: int = -1  # top-k sampling (-1 = off; the trainer renormalises over the kept set too)
+    min_p: float = 0.0  # min-p sampling: keep p >= min_p x the largest (0 = off; renormalised over the kept set too)
+    backend: str = "auto"  # auto | flashinfer | pytorch: the servers' --sampling-backend (auto: from sglang_args.extra)
     max_new_tokens: int = 16  # response length limit per trajectory (summed over turns in multi-turn)
 
     def check(self) -> None:
@@ -240,6 +241,8 @@ class SamplingConfig:
             raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:  # SGLang's own rule (sampling_params.py: verify)
             raise ValueError(f"rollout.sampling.top_k must be -1 (off) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:  # SGLang's own rule too
+            raise ValueError(f"rollout.sampling.min_p must be in [0, 1], got {self.min_p}")
 
 
 @dataclass
@@ -313,6 +316,7 @@ class RolloutConfig:
         self.sampler.check()
         self.sglang_args.check()
         self.sampling.check()
+        logprobs.sampling_backend(self.sampling.backend, self.sglang_args.extra)  # an unknown or contradicted backend
         self._check_client()
         self._check_env()
 
@@ -917,9 +921,8 @@ def validate_server_layout(cfg: Config) -> None:
             raise ValueError(f"{key}.gpus lists {len(s.gpus)} GPUs but tp x dp x pp = {s.tp} x {s.dp} x {s.pp} = "
                              f"{s.tp * s.dp * s.pp}; give one physical GPU id per rank")
         # SGLang 0.5.23 updates weights in memory on dp = pp = 1 servers only: tokenizer_control_mixin.py asserts
-        # dp_size == 1 in init_weights_update_group, update_weights_from_distributed and update_weights_from_tensor
-        # (an HTTP 500 at the first sync), and weight_updater.py: init_weights_update_group joins each rank as
-        # rank_offset + tp_rank, with no pp rank, so the stages of a pp > 1 server collide in the broadcast group.
+        # dp_size == 1 in the update endpoints (HTTP 500 at the first sync); weight_updater.py's
+        # init_weights_update_group joins rank_offset + tp_rank, no pp rank: the stages of pp > 1 collide.
         method = cfg.weight_sync.method
         if method in ("distributed", "tensor") and s.dp > 1:
             raise ValueError(f"{key}.dp={s.dp} with weight_sync.method={method}: SGLang refuses in-memory weight "
@@ -984,10 +987,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["docs"] and sys.argv[2:3] == ["--write"]:  # refresh the table in docs/parameters.md or FILE
         import re
         path = sys.argv[3] if len(sys.argv) > 3 else "docs/parameters.md"
-        text = open(path).read()
-        table = parameter_table()
-        text = re.sub(r"<!-- params:begin -->\n.*?<!-- params:end -->",
-                      lambda _: f"<!-- params:begin -->\n{table}\n<!-- params:end -->", text, flags=re.S)
+        table = f"<!-- params:begin -->\n{parameter_table()}\n<!-- params:end -->"
+        text = re.sub(r"<!-- params:begin -->\n.*?<!-- params:end -->", lambda _: table, open(path).read(), flags=re.S)
         open(path, "w").write(text)
     elif sys.argv[1:2] == ["docs"]:
         print(parameter_table())

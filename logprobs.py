@@ -12,9 +12,10 @@ quantity, which the losses compare (losses.py) and train/rollout_logprob_diff_ma
 Both are torch.autograd.Functions whose backward recomputes each chunk and writes d/dlogits analytically.
   - `kl_rows`: KL(p || q) per position, exact over the vocabulary, from two sets of logits (train/kl_to_start).
 
-With a `Support` (rollout.sampling.top_k > 0 or top_p < 1) both take the log-prob over the tokens the sampler could
-draw instead of the whole vocabulary: each position's kept set is replayed from these logits by SGLang's rule, the
-distribution renormalised over it (docs/algorithms.md, "Top-k and top-p sampling").
+With a `Support` (rollout.sampling.top_k > 0, top_p < 1 or min_p > 0) both take the log-prob over the tokens the
+sampler could draw instead of the whole vocabulary: each position's kept set is replayed from these logits by the
+rule of the servers' sampling backend (`sampling_backend`), the distribution renormalised over it (docs/algorithms.md,
+"Top-k and top-p sampling").
 Only torch is imported, so this file can be copied into another repo.
 
 Run the tests:      .venv/bin/python -m pytest -q tests/test_logprobs.py
@@ -39,20 +40,65 @@ SUPPORT_FIRST_K = 128  # a top_p cut is looked for among the 128 most likely tok
 # further, then all
 
 
+SAMPLING_BACKENDS = ("flashinfer", "pytorch")  # the kept-set rules Support replays (SGLang's --sampling-backend)
+
+
 @dataclass(frozen=True)
 class Support:
-    """The tokens SGLang 0.5.23's sampler can draw at a position: of p = softmax(logits / temperature), the top_k most
-    likely ones that are also within top_p, where a token is within top_p when the probability ranked above it is at
-    most top_p (so the token crossing top_p stays), both measured on the whole distribution (layers/sampler.py:
-    top_k_top_p_min_p_sampling_from_probs_torch, and flashinfer's top_k_top_p_sampling_from_probs with
-    filter_apply_order="joint", its default CUDA path). Ties at the cut are all kept here, where SGLang keeps those
-    its sort puts first. A greedy request (temperature < 1e-6) draws the argmax and reports the whole vocabulary's
-    log-prob: no support applies to it."""
-    top_k: int = -1  # keep the top_k most likely tokens (-1 or >= vocabulary: all)
-    top_p: float = 1.0  # keep the tokens whose higher-ranked probability is <= top_p (1: all)
+    """The tokens SGLang 0.5.23's sampler can draw at a position, of p = softmax(logits / temperature) (its
+    layers/sampler.py: Sampler._sample_from_probs), by the rule of the servers' sampling backend:
+
+    - "flashinfer" (the default on CUDA) without min_p: token j is kept when count(p > p_j) < top_k and
+      mass(p > p_j) < top_p, both on the whole distribution (flashinfer 0.7.2's top_k_top_p_sampling_from_probs,
+      filter_apply_order="joint": sampling.cuh TopKTopPSamplingFromProbKernel). Value-based and strict: tied tokens
+      are kept or dropped together, and a token with exactly top_p ranked above it is dropped.
+    - "flashinfer" with min_p > 0: top_k_renorm_prob keeps count(p > p_j) < top_k, top_p_renorm_prob then keeps
+      mass(q > q_j) < top_p of q, the top-k set renormalised (so top_p is measured within the top_k), and
+      min_p_sampling_from_probs keeps p_j >= min_p x the largest; all three value-based.
+    - "pytorch" (top_k_top_p_min_p_sampling_from_probs_torch; also under --enable-deterministic-inference): the
+      row sorted, position r kept when r < top_k, the mass ranked before it is <= top_p (the token crossing top_p
+      stays; the whole distribution's mass) and p_r >= min_p x the largest. Tokens tied at the cut are kept in
+      sort order, which torch.sort leaves unspecified: the replay keeps the sampled token first and then the lowest
+      ids, as many as the sort kept. The kept mass, the log-probs and the entropy are then the server's exactly;
+      only which of the equally likely tokens receive the normaliser's gradient may differ.
+
+    The rule is applied in float32 on these logits, not on the server's. A greedy request (temperature < 1e-6)
+    draws the argmax and reports the whole vocabulary's log-prob: no support applies to it."""
+    top_k: int = -1  # the top_k most likely tokens (-1 or >= vocabulary: all)
+    top_p: float = 1.0  # nucleus mass (1: all)
+    min_p: float = 0.0  # keep p >= min_p x the largest (0: all)
+    backend: str = "flashinfer"  # flashinfer | pytorch: whose rule (SAMPLING_BACKENDS)
+
+    def __post_init__(self):
+        if self.backend not in SAMPLING_BACKENDS:
+            raise ValueError(f"Support backend must be one of {', '.join(SAMPLING_BACKENDS)}, got {self.backend!r}")
 
     def truncates(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def sampling_backend(setting: str, launch_flags: list) -> str:
+    """rollout.sampling.backend resolved against the servers' launch flags (rollout.sglang_args.extra), as 0.5.23
+    resolves --sampling-backend (arg_groups/overrides.py: _sampling_backend_default, flashinfer where the platform
+    has it, and _deterministic_sampling_backend, pytorch under --enable-deterministic-inference, which
+    --rl-on-policy-target turns on: attention_hook.py handle_deterministic_inference). "auto": what those flags
+    select, flashinfer without them; "flashinfer" / "pytorch": that one, refused where the flags select the other."""
+    flags = [str(f) for f in launch_flags]
+    named = [v.split("=", 1)[1] if "=" in v else (flags[i + 1] if i + 1 < len(flags) else "")
+             for i, v in enumerate(flags) if v.split("=", 1)[0] == "--sampling-backend"]
+    deterministic = [f for f in flags if f.split("=", 1)[0] in ("--enable-deterministic-inference",
+                                                                "--rl-on-policy-target")]
+    chosen = "pytorch" if deterministic else (named[-1] if named else None)
+    if setting not in ("auto",) + SAMPLING_BACKENDS:
+        raise ValueError(f"rollout.sampling.backend must be auto, flashinfer or pytorch, got {setting!r}")
+    if chosen is not None and chosen not in SAMPLING_BACKENDS:
+        raise ValueError(f"rollout.sglang_args.extra selects --sampling-backend {chosen}, whose kept set the trainer "
+                         "cannot replay; accepted: flashinfer, pytorch")
+    if setting != "auto" and chosen is not None and chosen != setting:
+        why = deterministic[0] if deterministic else f"--sampling-backend {chosen}"
+        raise ValueError(f"rollout.sampling.backend is {setting} but rollout.sglang_args.extra ({why}) runs the "
+                         f"servers' sampler on {chosen}: set it to auto or {chosen}")
+    return chosen or ("flashinfer" if setting == "auto" else setting)
 
 
 def effective_temperature(temperature: float) -> float:
@@ -77,43 +123,96 @@ def _chunks(rows: int, T: int, chunk_size: int):
             yield slice(i, i + per), slice(None)
 
 
-def _support_bounds(s: Tensor, support: Support) -> tuple[Tensor, Tensor]:
-    """Per row of scaled logits s [..., V] float32: (the lowest value the support keeps, the row's log-sum-exp).
-    The support is a prefix of the row sorted by value (top_k: its first k; top_p: as long as the mass before is <=
-    top_p), so one value per row describes it, and backward finds the same set again from it."""
-    rows = s.reshape(-1, s.shape[-1])
+def _support_bounds(s: Tensor, targets: Tensor, support: Support) -> tuple:
+    """Per row of scaled logits s [..., V] float32: (the lowest value the support keeps, the highest id kept among
+    the tokens at that value or None, the row's log-sum-exp). Every rule keeps a prefix of the row sorted by value,
+    so the lowest kept value describes the support, all of its ties kept; the pytorch rule can cut a run of ties,
+    and the id bound says which of them stay (`_tied_bound`). Backward finds the same set again from the two."""
+    rows, flat_t = s.reshape(-1, s.shape[-1]), targets.reshape(-1)
     lowest, lse = rows.new_empty(rows.shape[0]), rows.new_empty(rows.shape[0])
+    last = flat_t.new_empty(rows.shape[0]) if support.backend == "pytorch" else None
     step = max(1, -(-rows.shape[0] // SUPPORT_PARTS))
     for i in range(0, rows.shape[0], step):
-        lse[i:i + step] = torch.logsumexp(rows[i:i + step], -1)
-        lowest[i:i + step] = _lowest_kept(rows[i:i + step], lse[i:i + step], support)
-    return lowest.view(s.shape[:-1]), lse.view(s.shape[:-1])
+        part = slice(i, i + step)
+        lse[part] = torch.logsumexp(rows[part], -1)
+        lowest[part], kept, above = _lowest_kept(rows[part], lse[part], support)
+        if last is not None:
+            last[part] = _tied_bound(rows[part], flat_t[part], lowest[part], kept, above)
+    return (lowest.view(s.shape[:-1]), None if last is None else last.view(s.shape[:-1]),
+            lse.view(s.shape[:-1]))
 
 
-def _lowest_kept(x: Tensor, lse: Tensor, support: Support) -> Tensor:
-    """The lowest value the support keeps in each row of x [r, V] (log-sum-exp lse [r]), found among the row's k most
-    likely values: top_k's, or for top_p SUPPORT_FIRST_K growing 8x (up to V) for the rows whose cut lies further."""
+def _kept_count(p: Tensor, support: Support, top_k_mass: Optional[Tensor]) -> Tensor:
+    """How many of the probabilities p [r, k] (each row most likely first) the rule keeps, counted by position: a
+    tie run passes or fails at its first position (its mass ranked before is mass(p > p_j)), so under the
+    value-based rules the count ends on a kept value whose ties all stay. top_k_mass: flashinfer with min_p, the
+    mass top_k keeps, within which top_p is measured."""
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if support.top_p < 1:
+        q = p if top_k_mass is None else p / top_k_mass[:, None]
+        above = q.cumsum(-1).sub_(q)  # as the pytorch backend: probs_sum - probs_sort
+        keep &= above <= support.top_p if support.backend == "pytorch" else above < support.top_p
+    if support.min_p > 0:
+        keep &= p >= p[:, :1] * support.min_p
+    return keep.sum(-1)  # >= 1: nothing is ranked above the first, which is the largest
+
+
+def _lowest_kept(x: Tensor, lse: Tensor, support: Support) -> tuple:
+    """Per row of x [r, V] (log-sum-exp lse [r]): (the lowest value the support keeps, how many positions of the
+    sorted row the rule keeps, how many values lie above the lowest), found among the row's k most likely values:
+    top_k's, or for top_p / min_p SUPPORT_FIRST_K growing 8x (up to V) for the rows whose cut lies further. With
+    flashinfer's min_p order and a top_k, top_p's mass is top_k's: all of top_k's values are taken at once."""
     cap = support.top_k if 0 < support.top_k < x.shape[-1] else x.shape[-1]
-    k = min(cap, SUPPORT_FIRST_K) if support.top_p < 1 else cap
-    out, todo = x.new_empty(x.shape[0]), torch.arange(x.shape[0], device=x.device)
+    within_top_k = support.backend == "flashinfer" and support.min_p > 0 and support.top_p < 1 and cap < x.shape[-1]
+    searches = support.top_p < 1 or support.min_p > 0
+    k = min(cap, SUPPORT_FIRST_K) if searches and not within_top_k else cap
+    todo = torch.arange(x.shape[0], device=x.device)
+    out, kept_out, above_out = x.new_empty(x.shape[0]), torch.empty_like(todo), torch.empty_like(todo)
     while todo.numel():
-        ranked = (x if todo.numel() == x.shape[0] else x[todo]).topk(k, -1).values  # most likely first
-        kept = torch.full_like(todo, k)
-        if support.top_p < 1:
-            p = ranked.sub(lse[todo, None]).exp_()
-            kept = (p.cumsum(-1).sub_(p) <= support.top_p).sum(-1)  # >= 1: nothing is ranked above the first
+        rows = x if todo.numel() == x.shape[0] else x[todo]
+        ranked = rows.topk(k, -1).values  # most likely first
+        p = ranked.sub(lse[todo, None]).exp_()
+        mass = None
+        if within_top_k:  # top_k_renorm_prob keeps every tie of the k-th value, beyond the k taken here
+            ties = (rows == ranked[:, -1:]).sum(-1) - (ranked == ranked[:, -1:]).sum(-1)
+            mass = p.sum(-1) + ties * p[:, -1]
+        kept = _kept_count(p, support, mass) if searches else torch.full_like(todo, k)
         done = (kept < k) | (k == cap)  # the cut is among these k, or top_k's cap is
-        out[todo[done]] = ranked[done].gather(-1, kept[done, None] - 1).squeeze(-1)
+        lowest = ranked[done].gather(-1, kept[done, None] - 1)
+        out[todo[done]], kept_out[todo[done]] = lowest.squeeze(-1), kept[done]
+        above_out[todo[done]] = (ranked[done] > lowest).sum(-1)
         todo, k = todo[~done], cap if 32 * k > cap else 8 * k  # (topk of all V costs less than sorting them)
-    return out
+    return out, kept_out, above_out
 
 
-def _restrict_(s: Tensor, targets: Tensor, lowest: Tensor) -> Tensor:
-    """s [..., V] scaled logits, in place: OUTSIDE on the tokens below `lowest` except the target, which keeps its
-    own value. A sampled token was in the sampler's support even where these logits (not the sampler's) put it just
-    outside, and its log-prob must stay finite."""
+def _tied_bound(x: Tensor, targets: Tensor, lowest: Tensor, kept: Tensor, above: Tensor) -> Tensor:
+    """The pytorch rule's cut through a run of ties, per row of x [r, V]: `kept` positions of the sorted row stay,
+    `above` of them above `lowest`, so kept - above of the tokens at `lowest` do. Which ones is torch.sort's order
+    (unspecified): the target first, then the lowest ids. Returns the highest id kept among the ties (V: all kept,
+    -1: only the target), for `_restrict_`."""
+    tied = x == lowest[:, None]
+    last = torch.full_like(kept, x.shape[-1])
+    cut = (above + tied.sum(-1) > kept).nonzero().squeeze(-1)
+    if cut.numel():
+        t = targets[cut, None]
+        run = tied[cut]
+        wanted = kept[cut] - above[cut] - run.gather(-1, t).squeeze(-1).long()  # ties kept besides the target
+        run.scatter_(-1, t, False)
+        seen = run.cumsum(-1, dtype=torch.int32)
+        last[cut] = torch.where(wanted > 0, (seen < wanted[:, None]).sum(-1), -1)
+    return last
+
+
+def _restrict_(s: Tensor, targets: Tensor, lowest: Tensor, last: Optional[Tensor] = None) -> Tensor:
+    """s [..., V] scaled logits, in place: OUTSIDE on the tokens below `lowest`, and with `last` on those at it
+    whose id is above it, except the target, which keeps its own value. A sampled token was in the sampler's
+    support even where these logits (not the sampler's) put it just outside, and its log-prob must stay finite."""
     target_s = s.gather(-1, targets.unsqueeze(-1))
-    s.masked_fill_(s < lowest.unsqueeze(-1), OUTSIDE)
+    outside = s < lowest.unsqueeze(-1)
+    if last is not None:
+        ids = torch.arange(s.shape[-1], device=s.device)
+        outside |= (s == lowest.unsqueeze(-1)) & (ids > last.unsqueeze(-1))
+    s.masked_fill_(outside, OUTSIDE)
     return s.scatter_(-1, targets.unsqueeze(-1), target_s)
 
 
@@ -132,20 +231,24 @@ def _chunk_stats(s: Tensor, targets: Tensor, with_entropy: bool) -> tuple:
 
 
 def _forward_buffers(logp: Tensor, with_entropy: bool, support: Optional[Support]) -> tuple:
-    """(logp, lse, entropy, lowest, log_mass): the forward's per-token float32 outputs, all shaped as logp, the last
-    three None when not asked for (entropy) or without a support."""
+    """(logp, lse, entropy, lowest, last, log_mass): the forward's per-token outputs, all shaped as logp, float32 but
+    `last` (int64, the pytorch rule's id bound in a run of ties); None when not asked for (entropy), without a
+    support (the last three) or for another rule (last)."""
     lowest, log_mass = (torch.empty_like(logp), torch.empty_like(logp)) if support else (None, None)
-    return logp, torch.empty_like(logp), torch.empty_like(logp) if with_entropy else None, lowest, log_mass
+    last = torch.empty_like(logp, dtype=torch.long) if support and support.backend == "pytorch" else None
+    return logp, torch.empty_like(logp), torch.empty_like(logp) if with_entropy else None, lowest, last, log_mass
 
 
 def _chunk_forward(s: Tensor, targets: Tensor, bufs: tuple, at, with_entropy: bool,
                    support: Optional[Support]) -> None:
     """One chunk's scaled logits s [..., V] float32 (consumed) -> its tokens' entries `at` of _forward_buffers'
-    outputs; with a support, restricted to it first (its lowest kept value saved for the backward)."""
-    logp, lse, entropy, lowest, log_mass = bufs
+    outputs; with a support, restricted to it first (its bounds saved for the backward)."""
+    logp, lse, entropy, lowest, last, log_mass = bufs
     if support:
-        lowest[at], full = _support_bounds(s, support)
-        _restrict_(s, targets, lowest[at])
+        lowest[at], tied, full = _support_bounds(s, targets, support)
+        if last is not None:
+            last[at] = tied
+        _restrict_(s, targets, lowest[at], tied)
     lse[at], logp[at], ent = _chunk_stats(s, targets, with_entropy)
     if with_entropy:
         entropy[at] = ent
@@ -178,10 +281,10 @@ def _chunk_grad(s: Tensor, targets: Tensor, lse: Tensor, entropy: Optional[Tenso
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """Forward and backward chunk by chunk; saves only the logits (no copy), lse and entropy ([rows, T] float32), and
-    with a support the lowest kept value per token ([rows, T] float32).
+    with a support the lowest kept value per token ([rows, T] float32; the pytorch rule also an int64 id bound).
 
-    Backward recomputes each chunk's softmax from the logits in float32 (and the same support from the saved lowest
-    values) and writes d/dlogits analytically (_chunk_grad), so the peak extra memory is one float32 chunk (two with
+    Backward recomputes each chunk's softmax from the logits in float32 (and the same support from the saved bounds)
+    and writes d/dlogits analytically (_chunk_grad), so the peak extra memory is one float32 chunk (two with
     entropy; with a support, a boolean mask of the chunk and the log-sum-exp of a fifth of it at a time besides) plus
     the gradient in the logits' dtype. This is the per-chunk checkpointing idea without autograd's saved intermediates.
     """
@@ -195,9 +298,9 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             s = logits[rs, ts].to(torch.float32, copy=True).div_(temperature)  # one new float32 chunk
             _chunk_forward(s, targets[rs, ts], bufs, (rs, ts), with_entropy, support)
             del s  # free this chunk before the next one is allocated
-        logp, lse, entropy, lowest, log_mass = bufs
+        logp, lse, entropy, lowest, last, log_mass = bufs
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.save_for_backward(logits, targets, lse, entropy, lowest)
+        ctx.save_for_backward(logits, targets, lse, entropy, lowest, last)
         if support:
             ctx.mark_non_differentiable(log_mass)
         return logp, entropy, log_mass
@@ -205,13 +308,13 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp: Tensor, grad_entropy: Optional[Tensor], _grad_log_mass):
-        logits, targets, lse, entropy, lowest = ctx.saved_tensors
+        logits, targets, lse, entropy, lowest, last = ctx.saved_tensors
         rows, T, _ = logits.shape
         grad = torch.empty_like(logits)
         for rs, ts in _chunks(rows, T, ctx.chunk_size):
             s = logits[rs, ts].to(torch.float32, copy=True).div_(ctx.temperature)
             if lowest is not None:
-                _restrict_(s, targets[rs, ts], lowest[rs, ts])
+                _restrict_(s, targets[rs, ts], lowest[rs, ts], None if last is None else last[rs, ts])
             grad[rs, ts] = _chunk_grad(s, targets[rs, ts], lse[rs, ts], None if entropy is None else entropy[rs, ts],
                                        grad_logp[rs, ts], grad_entropy[rs, ts] if ctx.with_entropy else None,
                                        ctx.temperature)
@@ -263,7 +366,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, chunk_si
 class _LinearTokenLogProbs(torch.autograd.Function):
     """lm_head and log-softmax fused per chunk of tokens: logits = hidden @ weight.T exist one chunk at a time, in
     forward and in backward (recomputed there: one more [chunk, H] x [H, V] matmul per chunk, the price of never
-    holding [T, V]). Saves hidden, weight (no copies), lse and entropy (and a support's lowest kept values). Backward
+    holding [T, V]). Saves hidden, weight (no copies), lse and entropy (and a support's bounds). Backward
     per chunk: d = dL/dlogits (_chunk_grad), grad_hidden = d @ weight, grad_weight += d.T @ hidden (accumulated in
     float32). verl's linear_cross_entropy kernel (verl/utils/kernel/linear_cross_entropy.py) is the same idea as a
     Triton kernel."""
@@ -278,9 +381,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             s = (hidden[c] @ weight.T).float().div_(temperature)
             _chunk_forward(s, targets[c], bufs, c, with_entropy, support)
             del s
-        logp, lse, entropy, lowest, log_mass = bufs
+        logp, lse, entropy, lowest, last, log_mass = bufs
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy, lowest)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy, lowest, last)
         if support:
             ctx.mark_non_differentiable(log_mass)
         return logp, entropy, log_mass
@@ -288,14 +391,14 @@ class _LinearTokenLogProbs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp: Tensor, grad_entropy: Optional[Tensor], _grad_log_mass):
-        hidden, weight, targets, lse, entropy, lowest = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, lowest, last = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for t0 in range(0, hidden.shape[0], ctx.chunk_size):
             c = slice(t0, t0 + ctx.chunk_size)
             s = (hidden[c] @ weight.T).float().div_(ctx.temperature)
             if lowest is not None:
-                _restrict_(s, targets[c], lowest[c])
+                _restrict_(s, targets[c], lowest[c], None if last is None else last[c])
             d = _chunk_grad(s, targets[c], lse[c], None if entropy is None else entropy[c], grad_logp[c],
                             grad_entropy[c] if ctx.with_entropy else None, ctx.temperature)
             grad_hidden[c] = d.to(hidden.dtype) @ weight

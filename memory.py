@@ -111,9 +111,9 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
         (layer_activation_bytes: a MoE's grouped_mm experts hold ~8x a dense layer's);
       log-probs: one chunk's logits in the compute dtype and float32, one more float32 chunk with the entropy
         (logprobs.linear_token_logprobs: the [tokens, vocab] logits are never built), 2 bytes a chunk entry more
-        with a rollout.sampling.top_k / top_p support (its boolean mask, and the top values of a fifth of the chunk
-        at a time: +0.19 GiB measured at 1024 x 151936, bench/logprob_memory.py --top-p 0.9), and the lm_head
-        gradient's float32 accumulator;
+        with a rollout.sampling.top_k / top_p / min_p support (its boolean mask, and the top values of a fifth of
+        the chunk at a time: +0.19 GiB measured at 1024 x 151936, bench/logprob_memory.py --top-p 0.9), and the
+        lm_head gradient's float32 accumulator;
       cuda runtime: the CUDA context and NCCL (a constant, CUDA_RUNTIME_GIB; none on CPU).
     "device" sums them, except that with activation checkpointing the log-probs (the head's forward and backward)
     and the recomputed layer (a layer's backward) are never live together: the larger of the two counts.
@@ -142,7 +142,7 @@ def memory_estimate(cfg, n_params: int, largest_layer: int, world: int, device_t
             parts["activations"] = (n_layers * layer["saved"] + layer["transient"]) / GIB
         chunk = min(t.logprob_chunk_tokens, tokens)
         sampling = cfg.rollout.sampling
-        support = 2 if logprobs.Support(sampling.top_k, sampling.top_p).truncates() else 0
+        support = 2 if logprobs.Support(sampling.top_k, sampling.top_p, sampling.min_p).truncates() else 0
         parts["log-probs"] = (chunk * v * (compute_b + 4 + (4 if with_entropy else 0) + support) + v * h * 4) / GIB
         if cfg.model.activation_checkpointing:
             apart = min(parts["log-probs"], parts["recomputed layer"])

@@ -219,7 +219,7 @@ class Rollout:
         self.reward_names = [ds.reward or tasks.default_reward(ds.task) for ds in cfg.data_source]
         self.reward_fns = [tasks.get_reward_fn(name) for name in self.reward_names]
         self.sampling_params = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
-                                "top_k": r.sampling.top_k,
+                                "top_k": r.sampling.top_k, "min_p": r.sampling.min_p,
                                 "stop_token_ids": tasks.stop_token_ids(tokenizer, cfg.model.path)}
         self.run_tag = uuid.uuid4().hex[:8]  # no "-": the tag, then "-", is a prefix of this Rollout's rids only
         self.n = cfg.N

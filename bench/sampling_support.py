@@ -5,9 +5,10 @@ standins/engine.py serves --model (SGLang 0.5.23's convention: the reported log-
 vocabulary's, log_softmax(logits / T), whatever top_p / top_k keep). Chat prompts (sums and one-sentence requests)
 are sampled at --temperature / --top-p / --top-k, each with a sampling_seed, with return_logprob and
 top_logprobs_num --top (the engine's own whole-vocabulary log-probs of its --top most likely tokens at every
-position). From those the sampler's kept set is found by SGLang's rule in plain Python (most likely first, kept
-while the probability ranked above is <= top_p and the rank < top_k), so mu, the probability the token was drawn
-with, is the engine's: log mu = reported - log(kept mass). The trainer's log-probs of the same tokens come from
+position). From those the sampler's kept set is found by the rule of the engine's sampler, flashinfer's (0.5.23's
+default on CUDA; docs/sglang.md), in plain Python: a token is kept when fewer than top_k tokens are more likely and
+their mass is < top_p, tied tokens together; so mu, the probability the token was drawn with, is the engine's:
+log mu = reported - log(kept mass). The trainer's log-probs of the same tokens come from
 model.token_logprobs (the trainer's path: the lm_head fused into the chunked log-softmax), float32, without and
 with the support; --weight-noise gives the trainer other weights than the engine's, as staleness does.
 
@@ -48,10 +49,13 @@ QUESTIONS = [f"What is {a} + {b}? Answer with the number only." for a, b in
 
 def kept_mass(top: list, top_p: float, top_k: int) -> tuple:
     """The engine's top log-probs at one position [[lp, id, text], ...], most likely first -> (log of the mass the
-    sampler keeps, its size, whether the list ran out before the rule stopped)."""
-    mass, n = 0.0, 0
+    sampler keeps, its size, whether the list ran out before the rule stopped). A run of ties is tested at its first
+    token: count and mass of the more likely ones (flashinfer's count(p > p_j) < top_k and mass(p > p_j) < top_p)."""
+    mass, n, above, more = 0.0, 0, 0.0, 0
     for rank, (lp, _, _) in enumerate(top):
-        if (top_k > 0 and rank >= top_k) or mass > top_p:
+        if rank and lp != top[rank - 1][0]:
+            above, more = mass, rank
+        if (top_k > 0 and more >= top_k) or (top_p < 1 and above >= top_p):
             return math.log(mass), n, False
         mass, n = mass + math.exp(lp), n + 1
     return math.log(mass), n, True
@@ -122,7 +126,7 @@ def main():
             scaled = model(ids).logits[0, len(s["prompt"]) - 1:-1].float() / args.temperature
             ranked = scaled.sort(-1, descending=True).values
             p = ranked.softmax(-1)
-            kept = ((p.cumsum(-1) - p) <= args.top_p).sum(-1)
+            kept = ((p.cumsum(-1) - p) < args.top_p).sum(-1) if args.top_p < 1 else torch.full(p.shape[:1], p.shape[1])
             if args.top_k > 0:
                 kept = kept.clamp(max=args.top_k)
             targets = torch.tensor(s["response"])

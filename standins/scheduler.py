@@ -477,18 +477,32 @@ def sample(logits: torch.Tensor, params: list, generators: list, banned: list) -
 
 
 def filter_scores(scores: torch.Tensor, params: list) -> torch.Tensor:
-    """top_k / top_p / min_p (SGLang's rules) on log-probs [B, V]: removed entries become -inf (not in greedy rows)."""
+    """top_k / top_p / min_p on log-probs [B, V] by 0.5.23's default backend on CUDA, flashinfer 0.7.2
+    (layers/sampler.py: Sampler._sample_from_probs): removed entries become -inf (not in greedy rows). Token j is kept
+    when count(p > p_j) < top_k and mass(p > p_j) < top_p, on the whole distribution (top_k_top_p_sampling_from_probs
+    with filter_apply_order="joint": sampling.cuh TopKTopPSamplingFromProbKernel): by value, so tied tokens stay or
+    go together, and strict, so a token with exactly top_p ranked above it goes. With min_p > 0 in any request of the
+    batch (sampling_batch_info.py: need_min_p_sampling) every row goes through top_k_renorm_prob (the same top_k
+    test), top_p_renorm_prob (the top_p test on the top-k set renormalised) and min_p_sampling_from_probs (p >=
+    min_p x the largest). A row at top_p 1 skips the top_p test (the kernels' float32 mass of the rest may round to
+    1 for the least likely tokens; a mass under 1e-7)."""
     dev, vocab = scores.device, scores.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else vocab for p in params], device=dev)
     top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=dev)
     min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=dev)
     s, idx = scores.sort(-1, descending=True)
-    probs = s.softmax(-1)
-    remove = torch.arange(vocab, device=dev)[None] >= top_k[:, None]
-    remove |= ((probs.cumsum(-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1)  # keep the token crossing top_p
-    remove |= probs < min_p[:, None] * probs[:, :1]
-    remove[:, 0] = False
-    return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(remove, float("-inf")))
+    probs = s.softmax(-1)  # float32, as the kernels take them
+    # each token's count(p > p_j): where its run of ties starts in the sorted row
+    larger = torch.searchsorted(-probs, -probs, right=False)
+    keep = larger < top_k[:, None]
+    if any(p.min_p > 0 for p in params):
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    above = (probs.cumsum(-1) - probs).gather(1, larger)  # mass(p > p_j)
+    keep &= (above < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    return torch.empty_like(scores).scatter_(1, idx, s.masked_fill(~keep, float("-inf")))
 
 
 # -- The model thread ----------------------------------------------------------------------------------------------
