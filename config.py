@@ -794,7 +794,6 @@ def _check_placement(cfg: Config) -> None:
         raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
     extra = " ".join(map(str, cfg.rollout.sglang_args.extra)).replace("=", " ").split()
     algorithm, ws = dict(zip(extra, extra[1:])).get("--speculative-algorithm", "NONE"), cfg.weight_sync
-    # every algorithm but NGRAM / UNO has a draft model, which gets no update; /update_weights_from_disk can't select
     if algorithm.upper() not in ("NGRAM", "UNO", "NONE") and ws.method == "disk" and not ws.delta:
         raise ValueError(f"weight_sync.method=disk would reload the servers' speculative draft model (--speculative-"
                          f"algorithm {algorithm} in rollout.sglang_args.extra) from the policy's checkpoint; use "
