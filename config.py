@@ -496,9 +496,7 @@ class Config:
         return max(1, self.M // self.N)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Building a Config from dicts, with errors that name the key
-# ---------------------------------------------------------------------------------------------------------
+# ---- Building a Config from dicts, with errors that name the key ----
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check (and gently coerce) `value` against annotation `tp`; raise ValueError naming `key`."""
@@ -678,9 +676,7 @@ def resolve(cfg: Config) -> Config:
     return cfg
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Start-up validation: every rule of the spec's parameter table, one sentence each
-# ---------------------------------------------------------------------------------------------------------
+# ---- Start-up validation: every rule of the spec's parameter table, one sentence each ----
 
 def _positive(value, key: str) -> None:
     if value is None or value <= 0:
@@ -790,7 +786,7 @@ def _check_fully_async(cfg: Config) -> None:
 
 
 def _check_placement(cfg: Config) -> None:
-    """What colocate and device allow of the pause, the weight sync and the attention kernel."""
+    """What colocate, device and a speculative draft model allow of the pause, the weight sync and attention."""
     if cfg.rollout.pause_mode == "in_place" and cfg.colocate:
         raise ValueError("rollout.pause_mode=in_place does not work with colocate=true: the kept requests hold "
                          "their KV cache, and a server releases its memory only with no request running; use "
@@ -800,6 +796,12 @@ def _check_placement(cfg: Config) -> None:
                          "group of trainer rank 0 and the servers on the same GPUs; use weight_sync.method=tensor")
     if cfg.model.attn_implementation == "flash_attention_2" and cfg.device == "cpu":
         raise ValueError("model.attn_implementation=flash_attention_2 needs device=cuda; on CPU use auto or sdpa")
+    extra = " ".join(map(str, cfg.rollout.sglang_args.extra)).replace("=", " ").split()
+    algorithm, ws = dict(zip(extra, extra[1:])).get("--speculative-algorithm", "NONE"), cfg.weight_sync
+    if algorithm.upper() not in ("NGRAM", "UNO", "NONE") and ws.method == "disk" and not ws.delta:
+        raise ValueError(f"weight_sync.method=disk would reload the servers' speculative draft model (--speculative-"
+                         f"algorithm {algorithm} in rollout.sglang_args.extra) from the policy's checkpoint; use "
+                         "weight_sync.method distributed or tensor, or weight_sync.delta=true (target model only)")
 
 
 def _check_sources(cfg: Config) -> None:
@@ -891,8 +893,6 @@ def _takes(obj, n: int) -> bool:
     except ValueError:  # no signature (a builtin): cannot tell, let the first call say
         return True
     return True
-
-
 
 
 def validate_server_layout(cfg: Config) -> None:

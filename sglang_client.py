@@ -54,6 +54,10 @@ PROBE_MAX_S = 2.0  # cap of the doubling /health probe delay of a server out of 
 FINISH_TYPES = ("stop", "length", "abort")  # finish_reason types of a /generate item
 JSON_HEADERS = {"Content-Type": "application/json"}  # of a body sent as orjson bytes
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)  # /server_info "version" of the servers whose HTTP API this file speaks
+# The model runners every weight update with a `selector` goes to (0.5.23 managers/io_struct.py, default "all";
+# managers/scheduler_components/weight_updater.py _select_runners): the target model only. A speculative draft model's
+# weights are not the policy's, so it receives nothing; with "all" a custom weight loader runs once per runner.
+WEIGHT_SELECTOR = "target"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -457,6 +461,8 @@ class Fleet:
         return await self._fan_out("POST", "/flush_cache")
 
     async def update_weights_from_disk(self, path: str, version: int, flush_cache: bool = True) -> list:
+        """Every worker reloads every model it runs from `path`: 0.5.23's call has no selector, so a speculative
+        draft model is reloaded from it too (config.validate refuses weight_sync.method=disk with one)."""
         return await self._fan_out("POST", "/update_weights_from_disk",
                                    {"model_path": path, "weight_version": str(version), "flush_cache": flush_cache})
 
@@ -481,9 +487,9 @@ class Fleet:
                                                       {**body, "rank_offset": off}) for u, off in zip(urls, offsets)]))
 
     async def begin_weight_update(self) -> list:
-        """Open the weight-update session on every worker: 0.5.23 refuses /update_weights_from_distributed outside
-        one (HTTP 400, without joining the broadcast)."""
-        return await self._fan_out("POST", "/begin_weight_update", {})
+        """Open the weight-update session on every worker, for the target model (WEIGHT_SELECTOR): 0.5.23 refuses
+        /update_weights_from_distributed outside one (HTTP 400, without joining the broadcast)."""
+        return await self._fan_out("POST", "/begin_weight_update", {"selector": WEIGHT_SELECTOR})
 
     async def end_weight_update(self, timeout_s: Optional[float] = None) -> list:
         return await self._fan_out("POST", "/end_weight_update", {}, timeout_s)
@@ -494,22 +500,26 @@ class Fleet:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               version: Optional[int] = None, group_name: str = "weight_update_group",
                                               flush_cache: bool = True, load_format: Optional[str] = None) -> list:
-        """Every worker receives these tensors from the group's broadcast (the trainer broadcasts meanwhile), inside
-        a begin_weight_update ... end_weight_update session. flush_cache=true fails the call while requests run.
-        load_format "flattened_bucket": one broadcast of a uint8 buffer holding the tensors back to back."""
+        """Every worker receives these tensors from the group's broadcast (the trainer broadcasts meanwhile) into its
+        target model (WEIGHT_SELECTOR), inside a begin_weight_update ... end_weight_update session. flush_cache=true
+        fails the call while requests run. load_format "flattened_bucket": one broadcast of a uint8 buffer holding
+        the tensors back to back."""
         return await self._fan_out("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
-            "weight_version": None if version is None else str(version), "load_format": load_format})
+            "weight_version": None if version is None else str(version), "load_format": load_format,
+            "selector": WEIGHT_SELECTOR})
 
     async def update_weights_from_tensor(self, payloads: list[list[str]], version: Optional[int] = None,
                                          flush_cache: bool = True, load_format: Optional[str] = None) -> list:
-        """Worker i loads payloads[i]: one MultiprocessingSerializer payload per TP rank (sync_tensor.py), inside a
-        begin_weight_update ... end_weight_update session. load_format: None (the model's load_weights), or a
-        custom loader the server was launched with (--custom-weight-loader; weight_delta.LOADER)."""
+        """Worker i loads payloads[i] into its target model (WEIGHT_SELECTOR): one MultiprocessingSerializer payload
+        per TP rank (sync_tensor.py), inside a begin_weight_update ... end_weight_update session. load_format: None
+        (the model's load_weights), or a custom loader the server was launched with (--custom-weight-loader;
+        weight_delta.LOADER), which runs once, on the target."""
         urls = await self.workers()
         if len(urls) != len(payloads):
             raise ValueError(f"{len(payloads)} tensor payload lists for {len(urls)} workers")
-        body = {"flush_cache": flush_cache, "weight_version": None if version is None else str(version)}
+        body = {"flush_cache": flush_cache, "weight_version": None if version is None else str(version),
+                "selector": WEIGHT_SELECTOR}
         if load_format is not None:
             body["load_format"] = load_format
         return list(await asyncio.gather(*[self._call(u, "POST", "/update_weights_from_tensor",

@@ -16,8 +16,12 @@ Run: python bench/weight_sync_bench.py [--code DIR] [--ranks 2] [--methods distr
 (method, lr); the trainer pushes bf16 (as on GPUs), syncs once in full, then --steps times takes one AdamW step at
 that lr (language-model loss on random tokens: Adam's update is ~lr per element whatever the loss, so the changed
 share is set by lr against the weights' bf16 spacing) and syncs the delta. Printed per step: bytes sent, seconds,
-the changed share. --model DIR benchmarks an existing HF checkpoint (e.g. runs/smollm2) instead of the random one.
+the changed share; per run, how many times the weight-update group formed. --model DIR benchmarks an existing HF
+checkpoint (e.g. runs/smollm2) instead of the random one. --draft launches the engine with a speculative draft model
+(--speculative-algorithm EAGLE: a draft runner that weight updates may select) and prints the weight operations it
+got (none: the trainer's updates select the target).
   python bench/weight_sync_bench.py --delta [--model DIR] [--lrs 1e-6,1e-5] [--steps 5] [--methods distributed,disk]
+                                    [--draft]
 """
 from __future__ import annotations
 
@@ -112,7 +116,8 @@ def delta_worker(a, cfg, model, opt, actor, rank) -> None:
     assert actor.weights.dtype == torch.bfloat16, "--delta runs with weight_sync.dtype=bfloat16 (the engine's)"
     g = torch.Generator().manual_seed(rank)
     vocab = model.config.vocab_size
-    rows = []
+    rows, forms, form = [], [], actor.weights.distributed.form
+    actor.weights.distributed.form = lambda: forms.append(1) or form()  # counts the weight-update group's formations
     for version in range(1, a.steps + 2):
         if version > 1:
             ids = torch.randint(0, vocab, (2, 64), generator=g)
@@ -124,8 +129,8 @@ def delta_worker(a, cfg, model, opt, actor, rank) -> None:
         rows.append({"s": time.perf_counter() - t0, **{k: m.get(k) for k in (
             "perf/weight_sync_bytes", "perf/weight_sync_delta", "perf/weight_sync_changed_frac")}})
     if rank == 0:
-        print("RESULT " + json.dumps({"rows": rows, "numel": sum(p.numel() for p in model.parameters())}),
-              flush=True)
+        print("RESULT " + json.dumps({"rows": rows, "numel": sum(p.numel() for p in model.parameters()),
+                                      "forms": len(forms)}), flush=True)
     dist.barrier(group=actor.ctrl if hasattr(actor, "ctrl") else None)
     dist.destroy_process_group()
 
@@ -139,27 +144,36 @@ def main_delta(a) -> None:
         model = a.model or os.path.join(d, "model")
         if not a.model:
             make_model(model, a.moe)
+        draft = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=model) if a.draft else {}
         print(f"model {a.model or 'random ~100M Qwen3'}; {a.ranks} trainer ranks (gloo, CPU), one standins/engine.py "
-              f"--dtype bfloat16 --custom-weight-loader {weight_delta.LOADER}; bucket_mb {a.bucket_mb}; AdamW, "
+              f"--dtype bfloat16 --custom-weight-loader {weight_delta.LOADER}"
+              f"{' --speculative-algorithm EAGLE' if a.draft else ''}; bucket_mb {a.bucket_mb}; AdamW, "
               "weight_decay 0", flush=True)
         print("| method | lr | sync | kind | bytes | s | changed share |\n|---|---|---|---|---|---|---|")
+        notes = []
         for method in [m for m in a.methods.split(",") if m != "tensor"]:  # delta: refused with tensor
             for lr in a.lrs.split(","):
                 run_dir = os.path.join(d, f"run_{method}_{lr}")  # disk deltas: read from its sync_weights only
                 url, handle = engine.launch(model, port=a.port, dist_timeout=600, wait_timeout=600, dtype="bfloat16",
                                             custom_weight_loader=weight_delta.LOADER, weight_version=0,
-                                            env={weight_delta.SYNC_DIR_ENV: os.path.join(run_dir, "sync_weights")})
+                                            env={weight_delta.SYNC_DIR_ENV: os.path.join(run_dir, "sync_weights")},
+                                            **draft)
                 try:
                     res = run_workers(a, ["--delta", "--lr", lr, "--steps", str(a.steps), "--model", model, "--url",
                                           url, "--run-dir", run_dir, "--methods", method],
                                       os.path.join(d, f"{method}_{lr}.log"), 3600)
                 finally:
                     handle.stop()
+                with open(handle.log_path) as f:
+                    res["draft"] = sum(engine.DRAFT_LOG in ln for ln in f)
                 for i, r in enumerate(res["rows"]):
                     kind = "delta" if r["perf/weight_sync_delta"] else "full"
                     frac = "" if i == 0 else f"{100 * r['perf/weight_sync_changed_frac']:.2f}%"
                     print(f"| {method} | {lr} | {i + 1} | {kind} | {r['perf/weight_sync_bytes'] / 1e6:.2f} MB | "
                           f"{r['s']:.2f} | {frac} |", flush=True)
+                notes.append(f"{method} lr {lr}: the weight-update group formed {res['forms']} time(s)"
+                             f"{'; weight operations the draft model got: ' + str(res['draft']) if a.draft else ''}")
+        print("\n" + "\n".join(notes))
 
 
 def run_workers(a, args: list, log_path: str, timeout_s: int) -> dict:
@@ -195,6 +209,7 @@ def main() -> None:
     p.add_argument("--lr", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help="--delta: an HF checkpoint directory to use instead of the random model")
+    p.add_argument("--draft", action="store_true", help="--delta: the engine with a speculative draft model (EAGLE)")
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args()

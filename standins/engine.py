@@ -50,7 +50,10 @@ first, re-queued with their tokens, /server_info num_retracted_reqs).
 Simplifications against SGLang: a custom weight loader's weight_delta.DeltaRefused answers success false (0.5.23
 ends the server: weight_delta.py's docstring); the pool counts tokens, not the padded KV slabs the batch really uses (its memory
 is the cached KV plus those slabs); batches do not stream;
-no penalties, grammars or custom logit processors (accepted at their defaults, else 400);
+no penalties, grammars or custom logit processors (accepted at their defaults, else 400); no speculative decoding:
+--speculative-algorithm (any but NGRAM / UNO) only adds a draft model runner that weight updates go to as 0.5.23's
+`selector` picks them (default "all": the target, then the draft; /update_weights_from_disk every runner) and that
+logs each operation it gets instead of loading it (_DraftModel, DRAFT_LOG);
 `spaces_between_special_tokens` is ignored; full-attention decoders only; released weights move to host memory
 (generation waits until they are resumed) and come back as NaN, buffers too, unless --enable-weights-cpu-backup;
 /tokenize takes `prompt` only (no chat template renderer for `messages`).
@@ -109,6 +112,9 @@ HEALTH_GENERATES = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)  #
 REQUEST_STATE_WAIT_TIMEOUT_S = env_int("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4)
 SESSION_REQUIRED = ("update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()")  # SGLang 0.5.23's message (scheduler_components/weight_updater.py)
+SELECTORS = ("target", "draft", "all")  # a weight update's `selector` (0.5.23 managers/io_struct.py, default "all")
+NO_DRAFT_MODEL = ("NGRAM", "UNO", "NONE")  # speculative algorithms whose worker has no draft model runner
+DRAFT_LOG = "draft runner:"  # starts the log line of every weight operation the draft model gets (_DraftModel)
 # Test-only fault, no SGLang behaviour (docs/engine.md): the paths listed here (comma-separated) take the request and
 # never answer, as a server that stopped answering them; e.g. STANDIN_TEST_HANG=/pause_generation.
 TEST_HANG = frozenset(p for p in os.environ.get("STANDIN_TEST_HANG", "").split(",") if p)
@@ -498,7 +504,10 @@ class Server:
         self.ready, self.started = False, time.time()
         self.model_path = args.model_path  # the checkpoint served: the launch one, then each /update_weights_from_disk
         self.live: dict = {}  # rid -> Req of every registered /generate (SGLang's rid_to_state)
-        self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.session: Optional[str] = None  # between /begin_weight_update and /end_weight_update: its selector
+        algorithm = (args.speculative_algorithm or "NONE").upper()  # a draft model runner, as 0.5.23 has one
+        self.draft = (_DraftModel(args.speculative_draft_model_path or args.model_path)
+                      if algorithm not in NO_DRAFT_MODEL else None)
         self.healthy = True  # SGLang's server_status Up (False: UnHealthy, after a /health that timed out)
         self.tasks: set = set()  # handlers of abandoned requests (see _gated)
         max_body = int(args.max_request_mb * 2 ** 20)
@@ -819,9 +828,13 @@ class Server:
         if not Path(path).is_dir():
             return _fail(f"model_path {path} is not a directory", num_paused_requests=0)
         version, dtype = options[2], self.args.dtype
-        resp = await self._update(lambda: self._run(lambda: self.sched.load_from_disk(path, version, dtype)), options,
-                                  f"Succeeded to update model weights from {path}.", f"loading {path} failed: ",
-                                  num_paused_requests=0)  # 0.5.23's scheduler always answers 0
+
+        def load():  # every runner: 0.5.23's call has no selector (_select_runners() selects all)
+            self.sched.load_from_disk(path, version, dtype)
+            if self.draft is not None:
+                self.draft.record(f"update_weights_from_disk {path}")
+        resp = await self._update(lambda: self._run(load), options, f"Succeeded to update model weights from {path}.",
+                                  f"loading {path} failed: ", num_paused_requests=0)  # 0.5.23's scheduler: always 0
         if resp.status == 200:  # /model_info names the new checkpoint (tokenizer_manager.py: _update_model_path_info)
             self.model_path = path
         return resp
@@ -864,19 +877,41 @@ class Server:
         return web.json_response({"success": True, "message": f"Succeeded to destroy group {group!r}."})
 
     async def begin_weight_update(self, request):
-        _field(await _body(request), "selector", "all", _is_str, "a string")
-        return await self._session(True, "a weight-update session is already open; call end_weight_update() first")
+        selector = self._selector(await _body(request))
+        return await self._session(selector, "a weight-update session is already open; call end_weight_update() first")
 
     async def end_weight_update(self, request):
         await _body(request)
-        return await self._session(False, "no weight-update session is open; call begin_weight_update() first")
+        return await self._session(None, "no weight-update session is open; call begin_weight_update() first")
 
-    async def _session(self, open_: bool, refusal: str) -> web.Response:
+    async def _session(self, selector: Optional[str], refusal: str) -> web.Response:
+        """Open the session for the runners `selector` selects, or close it (None) for those it was opened for
+        (0.5.23 scheduler_components/weight_updater.py begin_weight_update / end_weight_update)."""
         async with self.gate.exclusive(self.args.wait_timeout):  # 0.5.23 takes the writer lock unless paused
-            if self.session_open == open_:
+            if (self.session is None) == (selector is None):
                 return _fail(refusal)
-            self.session_open = open_
+            for model in self._runners(selector or self.session)[1:]:  # the draft's, after the target's
+                model.record("begin_weight_update" if selector else "end_weight_update")
+            self.session = selector
         return web.json_response({"success": True, "message": "Success"})
+
+    @staticmethod
+    def _selector(body: dict) -> str:
+        return _field(body, "selector", "all", lambda v: v in SELECTORS, "'target', 'draft' or 'all'")
+
+    def _runners(self, selector: str) -> list:
+        """The models a weight update with `selector` goes to, the target's first: the target (a _LoaderModel) and,
+        on a server with one, the draft (0.5.23 scheduler_components/weight_updater.py _select_runners)."""
+        return ([_LoaderModel(self.sched)] if selector in ("target", "all") else []) + (
+            [self.draft] if selector in ("draft", "all") and self.draft is not None else [])
+
+    def _load(self, models: list, named: list, version: Optional[str], loader: Optional[Callable] = None) -> None:
+        """On the model thread: `named` to each model in turn, through `loader(model, named)` (a custom weight
+        loader) or its load_weights, then the weight version (0.5.23 records it once every runner loaded)."""
+        for model in models:
+            loader(model, named) if loader is not None else model.load_weights(named)
+        if version is not None:
+            self.sched.weight_version = version
 
     async def update_weights_from_distributed(self, request):
         body = await _body(request)
@@ -891,10 +926,11 @@ class Server:
         # any string: 0.5.23's receive_weights_from_distributed treats all but "flattened_bucket" as one broadcast
         # per tensor (model_runner_components/weight_updater.py)
         load_format = _field(body, "load_format", None, _is_str, "a string or null")
+        models = self._runners(self._selector(body))
         options = self._update_options(body)
         if group not in self.sched.groups:
             raise BadRequest(f"field `group_name`: no weight-update group {group!r}; call /init_weights_update_group")
-        if not self.session_open:  # refused before joining the broadcast: a client that broadcasts anyway hangs
+        if self.session is None:  # refused before joining the broadcast: a client that broadcasts anyway hangs
             return _fail(SESSION_REQUIRED)
         pg, device = self.sched.groups[group]
         if load_format == "flattened_bucket":
@@ -903,7 +939,8 @@ class Server:
             except ValueError as e:  # refused before joining the broadcast, as 0.5.23 (success false)
                 return _fail(f"Failed to receive weights: {e}")
 
-        async def load():  # receive off the model thread, then swap between two steps
+        async def load():  # receive once, off the model thread (only the target joined the group), then every
+            # selected runner loads it between two steps (0.5.23 update_weights_from_distributed)
             if load_format == "flattened_bucket":  # one uint8 broadcast, then views of it
                 flat = torch.empty(layout[-1][1], dtype=torch.uint8, device=device)
                 await asyncio.to_thread(broadcast_tensors, pg, [flat], self.args.dist_timeout)
@@ -911,7 +948,7 @@ class Server:
             else:
                 tensors = [torch.empty(s, dtype=dt, device=device) for s, dt in zip(shapes, dtypes)]
                 await asyncio.to_thread(broadcast_tensors, pg, tensors, self.args.dist_timeout)
-            await self._run(lambda: self.sched.load_tensors(list(zip(names, tensors)), options[2]))
+            await self._run(lambda: self._load(models, list(zip(names, tensors)), options[2]))
         return await self._update(load, options, f"Succeeded to update {len(names)} parameters.")
 
     async def update_weights_from_tensor(self, request):
@@ -927,22 +964,23 @@ class Server:
         load_format = _field(body, "load_format", None, lambda v: v == "direct" or v in custom,
                              f"null, 'direct' or a --custom-weight-loader of this server ({custom}); Unknown "
                              "load_format")
-        _field(body, "selector", "all", lambda v: v in ("target", "draft", "all"), "'target', 'draft' or 'all'")
+        models = self._runners(self._selector(body))
         _flag(body, "torch_empty_cache", False)
         options = self._update_options(body)
-        if not self.session_open:
+        if self.session is None:
             return _fail(SESSION_REQUIRED.replace("update_weights_from_distributed", "update_weights_from_tensor"))
         try:  # this engine is TP rank 0 of 1
             named = deserialize_named_tensors(payloads[0])
         except Exception as e:
             raise BadRequest(f"field `serialized_named_tensors`: payload 0 does not deserialize: {e}") from None
-        load = ((lambda: self._custom_load(load_format, named, options[2])) if load_format in custom else
-                (lambda: self.sched.load_tensors(named, options[2])))
+        load = ((lambda: self._custom_load(load_format, models, named, options[2])) if load_format in custom else
+                (lambda: self._load(models, named, options[2])))  # once per selected runner, the target's first
         return await self._update(lambda: self._run(load), options, "Success")
 
-    def _custom_load(self, load_format: str, named: list, version: Optional[str]) -> None:
-        """On the model thread: a --custom-weight-loader `module.func` called with a model whose load_weights loads by
-        checkpoint names (scheduler.load_tensors) and the payload's pairs. A refusal of weight_delta.py's loader
+    def _custom_load(self, load_format: str, models: list, named: list, version: Optional[str]) -> None:
+        """On the model thread: a --custom-weight-loader `module.func` called once per selected runner (0.5.23
+        update_weights_from_tensor) with its model, whose load_weights loads by checkpoint names (the target's:
+        scheduler.load_tensors), and the payload's pairs. A refusal of weight_delta.py's loader
         (DeltaRefused: the bucket was checked before anything of it was applied) answers success false; any other
         exception ends this server as 0.5.23 ends it, where nothing on the scheduler's path catches it, a refusal
         included (weight_delta.py's docstring): managers/scheduler.py run_scheduler_process logs "Scheduler hit an
@@ -959,7 +997,7 @@ class Server:
 
         module, _, fn = load_format.rpartition(".")
         try:
-            getattr(importlib.import_module(module), fn)(_LoaderModel(self.sched), named)
+            self._load(models, named, version, getattr(importlib.import_module(module), fn))
         except DeltaRefused:
             raise  # answered by _update: success false, the message
         except BaseException:
@@ -967,8 +1005,6 @@ class Server:
             log.error("Scheduler hit an exception: %s", traceback.format_exc())
             logging.shutdown()
             kill_process_tree()
-        if version is not None:
-            self.sched.weight_version = version
 
     async def get_weights_by_name(self, request):
         """0.5.23 http_server.py get_weights_by_name -> models/llama.py get_weights_by_name: the named parameter (the
@@ -1158,6 +1194,24 @@ class _LoaderModel:
         self._sched.load_tensors(list(named), None)
 
 
+class _DraftModel:
+    """The draft model runner of a server launched with a speculative algorithm that has one (every one but NGRAM
+    and UNO: 0.5.23 speculative/base_spec_worker.py weight_update_runners), which weight updates may select. No
+    speculative decoding happens here and it holds no weights: each weight operation it gets is one log line,
+    DRAFT_LOG first, naming it (and for a load, the tensors and their elements)."""
+
+    def __init__(self, path: str):
+        self.path = path  # --speculative-draft-model-path (NEXTN / MTP drafts default to --model-path)
+
+    def record(self, what: str) -> None:
+        log.info("%s %s", DRAFT_LOG, what)
+
+    def load_weights(self, named) -> None:
+        named = list(named)
+        self.record(f"load_weights {len(named)} tensors, {sum(t.numel() for _, t in named)} elements: "
+                    f"{[n for n, _ in named][:5]}")
+
+
 class EngineProcess:
     """Handle of an engine subprocess started by launch()."""
 
@@ -1294,6 +1348,14 @@ def main(argv=None):
                    help="largest request body accepted (MiB); larger ones get HTTP 413 before being read")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="keep released weights (and buffers) in host memory and restore them on resume, as SGLang")
+    p.add_argument("--speculative-algorithm", default=None,
+                   help="a speculative algorithm: every one but NGRAM / UNO gives this server a draft model runner\n"
+                        "that weight updates may select (`selector`; its operations are logged, DRAFT_LOG); no\n"
+                        "speculative decoding here (SGLang's flag)")
+    p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None,
+                   help="the draft model's checkpoint (SGLang's flag; not loaded here)")
+    for flag in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+        p.add_argument(flag, type=int, default=None, help="accepted and unused (SGLang's flag)")
     p.add_argument("--custom-weight-loader", nargs="*", default=None,
                    help="import paths (module.func) /update_weights_from_tensor may name as load_format; each is\n"
                         "called with (model, named_tensors) (SGLang's flag; e.g. weight_delta.load_delta)")

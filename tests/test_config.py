@@ -134,6 +134,12 @@ RULES = [
     (["weight_sync.dtype=float16"], None, ["weight_sync.dtype", "bfloat16", "float32"]),
     (["weight_sync.delta=true", "weight_sync.method=tensor"], None, ["weight_sync.delta=true needs"]),
     (["weight_sync.delta_full_every=0"], None, ["weight_sync.delta_full_every must be an integer >= 1"]),
+    # a speculative draft model gets no weight update, which /update_weights_from_disk (no selector) cannot honour
+    (["weight_sync.method=disk", "rollout.sglang_args.extra=[--speculative-algorithm, EAGLE]"], None,
+     ["weight_sync.method=disk", "--speculative-algorithm EAGLE in rollout.sglang_args.extra",
+      "use weight_sync.method distributed or tensor, or weight_sync.delta=true"]),
+    (["weight_sync.method=disk", "rollout.sglang_args.extra=[--speculative-algorithm=nextn]"], None,
+     ["weight_sync.method=disk", "--speculative-algorithm nextn"]),
     (["weight_sync.timeout_s=0"], None, ["weight_sync.timeout_s"]),
     (["buffer.get_timeout_s=0"], None, ["buffer.get_timeout_s"]),
     (["buffer.rpc_timeout_s=0"], None, ["buffer.rpc_timeout_s"]),
@@ -166,6 +172,23 @@ RULES = [
     (["run_mode=rollout-only", "trainer.num_nodes=2", "rollout.server_layout=[{node: 1}]"], None,
      ["run_mode=rollout-only", "rollout.server_layout[].node"]),
 ]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["weight_sync.method=distributed"], ["weight_sync.method=tensor"], ["weight_sync.delta=true"],
+    ["weight_sync.method=disk", "weight_sync.delta=true"],
+    ["weight_sync.method=disk", "rollout.sglang_args.extra=[--speculative-algorithm, NGRAM]"],
+    ["weight_sync.method=disk", "rollout.sglang_args.extra=[--speculative-draft-model-path, /draft]"],
+])
+def test_a_speculative_draft_model_is_accepted_where_the_weight_sync_leaves_it_alone(overrides):
+    """sglang 0.5.23 managers/scheduler_components/weight_updater.py _select_runners: the trainer's weight updates
+    select the target model (sglang_client.WEIGHT_SELECTOR), so a draft model is left alone by the distributed and
+    tensor methods and by delta (update_weights_from_tensor), not by update_weights_from_disk, which has no selector
+    (managers/io_struct.py UpdateWeightFromDiskReqInput). Only an algorithm with a draft model counts: NGRAM and UNO
+    have none (speculative/base_spec_worker.py weight_update_runners), nor has a draft path without an algorithm
+    (managers/scheduler.py maybe_init_draft_worker)."""
+    eagle = "rollout.sglang_args.extra=[--speculative-algorithm, EAGLE]"
+    config.validate(_cfg(*overrides, *([] if any("extra" in o for o in overrides) else [eagle])))
 
 
 @pytest.mark.parametrize("overrides,base,keys", RULES, ids=[" ".join(r[0])[:60] for r in RULES])

@@ -821,3 +821,69 @@ def test_reported_logprobs_are_the_whole_vocabularys_at_the_temperature_or_at_1_
                 assert max(abs(a - b) for a, b in zip(got, prompt_lp)) < 1e-4
     finally:
         handle.stop()
+
+
+def test_weight_updates_reach_the_runners_their_selector_picks(models, tmp_path):
+    """managers/scheduler_components/weight_updater.py _select_runners: on a server with a speculative draft model
+    (--speculative-algorithm EAGLE), `selector` "all" (managers/io_struct.py's default) is the target runner then the
+    draft's, "target" the target's alone. begin_weight_update opens the session on the runners it selects and
+    end_weight_update closes it on the same ones; update_weights_from_tensor calls each selected runner's
+    update_weights_from_tensor, so a custom weight loader runs once per runner: weight_delta.load_delta's second call
+    of a delta's last bucket finds its store already at the new version and refuses (over a broadcast it would wait
+    for a second broadcast); update_weights_from_disk has no selector and reloads every runner.
+    sglang_client.WEIGHT_SELECTOR ("target") is what the trainer sends: the draft gets nothing."""
+    import weight_delta
+
+    sync = tmp_path / "sync_weights"
+    sync.mkdir()
+    url, handle = engine.launch(models[0]["A"], speculative_algorithm="EAGLE", speculative_draft_model_path=
+                                models[0]["B"], custom_weight_loader=weight_delta.LOADER, wait_timeout=60,
+                                env={weight_delta.SYNC_DIR_ENV: str(sync)})
+
+    def draft_log() -> list:
+        with open(handle.log_path) as f:
+            return [ln.split(engine.DRAFT_LOG, 1)[1].split()[0] for ln in f if engine.DRAFT_LOG in ln]
+
+    name = "model.embed_tokens.weight"
+
+    def held() -> torch.Tensor:
+        return torch.tensor(post(url, "/get_weights_by_name", {"name": name, "truncate_size": 10 ** 6}).json())
+
+    def bucket(base, version: int, val: torch.Tensor, pos=None, **body) -> dict:
+        desc = {"base": base, "version": version, "last": True, "transport": "disk",
+                "path": str(sync / f"v{version}.safetensors")}
+        weight_delta.write_file(desc["path"], [{"name": name, "shape": list(before.shape), "dtype": torch.float32,
+                                                "pos": pos, "val": val}], desc)
+        return post(url, "/update_weights_from_tensor", {"serialized_named_tensors": [
+            weight_delta.control_payload(desc)], "load_format": weight_delta.LOADER, "weight_version": str(version),
+            **body}).json()
+
+    try:
+        info = requests.get(url + "/server_info", timeout=30).json()
+        assert info["speculative_algorithm"] == "EAGLE" and info["speculative_draft_model_path"] == models[0]["B"]
+        before = held()
+        assert post(url, "/begin_weight_update", {}).json()["success"] is True  # selector "all"
+        assert draft_log() == ["begin_weight_update"]
+        assert bucket(None, 1, before.reshape(-1))["success"] is True  # whole: the loader ran on both runners
+        assert draft_log() == ["begin_weight_update", "load_weights"]
+        one = torch.ones(1)
+        r = bucket(1, 2, one, torch.tensor([0], dtype=torch.int32))  # a delta: the draft's call is refused
+        assert r["success"] is False and "refused the delta 1 -> 2" in r["message"], r
+        assert held().reshape(-1)[0] == 1  # the target's call had applied it
+        assert post(url, "/end_weight_update", {}).json()["success"] is True
+        assert draft_log()[-1] == "end_weight_update"
+        seen = len(draft_log())
+        target = {"selector": "target"}
+        assert post(url, "/begin_weight_update", target).json()["success"] is True
+        assert bucket(None, 3, before.reshape(-1), **target)["success"] is True
+        assert bucket(3, 4, one * 2, torch.tensor([0], dtype=torch.int32), **target)["success"] is True
+        assert held().reshape(-1)[0] == 2 and len(draft_log()) == seen  # the target alone
+        assert post(url, "/end_weight_update", {}).json()["success"] is True
+        assert len(draft_log()) == seen
+        r = post(url, "/begin_weight_update", {"selector": "both"})
+        assert r.status_code == 400 and "selector" in r.text
+        assert post(url, "/update_weights_from_disk", {"model_path": models[0]["A"]}).json()["success"] is True
+        assert draft_log()[seen:] == ["update_weights_from_disk"]
+        assert handle.proc.poll() is None
+    finally:
+        handle.stop()

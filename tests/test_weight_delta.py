@@ -213,7 +213,33 @@ def test_delta_syncs_leave_the_servers_bit_exact(method, moe, tmp_path):
             assert s["bytes"] == full_bytes, s
 
 
-def worker(model_path: str, method: str, run_dir: str) -> None:
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_delta_syncs_stay_deltas_on_a_server_with_a_speculative_draft(method, tmp_path):
+    """sglang 0.5.23 managers/scheduler_components/weight_updater.py _select_runners: with a speculative draft model
+    (--speculative-algorithm EAGLE) the default selector "all" (managers/io_struct.py) calls the custom loader once
+    per runner (update_weights_from_tensor), so weight_delta.load_delta ran twice per bucket: over the broadcast the
+    draft's call waited for a broadcast the trainer never sends (the loader's exception ended the server), over disk
+    the draft's call of the last bucket was refused and every sync fell back to a full one. The trainer sends
+    selector "target" (sglang_client.WEIGHT_SELECTOR; begin_weight_update too): one trainer rank and one stand-in
+    launched with a draft, a full sync then four AdamW steps at lr 1e-6, each synced as a delta of far fewer bytes
+    than the full sync; the weight-update group formed once (distributed; disk forms none), the server alive and
+    bit-exact, and its draft given nothing (no DRAFT_LOG line: standins/engine.py _DraftModel)."""
+    model = tiny_model.make_tiny_model(str(tmp_path / "m"))
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                        os.path.abspath(__file__), model, method, str(tmp_path / "run"), "draft"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, start_new_session=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    syncs = res["syncs"]
+    assert [s["delta"] for s in syncs] == [0, 1, 1, 1, 1], syncs
+    assert all(0 < s["bytes"] < syncs[0]["bytes"] / 4 for s in syncs[1:]), syncs
+    assert res["forms"] == (1 if method == "distributed" else 0), res
+    assert res["alive"] and res["mismatched"] == 0 and res["draft"] == [], res
+
+
+def worker(model_path: str, method: str, run_dir: str, draft: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -229,7 +255,8 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
                                     "weight_sync.delta_full_every=100", "weight_sync.bucket_mb=1",
                                     "weight_sync.dtype=bfloat16",
                                     f"weight_sync.master_port={free_port()}", "weight_sync.master_address=127.0.0.1",
-                                    "trainer.num_gpus_per_node=1", "trainer.weight_decay=0.0"])
+                                    "trainer.num_gpus_per_node=1", "trainer.weight_decay=0.0"]
+                             + (["weight_sync.timeout_s=60", "rollout.startup_timeout_s=30"] if draft else []))
     model, _ = model_lib.load_model(cfg, init_device_mesh("cpu", (1,)), torch.device("cpu"), 0, ctrl)
     opt, sched = model_lib.build_optimizer(model, cfg.trainer)
     act = actor_lib.Actor(cfg, model, opt, sched, torch.device("cpu"), ctrl)
@@ -237,6 +264,8 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
     kw = dict(port=port, dtype="bfloat16", custom_weight_loader=weight_delta.LOADER, weight_version=0,
               dist_timeout=60, wait_timeout=120,
               env={weight_delta.SYNC_DIR_ENV: os.path.join(run_dir, "sync_weights")})  # as services.py launches it
+    if draft:  # a speculative draft model beside the target: see the draft test
+        kw.update(speculative_algorithm="EAGLE", speculative_draft_model_path=model_path)
     url, handle = engine.launch(model_path, **kw)
     act.fleet = sglang_client.SyncFleet(sglang_client.Fleet([url]))
     assert act.weights.dtype == torch.bfloat16  # weight_sync.dtype: the engine's, pushed and compared in it
@@ -281,6 +310,22 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
     with torch.no_grad():  # the weights as a bf16 checkpoint ships them (real models' are): the engine's
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
+    if draft:
+        forms, form = [], act.weights.distributed.form
+        act.weights.distributed.form = lambda: forms.append(1) or form()
+        try:
+            sync("first")
+            for _ in range(4):
+                step(1e-6)
+                sync("step")
+            alive = handle.proc.poll() is None
+        finally:
+            handle.stop()
+        with open(handle.log_path) as f:
+            drafted = [ln.strip() for ln in f if engine.DRAFT_LOG in ln]
+        print("RESULT " + json.dumps({"syncs": out, "forms": len(forms), "alive": alive, "draft": drafted,
+                                      "mismatched": sum(s["mismatched"] for s in out)}), flush=True)
+        return dist.destroy_process_group()
     try:
         sync("first")
         step(1e-8)  # a float32 update of ~1e-8 moves a bf16-representable weight off its value only near 0
@@ -306,4 +351,4 @@ def worker(model_path: str, method: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    worker(*sys.argv[1:4])
+    worker(*sys.argv[1:4], draft=sys.argv[4:5] == ["draft"])
