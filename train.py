@@ -13,9 +13,10 @@ is Step's, the other ranks get their groups by a collective. The model side: act
 run_mode=rollout-only / train-only and the greedy evaluator: run_modes.py; logging: logger.py; plots: plot.py.
 Faults (docs/faults.md): a launched server that dies is relaunched and gets the weights at the next sync; any other
 child that dies stops the run with its report as the one error line; bad inputs are refused before anything starts
-(exit code 2), as is a run that cannot train (buffer.NothingToTrain); SIGTERM (a preemption) checkpoints the next step
-boundary and exits 0 (preemption.py). Under torchrun --max-restarts with trainer.resume=auto a restarted attempt
-resumes from the checkpoint and reuses the servers the crashed one left.
+(exit code 2), as is a run that cannot train (buffer.NothingToTrain), their sentence also torchrun's root cause; SIGTERM
+(a preemption) or Ctrl-C checkpoints the next step boundary and exits 0, a second Ctrl-C stops at once (preemption.py).
+Under torchrun --max-restarts with trainer.resume=auto a restarted attempt resumes from the checkpoint and reuses the
+servers the crashed one left.
 
 Run (CPU: the tiny pretrained model on the reverse-digits task; greedy eval 0.9 at step ~200, ~3-5 min on 2 cores):
     torchrun --standalone --nproc_per_node 2 train.py --config configs/tiny.yaml [trainer.resume=auto]
@@ -64,6 +65,7 @@ from logger import Logger, aggregate, train_samples, trained_group_metrics  # no
 from memory import memory_report, optimizer_impl  # noqa: E402
 from run_modes import NoRollout, ReplayBuffer, RolloutRecorder, make_evaluator  # noqa: E402
 from services import RANK0_EXIT_WAIT_S, Services  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -132,8 +134,8 @@ class Step:
         self.records.append({**out, **rec})
 
     def stop_here(self) -> None:
-        """The calls' records as the step's metrics; then whether any rank got SIGTERM (preemption.stop_here): if
-        one did, this step is checkpointed and the loop ends after it."""
+        """The calls' records as the step's metrics; then whether any rank got SIGTERM or SIGINT
+        (preemption.stop_here): if one did, this step is checkpointed and the loop ends after it."""
         self.m.update(aggregate(self.records))
         self.stop = preemption.stop_here(getattr(self.actor, "ctrl", None), self.done, self.cfg.trainer.total_steps)
         self.save = self.save or self.stop
@@ -153,7 +155,7 @@ class Step:
         self.m["timing/save_ckpt"] = time.perf_counter() - t0
 
     def sync_weights(self) -> None:
-        """The servers serve version step + 1 (they flush their cache unless in_place); none after a SIGTERM."""
+        """The servers serve version step + 1 (they flush their cache unless in_place); none after a stop signal."""
         lease.beat()
         t0 = time.perf_counter()
         out = {} if self.stop else dict(self.actor.sync_weights(self.done) or {})
@@ -293,7 +295,7 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
         for call in range(cfg.calls_per_step):  # (B x N) // M calls of M // N groups
             groups, rec = rank0.fetch(s, call)
             s.train(groups, rec)  # forward/backward, optimizer step
-        s.stop_here()  # SIGTERM on any rank: this step is checkpointed, then the loop ends
+        s.stop_here()  # SIGTERM or SIGINT on any rank: this step is checkpointed, then the loop ends
         s.memory_to_servers()
         rank0.pause(s)  # fully async: the pause; the step's buffer and rollout metrics
         if s.save:
@@ -311,7 +313,8 @@ def run_steps(cfg, actor, buffer, rollout, logger, start_step: int,
 
 @contextlib.contextmanager
 def bad_input_exits(rank: int):
-    """A bad input in the block (ValueError, FileNotFoundError): its one line and exit code 2."""
+    """A bad input in the block (ValueError, FileNotFoundError): its one line, also torchrun's root cause, and exit
+    code 2."""
     try:
         yield
     except (ValueError, FileNotFoundError) as e:
@@ -319,6 +322,7 @@ def bad_input_exits(rank: int):
         # a rank that exited first would have torchrun stop rank 0 before its line was out (seen under load).
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+            preemption.report_to_torchrun(str(e))
         else:
             time.sleep(RANK0_EXIT_WAIT_S)  # torchrun stops this rank once rank 0 has exited
         sys.exit(2)
@@ -560,7 +564,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         run.resume()
         run.start_workers()
         run.serve_first_weights()
-        with preemption.steps():  # SIGTERM in it: the next step boundary checkpoints and ends the run
+        with preemption.steps():  # SIGTERM or SIGINT in it: the next step boundary checkpoints and ends the run
             run_steps(cfg, run.actor, run.buf, run.ro, run.logger, run.start_step, run.evaluate, run.health())
         run.print_weight_versions()
         run.export_hf()
@@ -570,8 +574,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     except Exception as e:
         crashed = True
         failed = services_lib.failure_exit_code(e, run.services, rank)  # prints the root cause; raises what it cannot
+        if failed == 2 and rank == 0:  # buffer.NothingToTrain: its sentence
+            preemption.report_to_torchrun(str(e))
     finally:
         run.close(ok, keep_servers=crashed and failed != 2)  # a crashed run's servers wait for a restart
+    if preemption.stopped() and rank == 0:
+        print(preemption.continue_line(), flush=True)
     if failed:
         sys.exit(failed)
 
@@ -579,9 +587,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
-    preemption.install()  # SIGTERM: checkpoint at the next step boundary and exit 0 (docs/faults.md)
+    preemption.install()  # SIGTERM, Ctrl-C: checkpoint at the next step boundary and exit 0 (docs/faults.md)
     try:
-        main()
+        record(main)()  # an exception main does not explain: its traceback is torchrun's root cause
         code = 0
     except SystemExit as e:  # main's own exits: 2 for bad input or a run that cannot train, 1 for a failed run
         if not isinstance(e.code, (int, type(None))):

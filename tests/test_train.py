@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -212,7 +213,8 @@ def test_prompts_over_max_prompt_tokens_stop_the_run_before_any_server(tmp_path,
 
 
 def test_validation_under_torchrun_exits_fast_and_leaves_no_process(tmp_path):
-    """Every rank reads the config and exits 2; only rank 0 prints the error line."""
+    """Every rank reads the config and exits 2; only rank 0 prints the error line, and its sentence is the root
+    cause's message in torchrun's summary, the last lines on the screen (its error file, TORCHELASTIC_ERROR_FILE)."""
     t0 = time.monotonic()
     p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, f"run_dir={tmp_path}/run",
                           "fully_async.stale_steps=-1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -221,6 +223,9 @@ def test_validation_under_torchrun_exits_fast_and_leaves_no_process(tmp_path):
     assert p.returncode != 0 and _root_cause_exit_code(err) == 2, err[-3000:]
     assert (out + err).count("error: ") == 1, err[-3000:]
     assert "error: fully_async.stale_steps must be >= 0, got -1.0" in err
+    last = err.rstrip().splitlines()[-2:]
+    assert last[0].strip() == "traceback : fully_async.stale_steps must be >= 0, got -1.0" and \
+        set(last[1]) == {"="}, err[-3000:]
     assert time.monotonic() - t0 < 60
     assert _wait_session_gone(p.pid)  # start_new_session=True: the run's processes share its process group
 
@@ -361,6 +366,7 @@ def test_bad_dataset_under_torchrun_stops_every_rank_before_servers(tmp_path, ti
     assert p.returncode != 0 and _root_cause_exit_code(err) == 2, err[-3000:]
     assert (out + err).count("error: ") == 1, err[-3000:]
     assert f"error: {path} line 2: not valid JSON" in err, err[-3000:]
+    assert err.rstrip().splitlines()[-2].strip().startswith(f"traceback : {path} line 2: not valid JSON"), err[-3000:]
     assert time.monotonic() - t0 < 60
     assert not os.path.exists(tmp_path / "run" / "logs")
     assert _wait_session_gone(p.pid), "processes of the failed run are still running"
@@ -1097,19 +1103,81 @@ def test_preemption_reads_torchruns_grace_and_warns_once_when_a_step_and_a_check
     monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT")
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     assert preemption.grace_s() == 30.0
-    monkeypatch.setattr(preemption, "_state", {"at": None, "in_steps": True, "stopped": False, "last_call": None,
-                                               "period": 0.0, "warned": False})
+    monkeypatch.setattr(preemption, "_state", _fresh_preemption_state(in_steps=True))
     monkeypatch.setattr(checkpoint, "last_save_s", 12.0)
     assert preemption.stop_here(None, 1, 5) is False
     preemption._state["last_call"] -= 25.0  # a step period of 25 s: 25 + 12 > 30
     assert preemption.stop_here(None, 2, 5) is False
-    preemption._state["at"] = time.monotonic()  # a SIGTERM arrived
+    preemption._state.update(at=time.monotonic(), signal=signal.SIGTERM)  # a SIGTERM arrived
     assert preemption.stop_here(None, 3, 5) is True and preemption.stopped()
     assert preemption.stop_here(None, 5, 5) is False  # the last step ends the run anyway (its eval and export too)
     captured = capsys.readouterr()
-    assert captured.err.count("[train] warning: after a SIGTERM this run needs up to 37 s") == 1, captured.err
+    assert captured.err.count("[train] warning: after a SIGTERM or Ctrl-C this run needs up to 37 s") == 1, \
+        captured.err
     assert "more than torchrun's grace of 30 s" in captured.err and "--shutdown-timeout 80" in captured.err
     assert "[train] SIGTERM 0.0 s ago: checkpointing step 3, then the run stops (exit 0)" in captured.out
+
+
+def _fresh_preemption_state(in_steps: bool) -> dict:
+    return {"at": None, "signal": None, "in_steps": in_steps, "stopped": False, "step": None, "last_call": None,
+            "period": 0.0, "warned": False}
+
+
+def test_a_second_ctrl_c_stops_at_once_and_a_second_sigterm_does_not(monkeypatch, capfd):
+    """preemption's handler (called as the signal would call it): in the step loop the first SIGINT only sets the
+    flag stop_here reads; a second SIGINT, or the SIGTERM torchrun sends for a second Ctrl-C, raises Interrupted
+    (exit 130) with rank 0's line naming the command that continues; a SIGTERM after a SIGTERM leaves the stop under
+    way; outside the loop the first SIGINT raises Preempted (exit 0)."""
+    import preemption
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    for second in (signal.SIGINT, signal.SIGTERM):
+        monkeypatch.setattr(preemption, "_state", _fresh_preemption_state(in_steps=True))
+        preemption._on_signal(signal.SIGINT, None)
+        assert preemption.requested() and not preemption.stopped() and capfd.readouterr().err == ""
+        with pytest.raises(preemption.Interrupted) as e:
+            preemption._on_signal(second, None)
+        assert e.value.code == 130
+        err = capfd.readouterr().err
+        assert err.startswith(f"[train] {preemption.NAMES[second]} after SIGINT (Ctrl-C): stopping now, without a "
+                              "checkpoint; to continue from the newest checkpoint: ") and \
+            err.endswith(" trainer.resume=auto\n"), err
+    monkeypatch.setattr(preemption, "_state", _fresh_preemption_state(in_steps=True))
+    preemption._on_signal(signal.SIGTERM, None)
+    preemption._on_signal(signal.SIGTERM, None)  # a scheduler's second notice: the stop under way goes on
+    assert preemption.stop_here(None, 3, 5) is True and capfd.readouterr().err == ""
+    monkeypatch.setattr(preemption, "_state", _fresh_preemption_state(in_steps=False))
+    with pytest.raises(preemption.Preempted) as e:
+        preemption._on_signal(signal.SIGINT, None)
+    assert e.value.code == 0
+    assert capfd.readouterr().err.startswith("[train] SIGINT (Ctrl-C) outside the step loop (start-up or shut-down): "
+                                             "stopping now; to continue from the newest checkpoint: ")
+
+
+def test_the_command_to_continue_is_torchruns_with_resume_auto_in_place_of_resume_and_overwrite(monkeypatch,
+                                                                                                tmp_path):
+    """preemption.resume_command under torchrun: the parent's command line as typed (`torchrun ...`, not the
+    interpreter its script names), its trainer.resume / trainer.overwrite replaced by trainer.resume=auto."""
+    import preemption
+
+    script = tmp_path / "torchrun"
+    script.write_text("import time; time.sleep(60)\n")
+    args = ["--standalone", "--nproc_per_node", "2", "train.py", "--config", "configs/tiny.yaml", "seed=1",
+            "trainer.overwrite=true", "trainer.resume=none", "rollout.filter=[failed]"]
+    parent = subprocess.Popen([PY, str(script), *args])
+    try:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+        monkeypatch.setattr(os, "getppid", lambda: parent.pid)
+        deadline = time.monotonic() + 10  # until the child's command line is its own (after exec)
+        while "train.py" not in open(f"/proc/{parent.pid}/cmdline").read():
+            assert time.monotonic() < deadline, "the stand-in parent did not start"
+            time.sleep(0.01)
+        assert preemption.resume_command() == (f"{script} --standalone --nproc_per_node 2 train.py --config "
+                                               "configs/tiny.yaml seed=1 'rollout.filter=[failed]' trainer.resume=auto")
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_a_failed_checkpoint_write_is_rank_0s_one_line_and_exit_1(capsys, monkeypatch):
@@ -1326,6 +1394,75 @@ def test_resume_after_the_preemption_and_the_failed_write_trains_every_prompt_on
     trained = sorted(tuple(pid) for row in rows for pid in row["data/prompt_ids"])
     assert trained == [(0, i) for i in range(32)], (r["seed"], trained)
     assert len(c["ckpts"]) == 2 and c["ckpts"][-1] == "step_000008", c["ckpts"]
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory, tiny_model):
+    """Ctrl-C: SIGINT to torchrun's process group (what a terminal sends; torchrun forwards it to each rank) at a
+    random moment after step 1, by step 2's row at the latest (save_freq=0: the stop's checkpoint is the only one);
+    then the command the run's last line gives, which resumes it (trainer.resume=auto), to the end of the epoch."""
+    run_dir = tmp_path_factory.mktemp("ctrlc") / "run"
+    base = [*_run_overrides(run_dir, tiny_model), "trainer.save_freq=0", "trainer.eval_freq=0",
+            "trainer.export_hf=false"]
+    seed = random.randrange(10 ** 6)
+    rng = random.Random(seed)
+
+    def logged() -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return max((row["step"] for row in _read_rows(run_dir)), default=0)
+        return 0
+
+    p = subprocess.Popen([*TORCHRUN, "train.py", "--config", TINY, *base], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_steps(str(run_dir), 1, p)
+    deadline = time.monotonic() + rng.uniform(0.0, 1.5)  # a random moment, before the epoch's end
+    while time.monotonic() < deadline and logged() < 2:
+        time.sleep(0.02)
+    assert p.poll() is None, (seed, "ended before its SIGINT", p.stderr.read()[-3000:])
+    t0 = time.monotonic()
+    os.killpg(p.pid, signal.SIGINT)  # start_new_session=True: torchrun leads the group, as in a terminal
+    o, e = p.communicate(timeout=120)
+    out = {"seed": seed, "seconds": time.monotonic() - t0, "rc": p.returncode, "out": o, "err": e,
+           "ckpts": _ckpts(run_dir), "rows": _read_rows(run_dir)}
+    out["problem"] = [checkpoint.checkpoint_problem(os.path.join(run_dir, "checkpoints", c)) for c in out["ckpts"]]
+    last = o.rstrip().splitlines()[-1] if o.strip() else ""
+    out["last"] = last
+    if "; to continue: " in last:
+        out["command"] = shlex.split(last.split("; to continue: ", 1)[1])
+        p = subprocess.run(out["command"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           start_new_session=True)
+        out["c"] = {"rc": p.returncode, "out": p.stdout, "err": p.stderr, "rows": _read_rows(run_dir)}
+    return out
+
+
+def test_ctrl_c_under_torchrun_checkpoints_the_step_it_stopped_at_and_says_how_to_continue(interrupted_run):
+    """torchrun forwards the SIGINT to every rank; they agree at the next step boundary, checkpoint that step
+    (save_freq=0 too) and exit 0 without a traceback within torchrun's default grace of 30 s (no SIGKILL); rank 0's
+    last line is the command that continues, torchrun's own with trainer.resume=auto. torchrun then exits 1 with its
+    SignalException whatever its workers do."""
+    r = interrupted_run
+    lines = [ln for ln in r["out"].splitlines() if ln.startswith("[train] SIGINT (Ctrl-C) ")]
+    assert len(lines) == 1 and "then the run stops (exit 0)" in lines[0], (r["seed"], r["out"][-3000:],
+                                                                            r["err"][-3000:])
+    stopped = int(lines[0].split("checkpointing step ")[1].split(",")[0])
+    assert 1 <= stopped < 8 and [row["step"] for row in r["rows"] if row["step"] > 0] == list(range(1, stopped + 1))
+    assert r["ckpts"] == [f"step_{stopped:06d}"] and r["problem"] == [None], (r["ckpts"], r["problem"])
+    assert r["seconds"] < 30, r["seconds"]
+    assert r["rc"] == 1 and "SignalException: Process" in r["err"] and "error: " not in r["err"], r["err"][-3000:]
+    assert "forcefully exiting" not in r["err"] and r["err"].count("Traceback") == 1, r["err"][-3000:]  # torchrun's
+    assert r["last"].startswith(f"[train] stopped at step {stopped}, checkpointed; to continue: "), r["last"]
+    assert r["command"][:len(TORCHRUN)] == TORCHRUN and r["command"][-1] == "trainer.resume=auto", r["command"]
+
+
+def test_the_command_after_ctrl_c_resumes_and_trains_every_prompt_once(interrupted_run):
+    """The printed command continues from the stop's checkpoint to the end of the epoch: the step counter unbroken,
+    every prompt trained exactly once across the two parts."""
+    r, c = interrupted_run, interrupted_run["c"]
+    assert c["rc"] == 0 and "[train] resumed from " in c["out"], (r["seed"], c["err"][-3000:])
+    rows = [row for row in c["rows"] if row["step"] > 0]
+    assert [row["step"] for row in rows] == list(range(1, 9)), r["seed"]
+    trained = sorted(tuple(pid) for row in rows for pid in row["data/prompt_ids"])
+    assert trained == [(0, i) for i in range(32)], (r["seed"], trained)
 
 
 if __name__ == "__main__":
