@@ -1284,6 +1284,32 @@ def test_the_eval_counts_its_failed_prompts_scores_only_the_others_and_logs_each
         sync.close()
 
 
+async def _raising_rollout_fn(ctx, trajs):
+    await ctx.generate_batch(trajs)
+    raise ValueError(f"cannot parse {len(trajs)} responses")
+
+
+def test_a_rollout_function_that_raises_fails_its_trajectories_naming_the_line_and_logs_its_traceback_once(
+        server, tokenizer, caplog):
+    cfg = make_cfg(server["url"], "rollout.function=test_rollout:_raising_rollout_fn", "rollout.env_step_timeout_s=5")
+    prompts = tasks.load_prompts(cfg.data_source[0], tokenizer, "eval")[:3]
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+    try:
+        with caplog.at_level("WARNING", logger="rollout"):
+            buf, summary = run_modes.generate_dataset(cfg, prompts, sync, tokenizer, 60.0)
+    finally:
+        sync.close()
+    site = site_of(_raising_rollout_fn)
+    trajs = [t for ts in buf.results.values() for t in ts]
+    assert summary["failed"] == len(trajs) == 6
+    assert all(t.status == FAILED and t.metadata["error"] == "the rollout function test_rollout:_raising_rollout_fn "
+               f"raised ValueError('cannot parse 2 responses') at {site}" for t in trajs)
+    tracebacks = [r.getMessage() for r in caplog.records if "Traceback (most recent call last)" in r.getMessage()]
+    assert len(tracebacks) == 1 and tracebacks[0].startswith(
+        f"the first failure of the rollout function test_rollout:_raising_rollout_fn, raised at {site} ")
+    assert tracebacks[0].endswith("ValueError: cannot parse 2 responses")
+
+
 def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):
     # A capacity of 62 groups keeps the producer dispatching (4 trajectories at a time) for seconds, so the engine
     # runs 4 requests most of that time; with the default capacity of 4 groups it could stop before the poll saw 4.
