@@ -1,7 +1,8 @@
 """run_modes.py: what train.py's step loop runs with besides the trainer and the rollout: run_mode=rollout-only
 (RolloutRecorder: the groups saved, no training), run_mode=train-only (ReplayBuffer of those groups, NoRollout),
 and the greedy evaluator (make_evaluator: eval/* through the servers every trainer.eval_freq steps; a prompt that
-failed is counted, not scored), which generates with generate_dataset (a rollout.Rollout over a DatasetBuffer of fixed prompts; also workers.py generate)."""
+failed is counted, not scored), which generates with generate_dataset (a rollout.Rollout over a DatasetBuffer of
+fixed prompts; also workers.py generate)."""
 from __future__ import annotations
 
 import contextlib
