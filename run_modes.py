@@ -174,7 +174,8 @@ class DatasetBuffer(Exchange):
 def generate_dataset(cfg, prompts: list[dict], sync, tokenizer, progress_timeout_s: float
                      ) -> tuple[DatasetBuffer, dict]:
     """Generate and score N trajectories for every prompt with a rollout.Rollout against `sync` (a
-    sglang_client.SyncFleet); returns the filled DatasetBuffer and a summary dict. Unset
+    sglang_client.SyncFleet); returns the filled DatasetBuffer and a summary dict (its reward_mean and pass_rate over
+    the trajectories that did not fail, null when all did; `failed` counts those). Unset
     rollout.async_max_concurrent_samples means the fleet's concurrency here (there is no capacity C)."""
     import lease
     from rollout import Rollout
@@ -199,10 +200,11 @@ def generate_dataset(cfg, prompts: list[dict], sync, tokenizer, progress_timeout
     finally:
         rollout.stop()
     trajs = [t for v in buf.results.values() for t in v]
+    scored = [t for t in trajs if t.status != FAILED]
     wall = time.monotonic() - t0
     summary = {"prompts": len(prompts), "trajectories": len(trajs), "wall_s": round(wall, 3),
-               "reward_mean": metrics["rollout/reward_mean"],
-               "pass_rate": sum(t.reward >= 1.0 for t in trajs) / max(1, len(trajs)),
+               "reward_mean": metrics["rollout/reward_mean"] if scored else None,  # over those not failed
+               "pass_rate": sum(t.reward >= 1.0 for t in scored) / len(scored) if scored else None,
                "truncation_ratio": metrics["rollout/truncation_ratio"],
                "failed": metrics["rollout/failed_count"],
                "response_length_mean": metrics["rollout/response_length_mean"],

@@ -1301,7 +1301,7 @@ def test_a_rollout_function_that_raises_fails_its_trajectories_naming_the_line_a
         sync.close()
     site = site_of(_raising_rollout_fn)
     trajs = [t for ts in buf.results.values() for t in ts]
-    assert summary["failed"] == len(trajs) == 6
+    assert summary["failed"] == len(trajs) == 6 and summary["reward_mean"] is None and summary["pass_rate"] is None
     assert all(t.status == FAILED and t.metadata["error"] == "the rollout function test_rollout:_raising_rollout_fn "
                f"raised ValueError('cannot parse 2 responses') at {site}" for t in trajs)
     tracebacks = [r.getMessage() for r in caplog.records if "Traceback (most recent call last)" in r.getMessage()]
