@@ -271,7 +271,8 @@ def eval_failures_line(steps_done: int, total: int, failed: list, log_path: str)
 
 @contextlib.contextmanager
 def _rollout_log_to(path: str):
-    """The `rollout` logger (the evaluator's Rollout and its environment steps) also writes to `path` in the block."""
+    """The `rollout` logger (the evaluator's Rollout and its environment steps) writes to `path` in the block (in the
+    trainer, whose logging sets up no other handler, only there: not on the terminal)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
