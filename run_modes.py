@@ -1,13 +1,17 @@
 """run_modes.py: what train.py's step loop runs with besides the trainer and the rollout: run_mode=rollout-only
 (RolloutRecorder: the groups saved, no training), run_mode=train-only (ReplayBuffer of those groups, NoRollout),
-and the greedy evaluator (make_evaluator: eval/* through the servers every trainer.eval_freq steps), which
-generates with generate_dataset (a rollout.Rollout over a DatasetBuffer of fixed prompts; also workers.py generate)."""
+and the greedy evaluator (make_evaluator: eval/* through the servers every trainer.eval_freq steps; a prompt that
+failed is counted, not scored), which generates with generate_dataset (a rollout.Rollout over a DatasetBuffer of
+fixed prompts; also workers.py generate)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
+import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -18,7 +22,7 @@ import torch
 import buffer as buffer_lib
 import checkpoint
 import staleness
-from buffer import Exchange, PromptGroup, Trajectory
+from buffer import FAILED, Exchange, PromptGroup, Trajectory
 from logger import sample_records
 
 
@@ -170,7 +174,8 @@ class DatasetBuffer(Exchange):
 def generate_dataset(cfg, prompts: list[dict], sync, tokenizer, progress_timeout_s: float
                      ) -> tuple[DatasetBuffer, dict]:
     """Generate and score N trajectories for every prompt with a rollout.Rollout against `sync` (a
-    sglang_client.SyncFleet); returns the filled DatasetBuffer and a summary dict. Unset
+    sglang_client.SyncFleet); returns the filled DatasetBuffer and a summary dict (its reward_mean and pass_rate over
+    the trajectories that did not fail, null when all did; `failed` counts those). Unset
     rollout.async_max_concurrent_samples means the fleet's concurrency here (there is no capacity C)."""
     import lease
     from rollout import Rollout
@@ -195,10 +200,11 @@ def generate_dataset(cfg, prompts: list[dict], sync, tokenizer, progress_timeout
     finally:
         rollout.stop()
     trajs = [t for v in buf.results.values() for t in v]
+    scored = [t for t in trajs if t.status != FAILED]
     wall = time.monotonic() - t0
     summary = {"prompts": len(prompts), "trajectories": len(trajs), "wall_s": round(wall, 3),
-               "reward_mean": metrics["rollout/reward_mean"],
-               "pass_rate": sum(t.reward >= 1.0 for t in trajs) / max(1, len(trajs)),
+               "reward_mean": metrics["rollout/reward_mean"] if scored else None,  # over those not failed
+               "pass_rate": sum(t.reward >= 1.0 for t in scored) / len(scored) if scored else None,
                "truncation_ratio": metrics["rollout/truncation_ratio"],
                "failed": metrics["rollout/failed_count"],
                "response_length_mean": metrics["rollout/response_length_mean"],
@@ -212,8 +218,12 @@ def generate_dataset(cfg, prompts: list[dict], sync, tokenizer, progress_timeout
 # ---------------------------------------------------------------------------------------------------------------
 
 def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
-    """evaluate(steps_done) -> eval/reward_mean, eval/exact_ratio (reward >= 1), timing/eval and data/eval_samples
-    (every response, for samples/step_NNNNNN.jsonl): greedy, one response per held-out prompt."""
+    """evaluate(steps_done) -> eval/failed_count, eval/reward_mean and eval/exact_ratio (reward >= 1) over the prompts
+    that did not fail (absent when all failed), timing/eval and data/eval_samples (every response, for
+    samples/step_NNNNNN.jsonl; a failed one's reward null): greedy, one response per held-out prompt. A prompt whose
+    reward, environment or rollout function raised (or that timed out) is not scored: one line (eval_failures_line)
+    says how many and names the first error, and the eval's log, run_dir/logs/eval.log, holds the first traceback of
+    each distinct failure (Rollout.log_traceback)."""
     import tasks
     from buffer import Group
 
@@ -224,14 +234,52 @@ def make_evaluator(cfg, fleet, tokenizer) -> Callable[[int], dict]:
     ecfg.rollout.partial = False
     ecfg.rollout.async_max_concurrent_samples = None
     prompts = tasks.load_prompts(ecfg.data_source[0], tokenizer, "eval", cfg.rollout.max_prompt_tokens)
+    log_path = os.path.join(cfg.run_dir, "logs", "eval.log")
 
     def evaluate(steps_done: int) -> dict:
         t0 = time.perf_counter()
         fleet.continue_()  # the last step's pause (rollout.partial) leaves the servers paused: eval would wait
-        buf, summary = generate_dataset(ecfg, prompts, fleet, tokenizer, cfg.rollout.trajectory_timeout_s + 60.0)
+        with _rollout_log_to(log_path):
+            buf, summary = generate_dataset(ecfg, prompts, fleet, tokenizer, cfg.rollout.trajectory_timeout_s + 60.0)
         groups = [Group(buf.prompts[seq], trajs) for seq, trajs in sorted(buf.results.items())]
-        rewards = [t.reward for g in groups for t in g.trajectories]
-        return {"eval/reward_mean": sum(rewards) / max(1, len(rewards)),
-                "eval/exact_ratio": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
-                "timing/eval": time.perf_counter() - t0, "data/eval_samples": sample_records(groups)}
+        trajs = [t for g in groups for t in g.trajectories]
+        failed = [t for t in trajs if t.status == FAILED]
+        rewards = [t.reward for t in trajs if t.status != FAILED]
+        samples = [{**r, "reward": None} if r["status"] == FAILED else r for r in sample_records(groups)]
+        out = {"eval/failed_count": len(failed), "timing/eval": time.perf_counter() - t0,
+               "data/eval_samples": samples}
+        if rewards:
+            out.update({"eval/reward_mean": sum(rewards) / len(rewards),
+                        "eval/exact_ratio": sum(r >= 1.0 for r in rewards) / len(rewards)})
+        if failed:
+            print(eval_failures_line(steps_done, len(trajs), failed, log_path), file=sys.stderr, flush=True)
+        return out
     return evaluate
+
+
+def eval_failures_line(steps_done: int, total: int, failed: list, log_path: str) -> str:
+    """The evaluator's one line when prompts failed: how many of how many, whether a score remains, the first
+    failure's error (it names the file and line that raised) and the log with the tracebacks."""
+    n = len(failed)
+    head = (f"all {total} eval prompts failed, so there is no eval score" if n == total else
+            f"{n} of {total} eval prompts failed and are not scored (eval/failed_count; eval/reward_mean is over "
+            f"the other {total - n})")
+    error = failed[0].metadata.get("error", "no reason recorded")
+    return (f"[train] step {steps_done}: {head}; the first: {error}; the first traceback of each distinct failure "
+            f"is in {log_path}")
+
+
+@contextlib.contextmanager
+def _rollout_log_to(path: str):
+    """The `rollout` logger (the evaluator's Rollout and its environment steps) writes to `path` in the block (in the
+    trainer, whose logging sets up no other handler, only there: not on the terminal)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("rollout")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()

@@ -17,9 +17,12 @@ says, and what it returned checked.
              function: by name). A worker imports the modules of a function's `preload` attribute (a tuple of
              names) before it says it is ready, so that a call's timeout does not count them.
   A function whose attribute `may_hang` is true (tasks.math_reward) runs in the process pool under `auto`, and
-  config.validate refuses it with thread or inline. Each result is (reward, None) or (None, (kind, why)): kind
-  "error" (it raised, or returned a value reward_value refuses) or "timeout"; why is a phrase that follows the
-  function's name ("raised KeyError('x')").
+  config.validate refuses it with thread or inline. Each result is (reward, None) or (None, (kind, why, site, tb)):
+  kind "error" (it raised, or returned a value reward_value refuses) or "timeout"; why is a phrase that follows the
+  function's name ("raised KeyError('x') at tasks.py:12"); site and tb are the file and line that raised and the
+  traceback, both "" when it did not raise.
+- `raised(e) -> (why, site, tb)`: an exception as a failure's reason, the file and line that raised it and its
+  traceback (rollout.py and env_steps.py describe what raised in rollout functions and environments with it too).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
@@ -56,6 +60,20 @@ def reward_value(value: Any) -> float:
     return x
 
 
+def raised(e: BaseException) -> tuple[str, str, str]:
+    """(why, site, tb) of exception e: why = "raised KeyError('x') at tasks.py:12", site = that file and line (its
+    innermost frame; the path relative to the working directory when it lies under it, "" without a frame), tb =
+    the formatted traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    if not frames:
+        return f"raised {e!r}", "", tb
+    path = frames[-1].filename
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    site = f"{path if rel.startswith('..') else rel}:{frames[-1].lineno}"
+    return f"raised {e!r} at {site}", site, tb
+
+
 def may_hang(fn: Callable) -> bool:
     """Whether a reward function says it can run unboundedly (its `may_hang` attribute): it needs the process pool."""
     return bool(getattr(fn, "may_hang", False))
@@ -73,7 +91,8 @@ class RewardTimeout(Exception):
 
 
 class _Failed(Exception):
-    """A reward call failed in its worker process (raised, or returned what reward_value refuses): the reason."""
+    """A reward call failed in its worker process (raised, or returned what reward_value refuses): args (the
+    reason, and the site and traceback of a call that raised, else "" and "")."""
 
 
 class _Worker:
@@ -119,7 +138,7 @@ class _Worker:
         except EOFError:
             raise RuntimeError(f"its worker process died (exit code {self.proc.wait()}) and was replaced") from None
         if not ok:
-            raise _Failed(value)
+            raise _Failed(*value)
         return value
 
     def kill(self) -> None:
@@ -135,8 +154,9 @@ class _Worker:
 
 def _serve(read_fd: int, write_fd: int, parent: int) -> None:
     """A reward worker process: load the functions (and their preload modules), then answer calls until EOF, each
-    with (True, the checked reward) or (False, why it failed). On Linux it dies with the thread that started it (the
-    rollout process's reward thread), even in the middle of a hung call."""
+    with (True, the checked reward) or (False, (why, site, tb)): raised's, or a refused value's reason, "" and "".
+    On Linux it dies with the thread that started it (the rollout process's reward thread), even in the middle of a
+    hung call."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -161,12 +181,12 @@ def _serve(read_fd: int, write_fd: int, parent: int) -> None:
         try:
             value = fn(*args)
         except Exception as e:
-            conn_out.send((False, f"raised {e!r}"))
+            conn_out.send((False, raised(e)))
             continue
         try:
             conn_out.send((True, reward_value(value)))
         except ValueError as e:
-            conn_out.send((False, str(e)))
+            conn_out.send((False, (str(e), "", "")))
 
 
 class Scorer:
@@ -191,7 +211,7 @@ class Scorer:
                                  "rollout.reward_pool=thread") from None
 
     async def score(self, fn: Callable, args: list) -> list:
-        """[(reward, None) or (None, (kind, why))] for fn(*a) of each a in args."""
+        """[(reward, None) or (None, (kind, why, site, tb))] for fn(*a) of each a in args."""
         call = self._in_process if self.pool == "process" else self._here
         if self._threads is None:
             return [call(fn, a) for a in args]
@@ -203,11 +223,11 @@ class Scorer:
         try:
             value = fn(*a)
         except Exception as e:
-            return None, ("error", f"raised {e!r}")
+            return None, ("error", *raised(e))
         try:
             return reward_value(value), None
         except ValueError as e:
-            return None, ("error", str(e))
+            return None, ("error", str(e), "", "")
 
     def _in_process(self, fn, a: tuple) -> tuple:
         w = getattr(self._local, "worker", None)
@@ -221,7 +241,7 @@ class Scorer:
                     self._workers.add(w)
             return w.call(fn, a, self.timeout_s), None
         except _Failed as e:
-            return None, ("error", str(e))
+            return None, ("error", *e.args)
         except Exception as e:  # timed out, died, or could not start: killed here, a new one at the next call
             if w is not None:
                 self._local.worker = None
@@ -230,8 +250,8 @@ class Scorer:
                 w.kill()
             if isinstance(e, RewardTimeout):
                 return None, ("timeout", f"did not return within rollout.reward_timeout_s={self.timeout_s:g} s; "
-                                         "its worker process was killed and replaced")
-            return None, ("error", str(e) if isinstance(e, RuntimeError) else f"failed in its worker: {e!r}")
+                                         "its worker process was killed and replaced", "", "")
+            return None, ("error", str(e) if isinstance(e, RuntimeError) else f"failed in its worker: {e!r}", "", "")
 
     def close(self) -> None:
         """Stop the threads (calls not yet started are cancelled) and kill every worker process."""

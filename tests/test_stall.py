@@ -83,10 +83,32 @@ def test_wait_reports_drops_and_stops_after_a_span_dropped_in_a_row():
     p = g.prompt_ids.tolist()
     assert f"prompt {_decode(p)!r}, response {_decode(trajs[1].response_ids.tolist())!r} (failed, error " \
            "\"reward function failed: KeyError('answer')\"), label '0-" in msg
-    for hint in ("data_source.reward", "base model that solves some prompts", "change rollout.filter",
-                 "rollout.filter_stop_groups=6; 0 turns this stop off"):
+    for hint in ("fix what that error names (a raised exception's first traceback is in the rollout process's "
+                 "log, run_dir/logs/rollout.log), check that data_source.reward", "base model that solves some prompts",
+                 "change rollout.filter", "rollout.filter_stop_groups=6; 0 turns this stop off"):
         assert hint in msg
     assert "\n" not in msg
+
+
+def test_when_every_trajectory_failed_the_stop_names_the_line_that_raised_and_the_log_not_the_model():
+    """A reward that raises on every response: nothing was scored, so the stop sentence is the error (which names the
+    file and line that raised), where its traceback is, and the filter; no advice about rewards or base models."""
+    srv = _server(stop_groups=3)
+    error = "the reward function my_rewards:score raised ZeroDivisionError('division by zero') at my_rewards.py:7"
+    for _ in range(3):
+        [g] = srv.dispatch(max_groups=1)
+        trajs = finish(g, srv.N, rewards=[0.0] * srv.N)
+        for t in trajs:
+            t.status, t.metadata = FAILED, {"error": error}
+        srv.put(trajs)
+    msg = srv.wait(1, timeout=0.0)["stop"]
+    assert "(4 of 4 failed: 3; trajectory rewards seen: none (all failed))" in msg, msg
+    assert f"(failed, error {error!r}), label " in msg
+    assert msg.split("; ", 1)[0].startswith("nothing can be trained: rollout.filter=['failed', 'all_equal_reward']")
+    assert msg.endswith("; fix what that error names (a raised exception's first traceback is in the rollout "
+                        "process's log, run_dir/logs/rollout.log), or change rollout.filter "
+                        "(rollout.filter_stop_groups=3; 0 turns this stop off)"), msg
+    assert "base model" not in msg and "data_source.reward scores" not in msg
 
 
 def test_no_stop_when_switched_off_and_in_synchronous_mode_the_same_rule():
