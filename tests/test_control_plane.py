@@ -88,7 +88,7 @@ def _serve(init: str) -> None:
     """The serving process, as workers.py's: one object served over RPC (remote.serve_object), rank 1 of 2."""
     import remote
 
-    remote.serve_object("served", {"ping": None}, lambda: contextlib.nullcontext(_Pong()), init, 1, 2, 30.0)
+    remote.serve_object("served", {"ping": remote.AT_ONCE}, lambda: contextlib.nullcontext(_Pong()), init, 1, 2, 30.0)
 
 
 def _probe(hosts: str) -> None:
@@ -102,7 +102,7 @@ def _probe(hosts: str) -> None:
     server = subprocess.Popen([sys.executable, __file__, "serve", init], cwd=ROOT)
     try:
         remote.init_rpc("trainer", 0, 2, init, 30.0, startup_timeout=30.0)
-        answer = remote.Proxy("served", 30.0, {"ping": None}).ping()
+        answer = remote.Proxy("served", 30.0, {"ping": remote.AT_ONCE}).ping()
         found = {"answer": answer, "listening": _listening(), "hostname_resolves_to":
                  socket.gethostbyname(socket.gethostname()), "pids": [os.getpid(), server.pid], "reached": []}
         for addr, port in found["listening"]:
