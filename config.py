@@ -10,7 +10,8 @@ non-finite floats (check_finite) and bad values fail at start-up in one sentence
 dataclass checks its own fields (`check`), `validate` adds the rules across sections. Key names follow the spec
 (docs/design.md: B = data_source.num_prompts_per_step, N = ...num_trajectories_per_prompt, M = trainer.mini_batch_size).
 The role files own their settings: `algorithm` is losses.LossSettings, `buffer` buffer.BufferSettings (its keys: KEYS;
-Config.buffer_settings() fills in the rest). No role file imports this one (train.py, workers.py, services.py do).
+Config.buffer_settings() fills in the rest). Role files do not import this one (the entry points do: train.py,
+workers.py, services.py, checks.py).
 """
 from __future__ import annotations
 

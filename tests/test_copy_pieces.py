@@ -15,7 +15,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_READERS = {"config.py", "train.py", "workers.py", "services.py", "logger.py"}  # they read the config
+CONFIG_READERS = {"config.py", "train.py", "workers.py", "services.py", "logger.py",  # they read the config
+                  "checks.py"}  # (its command, `python config.py check`, loads one)
 ROLE_FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f not in CONFIG_READERS) + [
     f"{d}/{f}" for d in ("standins", "models") for f in sorted(os.listdir(os.path.join(ROOT, d))) if f.endswith(".py")]
 # piece -> (the files it needs, modules that must not be loaded by importing it)
