@@ -445,7 +445,8 @@ def test_loads_counts_a_request_while_it_is_prefilled(model_path):
         assert release.wait(30)
         return forward(*args, **kw)
     model.forward = held
-    args = types.SimpleNamespace(max_request_mb=1.0, api_key=None, wait_timeout=30.0, model_path="tiny")
+    args = types.SimpleNamespace(max_request_mb=1.0, api_key=None, wait_timeout=30.0, model_path="tiny",
+                                 speculative_algorithm=None, speculative_draft_model_path=None)
     server = engine.Server(args, sched, tok)
     sched.thread.start()
     try:
